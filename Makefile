@@ -1,0 +1,41 @@
+# Capsule — the two commands: `make demo` and `make test`. Both set up the
+# host first (Debian packages, libvirt, the virtualenv); a second run skips
+# what is already done.
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CAPSULE := $(VENV)/bin/capsule
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup host venv lint bench clean-venv
+
+demo: setup
+	$(PY) scripts/demo.py
+
+test: setup
+	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+setup: host venv
+
+host:
+	@bash scripts/setup-host.sh
+
+# The virtualenv uses Debian's python3 (nbdkit's Python plugin embeds it: same ABI).
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || /usr/bin/python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+lint: venv
+	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
+
+bench: setup
+	$(PY) bench/suspend_resume.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,110 @@
+"""Capsules and their versions in the catalogue: create, derive, resolve, list."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from capsule.catalogue import CapsuleRow, InstanceRow, VersionRow
+from capsule.errors import AlreadyExists, InvalidName, NotFound
+from capsule.names import check_name, parse_ref
+from capsule.runtime.connection import lookup_domain
+from capsule.store import Store
+from capsule.units import parse_memory_mib
+
+DEFAULT_MEMORY = "512M"
+
+
+def resolve(store: Store, ref: str) -> VersionRow:
+    """The version named by ``NAME`` (latest) or ``NAME@V``."""
+    r = parse_ref(ref)
+    if store.catalogue.capsule(r.name) is None:
+        raise NotFound(f"no capsule named {r.name!r} in this store (see `capsule ls`)")
+    v = (store.catalogue.latest_version(r.name) if r.version is None
+         else store.catalogue.version(r.name, r.version))
+    if v is None:
+        raise NotFound(f"capsule {r.name!r} has no version {r.version}" if r.version
+                       else f"capsule {r.name!r} has no versions")
+    return v
+
+
+def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cpus: int = 1) -> VersionRow:
+    """A new capsule whose single disk is the image's root layer (shared, not copied)."""
+    check_name(name)
+    check_name(image, "image")
+    memory_mib = parse_memory_mib(memory)
+    if not 1 <= cpus <= 64:
+        raise InvalidName(f"--cpus {cpus} out of range: give 1 to 64")
+    with store.lock():
+        cat = store.catalogue
+        img = cat.image(image)
+        if img is None:
+            raise NotFound(f"no image named {image!r} (see `capsule image ls`, `capsule image build`)")
+        if cat.capsule(name) is not None:
+            raise AlreadyExists(f"a capsule named {name!r} already exists")
+        now = time.time()
+        config: dict[str, Any] = {
+            "memory_mib": memory_mib,
+            "vcpus": cpus,
+            "kernel": img.kernel,
+            "initrd": img.initrd,
+            "cmdline": img.cmdline,
+            "marker": img.marker,
+            "image": img.name,
+        }
+        version = VersionRow(capsule=name, number=1, parent_capsule=None, parent_version=None, memory=None,
+                             chains=[[img.root_layer]], config=config, note=f"created from image {image}",
+                             created=now)
+        with cat.transaction():
+            cat.add_capsule(CapsuleRow(name, str(uuid.uuid4()), image, None, None, now))
+            cat.add_version(version)
+        return version
+
+
+def derive(store: Store, parent_ref: str, child: str) -> VersionRow:
+    """A child capsule sharing all of the parent version's layers (and its memory image)."""
+    check_name(child)
+    with store.lock():
+        parent = resolve(store, parent_ref)
+        cat = store.catalogue
+        if cat.capsule(child) is not None:
+            raise AlreadyExists(f"a capsule named {child!r} already exists")
+        now = time.time()
+        pcap = cat.capsule(parent.capsule)
+        version = VersionRow(capsule=child, number=1, parent_capsule=parent.capsule,
+                             parent_version=parent.number, memory=parent.memory,
+                             chains=[list(c) for c in parent.chains], config=dict(parent.config),
+                             note=f"derived from {parent.ref}", created=now)
+        with cat.transaction():
+            cat.add_capsule(CapsuleRow(child, str(uuid.uuid4()), pcap.image if pcap else None,
+                                       parent.capsule, parent.number, now))
+            cat.add_version(version)
+        return version
+
+
+@dataclass
+class CapsuleState:
+    name: str
+    state: str             # running | suspended | stopped | crashed
+    latest: VersionRow
+    instance: InstanceRow | None
+
+
+def state_of(store: Store, name: str) -> CapsuleState:
+    latest = resolve(store, name)
+    inst = store.catalogue.instance(name)
+    if inst is not None:
+        state = "running" if lookup_domain(inst.domain) is not None else "crashed"
+    else:
+        state = "suspended" if latest.active else "stopped"
+    return CapsuleState(name, state, latest, inst)
+
+
+def list_states(store: Store) -> list[CapsuleState]:
+    out = []
+    for cap in store.catalogue.capsules():
+        if store.catalogue.latest_version(cap.name) is not None:
+            out.append(state_of(store, cap.name))
+    return out

@@ -1,0 +1,351 @@
+"""The host's SQLite catalogue: images, layers, file objects (memory images,
+kernels, initrds), capsules, versions and running instances.
+
+Every change that must be atomic goes through ``Catalogue.transaction()``."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS layers(
+    id TEXT PRIMARY KEY,
+    parent TEXT,
+    virtual_size INTEGER NOT NULL,
+    file_size INTEGER NOT NULL,
+    stored_bytes INTEGER NOT NULL,
+    blocks INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS files(
+    id TEXT PRIMARY KEY,
+    role TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    allocated INTEGER NOT NULL,
+    stored_bytes INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS images(
+    name TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    root_layer TEXT NOT NULL,
+    kernel TEXT NOT NULL,
+    initrd TEXT NOT NULL,
+    cmdline TEXT NOT NULL,
+    marker TEXT NOT NULL,
+    info TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS capsules(
+    name TEXT PRIMARY KEY,
+    uuid TEXT NOT NULL,
+    image TEXT,
+    parent_capsule TEXT,
+    parent_version INTEGER,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions(
+    capsule TEXT NOT NULL REFERENCES capsules(name),
+    number INTEGER NOT NULL,
+    parent_capsule TEXT,
+    parent_version INTEGER,
+    memory TEXT,
+    chains TEXT NOT NULL,
+    config TEXT NOT NULL,
+    note TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    PRIMARY KEY(capsule, number)
+);
+CREATE TABLE IF NOT EXISTS instances(
+    capsule TEXT PRIMARY KEY REFERENCES capsules(name),
+    version INTEGER NOT NULL,
+    domain TEXT NOT NULL,
+    leaves TEXT NOT NULL,
+    chains TEXT NOT NULL,
+    accel TEXT NOT NULL,
+    dir TEXT NOT NULL,
+    started REAL NOT NULL
+);
+"""
+
+
+@dataclass
+class LayerRow:
+    id: str
+    parent: str | None
+    virtual_size: int
+    file_size: int
+    stored_bytes: int
+    blocks: int
+    created: float
+
+
+@dataclass
+class FileRow:
+    id: str
+    role: str
+    size: int
+    allocated: int
+    stored_bytes: int
+    created: float
+
+
+@dataclass
+class ImageRow:
+    name: str
+    kind: str
+    root_layer: str
+    kernel: str
+    initrd: str
+    cmdline: str
+    marker: str
+    info: dict[str, Any]
+    created: float
+
+
+@dataclass
+class CapsuleRow:
+    name: str
+    uuid: str
+    image: str | None
+    parent_capsule: str | None
+    parent_version: int | None
+    created: float
+
+
+@dataclass
+class VersionRow:
+    capsule: str
+    number: int
+    parent_capsule: str | None
+    parent_version: int | None
+    memory: str | None
+    chains: list[list[str]]
+    config: dict[str, Any]
+    note: str
+    created: float
+
+    @property
+    def active(self) -> bool:
+        return self.memory is not None
+
+    @property
+    def ref(self) -> str:
+        return f"{self.capsule}@{self.number}"
+
+    def layer_ids(self) -> set[str]:
+        return {lid for chain in self.chains for lid in chain}
+
+    def file_ids(self) -> set[str]:
+        ids = {self.config["kernel"], self.config["initrd"]}
+        if self.memory:
+            ids.add(self.memory)
+        return ids
+
+
+@dataclass
+class InstanceRow:
+    capsule: str
+    version: int
+    domain: str
+    leaves: list[str]
+    chains: list[list[str]]
+    accel: str
+    dir: str
+    started: float = field(default_factory=time.time)
+
+
+class Catalogue:
+    """Thin typed access to the SQLite catalogue of one store."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.db = sqlite3.connect(path, timeout=30, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+        self._depth = 0
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One atomic change; nested uses join the outer transaction."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        else:
+            self.db.execute("COMMIT")
+        finally:
+            self._depth = 0
+
+    # -- meta -------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row["value"] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (key, value))
+
+    # -- layers -----------------------------------------------------------
+    def add_layer(self, row: LayerRow) -> None:
+        self.db.execute(
+            "INSERT OR IGNORE INTO layers VALUES(?,?,?,?,?,?,?)",
+            (row.id, row.parent, row.virtual_size, row.file_size, row.stored_bytes, row.blocks, row.created),
+        )
+
+    def layer(self, layer_id: str) -> LayerRow | None:
+        row = self.db.execute("SELECT * FROM layers WHERE id=?", (layer_id,)).fetchone()
+        return LayerRow(**dict(row)) if row else None
+
+    def layers(self) -> list[LayerRow]:
+        return [LayerRow(**dict(r)) for r in self.db.execute("SELECT * FROM layers ORDER BY created")]
+
+    def delete_layer(self, layer_id: str) -> None:
+        self.db.execute("DELETE FROM layers WHERE id=?", (layer_id,))
+
+    # -- files (memory images, kernels, initrds) --------------------------
+    def add_file(self, row: FileRow) -> None:
+        self.db.execute(
+            "INSERT OR IGNORE INTO files VALUES(?,?,?,?,?,?)",
+            (row.id, row.role, row.size, row.allocated, row.stored_bytes, row.created),
+        )
+
+    def file(self, file_id: str) -> FileRow | None:
+        row = self.db.execute("SELECT * FROM files WHERE id=?", (file_id,)).fetchone()
+        return FileRow(**dict(row)) if row else None
+
+    def files(self) -> list[FileRow]:
+        return [FileRow(**dict(r)) for r in self.db.execute("SELECT * FROM files ORDER BY created")]
+
+    def delete_file(self, file_id: str) -> None:
+        self.db.execute("DELETE FROM files WHERE id=?", (file_id,))
+
+    # -- images -----------------------------------------------------------
+    def add_image(self, row: ImageRow) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO images VALUES(?,?,?,?,?,?,?,?,?)",
+            (row.name, row.kind, row.root_layer, row.kernel, row.initrd, row.cmdline, row.marker,
+             json.dumps(row.info), row.created),
+        )
+
+    def image(self, name: str) -> ImageRow | None:
+        row = self.db.execute("SELECT * FROM images WHERE name=?", (name,)).fetchone()
+        return _image(row) if row else None
+
+    def images(self) -> list[ImageRow]:
+        return [_image(r) for r in self.db.execute("SELECT * FROM images ORDER BY name")]
+
+    # -- capsules and versions ---------------------------------------------
+    def add_capsule(self, row: CapsuleRow) -> None:
+        self.db.execute(
+            "INSERT INTO capsules VALUES(?,?,?,?,?,?)",
+            (row.name, row.uuid, row.image, row.parent_capsule, row.parent_version, row.created),
+        )
+
+    def capsule(self, name: str) -> CapsuleRow | None:
+        row = self.db.execute("SELECT * FROM capsules WHERE name=?", (name,)).fetchone()
+        return CapsuleRow(**dict(row)) if row else None
+
+    def capsules(self) -> list[CapsuleRow]:
+        return [CapsuleRow(**dict(r)) for r in self.db.execute("SELECT * FROM capsules ORDER BY name")]
+
+    def delete_capsule(self, name: str) -> None:
+        self.db.execute("DELETE FROM capsules WHERE name=?", (name,))
+
+    def add_version(self, row: VersionRow) -> None:
+        self.db.execute(
+            "INSERT INTO versions VALUES(?,?,?,?,?,?,?,?,?)",
+            (row.capsule, row.number, row.parent_capsule, row.parent_version, row.memory,
+             json.dumps(row.chains), json.dumps(row.config, sort_keys=True), row.note, row.created),
+        )
+
+    def set_version_chains(self, capsule: str, number: int, chains: list[list[str]]) -> None:
+        self.db.execute(
+            "UPDATE versions SET chains=? WHERE capsule=? AND number=?", (json.dumps(chains), capsule, number)
+        )
+
+    def version(self, capsule: str, number: int) -> VersionRow | None:
+        row = self.db.execute(
+            "SELECT * FROM versions WHERE capsule=? AND number=?", (capsule, number)
+        ).fetchone()
+        return _version(row) if row else None
+
+    def latest_version(self, capsule: str) -> VersionRow | None:
+        row = self.db.execute(
+            "SELECT * FROM versions WHERE capsule=? ORDER BY number DESC LIMIT 1", (capsule,)
+        ).fetchone()
+        return _version(row) if row else None
+
+    def next_version_number(self, capsule: str) -> int:
+        row = self.db.execute("SELECT MAX(number) AS n FROM versions WHERE capsule=?", (capsule,)).fetchone()
+        return (row["n"] or 0) + 1 if row else 1
+
+    def versions(self, capsule: str | None = None) -> list[VersionRow]:
+        if capsule is None:
+            rows = self.db.execute("SELECT * FROM versions ORDER BY capsule, number")
+        else:
+            rows = self.db.execute("SELECT * FROM versions WHERE capsule=? ORDER BY number", (capsule,))
+        return [_version(r) for r in rows]
+
+    def delete_version(self, capsule: str, number: int) -> None:
+        self.db.execute("DELETE FROM versions WHERE capsule=? AND number=?", (capsule, number))
+
+    # -- instances ----------------------------------------------------------
+    def add_instance(self, row: InstanceRow) -> None:
+        self.db.execute(
+            "INSERT INTO instances VALUES(?,?,?,?,?,?,?,?)",
+            (row.capsule, row.version, row.domain, json.dumps(row.leaves), json.dumps(row.chains),
+             row.accel, row.dir, row.started),
+        )
+
+    def instance(self, capsule: str) -> InstanceRow | None:
+        row = self.db.execute("SELECT * FROM instances WHERE capsule=?", (capsule,)).fetchone()
+        return _instance(row) if row else None
+
+    def instances(self) -> list[InstanceRow]:
+        return [_instance(r) for r in self.db.execute("SELECT * FROM instances ORDER BY capsule")]
+
+    def delete_instance(self, capsule: str) -> None:
+        self.db.execute("DELETE FROM instances WHERE capsule=?", (capsule,))
+
+
+def _image(row: sqlite3.Row) -> ImageRow:
+    d = dict(row)
+    d["info"] = json.loads(d["info"])
+    return ImageRow(**d)
+
+
+def _version(row: sqlite3.Row) -> VersionRow:
+    d = dict(row)
+    d["chains"] = json.loads(d["chains"])
+    d["config"] = json.loads(d["config"])
+    return VersionRow(**d)
+
+
+def _instance(row: sqlite3.Row) -> InstanceRow:
+    d = dict(row)
+    d["leaves"] = json.loads(d["leaves"])
+    d["chains"] = json.loads(d["chains"])
+    return InstanceRow(**d)

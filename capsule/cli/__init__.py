@@ -1,0 +1,1 @@
+"""The ``capsule`` command line: a thin shell over the library."""

@@ -1,0 +1,232 @@
+"""CLI verbs for the catalogue and hierarchy: create, derive, ls, show,
+tree, promote, rm, gc, verify, doctor."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.tree import Tree
+
+from capsule import capsules as lib
+from capsule import hierarchy
+from capsule.catalogue import VersionRow
+from capsule.cli.common import console, emit, json_flag, open_store, progress, short
+from capsule.doctor import doctor as run_doctor
+from capsule.store import Store
+from capsule.units import human
+from capsule.verify import verify as run_verify
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def version_dict(store: Store, v: VersionRow) -> dict[str, Any]:
+    cat = store.catalogue
+    mem = cat.file(v.memory) if v.memory else None
+    layers = []
+    for chain in v.chains:
+        rows = [cat.layer(lid) for lid in chain]
+        layers.append([{"id": lid, "stored_bytes": r.stored_bytes if r else None,
+                        "file_bytes": r.file_size if r else None} for lid, r in zip(chain, rows, strict=True)])
+    return {
+        "ref": v.ref, "capsule": v.capsule, "version": v.number, "active": v.active,
+        "parent": f"{v.parent_capsule}@{v.parent_version}" if v.parent_capsule else None,
+        "memory": {"id": v.memory, "size": mem.size, "allocated": mem.allocated,
+                   "stored_bytes": mem.stored_bytes} if mem else None,
+        "disks": layers, "config": v.config, "note": v.note, "created": v.created,
+    }
+
+
+def create(
+    name: Annotated[str, typer.Argument(help="Name of the new capsule.")],
+    image: Annotated[str, typer.Option("--image", "-i", help="Image whose root layer the capsule starts from.")],
+    memory: Annotated[str, typer.Option("--memory", "-m", help="Guest RAM, e.g. 256M or 1G.")] = "512M",
+    cpus: Annotated[int, typer.Option("--cpus", help="Virtual CPUs.")] = 1,
+    json: JsonOpt = False,
+) -> None:
+    """Create a capsule from an image. The image's root layer is shared, not copied."""
+    json_flag(json)
+    store = open_store()
+    v = lib.create(store, name, image, memory, cpus)
+    emit(version_dict(store, v), lambda: console.print(f"created [bold]{v.ref}[/] from image {image}"))
+
+
+def derive(
+    parent: Annotated[str, typer.Argument(help="NAME or NAME@V to derive from.")],
+    child: Annotated[str, typer.Argument(help="Name of the new child capsule.")],
+    json: JsonOpt = False,
+) -> None:
+    """Create a child capsule sharing every layer (and the memory image) of its parent."""
+    json_flag(json)
+    store = open_store()
+    v = lib.derive(store, parent, child)
+    emit(version_dict(store, v), lambda: console.print(f"derived [bold]{v.ref}[/] from {parent}"))
+
+
+def ls(json: JsonOpt = False) -> None:
+    """List capsules: latest version, state and sizes."""
+    json_flag(json)
+    store = open_store()
+    states = lib.list_states(store)
+    data = [{"name": s.name, "state": s.state, "latest": s.latest.number, "active": s.latest.active,
+             "versions": len(store.catalogue.versions(s.name)),
+             "domain": s.instance.domain if s.instance else None} for s in states]
+
+    def show() -> None:
+        t = Table("capsule", "state", "latest", "versions", "memory image", "layers")
+        for s in states:
+            mem = store.catalogue.file(s.latest.memory) if s.latest.memory else None
+            t.add_row(s.name, s.state, f"@{s.latest.number}", str(len(store.catalogue.versions(s.name))),
+                      human(mem.allocated) if mem else "-", " ".join(str(len(c)) for c in s.latest.chains))
+        console.print(t if states else "no capsules yet: `capsule create NAME --image IMG`")
+
+    emit(data, show)
+
+
+def show(
+    ref: Annotated[str, typer.Argument(help="NAME (latest version) or NAME@V.")],
+    json: JsonOpt = False,
+) -> None:
+    """Show a capsule version: its disks' layer chains, memory image and config."""
+    json_flag(json)
+    store = open_store()
+    v = lib.resolve(store, ref)
+    st = lib.state_of(store, v.capsule)
+    data = version_dict(store, v)
+    data["state"] = st.state
+    data["versions"] = [x.number for x in store.catalogue.versions(v.capsule)]
+
+    def human_view() -> None:
+        console.print(f"[bold]{v.ref}[/]  {'active' if v.active else 'inactive'}  capsule is {st.state}")
+        console.print(f"  created   {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(v.created))}  ({v.note})")
+        if data["parent"]:
+            console.print(f"  parent    {data['parent']}")
+        cfg = v.config
+        console.print(f"  machine   {cfg['memory_mib']} MiB, {cfg['vcpus']} vCPU, image {cfg.get('image')}")
+        if data["memory"]:
+            m = data["memory"]
+            console.print(f"  memory    {short(m['id'])}  {human(m['size'])} logical, "
+                          f"{human(m['allocated'])} allocated, {human(m['stored_bytes'])} non-zero")
+        for i, disk in enumerate(data["disks"]):
+            chain = " → ".join(f"{short(x['id'])} ({human(x['stored_bytes'] or 0)})" for x in disk)
+            console.print(f"  disk {i}    {chain}")
+        console.print(f"  versions  {', '.join('@' + str(n) for n in data['versions'])}")
+
+    emit(data, human_view)
+
+
+def tree(json: JsonOpt = False) -> None:
+    """Draw the hierarchy of layers with the images and capsule versions on them (Fig. 1)."""
+    json_flag(json)
+    store = open_store()
+    nodes = hierarchy.tree(store)
+
+    def add(parent: Tree, node: dict[str, Any]) -> None:
+        tags = [f"[cyan]image {n}[/]" for n in node["images"]]
+        tags += [f"[bold]{v}[/]" for v in node["versions"]]
+        tags += [f"[green]{c} running[/]" for c in node["running"]]
+        label = f"{short(node['layer'])} {human(node['stored_bytes'])} " + " ".join(tags)
+        branch = parent.add(label)
+        for child in node["children"]:
+            add(branch, child)
+
+    def human_view() -> None:
+        root = Tree(f"[bold]store {store.id}[/]")
+        for n in nodes:
+            add(root, n)
+        console.print(root if nodes else "the store holds no layers yet")
+
+    emit(nodes, human_view)
+
+
+def promote(
+    ref: Annotated[str, typer.Argument(help="NAME or NAME@V whose latest layer absorbs its parent.")],
+    disk: Annotated[int, typer.Option("--disk", help="Which disk (0 = vda).")] = 0,
+    to_root: Annotated[bool, typer.Option("--root", help="Promote repeatedly until the layer is a root.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Shorten a chain: fold the parent's blocks into the latest layer (§4.2)."""
+    json_flag(json)
+    store = open_store()
+    with progress("promoting") as say:
+        r = hierarchy.promote(store, ref, disk=disk, to_root=to_root, say=say)
+    emit({"ref": r.version.ref, "before": r.before, "after": r.after, "rewritten_layers": r.rewritten},
+         lambda: console.print(f"{r.version.ref} disk {disk}: chain of {len(r.before)} → {len(r.after)} "
+                               f"layers ({r.rewritten} layer(s) rewritten)"))
+
+
+def rm(
+    ref: Annotated[str, typer.Argument(help="NAME (the whole capsule) or NAME@V (one version).")],
+    json: JsonOpt = False,
+) -> None:
+    """Delete a capsule or one version. Dependants are promoted first; refused while running."""
+    json_flag(json)
+    store = open_store()
+    with progress("removing") as say:
+        r = hierarchy.rm(store, ref, say=say)
+    emit({"removed": r.removed, "promoted_layers": r.promoted, "gc": asdict(r.gc)},
+         lambda: console.print(f"removed {', '.join(r.removed)}; {r.promoted} dependant layer(s) promoted; "
+                               f"freed {human(r.gc.freed_bytes)}"))
+
+
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Only say what would go.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Remove layers, memory images and leaves that nothing references."""
+    json_flag(json)
+    store = open_store()
+    r = hierarchy.gc(store, dry_run=dry_run)
+    verb = "would free" if dry_run else "freed"
+    emit(asdict(r), lambda: console.print(f"{len(r.layers)} layer(s), {len(r.files)} file object(s), "
+                                          f"{len(r.leaves)} stale leaf/leaves: {verb} {human(r.freed_bytes)}"))
+
+
+def verify(json: JsonOpt = False) -> None:
+    """Re-hash every sealed layer and memory image against its manifest digest; qemu-img check each layer."""
+    json_flag(json)
+    store = open_store()
+    with progress("verifying") as say:
+        report = run_verify(store, say)
+    data = {"ok": report.ok, "layers": report.checked_layers, "files": report.checked_files,
+            "problems": [asdict(p) for p in report.problems]}
+
+    def human_view() -> None:
+        for p in report.problems:
+            console.print(f"[red]BAD[/] {p.kind} {p.id}: {p.error}")
+        console.print(f"checked {report.checked_layers} layer(s) and {report.checked_files} file object(s): "
+                      + ("[green]all good[/]" if report.ok else f"[red]{len(report.problems)} problem(s)[/]"))
+
+    emit(data, human_view)
+    if not report.ok:
+        raise typer.Exit(6)
+
+
+def doctor(
+    no_probe: Annotated[bool, typer.Option("--no-probe", help="Skip the KVM probe boot.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Check the host: tools and versions, libvirt, and KVM vs TCG (with the reason)."""
+    json_flag(json)
+    try:
+        store = open_store()
+    except Exception:  # noqa: BLE001 - doctor reports, never fails on the store
+        store = None
+    report = run_doctor(store, probe=not no_probe)
+
+    def human_view() -> None:
+        for c in report.checks:
+            console.print(f"{'[green]ok[/]  ' if c.ok else '[red]BAD[/] '} {c.name:20} {c.detail}")
+        console.print(f"accelerator: [bold]{report.accel}[/] — {report.accel_reason}")
+
+    emit(report.as_dict(), human_view)
+    if not report.ok:
+        raise typer.Exit(9)
+
+
+def register(app: typer.Typer) -> None:
+    for fn in (create, derive, ls, show, tree, promote, rm, gc, verify, doctor):
+        app.command()(fn)

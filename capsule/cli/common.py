@@ -1,0 +1,59 @@
+"""Shared CLI plumbing: the store option, --json output, progress, errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from capsule.store import Store
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+@dataclass
+class Options:
+    home: Path | None = None
+    json: bool = False
+
+
+OPTIONS = Options()
+
+
+def open_store() -> Store:
+    return Store.open(OPTIONS.home)
+
+
+def emit(data: Any, human: Callable[[], None]) -> None:
+    """Print ``data`` as JSON under --json, else call ``human``."""
+    if OPTIONS.json:
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    else:
+        human()
+
+
+@contextmanager
+def progress(title: str) -> Iterator[Callable[[str], None]]:
+    """A spinner with a changing status line; silent under --json."""
+    if OPTIONS.json or not err_console.is_terminal:
+        yield lambda _msg: None
+        return
+    with err_console.status(title) as status:
+        yield lambda msg: status.update(f"{title}: {msg}")
+
+
+def short(object_id: str | None) -> str:
+    return object_id[:12] if object_id else "-"
+
+
+def json_flag(value: bool) -> None:
+    """Commands accept --json after their name too."""
+    if value:
+        OPTIONS.json = True

@@ -1,0 +1,58 @@
+"""Entry point: ``capsule [--home DIR] [--json] COMMAND …``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from capsule.cli import capsules, images, runtime
+from capsule.cli.common import OPTIONS, err_console
+from capsule.errors import CapsuleError
+from hashcache.errors import HashcacheError
+
+app = typer.Typer(
+    help="Capsule: name, version, run and move whole virtual computers.\n\n"
+    "A capsule is a VM's disks, memory and device state as one object with versions "
+    "(NAME@V). Start with `capsule doctor`, `capsule image build tiny tiny`, "
+    "`capsule create demo --image tiny`, `capsule start demo`.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _global(
+    home: Annotated[Path | None, typer.Option("--home", envvar="CAPSULE_HOME",
+                                              help="Store directory (default: CAPSULE_HOME or "
+                                                   "~/.local/share/capsule).")] = None,
+    json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    OPTIONS.home = home
+    OPTIONS.json = json
+
+
+capsules.register(app)
+runtime.register(app)
+app.add_typer(images.app, name="image", help="Build and list guest images.")
+
+
+def main() -> None:
+    try:
+        app()
+    except CapsuleError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(exc.exit_code)
+    except HashcacheError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(6)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

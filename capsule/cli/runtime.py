@@ -1,0 +1,123 @@
+"""CLI verbs that run capsules: start, suspend, snapshot, stop, console."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from capsule import lifecycle
+from capsule.cli.common import console, emit, json_flag, open_store, progress, short
+from capsule.errors import NotFound
+from capsule.runtime.connection import libvirt_uri
+from capsule.units import human
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def _seal_dict(r: lifecycle.SealResult) -> dict:
+    return {
+        "version": r.version.ref if r.version else None,
+        "memory": {"id": r.memory.id, "size": r.memory.size, "allocated": r.memory.allocated,
+                   "stored_bytes": r.memory.stored_bytes} if r.memory else None,
+        "layers": [{"id": x.id, "stored_bytes": x.stored_bytes, "file_bytes": x.file_size} for x in r.layers],
+        "save_seconds": round(r.save_seconds, 3),
+        "seal_seconds": round(r.seal_seconds, 3),
+    }
+
+
+def _start_dict(r: lifecycle.StartResult) -> dict:
+    return {"version": r.version.ref, "domain": r.domain, "mode": r.mode, "accel": r.accel,
+            "seconds": round(r.seconds, 3), "forked_memory": r.forked_memory}
+
+
+def _print_seal(r: lifecycle.SealResult, verb: str) -> None:
+    if r.version is None:
+        console.print(f"{verb}; the disks were not written, so no new version")
+        return
+    parts = [f"{verb} → [bold]{r.version.ref}[/]"]
+    if r.memory:
+        parts.append(f"memory image {short(r.memory.id)}: {human(r.memory.allocated)} allocated "
+                     f"of {human(r.memory.size)}, saved in {r.save_seconds:.2f}s")
+    for layer in r.layers:
+        parts.append(f"layer {short(layer.id)}: {human(layer.stored_bytes)} of new data")
+    parts.append(f"sealed in {r.seal_seconds:.2f}s")
+    console.print("\n  ".join(parts))
+
+
+def start(
+    ref: Annotated[str, typer.Argument(help="NAME (latest version) or NAME@V.")],
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until a booting guest is up.")] = True,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest.")] = 180.0,
+    json: JsonOpt = False,
+) -> None:
+    """Boot an inactive version or restore an active one, on a fresh private leaf per disk."""
+    json_flag(json)
+    store = open_store()
+    with progress(f"starting {ref}") as say:
+        r = lifecycle.start(store, ref, wait=wait, timeout=timeout, say=say)
+    verb = "restored" if r.mode == "restore" else ("booted" if wait else "booting")
+    emit(_start_dict(r), lambda: console.print(
+        f"{verb} [bold]{r.version.ref}[/] as domain {r.domain} ({r.accel}) in {r.seconds:.2f}s"))
+
+
+def suspend(
+    name: Annotated[str, typer.Argument(help="A running capsule.")],
+    json: JsonOpt = False,
+) -> None:
+    """Save the running capsule (sparse memory image), seal its leaves, record a new active version."""
+    json_flag(json)
+    store = open_store()
+    with progress(f"suspending {name}") as say:
+        r = lifecycle.suspend(store, name, say=say)
+    emit(_seal_dict(r), lambda: _print_seal(r, "suspended"))
+
+
+def snapshot(
+    name: Annotated[str, typer.Argument(help="A running capsule.")],
+    json: JsonOpt = False,
+) -> None:
+    """Record a new active version; the guest keeps running on a new leaf."""
+    json_flag(json)
+    store = open_store()
+    with progress(f"snapshotting {name}") as say:
+        sealed, resumed = lifecycle.snapshot(store, name, say=say)
+    data = _seal_dict(sealed) | {"resumed": _start_dict(resumed)}
+    emit(data, lambda: (_print_seal(sealed, "snapshot"),
+                        console.print(f"  running again after {resumed.seconds:.2f}s")))
+
+
+def stop(
+    name: Annotated[str, typer.Argument(help="A running capsule.")],
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for a clean shutdown.")] = 30.0,
+    force: Annotated[bool, typer.Option("--force", help="Power off at once.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Shut the guest down (forced after --timeout) and keep its disk changes as a new inactive version."""
+    json_flag(json)
+    store = open_store()
+    with progress(f"stopping {name}") as say:
+        r = lifecycle.stop(store, name, timeout=timeout, force=force, say=say)
+    emit(_seal_dict(r), lambda: _print_seal(r, "stopped"))
+
+
+def console_cmd(
+    name: Annotated[str, typer.Argument(help="A running capsule.")],
+    log: Annotated[bool, typer.Option("--log", help="Print the console log instead of attaching.")] = False,
+) -> None:
+    """Attach to the guest's serial console (Ctrl+] detaches), or print its log."""
+    store = open_store()
+    inst = store.catalogue.instance(name)
+    if inst is None:
+        raise NotFound(f"capsule {name!r} is not running")
+    if log:
+        typer.echo(lifecycle.console_log(store, name).read_text(errors="replace"), nl=False)
+        return
+    os.execvp("virsh", ["virsh", "-c", libvirt_uri(), "console", "--force", inst.domain])
+
+
+def register(app: typer.Typer) -> None:
+    for fn in (start, suspend, snapshot, stop):
+        app.command()(fn)
+    app.command("console")(console_cmd)

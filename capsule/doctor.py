@@ -1,0 +1,96 @@
+"""``capsule doctor``: what is installed, whether libvirt answers, and whether
+guests will run under KVM or TCG (with the reason)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from capsule.errors import CapsuleError
+from capsule.runtime.connection import connect, libvirt_uri
+from capsule.store import Store
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class DoctorReport:
+    checks: list[Check] = field(default_factory=list)
+    accel: str = "tcg"
+    accel_reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "accel": self.accel, "accel_reason": self.accel_reason,
+                "checks": [asdict(c) for c in self.checks]}
+
+
+def _version_of(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (out.stdout or out.stderr).strip().splitlines()
+    return text[0] if text else ""
+
+
+def _at_least(text: str | None, minimum: tuple[int, ...]) -> bool:
+    if not text:
+        return False
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return False
+    found = tuple(int(x or 0) for x in m.groups())
+    return found >= minimum
+
+
+def doctor(store: Store | None, probe: bool = True) -> DoctorReport:
+    report = DoctorReport()
+    tools = [
+        ("qemu-system-x86_64", ["qemu-system-x86_64", "--version"], (10, 0)),
+        ("qemu-img", ["qemu-img", "--version"], (10, 0)),
+        ("nbdkit", ["nbdkit", "--version"], (1, 30)),
+        ("mmdebstrap", ["mmdebstrap", "--version"], (1, 0)),
+        ("zstd", ["zstd", "--version"], (1, 4)),
+        ("mkfs.ext4", ["mkfs.ext4", "-V"], (1, 46)),
+    ]
+    for name, cmd, minimum in tools:
+        v = _version_of(cmd)
+        if v is None:
+            report.checks.append(Check(name, False, "not installed (run `make setup`)"))
+        else:
+            ok = _at_least(v, minimum)
+            need = ".".join(map(str, minimum))
+            report.checks.append(Check(name, ok, v if ok else f"{v} — need ≥ {need}"))
+    try:
+        conn = connect()
+        lib = conn.getLibVersion()
+        hv = conn.getVersion()
+        libv = f"{lib // 1000000}.{lib // 1000 % 1000}.{lib % 1000}"
+        ok = lib >= 11003000
+        report.checks.append(Check("libvirt", ok, f"libvirt {libv} at {libvirt_uri()}, QEMU "
+                                   f"{hv // 1000000}.{hv // 1000 % 1000}.{hv % 1000}"
+                                   + ("" if ok else " — need libvirt ≥ 11.3")))
+    except CapsuleError as exc:
+        report.checks.append(Check("libvirt", False, str(exc)))
+    if store is not None:
+        report.checks.append(Check("store", True, f"{store.home} (id {store.id})"))
+        if probe and all(c.ok for c in report.checks if c.name == "libvirt"):
+            from capsule.lifecycle import accel_for
+
+            decision = accel_for(store)
+            report.accel, report.accel_reason = decision.accel, decision.reason
+    return report

@@ -1,0 +1,309 @@
+"""The capsule hierarchy (§4.2): promote, rm, gc, and the tree of layers.
+
+Layers are named by a digest that covers their parent, so folding a parent
+into a child makes a new child layer, and every layer below it is re-pointed
+(a header-only rebase) under a new name. Versions are switched to the new
+chains in one transaction; old files stay until nothing, not even a running
+instance, uses them, and ``gc`` removes them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from capsule import qemuimg
+from capsule.capsules import resolve
+from capsule.catalogue import LayerRow, VersionRow
+from capsule.errors import Conflict, NotFound, RuntimeFailure
+from capsule.fsutil import disk_usage, remove_readonly
+from capsule.names import parse_ref
+from capsule.store import Store
+
+Say = Callable[[str], None]
+
+
+def _copy_layer(store: Store, layer_id: str) -> Any:
+    tmp = store.new_leaf_path()
+    proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(store.layer_path(layer_id)), str(tmp)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeFailure(f"copying layer {layer_id[:12]}: {proc.stderr.strip()}")
+    tmp.chmod(0o644)
+    return tmp
+
+
+def _protected_layers(store: Store) -> set[str]:
+    """Layers that must not be folded away: chain tops, image roots, and every
+    layer a running instance's leaves stand on."""
+    cat = store.catalogue
+    keep = {img.root_layer for img in cat.images()}
+    for v in cat.versions():
+        keep.update(chain[-1] for chain in v.chains)
+    for inst in cat.instances():
+        keep.update(lid for chain in inst.chains for lid in chain)
+    return keep
+
+
+def _fold(store: Store, parent_id: str, children: set[str], say: Say) -> dict[str, str]:
+    """Fold layer ``parent_id`` into each of ``children``; re-point every layer
+    in use below them. Returns old id → new id. Catalogue rows are added; the
+    caller switches the version chains."""
+    cat = store.catalogue
+    parent = cat.layer(parent_id)
+    if parent is None:
+        raise NotFound(f"layer {parent_id[:12]} is not in the catalogue")
+    grand = parent.parent
+    in_use = {lid for v in cat.versions() for chain in v.chains for lid in chain}
+    mapping: dict[str, str] = {}
+    new_rows: list[LayerRow] = []
+    for child in sorted(children):
+        say(f"folding {parent_id[:12]} into {child[:12]}")
+        tmp = _copy_layer(store, child)
+        try:
+            qemuimg.rebase_safe(tmp, store.layer_path(grand) if grand else None)
+            row = store.seal_layer(tmp, grand)
+        finally:
+            tmp.unlink(missing_ok=True)
+        mapping[child] = row.id
+        new_rows.append(row)
+    # re-point descendants, parents before children
+    frontier = list(mapping)
+    while frontier:
+        old_parent = frontier.pop(0)
+        for layer in cat.layers():
+            if layer.parent != old_parent or layer.id not in in_use or layer.id in mapping:
+                continue
+            say(f"re-pointing {layer.id[:12]}")
+            tmp = _copy_layer(store, layer.id)
+            try:
+                qemuimg.rebase_unsafe(tmp, store.layer_path(mapping[old_parent]))
+                row = store.seal_layer(tmp, mapping[old_parent])
+            finally:
+                tmp.unlink(missing_ok=True)
+            mapping[layer.id] = row.id
+            new_rows.append(row)
+            frontier.append(layer.id)
+    with cat.transaction():
+        for row in new_rows:
+            cat.add_layer(row)
+        for v in cat.versions():
+            chains = [_rewrite_chain(chain, parent_id, mapping) for chain in v.chains]
+            if chains != v.chains:
+                cat.set_version_chains(v.capsule, v.number, chains)
+    return mapping
+
+
+def _rewrite_chain(chain: list[str], folded: str, mapping: dict[str, str]) -> list[str]:
+    out: list[str] = []
+    for i, lid in enumerate(chain):
+        if lid == folded and i + 1 < len(chain) and chain[i + 1] in mapping:
+            continue
+        out.append(mapping.get(lid, lid))
+    return out
+
+
+@dataclass
+class PromoteResult:
+    version: VersionRow
+    before: list[str]
+    after: list[str]
+    rewritten: int
+
+
+def promote(store: Store, ref: str, *, disk: int = 0, to_root: bool = False, say: Say = lambda _m: None
+            ) -> PromoteResult:
+    """Fold the parent of a version's latest layer into it (one level, or all the
+    way to a root layer with ``to_root``). What the guest reads is unchanged."""
+    with store.lock():
+        version = resolve(store, ref)
+        if not 0 <= disk < len(version.chains):
+            raise NotFound(f"{version.ref} has no disk {disk} (it has {len(version.chains)})")
+        before = list(version.chains[disk])
+        if len(before) < 2:
+            raise Conflict(f"disk {disk} of {version.ref} is already a root layer; nothing to promote")
+        rewritten = 0
+        while True:
+            chain = store.catalogue.version(version.capsule, version.number).chains[disk]
+            if len(chain) < 2:
+                break
+            rewritten += len(_fold(store, chain[-2], {chain[-1]}, say))
+            if not to_root:
+                break
+        after = store.catalogue.version(version.capsule, version.number).chains[disk]
+        return PromoteResult(store.catalogue.version(version.capsule, version.number), before, after, rewritten)
+
+
+@dataclass
+class GcResult:
+    layers: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    leaves: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+
+
+@dataclass
+class RmResult:
+    removed: list[str]
+    promoted: int
+    gc: GcResult
+
+
+def rm(store: Store, ref: str, *, say: Say = lambda _m: None) -> RmResult:
+    """Delete a capsule (``NAME``) or one version (``NAME@V``). Refused while the
+    capsule runs that version. Layers the deleted versions owned that others
+    still build on are folded into those dependants first, then unreferenced
+    objects are collected."""
+    r = parse_ref(ref)
+    with store.lock():
+        cat = store.catalogue
+        target = resolve(store, ref)
+        victims = cat.versions(r.name) if r.version is None else [target]
+        inst = cat.instance(r.name)
+        if inst is not None and (r.version is None or inst.version == r.version):
+            raise Conflict(f"capsule {r.name!r} is running{'' if r.version is None else f' {target.ref}'}; "
+                           f"stop or suspend it first")
+        owned = {lid for v in victims for lid in v.layer_ids()}
+        with cat.transaction():
+            for v in victims:
+                cat.delete_version(v.capsule, v.number)
+            if not cat.versions(r.name) and inst is None:
+                cat.delete_capsule(r.name)
+        promoted = 0
+        while True:
+            protected = _protected_layers(store)
+            todo = None
+            for v in cat.versions():
+                for chain in v.chains:
+                    for i, lid in enumerate(chain[:-1]):
+                        if lid in owned and lid not in protected:
+                            todo = lid
+                            break
+                    if todo:
+                        break
+                if todo:
+                    break
+            if todo is None:
+                break
+            children = {chain[i + 1] for v in cat.versions() for chain in v.chains
+                        for i, lid in enumerate(chain[:-1]) if lid == todo}
+            promoted += len(_fold(store, todo, children, say))
+        result = gc(store)
+        return RmResult([v.ref for v in victims], promoted, result)
+
+
+def referenced(store: Store) -> tuple[set[str], set[str]]:
+    """(layer ids, file ids) that something references, with all ancestors."""
+    cat = store.catalogue
+    layers: set[str] = set()
+    files: set[str] = set()
+    for img in cat.images():
+        layers.add(img.root_layer)
+        files.update((img.kernel, img.initrd))
+    for v in cat.versions():
+        layers.update(v.layer_ids())
+        files.update(v.file_ids())
+    for inst in cat.instances():
+        layers.update(lid for chain in inst.chains for lid in chain)
+    frontier = list(layers)
+    while frontier:
+        row = cat.layer(frontier.pop())
+        if row and row.parent and row.parent not in layers:
+            layers.add(row.parent)
+            frontier.append(row.parent)
+    return layers, files
+
+
+def gc(store: Store, *, dry_run: bool = False) -> GcResult:
+    """Remove layers and file objects nothing references, leaves of instances
+    that no longer exist, and stale temporary files."""
+    with store.lock():
+        cat = store.catalogue
+        keep_layers, keep_files = referenced(store)
+        live_leaves = {leaf for inst in cat.instances() for leaf in inst.leaves}
+        result = GcResult()
+        doomed_layers = [row.id for row in cat.layers() if row.id not in keep_layers]
+        doomed_files = [row.id for row in cat.files() if row.id not in keep_files]
+        known_layers = {row.id for row in cat.layers()}
+        known_files = {row.id for row in cat.files()}
+        # objects on disk the catalogue never recorded (an interrupted operation)
+        for p in store.layers_dir.glob("*.qcow2"):
+            stem = p.stem
+            if p.name.startswith("leaf-"):
+                if str(p) not in live_leaves and time.time() - p.stat().st_mtime > 60:
+                    result.leaves.append(p.name)
+                    result.freed_bytes += disk_usage(p)
+                    if not dry_run:
+                        p.unlink(missing_ok=True)
+            elif stem not in known_layers and stem not in doomed_layers:
+                doomed_layers.append(stem)
+        for p in store.files_dir.iterdir():
+            if not p.name.endswith(".manifest") and p.name not in known_files and p.name not in doomed_files:
+                doomed_files.append(p.name)
+        for lid in doomed_layers:
+            path = store.layers_dir / f"{lid}.qcow2"
+            if path.exists():
+                result.freed_bytes += disk_usage(path)
+            result.layers.append(lid)
+            if not dry_run:
+                remove_readonly(path)
+                remove_readonly(store.layers_dir / f"{lid}.manifest")
+        for fid in doomed_files:
+            path = store.files_dir / fid
+            if path.exists():
+                result.freed_bytes += disk_usage(path)
+            result.files.append(fid)
+            if not dry_run:
+                remove_readonly(path)
+                remove_readonly(store.files_dir / f"{fid}.manifest")
+        if not dry_run:
+            with cat.transaction():
+                for lid in doomed_layers:
+                    cat.delete_layer(lid)
+                for fid in doomed_files:
+                    cat.delete_file(fid)
+            store.clean_tmp()
+            for d in store.instances_dir.iterdir():
+                if cat.instance(d.name) is None:
+                    shutil.rmtree(d, ignore_errors=True)
+        return result
+
+
+def tree(store: Store) -> list[dict[str, Any]]:
+    """The hierarchy of layers (roots first) with the images, capsule versions
+    and running instances attached to each: the paper's Fig. 1."""
+    cat = store.catalogue
+    rows = {row.id: row for row in cat.layers()}
+    images: dict[str, list[str]] = {}
+    for img in cat.images():
+        images.setdefault(img.root_layer, []).append(img.name)
+    tops: dict[str, list[str]] = {}
+    for v in cat.versions():
+        for chain in v.chains:
+            tops.setdefault(chain[-1], []).append(v.ref + (" (active)" if v.active else ""))
+    running: dict[str, list[str]] = {}
+    for inst in cat.instances():
+        for chain in inst.chains:
+            running.setdefault(chain[-1], []).append(inst.capsule)
+    children: dict[str | None, list[str]] = {}
+    for row in rows.values():
+        parent = row.parent if row.parent in rows else None
+        children.setdefault(parent, []).append(row.id)
+
+    def node(lid: str) -> dict[str, Any]:
+        row = rows[lid]
+        return {
+            "layer": lid,
+            "stored_bytes": row.stored_bytes,
+            "file_bytes": row.file_size,
+            "images": images.get(lid, []),
+            "versions": tops.get(lid, []),
+            "running": running.get(lid, []),
+            "children": [node(c) for c in sorted(children.get(lid, []), key=lambda c: rows[c].created)],
+        }
+
+    return [node(r) for r in sorted(children.get(None, []), key=lambda c: rows[c].created)]

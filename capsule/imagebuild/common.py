@@ -1,0 +1,158 @@
+"""Shared pieces of the image builders: result type, error type, running tools."""
+
+from __future__ import annotations
+
+import collections
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MARKER = "CAPSULE-GUEST-READY"
+"""Line a Capsule guest prints on its serial console once it is up."""
+
+Progress = Callable[[str], None]
+
+
+class ImageBuildError(Exception):
+    """An image build failed; the message says which step and shows the tail of the tool's output."""
+
+
+@dataclass
+class BuiltImage:
+    kind: str  # "tiny" | "debian"
+    kernel: Path  # vmlinuz
+    initrd: Path  # initramfs / initrd.img
+    disk_raw: Path  # raw root disk (no partition table), sparse
+    cmdline: str  # kernel command line to boot with
+    marker: str  # line the guest prints on the serial console when it is up
+    info: dict = field(default_factory=dict)  # kernel version, packages, sizes, timings
+
+
+def say(progress: Progress | None, msg: str) -> None:
+    if progress is not None:
+        progress(msg)
+
+
+def tail(text: str | bytes, lines: int = 30) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join(kept)
+
+
+def run(
+    cmd: Sequence[str | os.PathLike[str]],
+    what: str,
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    input: bytes | None = None,
+    timeout: float | None = None,
+    hint: str = "",
+) -> subprocess.CompletedProcess[bytes]:
+    """Run a tool, capturing its output; raise ImageBuildError with the stderr tail on failure."""
+    args = [str(a) for a in cmd]
+    full_env = None
+    if env is not None:
+        full_env = dict(os.environ)
+        full_env.update(env)
+    try:
+        proc = subprocess.run(
+            args, cwd=cwd, env=full_env, input=input, capture_output=True, timeout=timeout, check=False
+        )
+    except FileNotFoundError as exc:
+        raise ImageBuildError(
+            f"{what}: cannot run {args[0]!r}: not installed or not on PATH" + (f" ({hint})" if hint else "")
+        ) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ImageBuildError(
+            f"{what}: `{shlex.join(args)}` did not finish within {timeout:.0f} s\n"
+            f"--- stderr tail ---\n{tail(exc.stderr or b'')}"
+        ) from exc
+    if proc.returncode != 0:
+        out = proc.stderr if proc.stderr.strip() else proc.stdout
+        raise ImageBuildError(
+            f"{what}: `{shlex.join(args)}` exited with status {proc.returncode}"
+            + (f"\nhint: {hint}" if hint else "")
+            + f"\n--- output tail ---\n{tail(out)}"
+        )
+    return proc
+
+
+def run_streaming(
+    cmd: Sequence[str | os.PathLike[str]],
+    what: str,
+    log_path: Path,
+    *,
+    on_line: Callable[[str], None] | None = None,
+    env: Mapping[str, str] | None = None,
+    hint: str = "",
+) -> None:
+    """Run a long tool, writing all its output to log_path and passing each line to on_line."""
+    args = [str(a) for a in cmd]
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    last: collections.deque[str] = collections.deque(maxlen=40)
+    try:
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env
+        )
+    except FileNotFoundError as exc:
+        raise ImageBuildError(
+            f"{what}: cannot run {args[0]!r}: not installed or not on PATH" + (f" ({hint})" if hint else "")
+        ) from exc
+    assert proc.stdout is not None
+    with log_path.open("w", encoding="utf-8") as log:
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            log.write(line + "\n")
+            last.append(line)
+            if on_line is not None:
+                on_line(line)
+    rc = proc.wait()
+    if rc != 0:
+        raise ImageBuildError(
+            f"{what}: `{shlex.join(args)}` exited with status {rc} (full log: {log_path})"
+            + (f"\nhint: {hint}" if hint else "")
+            + "\n--- output tail ---\n"
+            + "\n".join(last)
+        )
+
+
+def cache_dir(workdir: Path) -> Path:
+    """Download cache: $CAPSULE_IMAGE_CACHE, else workdir/../cache."""
+    env = os.environ.get("CAPSULE_IMAGE_CACHE")
+    d = Path(env) if env else workdir.resolve().parent / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise ImageBuildError(f"{what} must run as root (it needs chroot and file ownership)")
+
+
+def file_size_info(path: Path) -> dict[str, int]:
+    """Apparent size and bytes actually allocated (for sparse files)."""
+    st = path.stat()
+    return {"bytes": st.st_size, "allocated_bytes": st.st_blocks * 512}
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.laps: dict[str, float] = {}
+        self._last = self.t0
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = round(now - self._last, 2)
+        self._last = now
+
+    def total(self) -> float:
+        return round(time.monotonic() - self.t0, 2)

@@ -1,0 +1,364 @@
+"""The "debian" guest: a bookworm system with systemd, built by mmdebstrap, on a bare ext4 disk."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import quote
+
+from .common import (
+    MARKER,
+    BuiltImage,
+    ImageBuildError,
+    Progress,
+    Stopwatch,
+    cache_dir,
+    file_size_info,
+    require_root,
+    run,
+    run_streaming,
+    say,
+)
+
+SUITE = "bookworm"
+DISK_LABEL = "capsule-root"
+HOSTNAME = "capsule-guest"
+BASE_PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "udev",
+    "dbus",
+    "linux-image-cloud-amd64",
+    "initramfs-tools",
+    "zstd",
+    "e2fsprogs",
+    "iproute2",
+    "procps",
+    "python3",
+    "criu",
+    "kmod",
+)
+DEBIAN_CMDLINE = (
+    "root=/dev/vda rw console=ttyS0,115200 quiet"
+    # no fsck of the root fs at boot (a fresh mkfs); no VT/keyboard probing delays
+    " fsck.mode=skip i8042.noaux i8042.nokbd"
+    " panic=-1"
+)
+# Units that would wake up to write to the disk behind Capsule's back (or prompt on first boot).
+MASKED_UNITS = (
+    "apt-daily.timer",
+    "apt-daily-upgrade.timer",
+    "apt-daily.service",
+    "apt-daily-upgrade.service",
+    "man-db.timer",
+    "man-db.service",
+    "e2scrub_all.timer",
+    "e2scrub_reap.service",
+    "fstrim.timer",
+    "dpkg-db-backup.timer",
+    "systemd-firstboot.service",
+)
+# Modules that must be in the initrd for a virtio root disk; ext4 is built into the cloud kernel.
+INITRD_MODULES = ("virtio_pci", "virtio_blk", "virtio_scsi", "virtio_console", "virtio_balloon")
+
+INITRAMFS_HOOK = """#!/bin/sh
+# Capsule: make sure the virtio drivers for the root disk are in the initrd and loaded early.
+PREREQ=""
+prereqs() { echo "$PREREQ"; }
+case "$1" in prereqs) prereqs; exit 0 ;; esac
+. /usr/share/initramfs-tools/hook-functions
+for m in @MODULES@; do
+    force_load "$m" || true
+done
+"""
+
+READY_UNIT = f"""[Unit]
+Description=Tell the host on the serial console that the Capsule guest is up
+After=basic.target systemd-user-sessions.service
+# print before agetty takes over (and hangs up) ttyS0
+Before=serial-getty@ttyS0.service getty.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/sh -c 'printf "\\\\r\\\\n{MARKER}\\\\r\\\\n" > /dev/ttyS0'
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+AUTOLOGIN_DROPIN = """[Service]
+ExecStart=
+ExecStart=-/sbin/agetty --autologin root --noclear --keep-baud 115200,57600,38400,9600 - $TERM
+"""
+
+DPKG_EXCLUDES = (
+    "path-exclude=/usr/share/man/*",
+    "path-exclude=/usr/share/info/*",
+    "path-exclude=/usr/share/doc/*",
+    "path-include=/usr/share/doc/*/copyright",
+    "path-exclude=/usr/share/locale/*",
+    "path-include=/usr/share/locale/locale.alias",
+)
+
+
+def host_apt_sources() -> list[Path]:
+    """The host's own apt source files that serve bookworm (apt's configured locations)."""
+    out = run(
+        ["apt-config", "shell", "SL", "Dir::Etc::sourcelist/f", "SP", "Dir::Etc::sourceparts/d"],
+        "read apt configuration",
+    ).stdout.decode()
+    found = dict(re.findall(r"^(SL|SP)='([^']*)'", out, re.M))
+    files: list[Path] = []
+    if found.get("SL"):
+        files.append(Path(found["SL"]))
+    if found.get("SP") and Path(found["SP"]).is_dir():
+        parts = Path(found["SP"])
+        files += sorted(p for p in parts.iterdir() if p.suffix in (".list", ".sources"))
+    keep = []
+    for f in files:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        active = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        if any(SUITE in ln for ln in active) and not re.search(r"^\s*Enabled:\s*no", text, re.M | re.I):
+            keep.append(f)
+    if not keep:
+        raise ImageBuildError(
+            f"no apt source for Debian {SUITE} on this host (looked at {', '.join(map(str, files)) or 'nothing'})"
+        )
+    return keep
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def _configure_tree(root: Path) -> None:
+    """Capsule's settings, written straight into the unpacked tree (after mmdebstrap finished)."""
+    etc = root / "etc"
+    _write(etc / "hostname", HOSTNAME + "\n")
+    _write(etc / "hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+    _write(etc / "fstab", "# <device> <mount point> <type> <options> <dump> <pass>\n/dev/vda / ext4 defaults 0 1\n")
+    # no leftovers of the build host: resolver and identity
+    resolv = etc / "resolv.conf"
+    if resolv.is_symlink() or resolv.exists():
+        resolv.unlink()
+    resolv.write_text("")
+    _write(etc / "machine-id", "")  # empty: systemd makes one at first boot (no first-boot prompts)
+    dbus_id = root / "var/lib/dbus/machine-id"
+    if dbus_id.exists() and not dbus_id.is_symlink():
+        dbus_id.unlink()
+    # root: no password
+    shadow = etc / "shadow"
+    lines = shadow.read_text().splitlines()
+    lines = [re.sub(r"^root:[^:]*:", "root::", ln) for ln in lines]
+    shadow.write_text("\n".join(lines) + "\n")
+    # serial console: autologin root
+    _write(etc / "systemd/system/serial-getty@ttyS0.service.d/autologin.conf", AUTOLOGIN_DROPIN)
+    # readiness marker
+    system = etc / "systemd/system"
+    _write(system / "capsule-ready.service", READY_UNIT)
+    wants = system / "multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    link = wants / "capsule-ready.service"
+    if not link.is_symlink():
+        link.symlink_to("/etc/systemd/system/capsule-ready.service")
+    for unit in MASKED_UNITS:
+        target = system / unit
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.symlink_to("/dev/null")
+    # a quieter, smaller journal
+    _write(etc / "systemd/journald.conf.d/capsule.conf", "[Journal]\nSystemMaxUse=32M\n")
+    # apt lists (mmdebstrap cleans them too; be sure)
+    lists = root / "var/lib/apt/lists"
+    if lists.is_dir():
+        for p in lists.iterdir():
+            if p.is_file():
+                p.unlink()
+            elif p.is_dir() and p.name != "partial":
+                shutil.rmtree(p)
+
+
+def _prune_deb_cache(debs: Path, installed: dict[str, str]) -> None:
+    """Keep only the .debs of the versions just installed, so the cache does not grow forever."""
+    wanted = {f"{pkg}_{quote(ver, safe='+.~-')}_" for pkg, ver in installed.items()}
+    for deb in debs.glob("*.deb"):
+        name, ver, _ = deb.name.split("_", 2)
+        if f"{name}_{ver}_" not in wanted:
+            deb.unlink()
+
+
+def _installed_packages(root: Path) -> dict[str, str]:
+    out = run(
+        ["dpkg-query", f"--admindir={root / 'var/lib/dpkg'}", "-W", "-f", "${Package} ${Version} ${Status}\n"],
+        "list installed packages",
+    ).stdout.decode()
+    pkgs = {}
+    for line in out.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[2].endswith(" installed"):
+            pkgs[parts[0]] = parts[1]
+    return pkgs
+
+
+def _dir_bytes(root: Path) -> int:
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
+
+
+def build_debian(
+    workdir: Path,
+    progress: Progress | None = None,
+    disk_size: str = "2G",
+    extra_packages: Sequence[str] = (),
+) -> BuiltImage:
+    """Build a Debian bookworm guest (systemd, cloud kernel, criu) as kernel + initrd + raw ext4 disk."""
+    require_root("building the Debian guest image")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for tool, pkg in (("mmdebstrap", "mmdebstrap"), ("mkfs.ext4", "e2fsprogs")):
+        if shutil.which(tool) is None:
+            raise ImageBuildError(f"{tool} not found: install the Debian package {pkg}")
+    if not re.fullmatch(r"\d+[KMGT]?", disk_size):
+        raise ImageBuildError(f"disk_size {disk_size!r}: use a number with an optional K/M/G/T suffix")
+    bad = [p for p in extra_packages if not re.fullmatch(r"[a-z0-9][a-z0-9+.\-]*(:[a-z0-9]+)?(=[\w.+~:-]+)?", p)]
+    if bad:
+        raise ImageBuildError(f"not Debian package names: {bad}")
+    clock = Stopwatch()
+    sources = host_apt_sources()
+    packages = list(dict.fromkeys([*BASE_PACKAGES, *extra_packages]))
+    debcache = cache_dir(workdir) / "debian-debs"
+    debcache.mkdir(parents=True, exist_ok=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix="debian-", dir=workdir))
+    try:
+        tree = tmp / "tree"
+        hook = tmp / "capsule-virtio"
+        hook.write_text(INITRAMFS_HOOK.replace("@MODULES@", " ".join(INITRD_MODULES)))
+        hook.chmod(0o755)
+        initrd_list = tmp / "initrd-list.txt"
+        newcache = tmp / "debs"
+        newcache.mkdir()
+        q = shlex.quote
+        cmd: list[str] = [
+            "mmdebstrap",
+            "--mode=root",
+            "--format=directory",
+            "--variant=minbase",
+            "--include=" + ",".join(packages),
+            "--aptopt=Acquire::Languages \"none\"",
+            *(f"--dpkgopt={o}" for o in DPKG_EXCLUDES),
+            "--skip=essential/unlink",
+            # reuse the .debs of the last build
+            f'--setup-hook=mkdir -p "$1/var/cache/apt/archives/partial" && '
+            f'find {q(str(debcache))} -maxdepth 1 -name "*.deb" -exec cp -t "$1/var/cache/apt/archives/" {{}} +',
+            # before the kernel is installed: our initramfs-tools hook, so the first initrd has virtio
+            f'--essential-hook=mkdir -p "$1/etc/initramfs-tools/hooks" && '
+            f'cp {q(str(hook))} "$1/etc/initramfs-tools/hooks/capsule-virtio"',
+            f"--customize-hook=sync-out /var/cache/apt/archives {q(str(newcache))}",
+            f'--customize-hook=chroot "$1" sh -c "lsinitramfs /boot/initrd.img-*" > {q(str(initrd_list))}',
+            SUITE,
+            str(tree),
+            *(str(s) for s in sources),
+        ]
+        say(progress, f"mmdebstrap {SUITE} ({len(packages)} packages asked for) from {len(sources)} apt source file(s)")
+
+        def on_line(line: str) -> None:
+            if line.startswith(("I: ", "E: ", "W: ")):
+                say(progress, "mmdebstrap: " + line)
+
+        run_streaming(
+            cmd,
+            "mmdebstrap",
+            workdir / "mmdebstrap.log",
+            on_line=on_line,
+            hint="check `apt-get update` works on this host and the package names exist in bookworm",
+        )
+        clock.lap("mmdebstrap")
+
+        installed = _installed_packages(tree)
+        # refresh the .deb cache from this build
+        for old in debcache.glob("*.deb"):
+            old.unlink()
+        for deb in newcache.glob("*.deb"):
+            os.replace(deb, debcache / deb.name)
+        _prune_deb_cache(debcache, installed)
+
+        kernels = sorted((tree / "boot").glob("vmlinuz-*"))
+        initrds = sorted((tree / "boot").glob("initrd.img-*"))
+        if len(kernels) != 1 or len(initrds) != 1:
+            raise ImageBuildError(f"expected one kernel and one initrd in /boot, found {kernels} and {initrds}")
+        release = kernels[0].name[len("vmlinuz-") :]
+        listing = initrd_list.read_text() if initrd_list.exists() else ""
+        missing = [m for m in ("virtio_pci", "virtio_blk") if not re.search(rf"/{m}\.ko", listing)]
+        if missing:
+            raise ImageBuildError(f"the initrd lacks {missing}; lsinitramfs said:\n{listing[-2000:]}")
+        kernel = workdir / "vmlinuz"
+        initrd = workdir / "initrd.img"
+        shutil.copyfile(kernels[0], kernel)
+        shutil.copyfile(initrds[0], initrd)
+
+        _configure_tree(tree)
+        tree_bytes = _dir_bytes(tree)
+        clock.lap("configure")
+
+        disk = workdir / "disk.raw"
+        if disk.exists():
+            disk.unlink()
+        say(progress, f"mkfs.ext4 -d ({tree_bytes / 2**20:.0f} MiB of files) into a {disk_size} disk")
+        run(
+            ["mkfs.ext4", "-q", "-F", "-d", tree, "-b", "4096", "-L", DISK_LABEL,
+             "-E", "lazy_itable_init=0,lazy_journal_init=0", disk, disk_size],
+            "make the root file system",
+            hint="is disk_size big enough for the tree?",
+        )
+        clock.lap("mkfs")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    extras = list(extra_packages)
+    say(progress, f"debian image ready in {clock.total():.0f} s")
+    info = {
+        "suite": SUITE,
+        "kernel_release": release,
+        "kernel_package_version": installed.get(f"linux-image-{release}", ""),
+        "packages_requested": packages,
+        "extra_packages": extras,
+        "package_count": len(installed),
+        "packages": {p: installed[p] for p in (*BASE_PACKAGES, *extras) if p in installed},
+        "initrd_has": [m for m in INITRD_MODULES if re.search(rf"/{m}\.ko", listing)],
+        "tree_bytes": tree_bytes,
+        "disk_size": disk_size,
+        "disk_label": DISK_LABEL,
+        "sizes": {
+            "kernel": file_size_info(kernel),
+            "initrd": file_size_info(initrd),
+            "disk_raw": file_size_info(disk),
+        },
+        "build_seconds": clock.total(),
+        "build_steps": clock.laps,
+    }
+    return BuiltImage("debian", kernel, initrd, disk, DEBIAN_CMDLINE, MARKER, info)
+
+

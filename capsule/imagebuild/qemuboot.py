@@ -1,0 +1,220 @@
+"""Boot a built image with plain QEMU (TCG) and talk to its serial console.
+
+Used by the image tests and handy for checking an image by hand:
+
+    with SerialGuest.boot(image, workdir) as g:
+        g.wait_for_marker(timeout=30)
+        out = g.run("dd if=/dev/vda bs=4096 count=1 | md5sum")
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .common import BuiltImage
+
+_ANSI = re.compile(rb"\x1b(\[[0-9;?]*[A-Za-z]|[()][A-Za-z0-9]|[A-Za-z])")
+
+
+class GuestError(Exception):
+    """The guest did not do what was expected; the message has the tail of its console."""
+
+
+class SerialGuest:
+    """A QEMU process whose ttyS0 is a unix socket we read from and type into."""
+
+    def __init__(
+        self,
+        kernel: Path,
+        initrd: Path,
+        disk: Path,
+        cmdline: str,
+        *,
+        memory_mb: int = 256,
+        accel: str = "tcg",
+        extra_args: Sequence[str] = (),
+        snapshot: bool = False,
+        log_path: Path | None = None,
+    ) -> None:
+        self._sockdir = tempfile.mkdtemp(prefix="capsule-serial-")  # short path: sun_path is 108 bytes
+        self.sock_path = os.path.join(self._sockdir, "ttyS0")
+        drive = f"file={disk},format=raw,if=virtio,cache=unsafe"
+        if snapshot:
+            drive += ",snapshot=on"
+        self.argv = [
+            shutil.which("qemu-system-x86_64") or "qemu-system-x86_64",
+            "-accel", accel,
+            "-m", str(memory_mb),
+            "-smp", "1",
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline,
+            "-drive", drive,
+            "-device", "virtio-serial",
+            "-device", "virtio-balloon",
+            "-chardev", f"socket,id=ser0,path={self.sock_path},server=on,wait=on",
+            "-serial", "chardev:ser0",
+            *extra_args,
+        ]  # fmt: skip
+        self.log_path = log_path
+        self._buf = bytearray()
+        self._cond = threading.Condition()
+        self._eof = False
+        self._seq = 0
+        self.started = 0.0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self._reader: threading.Thread | None = None
+
+    @classmethod
+    def boot(cls, image: BuiltImage, **kw: object) -> SerialGuest:
+        guest = cls(image.kernel, image.initrd, image.disk_raw, image.cmdline, **kw)  # type: ignore[arg-type]
+        guest.start()
+        return guest
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self, connect_timeout: float = 20.0) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + connect_timeout
+        while True:
+            if self.proc.poll() is not None:
+                out = self.proc.stdout.read().decode(errors="replace") if self.proc.stdout else ""
+                raise GuestError(f"qemu exited with {self.proc.returncode} before the serial socket:\n{out}")
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(self.sock_path)
+                break
+            except OSError:
+                s.close()
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise GuestError(f"qemu's serial socket {self.sock_path} never came up") from None
+                time.sleep(0.05)
+        self.sock = s
+        self.started = time.monotonic()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True)
+        self._reader.start()
+
+    def _read_loop(self) -> None:
+        assert self.sock is not None
+        log = self.log_path.open("ab") if self.log_path else None
+        try:
+            while True:
+                try:
+                    data = self.sock.recv(65536)
+                except OSError:
+                    data = b""
+                if log is not None and data:
+                    log.write(data)
+                    log.flush()
+                with self._cond:
+                    if not data:
+                        self._eof = True
+                        self._cond.notify_all()
+                        return
+                    self._buf += data
+                    self._cond.notify_all()
+        finally:
+            if log is not None:
+                log.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self._sockdir, ignore_errors=True)
+
+    def __enter__(self) -> SerialGuest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- console -----------------------------------------------------------------------------------
+    @property
+    def output(self) -> str:
+        """Everything the guest printed so far, escape sequences removed."""
+        with self._cond:
+            raw = bytes(self._buf)
+        return _ANSI.sub(b"", raw).decode("utf-8", "replace")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.output.replace("\r", "").splitlines()[-lines:])
+
+    def wait_for(self, pattern: str | re.Pattern[str], timeout: float, start: int = 0) -> re.Match[str]:
+        """Wait until the console output (from character `start`) matches `pattern`."""
+        rx = re.compile(re.escape(pattern)) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                text = _ANSI.sub(b"", bytes(self._buf)).decode("utf-8", "replace")
+                m = rx.search(text, start)
+                if m:
+                    return m
+                left = deadline - time.monotonic()
+                if left <= 0 or self._eof:
+                    why = "the console closed (qemu exited?)" if self._eof else f"{timeout:.0f} s passed"
+                    raise GuestError(
+                        f"waiting for {rx.pattern!r} on the serial console: {why}\n"
+                        f"--- console tail ---\n{self.tail()}"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def wait_for_marker(self, marker: str = "CAPSULE-GUEST-READY", timeout: float = 60.0) -> float:
+        """Wait for the readiness line; return the seconds since QEMU started."""
+        self.wait_for(re.compile(rf"(?m)^{re.escape(marker)}\r?$"), timeout)
+        return time.monotonic() - self.started
+
+    def send(self, text: str) -> None:
+        assert self.sock is not None
+        self.sock.sendall(text.encode())
+
+    def run(self, command: str, timeout: float = 30.0, check: bool = True) -> str:
+        """Type a shell command on the console; return its output (stdout+stderr) without the echo.
+
+        Works with any POSIX shell on the console: the command is bracketed by two echo lines whose
+        text, as typed, differs from what they print, so the echo of the typed line never matches.
+        """
+        self._seq += 1
+        n = self._seq
+        begin, end = f"__CAPSULE_BEGIN_{n}__", f"__CAPSULE_END_{n}__"
+        with self._cond:
+            start = len(_ANSI.sub(b"", bytes(self._buf)).decode("utf-8", "replace"))
+        split = lambda s: f"'{s[:6]}''{s[6:]}'"  # noqa: E731 - '__CAPS''ULE_...' prints as one word
+        self.send(f"echo {split(begin)}; {command}\necho {split(end)}:$?\n")
+        m_end = self.wait_for(re.compile(rf"{end}:(\d+)"), timeout, start)
+        m_begin = self.wait_for(re.compile(rf"{begin}\r?\n"), 0.1, start)
+        body = self.output[m_begin.end() : m_end.start()].replace("\r", "")
+        # cut the echo of the second typed line, and the prompt printed before it
+        body = body.split(f"echo {split(end)}")[0]
+        lines = body.split("\n")
+        if lines and re.fullmatch(r"[^\n]*?[#$>] ?", lines[-1]) and len(lines[-1]) < 80:
+            lines[-1] = re.sub(r"\S*[#$>] ?$", "", lines[-1])
+        while lines and not lines[-1].strip():
+            lines.pop()
+        status = int(m_end.group(1))
+        out = "\n".join(lines)
+        if check and status != 0:
+            raise GuestError(f"`{command}` exited with {status} in the guest:\n{out}")
+        return out

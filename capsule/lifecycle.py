@@ -1,0 +1,328 @@
+"""Running capsules: start (boot or restore on fresh leaves), suspend,
+snapshot and stop. Suspend and stop seal the instance's leaves into layers
+and record a new version in one transaction."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libvirt
+
+from capsule import qemuimg
+from capsule.capsules import resolve
+from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
+from capsule.errors import CapsuleError, Conflict, NotFound, RuntimeFailure, StorageFull
+from capsule.fsutil import is_enospc
+from capsule.runtime import saveimage
+from capsule.runtime.accel import AccelDecision, decide
+from capsule.runtime.connection import connect, lookup_domain
+from capsule.runtime.console import log_size, wait_for_marker
+from capsule.runtime.domainxml import MachineSpec, build, patch_for_restore
+from capsule.store import Store
+
+Say = Callable[[str], None]
+BOOT_TIMEOUT = 180.0
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+@dataclass
+class StartResult:
+    version: VersionRow
+    domain: str
+    mode: str                 # "boot" or "restore"
+    accel: str
+    seconds: float            # until running (restore) or until the marker (boot, when waited for)
+    forked_memory: bool = False
+
+
+@dataclass
+class SealResult:
+    version: VersionRow | None          # None when nothing changed (stop without writes)
+    layers: list[LayerRow] = field(default_factory=list)
+    memory: FileRow | None = None
+    save_seconds: float = 0.0
+    seal_seconds: float = 0.0
+
+
+def accel_for(store: Store) -> AccelDecision:
+    probe = None
+    for img in store.catalogue.images():
+        if img.kind == "tiny":
+            probe = (store.file_path(img.kernel), store.file_path(img.initrd), img.cmdline, img.marker)
+            break
+    return decide(store.home / "accel.json", probe)
+
+
+def _instance_files(store: Store, capsule: str) -> tuple[Path, Path, Path]:
+    d = store.instance_dir(capsule)
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    return d, d / "console.log", d / "agent.sock"
+
+
+def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TIMEOUT,
+          say: Say = _quiet) -> StartResult:
+    """Boot an inactive version or restore an active one, on fresh leaves."""
+    with store.lock():
+        version = resolve(store, ref)
+        cat = store.catalogue
+        name = version.capsule
+        existing = cat.instance(name)
+        if existing is not None:
+            if lookup_domain(existing.domain) is not None:
+                raise Conflict(f"capsule {name!r} is already running (domain {existing.domain})")
+            raise Conflict(f"capsule {name!r} has a stale instance whose domain is gone; "
+                           f"run `capsule stop {name}` to keep its disk changes as a new version")
+        cap = cat.capsule(name)
+        assert cap is not None
+        domain = store.domain_name(name)
+        if lookup_domain(domain) is not None:
+            raise Conflict(f"a libvirt domain named {domain} already exists; remove it with virsh first")
+        decision = accel_for(store)
+        inst_dir, log, agent_sock = _instance_files(store, name)
+        leaves: list[Path] = []
+        try:
+            for chain in version.chains:
+                leaf = store.new_leaf_path()
+                qemuimg.create_leaf(leaf, store.layer_path(chain[-1]))
+                leaves.append(leaf)
+            t0 = time.monotonic()
+            forked = False
+            if version.memory:
+                mode = "restore"
+                say(f"restoring {version.ref} from its memory image")
+                mem = store.file_path(version.memory)
+                header = saveimage.read_header(mem)
+                if saveimage.identity(header.domain_xml) != (domain, cap.uuid):
+                    fork = inst_dir / "memory.save"
+                    saveimage.fork(mem, fork, name=domain, uuid=cap.uuid)
+                    mem, forked = fork, True
+                    header = saveimage.read_header(mem)
+                xml = patch_for_restore(header.domain_xml, name=domain, uuid=cap.uuid, disks=leaves,
+                                        console_log=log, agent_socket=agent_sock)
+                try:
+                    connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(mem),
+                                             libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)
+                except libvirt.libvirtError as exc:
+                    raise RuntimeFailure(f"restoring {version.ref} failed: {exc.get_error_message()}") from exc
+                accel = "kvm" if 'type="kvm"' in xml or "type='kvm'" in xml else "tcg"
+            else:
+                mode = "boot"
+                accel = decision.accel
+                cfg = version.config
+                spec = MachineSpec(name=domain, uuid=cap.uuid, memory_mib=cfg["memory_mib"], vcpus=cfg["vcpus"],
+                                   accel=accel, kernel=store.file_path(cfg["kernel"]),
+                                   initrd=store.file_path(cfg["initrd"]), cmdline=cfg["cmdline"],
+                                   disks=leaves, console_log=log, agent_socket=agent_sock)
+                say(f"booting {version.ref} ({accel})")
+                try:
+                    connect().createXML(build(spec), 0)
+                except libvirt.libvirtError as exc:
+                    raise RuntimeFailure(f"booting {version.ref} failed: {exc.get_error_message()}") from exc
+            inst = InstanceRow(capsule=name, version=version.number, domain=domain,
+                               leaves=[str(p) for p in leaves], chains=version.chains, accel=accel,
+                               dir=str(inst_dir), started=time.time())
+            with cat.transaction():
+                cat.add_instance(inst)
+        except BaseException:
+            dom = lookup_domain(domain)
+            if dom is not None:
+                with contextlib.suppress(libvirt.libvirtError):
+                    dom.destroy()
+            for leaf in leaves:
+                leaf.unlink(missing_ok=True)
+            raise
+    seconds = time.monotonic() - t0
+    if mode == "boot" and wait:
+        say("waiting for the guest to come up")
+        seconds = wait_for_marker(log, version.config["marker"], timeout, domain=domain) + seconds
+    return StartResult(version, domain, mode, accel, seconds, forked)
+
+
+def _running_instance(store: Store, name: str) -> tuple[InstanceRow, libvirt.virDomain]:
+    resolve(store, name)
+    inst = store.catalogue.instance(name)
+    if inst is None:
+        raise Conflict(f"capsule {name!r} is not running (`capsule start {name}`)")
+    dom = lookup_domain(inst.domain)
+    if dom is None:
+        raise Conflict(f"capsule {name!r} has a stale instance whose domain is gone; "
+                       f"`capsule stop {name}` keeps its disk changes")
+    return inst, dom
+
+
+def _seal_leaves(store: Store, inst: InstanceRow, say: Say,
+                 sealed: list[LayerRow] | None = None) -> tuple[list[list[str]], list[LayerRow]]:
+    """Seal every non-empty leaf; an untouched leaf is dropped and its chain
+    kept. ``sealed`` collects each leaf's layer as soon as it is installed."""
+    chains: list[list[str]] = []
+    done: list[LayerRow] = [] if sealed is None else sealed
+    for leaf_s, chain in zip(inst.leaves, inst.chains, strict=True):
+        leaf = Path(leaf_s)
+        say(f"sealing {leaf.name}")
+        row = store.seal_layer(leaf, chain[-1])
+        done.append(row)
+        if row.blocks == 0:
+            chains.append(list(chain))
+        else:
+            chains.append([*chain, row.id])
+    for row in done:
+        if row.blocks == 0 and not any(row.id in c for c in chains):
+            store.layer_path(row.id).unlink(missing_ok=True)
+            store.layer_manifest_path(row.id).unlink(missing_ok=True)
+    return chains, [r for r in done if r.blocks]
+
+
+def _record(store: Store, inst: InstanceRow, chains: list[list[str]], layers: list[LayerRow],
+            memory: FileRow | None, note: str) -> VersionRow:
+    cat = store.catalogue
+    base = cat.version(inst.capsule, inst.version)
+    config = dict(base.config) if base else {}
+    with cat.transaction():
+        number = cat.next_version_number(inst.capsule)
+        version = VersionRow(capsule=inst.capsule, number=number, parent_capsule=inst.capsule,
+                             parent_version=inst.version, memory=memory.id if memory else None,
+                             chains=chains, config=config, note=note, created=time.time())
+        for row in layers:
+            cat.add_layer(row)
+        if memory:
+            cat.add_file(memory)
+        cat.add_version(version)
+        cat.delete_instance(inst.capsule)
+    return version
+
+
+def suspend(store: Store, name: str, *, note: str = "suspended", say: Say = _quiet) -> SealResult:
+    """Save the running capsule (libvirt ``sparse`` format), seal its leaves and
+    record a new active version. On failure the guest keeps running and
+    nothing is recorded."""
+    with store.lock():
+        inst, dom = _running_instance(store, name)
+        tmp = store.temp_path(".save")
+        say("saving memory (sparse)")
+        t0 = time.monotonic()
+        try:
+            dom.saveParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(tmp),
+                            libvirt.VIR_DOMAIN_SAVE_PARAM_IMAGE_FORMAT: "sparse"}, 0)
+        except libvirt.libvirtError as exc:
+            tmp.unlink(missing_ok=True)
+            msg = exc.get_error_message()
+            if is_enospc(exc):
+                raise StorageFull(f"suspending {name}: the store's file system is full ({msg}); "
+                                  "the capsule keeps running and nothing was recorded") from exc
+            raise RuntimeFailure(f"suspending {name} failed: {msg}; the capsule keeps running") from exc
+        save_seconds = time.monotonic() - t0
+        t1 = time.monotonic()
+        memory: FileRow | None = None
+        sealed: list[LayerRow] = []
+        try:
+            say("sealing memory image")
+            memory = store.seal_file(tmp, "memory")
+            chains, layers = _seal_leaves(store, inst, say, sealed)
+            version = _record(store, inst, chains, layers, memory, note)
+        except BaseException:
+            image = tmp if tmp.exists() else (store.file_path(memory.id) if memory else None)
+            _resume_after_failed_seal(store, inst, image, sealed)
+            raise
+        shutil.rmtree(inst.dir, ignore_errors=True)
+        return SealResult(version, layers, memory, save_seconds, time.monotonic() - t1)
+
+
+def _resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | None,
+                              sealed: list[LayerRow]) -> None:
+    """Sealing failed after libvirt saved the guest: bring the guest back from
+    its memory image on its own disks (a leaf already sealed gets a fresh leaf
+    on top), so the instance goes on as if the suspend had not been asked."""
+    if image is None:
+        return
+    disks: list[Path] = []
+    try:
+        for i, leaf_s in enumerate(inst.leaves):
+            leaf = Path(leaf_s)
+            if not leaf.exists():
+                if i >= len(sealed):
+                    return
+                leaf = store.new_leaf_path()
+                qemuimg.create_leaf(leaf, store.layer_path(sealed[i].id))
+            disks.append(leaf)
+        header = saveimage.read_header(image)
+        name, uuid = saveimage.identity(header.domain_xml)
+        xml = patch_for_restore(header.domain_xml, name=name, uuid=uuid, disks=disks,
+                                console_log=Path(inst.dir) / "console.log",
+                                agent_socket=Path(inst.dir) / "agent.sock")
+        connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(image),
+                                 libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)
+        if [str(d) for d in disks] != inst.leaves:
+            chains = [[*c, sealed[i].id] if str(disks[i]) != inst.leaves[i] else c
+                      for i, c in enumerate(inst.chains)]
+            with store.catalogue.transaction():
+                store.catalogue.delete_instance(inst.capsule)
+                inst.leaves, inst.chains = [str(d) for d in disks], chains
+                store.catalogue.add_instance(inst)
+                for row in sealed:
+                    store.catalogue.add_layer(row)
+    except (libvirt.libvirtError, CapsuleError, OSError):
+        return
+    if image.parent == store.tmp_dir:
+        image.unlink(missing_ok=True)
+
+
+def snapshot(store: Store, name: str, *, say: Say = _quiet) -> tuple[SealResult, StartResult]:
+    """Suspend, then immediately resume on a new leaf: the guest keeps running."""
+    with store.lock():
+        sealed = suspend(store, name, note="snapshot", say=say)
+        assert sealed.version is not None
+        resumed = start(store, sealed.version.ref, wait=False, say=say)
+    return sealed, resumed
+
+
+def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False, say: Say = _quiet) -> SealResult:
+    """Shut the guest down (forced after ``timeout``), then keep its disk
+    changes as a new inactive version."""
+    with store.lock():
+        resolve(store, name)
+        inst = store.catalogue.instance(name)
+        if inst is None:
+            raise Conflict(f"capsule {name!r} is not running")
+        dom = lookup_domain(inst.domain)
+        if dom is not None:
+            if not force:
+                say("asking the guest to shut down")
+                with contextlib.suppress(libvirt.libvirtError):
+                    dom.shutdown()
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline and lookup_domain(inst.domain) is not None:
+                    time.sleep(0.2)
+            if lookup_domain(inst.domain) is not None:
+                say("forcing the guest off")
+                with contextlib.suppress(libvirt.libvirtError):
+                    dom.destroy()
+        t1 = time.monotonic()
+        chains, layers = _seal_leaves(store, inst, say)
+        if layers:
+            version: VersionRow | None = _record(store, inst, chains, layers, None, "stopped")
+        else:
+            with store.catalogue.transaction():
+                store.catalogue.delete_instance(name)
+            version = None
+        shutil.rmtree(inst.dir, ignore_errors=True)
+        return SealResult(version, layers, None, 0.0, time.monotonic() - t1)
+
+
+def console_log(store: Store, name: str) -> Path:
+    inst = store.catalogue.instance(name)
+    if inst is None:
+        raise NotFound(f"capsule {name!r} is not running")
+    return Path(inst.dir) / "console.log"
+
+
+__all__ = ["StartResult", "SealResult", "start", "suspend", "snapshot", "stop", "console_log", "log_size"]

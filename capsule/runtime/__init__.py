@@ -1,0 +1,1 @@
+"""The libvirt runtime: connection, domain XML, accelerator probe, console."""

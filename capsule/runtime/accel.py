@@ -1,0 +1,93 @@
+"""Deciding between KVM and TCG by a real probe boot.
+
+/dev/kvm may exist and KVM_CREATE_VM may succeed while KVM guests never run
+(the vCPU spins). The only trustworthy test is to boot a tiny guest under KVM
+and see it print its marker. The result is cached per host boot."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import libvirt
+
+from capsule.errors import CapsuleError
+from capsule.runtime.connection import connect, lookup_domain
+from capsule.runtime.console import wait_for_marker
+from capsule.runtime.domainxml import MachineSpec, build
+
+PROBE_TIMEOUT = 20.0
+
+
+@dataclass
+class AccelDecision:
+    accel: str      # "kvm" or "tcg"
+    reason: str
+    boot_id: str
+    probed_at: float
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str, timeout: float = PROBE_TIMEOUT) -> tuple[bool, str]:
+    """Boot the tiny guest under KVM; True only if it prints its marker in time."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "/dev/kvm does not exist"
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is not accessible"
+    name = f"capsule-kvm-probe-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="capsule-probe-") as tmp:
+        log = Path(tmp) / "console.log"
+        spec = MachineSpec(name=name, uuid=str(uuid.uuid4()), memory_mib=128, vcpus=1, accel="kvm",
+                           kernel=kernel, initrd=initrd, cmdline=cmdline, disks=[], console_log=log,
+                           agent_socket=Path(tmp) / "agent.sock")
+        start = time.monotonic()
+        try:
+            dom = connect().createXML(build(spec), 0)
+        except libvirt.libvirtError as exc:
+            return False, f"libvirt cannot start a KVM guest: {exc.get_error_message()}"
+        try:
+            wait_for_marker(log, marker, timeout, domain=name)
+            return True, f"a KVM probe guest booted in {time.monotonic() - start:.1f}s"
+        except CapsuleError:
+            return False, f"a KVM probe guest did not boot within {timeout:.0f}s (KVM present but not working)"
+        finally:
+            if lookup_domain(name) is not None:
+                try:
+                    dom.destroy()
+                except libvirt.libvirtError:
+                    pass
+
+
+def decide(cache: Path, probe_image: tuple[Path, Path, str, str] | None, refresh: bool = False) -> AccelDecision:
+    """KVM or TCG for this host. ``CAPSULE_ACCEL=tcg|kvm`` forces a choice."""
+    forced = os.environ.get("CAPSULE_ACCEL")
+    if forced in ("tcg", "kvm"):
+        return AccelDecision(forced, "forced by CAPSULE_ACCEL", _boot_id(), time.time())
+    boot = _boot_id()
+    if cache.exists() and not refresh:
+        try:
+            cached = AccelDecision(**json.loads(cache.read_text()))
+            if cached.boot_id == boot:
+                return cached
+        except (ValueError, TypeError):
+            pass
+    if probe_image is None:
+        decision = AccelDecision("tcg", "no probe image yet (capsule image build tiny) - using TCG", boot, time.time())
+        return decision  # not cached: probe once the image exists
+    ok, why = probe_kvm(*probe_image)
+    decision = AccelDecision("kvm" if ok else "tcg", why, boot, time.time())
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(decision)))
+    os.replace(tmp, cache)
+    return decision

@@ -1,0 +1,53 @@
+"""Opening the libvirt connection."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import libvirt
+
+from capsule.errors import EnvironmentProblem
+
+
+def libvirt_uri() -> str:
+    env = os.environ.get("CAPSULE_LIBVIRT_URI")
+    if env:
+        return env
+    return "qemu:///system" if os.geteuid() == 0 else "qemu:///session"
+
+
+def _quiet(_ctx: object, _err: object) -> None:
+    """libvirt prints every error to stderr by default; we raise typed errors instead."""
+
+
+@lru_cache(maxsize=4)
+def _open(uri: str) -> libvirt.virConnect:
+    libvirt.registerErrorHandler(_quiet, None)
+    try:
+        return libvirt.open(uri)
+    except libvirt.libvirtError as exc:
+        raise EnvironmentProblem(
+            f"cannot connect to libvirt at {uri}: {exc.get_error_message()}. "
+            "Is libvirtd running? (`make setup` starts it; `capsule doctor` checks)"
+        ) from exc
+
+
+def connect() -> libvirt.virConnect:
+    conn = _open(libvirt_uri())
+    try:
+        if conn.isAlive():
+            return conn
+    except libvirt.libvirtError:
+        pass
+    _open.cache_clear()
+    return _open(libvirt_uri())
+
+
+def lookup_domain(name: str) -> libvirt.virDomain | None:
+    try:
+        return connect().lookupByName(name)
+    except libvirt.libvirtError as exc:
+        if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+            return None
+        raise

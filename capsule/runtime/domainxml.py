@@ -1,0 +1,106 @@
+"""libvirt domain XML for a capsule instance, and patching the XML embedded
+in a memory image so it restores onto a fresh leaf layer."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+AGENT_CHANNEL = "org.capsule.agent.0"
+
+
+@dataclass
+class MachineSpec:
+    name: str            # libvirt domain name
+    uuid: str
+    memory_mib: int
+    vcpus: int
+    accel: str           # "kvm" or "tcg"
+    kernel: Path
+    initrd: Path
+    cmdline: str
+    disks: list[Path]    # leaf layers, vda, vdb, …
+    console_log: Path
+    agent_socket: Path
+
+
+def _disk_target(i: int) -> str:
+    return "vd" + chr(ord("a") + i)
+
+
+def build(spec: MachineSpec) -> str:
+    dom = ET.Element("domain", type="kvm" if spec.accel == "kvm" else "qemu")
+    ET.SubElement(dom, "name").text = spec.name
+    ET.SubElement(dom, "uuid").text = spec.uuid
+    ET.SubElement(dom, "memory", unit="MiB").text = str(spec.memory_mib)
+    ET.SubElement(dom, "currentMemory", unit="MiB").text = str(spec.memory_mib)
+    ET.SubElement(dom, "vcpu").text = str(spec.vcpus)
+    os_el = ET.SubElement(dom, "os")
+    ET.SubElement(os_el, "type", arch="x86_64", machine="pc").text = "hvm"
+    ET.SubElement(os_el, "kernel").text = str(spec.kernel)
+    ET.SubElement(os_el, "initrd").text = str(spec.initrd)
+    ET.SubElement(os_el, "cmdline").text = spec.cmdline
+    features = ET.SubElement(dom, "features")
+    ET.SubElement(features, "acpi")
+    cpu = ET.SubElement(dom, "cpu", mode="custom", match="exact")
+    # a named, host-independent model keeps memory images portable between hosts
+    ET.SubElement(cpu, "model", fallback="allow").text = "qemu64"
+    ET.SubElement(dom, "on_poweroff").text = "destroy"
+    ET.SubElement(dom, "on_reboot").text = "restart"
+    ET.SubElement(dom, "on_crash").text = "destroy"
+    devices = ET.SubElement(dom, "devices")
+    for i, disk in enumerate(spec.disks):
+        d = ET.SubElement(devices, "disk", type="file", device="disk")
+        ET.SubElement(d, "driver", name="qemu", type="qcow2", cache="writeback",
+                      error_policy="stop", rerror_policy="stop", discard="unmap")
+        ET.SubElement(d, "source", file=str(disk))
+        ET.SubElement(d, "target", dev=_disk_target(i), bus="virtio")
+    serial = ET.SubElement(devices, "serial", type="pty")
+    ET.SubElement(serial, "log", file=str(spec.console_log), append="on")
+    ET.SubElement(serial, "target", port="0")
+    console = ET.SubElement(devices, "console", type="pty")
+    ET.SubElement(console, "target", type="serial", port="0")
+    ET.SubElement(devices, "controller", type="virtio-serial", index="0")
+    channel = ET.SubElement(devices, "channel", type="unix")
+    ET.SubElement(channel, "source", mode="bind", path=str(spec.agent_socket))
+    ET.SubElement(channel, "target", type="virtio", name=AGENT_CHANNEL)
+    balloon = ET.SubElement(devices, "memballoon", model="virtio", freePageReporting="on")
+    ET.SubElement(balloon, "stats", period="0")
+    return ET.tostring(dom, encoding="unicode")
+
+
+def patch_for_restore(saved_xml: str, *, name: str, uuid: str, disks: list[Path], console_log: Path,
+                      agent_socket: Path) -> str:
+    """Point the XML saved inside a memory image at this instance's leaves,
+    console log and agent socket, under this capsule's domain name and uuid."""
+    dom = ET.fromstring(saved_xml)
+    _set_text(dom, "name", name)
+    _set_text(dom, "uuid", uuid)
+    disk_els = [d for d in dom.findall("./devices/disk") if d.get("device") == "disk"]
+    if len(disk_els) != len(disks):
+        raise ValueError(f"memory image has {len(disk_els)} disks, the version has {len(disks)}")
+    for el, path in zip(disk_els, disks, strict=True):
+        src = el.find("source")
+        if src is None:
+            src = ET.SubElement(el, "source")
+        src.attrib.clear()
+        src.set("file", str(path))
+        for child in list(el):
+            if child.tag == "backingStore":
+                el.remove(child)
+    for log in dom.findall("./devices/serial/log"):
+        log.set("file", str(console_log))
+    for ch in dom.findall("./devices/channel"):
+        tgt = ch.find("target")
+        src = ch.find("source")
+        if tgt is not None and tgt.get("name") == AGENT_CHANNEL and src is not None:
+            src.set("path", str(agent_socket))
+    return ET.tostring(dom, encoding="unicode")
+
+
+def _set_text(root: ET.Element, tag: str, text: str) -> None:
+    el = root.find(tag)
+    if el is None:
+        el = ET.SubElement(root, tag)
+    el.text = text

@@ -1,0 +1,221 @@
+"""A host's store: the directory that holds sealed layers, file objects
+(memory images, kernels, initrds), instance leaves and the catalogue.
+
+Layout (all under ``home``)::
+
+    store.json                 store id and format
+    catalogue.sqlite           the catalogue (see catalogue.py)
+    layers/<id>.qcow2          sealed layers, read-only, named by manifest digest
+    layers/<id>.manifest
+    layers/leaf-<uuid>.qcow2   private leaves of running instances (writable)
+    files/<id>                 sealed memory images, kernels and initrds
+    files/<id>.manifest
+    instances/<capsule>/       console log and scratch of a running instance
+    tmp/                       temporary files, renamed into place when complete
+
+Sealed layers reference their parent by the relative file name
+``<parent-id>.qcow2``, so a layer file is the same on every host.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from capsule.catalogue import Catalogue, FileRow, LayerRow
+from capsule.errors import IntegrityError, NotFound, SealedObjectError
+from capsule.fsutil import disk_usage, install_readonly, translating_enospc
+from capsule.names import check_object_id
+from hashcache.errors import HashcacheError
+from hashcache.manifest import Manifest, manifest_of_file, manifest_of_layer
+
+STORE_FORMAT = 1
+Progress = Callable[[int, int], None] | None
+
+
+def default_home() -> Path:
+    env = os.environ.get("CAPSULE_HOME")
+    if env:
+        return Path(env).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "capsule"
+
+
+class Store:
+    """One host's store. Open with ``Store.open(home)``; creates it if missing."""
+
+    def __init__(self, home: Path, store_id: str, catalogue: Catalogue) -> None:
+        self.home = home
+        self.id = store_id
+        self.catalogue = catalogue
+        self.layers_dir = home / "layers"
+        self.files_dir = home / "files"
+        self.instances_dir = home / "instances"
+        self.tmp_dir = home / "tmp"
+
+    @classmethod
+    def open(cls, home: Path | None = None) -> Store:
+        home = (home or default_home()).absolute()
+        home.mkdir(parents=True, exist_ok=True)
+        for sub in ("layers", "files", "instances", "tmp"):
+            (home / sub).mkdir(exist_ok=True)
+        meta_path = home / "store.json"
+        if meta_path.exists():
+            try:
+                meta = json.loads(meta_path.read_text())
+                store_id = meta["id"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise IntegrityError(f"{meta_path} is unreadable ({exc}); the store cannot be used") from exc
+        else:
+            store_id = secrets.token_hex(4)
+            tmp = meta_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"id": store_id, "format": STORE_FORMAT, "created": time.time()}))
+            os.rename(tmp, meta_path)
+        return cls(home, store_id, Catalogue(home / "catalogue.sqlite"))
+
+    def close(self) -> None:
+        self.catalogue.close()
+
+    # -- locking ------------------------------------------------------------
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive lock for changes to the store (re-entrant per process)."""
+        if getattr(self, "_lock_depth", 0):
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+            return
+        fd = os.open(self.home / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._lock_depth = 1
+            try:
+                yield
+            finally:
+                self._lock_depth = 0
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    # -- paths ----------------------------------------------------------------
+    def layer_path(self, layer_id: str) -> Path:
+        return self.layers_dir / f"{check_object_id(layer_id, 'layer')}.qcow2"
+
+    def layer_manifest_path(self, layer_id: str) -> Path:
+        return self.layers_dir / f"{check_object_id(layer_id, 'layer')}.manifest"
+
+    def file_path(self, file_id: str) -> Path:
+        return self.files_dir / check_object_id(file_id, "file")
+
+    def file_manifest_path(self, file_id: str) -> Path:
+        return self.files_dir / f"{check_object_id(file_id, 'file')}.manifest"
+
+    def new_leaf_path(self) -> Path:
+        return self.layers_dir / f"leaf-{uuid.uuid4().hex}.qcow2"
+
+    def temp_path(self, suffix: str = "") -> Path:
+        return self.tmp_dir / f"{uuid.uuid4().hex}{suffix}"
+
+    def instance_dir(self, capsule: str) -> Path:
+        return self.instances_dir / capsule
+
+    def domain_name(self, capsule: str) -> str:
+        """libvirt domain names are unique per store: several stores may share one libvirtd."""
+        return f"capsule-{self.id}-{capsule}"
+
+    def is_sealed(self, path: Path) -> bool:
+        """True for any sealed layer or file object of this store."""
+        path = path.absolute()
+        if path.parent == self.files_dir:
+            return True
+        return path.parent == self.layers_dir and not path.name.startswith("leaf-")
+
+    def assert_mutable(self, path: Path) -> None:
+        if self.is_sealed(path):
+            raise SealedObjectError(f"{path.name} is a sealed object of this store and never changes")
+
+    # -- objects --------------------------------------------------------------
+    def layer_manifest(self, layer_id: str) -> Manifest:
+        path = self.layer_manifest_path(layer_id)
+        if not path.exists():
+            raise NotFound(f"layer {layer_id[:12]} has no manifest in this store")
+        try:
+            return Manifest.read(path)
+        except HashcacheError as exc:
+            raise IntegrityError(f"layer {layer_id[:12]}: {exc}") from exc
+
+    def file_manifest(self, file_id: str) -> Manifest:
+        path = self.file_manifest_path(file_id)
+        if not path.exists():
+            raise NotFound(f"file object {file_id[:12]} has no manifest in this store")
+        try:
+            return Manifest.read(path)
+        except HashcacheError as exc:
+            raise IntegrityError(f"file object {file_id[:12]}: {exc}") from exc
+
+    def seal_layer(self, leaf: Path, parent: str | None, progress: Progress = None) -> LayerRow:
+        """Hash ``leaf`` (whose backing is ``parent``), install it read-only as
+        ``layers/<digest>.qcow2`` with its manifest, and return its catalogue row
+        (not yet recorded: the caller records it in its transaction)."""
+        self.assert_mutable(leaf)
+        with translating_enospc(f"sealing layer {leaf.name}"):
+            try:
+                manifest = manifest_of_layer(leaf, parent, progress=progress)
+            except HashcacheError as exc:
+                raise IntegrityError(f"cannot seal {leaf.name}: {exc}") from exc
+            layer_id = manifest.digest
+            manifest_path = self.layer_manifest_path(layer_id)
+            if not manifest_path.exists():
+                manifest.write(manifest_path)
+            file_size = disk_usage(leaf)
+            install_readonly(leaf, self.layer_path(layer_id))
+        return LayerRow(
+            id=layer_id,
+            parent=parent,
+            virtual_size=manifest.size,
+            file_size=file_size,
+            stored_bytes=manifest.stored_bytes,
+            blocks=len(manifest),
+            created=time.time(),
+        )
+
+    def seal_file(self, path: Path, role: str, progress: Progress = None) -> FileRow:
+        """Hash a finished file (a memory image, kernel or initrd), install it
+        read-only as ``files/<digest>`` with its manifest; return its row."""
+        with translating_enospc(f"sealing {role} {path.name}"):
+            manifest = manifest_of_file(path, progress=progress)
+            file_id = manifest.digest
+            manifest_path = self.file_manifest_path(file_id)
+            if not manifest_path.exists():
+                manifest.write(manifest_path)
+            size = path.stat().st_size
+            allocated = disk_usage(path)
+            install_readonly(path, self.file_path(file_id))
+        return FileRow(
+            id=file_id,
+            role=role,
+            size=size,
+            allocated=allocated,
+            stored_bytes=manifest.stored_bytes,
+            created=time.time(),
+        )
+
+    def clean_tmp(self, older_than: float = 3600.0) -> int:
+        """Remove leftovers of interrupted operations from tmp/."""
+        removed = 0
+        now = time.time()
+        for p in self.tmp_dir.iterdir():
+            with suppress(FileNotFoundError):
+                if now - p.stat().st_mtime > older_than:
+                    p.unlink()
+                    removed += 1
+        return removed

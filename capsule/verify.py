@@ -1,0 +1,70 @@
+"""``capsule verify``: re-check every sealed layer and file object against
+its manifest, and every layer with ``qemu-img check``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from capsule import qemuimg
+from capsule.errors import CapsuleError
+from capsule.store import Store
+from hashcache.errors import HashcacheError
+from hashcache.manifest import verify_file, verify_layer
+
+
+@dataclass
+class Problem:
+    kind: str        # "layer" | "memory" | "kernel" | "initrd"
+    id: str
+    error: str
+
+
+@dataclass
+class VerifyReport:
+    checked_layers: int = 0
+    checked_files: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(store: Store, progress: Callable[[str], None] = lambda _m: None) -> VerifyReport:
+    report = VerifyReport()
+    cat = store.catalogue
+    for row in cat.layers():
+        progress(f"layer {row.id[:12]}")
+        report.checked_layers += 1
+        path = store.layer_path(row.id)
+        try:
+            if not path.exists():
+                raise CapsuleError("the layer file is missing")
+            manifest = store.layer_manifest(row.id)
+            if manifest.digest != row.id:
+                raise CapsuleError(f"its manifest names {manifest.digest[:12]}, not this layer")
+            if manifest.parent != row.parent:
+                raise CapsuleError("its manifest names another parent than the catalogue")
+            qemuimg.check(path)
+            backing = qemuimg.info(path).get("backing-filename")
+            expected = f"{row.parent}.qcow2" if row.parent else None
+            if backing != expected:
+                raise CapsuleError(f"its qcow2 header points at {backing!r}, expected {expected!r}")
+            verify_layer(path, manifest, f"layer {row.id[:12]}")
+        except (CapsuleError, HashcacheError) as exc:
+            report.problems.append(Problem("layer", row.id, str(exc)))
+    for frow in cat.files():
+        progress(f"{frow.role} {frow.id[:12]}")
+        report.checked_files += 1
+        path = store.file_path(frow.id)
+        try:
+            if not path.exists():
+                raise CapsuleError("the file is missing")
+            manifest = store.file_manifest(frow.id)
+            if manifest.digest != frow.id:
+                raise CapsuleError(f"its manifest names {manifest.digest[:12]}, not this object")
+            verify_file(path, manifest, f"{frow.role} {frow.id[:12]}")
+        except (CapsuleError, HashcacheError) as exc:
+            report.problems.append(Problem(frow.role, frow.id, str(exc)))
+    return report

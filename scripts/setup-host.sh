@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Install everything Capsule needs on a Debian bookworm host (run as root).
+# Idempotent: a second run only checks and skips.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+stamp_dir="$here/.setup"
+mkdir -p "$stamp_dir"
+log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
+
+need_root() {
+  if [ "$(id -u)" != 0 ]; then
+    echo "setup-host.sh must run as root (it installs Debian packages and starts libvirtd)" >&2
+    exit 1
+  fi
+}
+
+# --- apt sources: bookworm-backports, reusing the machine's own Debian URI ---
+add_backports() {
+  if grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null; then
+    return
+  fi
+  local uri=""
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    # deb822: first URIs: of a stanza whose Suites: contains plain "bookworm"
+    uri=$(awk '
+      /^URIs:/ {u=$2}
+      /^Suites:/ { for (i=2;i<=NF;i++) if ($i=="bookworm") {print u; exit} }
+      /^$/ {u=""}' "$f")
+    [ -n "$uri" ] && break
+  done
+  if [ -z "$uri" ]; then
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+      [ -f "$f" ] || continue
+      uri=$(awk '$1=="deb" && $3=="bookworm" {print $2; exit}' "$f")
+      [ -n "$uri" ] && break
+    done
+  fi
+  if [ -z "$uri" ]; then
+    echo "cannot find a Debian bookworm apt source to derive bookworm-backports from" >&2
+    exit 1
+  fi
+  log "adding bookworm-backports (from $uri)"
+  cat > /etc/apt/sources.list.d/capsule-backports.sources <<EOT
+Types: deb
+URIs: $uri
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOT
+  rm -f "$stamp_dir/apt-updated"
+}
+
+pkg_ok() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+install_packages() {
+  local base=(mmdebstrap zstd e2fsprogs busybox-static cpio python3-venv python3-dev
+              pkg-config gcc make iproute2 rsync socat dnsmasq-base
+              ovmf kmod ca-certificates)
+  local bpo=(qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-daemon libvirt-clients
+             libvirt-dev nbdkit nbdkit-plugin-python)
+  local missing_base=() missing_bpo=()
+  for p in "${base[@]}"; do pkg_ok "$p" || missing_base+=("$p"); done
+  for p in "${bpo[@]}"; do pkg_ok "$p" || missing_bpo+=("$p"); done
+  # QEMU and libvirt must come from backports (QEMU >= 10, libvirt >= 11.3)
+  if pkg_ok qemu-system-x86; then
+    local qv; qv=$(dpkg-query -W -f='${Version}' qemu-system-x86)
+    dpkg --compare-versions "$qv" ge 1:10 || missing_bpo+=(qemu-system-x86 qemu-utils)
+  fi
+  if pkg_ok libvirt-daemon; then
+    local lv; lv=$(dpkg-query -W -f='${Version}' libvirt-daemon)
+    dpkg --compare-versions "$lv" ge 11.3 || missing_bpo+=(libvirt-daemon-system libvirt-daemon libvirt-clients libvirt-dev)
+  fi
+  if [ ${#missing_base[@]} -eq 0 ] && [ ${#missing_bpo[@]} -eq 0 ]; then
+    return
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  if [ ! -f "$stamp_dir/apt-updated" ]; then
+    log "apt-get update"
+    apt-get update -q
+    touch "$stamp_dir/apt-updated"
+  fi
+  if [ ${#missing_base[@]} -gt 0 ]; then
+    log "installing ${missing_base[*]}"
+    apt-get install -y -q --no-install-recommends "${missing_base[@]}"
+  fi
+  if [ ${#missing_bpo[@]} -gt 0 ]; then
+    log "installing from bookworm-backports: ${missing_bpo[*]}"
+    apt-get install -y -q --no-install-recommends -t bookworm-backports "${missing_bpo[@]}"
+  fi
+}
+
+configure_libvirt() {
+  # Capsule stores live wherever CAPSULE_HOME points (by default under root's
+  # home); QEMU must be able to open every layer and memory image there, so the
+  # system QEMU driver runs guests as root.
+  local conf=/etc/libvirt/qemu.conf
+  if ! grep -q "^# capsule: run guests as root" "$conf"; then
+    log "configuring libvirt's QEMU driver (user/group root)"
+    printf '\n# capsule: run guests as root so they can open store files anywhere\nuser = "root"\ngroup = "root"\n' >> "$conf"
+    if pgrep -x libvirtd >/dev/null; then
+      pkill -x libvirtd || true
+      for _ in $(seq 1 50); do pgrep -x libvirtd >/dev/null || break; sleep 0.1; done
+    fi
+  fi
+}
+
+start_daemons() {
+  if ! pgrep -x virtlogd >/dev/null; then
+    log "starting virtlogd"
+    setsid virtlogd -d
+  fi
+  if ! pgrep -x libvirtd >/dev/null; then
+    log "starting libvirtd"
+    setsid libvirtd -d
+  fi
+  for _ in $(seq 1 50); do
+    virsh -c qemu:///system version >/dev/null 2>&1 && return
+    sleep 0.2
+  done
+  echo "libvirtd did not answer on qemu:///system" >&2
+  exit 1
+}
+
+need_root
+add_backports
+install_packages
+configure_libvirt
+start_daemons
+log "host ready"
