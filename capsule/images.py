@@ -92,3 +92,48 @@ def _install(store: Store, name: str, kind: str, built: BuiltImage, build_second
 
 def list_images(store: Store) -> list[ImageRow]:
     return store.catalogue.images()
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if dst.exists():
+        return
+    tmp = dst.with_name(dst.name + ".importing")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        tmp.chmod(0o444)
+    os.rename(tmp, dst)
+
+
+def import_image(src: Store, dst: Store, name: str) -> ImageRow:
+    """Copy image ``name`` (its sealed objects, hard-linked when both stores
+    share a file system) from another store on this machine."""
+    check_name(name, "image")
+    row = src.catalogue.image(name)
+    if row is None:
+        raise InvalidName(f"store {src.home} has no image {name!r}")
+    existing = dst.catalogue.image(name)
+    if existing is not None:
+        if existing.root_layer != row.root_layer:
+            raise AlreadyExists(f"this store already has a different image named {name!r}")
+        return existing
+    with dst.lock():
+        layer = src.catalogue.layer(row.root_layer)
+        files = [src.catalogue.file(fid) for fid in (row.kernel, row.initrd)]
+        if layer is None or None in files:
+            raise RuntimeFailure(f"image {name!r} in {src.home} is incomplete")
+        _link_or_copy(src.layer_manifest_path(layer.id), dst.layer_manifest_path(layer.id))
+        _link_or_copy(src.layer_path(layer.id), dst.layer_path(layer.id))
+        for f in files:
+            assert f is not None
+            _link_or_copy(src.file_manifest_path(f.id), dst.file_manifest_path(f.id))
+            _link_or_copy(src.file_path(f.id), dst.file_path(f.id))
+        with dst.catalogue.transaction():
+            dst.catalogue.add_layer(layer)
+            for f in files:
+                assert f is not None
+                dst.catalogue.add_file(f)
+            dst.catalogue.add_image(row)
+        return row

@@ -101,10 +101,7 @@ class Qcow2Image:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise CorruptImageError(f"{self.path}: cannot open image: {e.strerror}") from e
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)  # OSError (e.g. missing) propagates
         try:
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode):

@@ -28,6 +28,7 @@ from .common import (
 SUITE = "bookworm"
 DISK_LABEL = "capsule-root"
 HOSTNAME = "capsule-guest"
+FSTAB_ROOT = "/dev/vda / ext4 defaults 0 1"
 BASE_PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -131,7 +132,8 @@ def host_apt_sources() -> list[Path]:
             keep.append(f)
     if not keep:
         raise ImageBuildError(
-            f"no apt source for Debian {SUITE} on this host (looked at {', '.join(map(str, files)) or 'nothing'})"
+            f"no apt source for Debian {SUITE} on this host "
+            f"(looked at {', '.join(map(str, files)) or 'nothing'}); configure apt for {SUITE} first"
         )
     return keep
 
@@ -146,8 +148,11 @@ def _configure_tree(root: Path) -> None:
     """Capsule's settings, written straight into the unpacked tree (after mmdebstrap finished)."""
     etc = root / "etc"
     _write(etc / "hostname", HOSTNAME + "\n")
-    _write(etc / "hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n")
-    _write(etc / "fstab", "# <device> <mount point> <type> <options> <dump> <pass>\n/dev/vda / ext4 defaults 0 1\n")
+    _write(
+        etc / "hosts",
+        f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    )
+    _write(etc / "fstab", "# <device> <mount point> <type> <options> <dump> <pass>\n" + FSTAB_ROOT + "\n")
     # no leftovers of the build host: resolver and identity
     resolv = etc / "resolv.conf"
     if resolv.is_symlink() or resolv.exists():
@@ -200,7 +205,13 @@ def _prune_deb_cache(debs: Path, installed: dict[str, str]) -> None:
 
 def _installed_packages(root: Path) -> dict[str, str]:
     out = run(
-        ["dpkg-query", f"--admindir={root / 'var/lib/dpkg'}", "-W", "-f", "${Package} ${Version} ${Status}\n"],
+        [
+            "dpkg-query",
+            f"--admindir={root / 'var/lib/dpkg'}",
+            "-W",
+            "-f",
+            "${Package} ${Version} ${Status}\n",
+        ],
         "list installed packages",
     ).stdout.decode()
     pkgs = {}
@@ -242,7 +253,8 @@ def build_debian(
             raise ImageBuildError(f"{tool} not found: install the Debian package {pkg}")
     if not re.fullmatch(r"\d+[KMGT]?", disk_size):
         raise ImageBuildError(f"disk_size {disk_size!r}: use a number with an optional K/M/G/T suffix")
-    bad = [p for p in extra_packages if not re.fullmatch(r"[a-z0-9][a-z0-9+.\-]*(:[a-z0-9]+)?(=[\w.+~:-]+)?", p)]
+    pkg_rx = re.compile(r"[a-z0-9][a-z0-9+.\-]*(:[a-z0-9]+)?(=[\w.+~:-]+)?")
+    bad = [p for p in extra_packages if not pkg_rx.fullmatch(p)]
     if bad:
         raise ImageBuildError(f"not Debian package names: {bad}")
     clock = Stopwatch()
@@ -267,12 +279,12 @@ def build_debian(
             "--format=directory",
             "--variant=minbase",
             "--include=" + ",".join(packages),
-            "--aptopt=Acquire::Languages \"none\"",
+            '--aptopt=Acquire::Languages "none"',
             *(f"--dpkgopt={o}" for o in DPKG_EXCLUDES),
             "--skip=essential/unlink",
             # reuse the .debs of the last build
-            f'--setup-hook=mkdir -p "$1/var/cache/apt/archives/partial" && '
-            f'find {q(str(debcache))} -maxdepth 1 -name "*.deb" -exec cp -t "$1/var/cache/apt/archives/" {{}} +',
+            f'--setup-hook=mkdir -p "$1/var/cache/apt/archives/partial" && find {q(str(debcache))} '
+            '-maxdepth 1 -name "*.deb" -exec cp -t "$1/var/cache/apt/archives/" {} +',
             # before the kernel is installed: our initramfs-tools hook, so the first initrd has virtio
             f'--essential-hook=mkdir -p "$1/etc/initramfs-tools/hooks" && '
             f'cp {q(str(hook))} "$1/etc/initramfs-tools/hooks/capsule-virtio"',
@@ -282,7 +294,10 @@ def build_debian(
             str(tree),
             *(str(s) for s in sources),
         ]
-        say(progress, f"mmdebstrap {SUITE} ({len(packages)} packages asked for) from {len(sources)} apt source file(s)")
+        say(
+            progress,
+            f"mmdebstrap {SUITE}: {len(packages)} packages asked for, {len(sources)} apt source file(s)",
+        )
 
         def on_line(line: str) -> None:
             if line.startswith(("I: ", "E: ", "W: ")):
@@ -308,7 +323,7 @@ def build_debian(
         kernels = sorted((tree / "boot").glob("vmlinuz-*"))
         initrds = sorted((tree / "boot").glob("initrd.img-*"))
         if len(kernels) != 1 or len(initrds) != 1:
-            raise ImageBuildError(f"expected one kernel and one initrd in /boot, found {kernels} and {initrds}")
+            raise ImageBuildError(f"expected one kernel and one initrd in /boot, not {kernels} and {initrds}")
         release = kernels[0].name[len("vmlinuz-") :]
         listing = initrd_list.read_text() if initrd_list.exists() else ""
         missing = [m for m in ("virtio_pci", "virtio_blk") if not re.search(rf"/{m}\.ko", listing)]
@@ -328,8 +343,21 @@ def build_debian(
             disk.unlink()
         say(progress, f"mkfs.ext4 -d ({tree_bytes / 2**20:.0f} MiB of files) into a {disk_size} disk")
         run(
-            ["mkfs.ext4", "-q", "-F", "-d", tree, "-b", "4096", "-L", DISK_LABEL,
-             "-E", "lazy_itable_init=0,lazy_journal_init=0", disk, disk_size],
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-d",
+                tree,
+                "-b",
+                "4096",
+                "-L",
+                DISK_LABEL,
+                "-E",
+                "lazy_itable_init=0,lazy_journal_init=0",
+                disk,
+                disk_size,
+            ],
             "make the root file system",
             hint="is disk_size big enough for the tree?",
         )
@@ -360,5 +388,3 @@ def build_debian(
         "build_steps": clock.laps,
     }
     return BuiltImage("debian", kernel, initrd, disk, DEBIAN_CMDLINE, MARKER, info)
-
-

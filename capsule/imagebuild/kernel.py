@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import lzma
 import os
@@ -65,10 +66,8 @@ def fetch_kernel_deb(cache: Path, progress: Progress | None = None) -> KernelDeb
     say(progress, f"downloading {pkg} {version}")
     with tempfile.TemporaryDirectory(prefix=".dl-", dir=cache) as tmp:
         # apt drops privileges to _apt for downloads when it can write the directory
-        try:
+        with contextlib.suppress(LookupError, OSError):
             shutil.chown(tmp, user="_apt")
-        except (LookupError, PermissionError, OSError):
-            pass
         run(["apt-get", "download", f"{pkg}={version}"], f"download {pkg}", cwd=Path(tmp), hint=_APT_HINT)
         debs = list(Path(tmp).glob("*.deb"))
         if len(debs) != 1:

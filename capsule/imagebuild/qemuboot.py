@@ -9,6 +9,7 @@ Used by the image tests and handy for checking an image by hand:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -130,10 +131,8 @@ class SerialGuest:
 
     def close(self, timeout: float = 10.0) -> None:
         if self.sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -186,15 +185,35 @@ class SerialGuest:
         self.wait_for(re.compile(rf"(?m)^{re.escape(marker)}\r?$"), timeout)
         return time.monotonic() - self.started
 
+    def wait_for_shell(self, timeout: float = 30.0) -> float:
+        """Wait until a shell answers on the console; return the seconds since QEMU started.
+
+        The marker can come a moment before the shell reads input (and a getty may flush what was
+        typed before it started), so probe with `true` until one answers.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.run("true", timeout=max(0.5, min(3.0, left)))
+                return time.monotonic() - self.started
+            except GuestError:
+                if left <= 0 or self._eof:
+                    raise
+
     def send(self, text: str) -> None:
         assert self.sock is not None
         self.sock.sendall(text.encode())
 
     def run(self, command: str, timeout: float = 30.0, check: bool = True) -> str:
-        """Type a shell command on the console; return its output (stdout+stderr) without the echo.
+        """Type a shell command on the console; return its output (stdout+stderr), minus the echo.
 
-        Works with any POSIX shell on the console: the command is bracketed by two echo lines whose
-        text, as typed, differs from what they print, so the echo of the typed line never matches.
+        Works with any POSIX shell on the console. What is typed is
+            echo '__CAPS''ULE_BEGIN_n__'; { COMMAND
+            }; echo '__CAPS''ULE_END_n__':$?
+        The shell reads both lines (echoing them, printing its PS2) before it runs anything, so
+        everything between the printed BEGIN and END lines is the command's own output; the typed
+        text never matches the printed markers thanks to the quotes.
         """
         self._seq += 1
         n = self._seq
@@ -202,19 +221,11 @@ class SerialGuest:
         with self._cond:
             start = len(_ANSI.sub(b"", bytes(self._buf)).decode("utf-8", "replace"))
         split = lambda s: f"'{s[:6]}''{s[6:]}'"  # noqa: E731 - '__CAPS''ULE_...' prints as one word
-        self.send(f"echo {split(begin)}; {command}\necho {split(end)}:$?\n")
+        self.send(f"echo {split(begin)}; {{ {command}\n}}; echo {split(end)}:$?\n")
         m_end = self.wait_for(re.compile(rf"{end}:(\d+)"), timeout, start)
         m_begin = self.wait_for(re.compile(rf"{begin}\r?\n"), 0.1, start)
-        body = self.output[m_begin.end() : m_end.start()].replace("\r", "")
-        # cut the echo of the second typed line, and the prompt printed before it
-        body = body.split(f"echo {split(end)}")[0]
-        lines = body.split("\n")
-        if lines and re.fullmatch(r"[^\n]*?[#$>] ?", lines[-1]) and len(lines[-1]) < 80:
-            lines[-1] = re.sub(r"\S*[#$>] ?$", "", lines[-1])
-        while lines and not lines[-1].strip():
-            lines.pop()
+        out = self.output[m_begin.end() : m_end.start()].replace("\r", "").rstrip("\n")
         status = int(m_end.group(1))
-        out = "\n".join(lines)
         if check and status != 0:
             raise GuestError(f"`{command}` exited with {status} in the guest:\n{out}")
         return out

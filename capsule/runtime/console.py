@@ -3,15 +3,18 @@ log, and a scriptable session over libvirt's console stream."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import secrets
+import select
 import time
+import tty
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import libvirt
-
 from capsule.errors import GuestTimeout, RuntimeFailure
-from capsule.runtime.connection import connect, lookup_domain
+from capsule.runtime.connection import lookup_domain
 
 
 def log_size(path: Path) -> int:
@@ -44,21 +47,25 @@ def wait_for_marker(log: Path, marker: str, timeout: float, offset: int = 0, dom
 
 class ConsoleSession:
     """Run shell commands on a guest's serial console (tiny guest's root shell,
-    Debian's autologin getty). For tests and scripted demos."""
+    Debian's autologin getty), through the console's host pty. For tests and
+    scripted demos."""
 
     def __init__(self, domain: str) -> None:
         dom = lookup_domain(domain)
         if dom is None:
             raise RuntimeFailure(f"domain {domain} is not running")
-        self.stream = connect().newStream(libvirt.VIR_STREAM_NONBLOCK)
-        dom.openConsole(None, self.stream, libvirt.VIR_DOMAIN_CONSOLE_FORCE)
+        root = ET.fromstring(dom.XMLDesc(0))
+        src = root.find("./devices/serial/source")
+        path = src.get("path") if src is not None else None
+        if not path:
+            raise RuntimeFailure(f"domain {domain} has no serial console pty")
+        self.fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+        tty.setraw(self.fd)
         self.buffer = b""
 
     def close(self) -> None:
-        try:
-            self.stream.finish()
-        except libvirt.libvirtError:
-            pass
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
     def __enter__(self) -> ConsoleSession:
         return self
@@ -66,45 +73,55 @@ class ConsoleSession:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _recv(self) -> bool:
-        try:
-            data = self.stream.recv(65536)
-        except libvirt.libvirtError as exc:
-            raise RuntimeFailure(f"console stream failed: {exc}") from exc
-        if data == -2 or not data:
+    def _recv(self, wait: float = 0.05) -> bool:
+        ready, _, _ = select.select([self.fd], [], [], wait)
+        if not ready:
             return False
-        self.buffer += data if isinstance(data, bytes) else bytes(data)
-        return True
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise RuntimeFailure(f"console closed: {exc}") from exc
+        self.buffer += data
+        return bool(data)
 
     def send(self, text: str) -> None:
         payload = text.encode()
         while payload:
-            n = self.stream.send(payload)
-            if n == -2:
+            try:
+                n = os.write(self.fd, payload)
+            except BlockingIOError:
                 time.sleep(0.01)
                 continue
             payload = payload[n:]
 
+    def drain(self, quiet: float = 0.3) -> None:
+        """Read whatever the guest printed until it is quiet for ``quiet`` seconds."""
+        while self._recv(quiet):
+            pass
+        self.buffer = b""
+
     def run(self, command: str, timeout: float = 30.0) -> str:
         """Run ``command`` in the guest shell and return its output."""
         tag = secrets.token_hex(4)
-        self.buffer = b""
+        self.drain(0.05)
         # The echoed command line contains 'E''ND', the output 'END': only the output matches.
-        self.send(f"{command}; echo __CAPS_E''ND_{tag}_$?__\n")
+        self.send(f"{command}\necho __CAPS_E''ND_{tag}_$?__\n")
         pattern = re.compile(rb"__CAPS_END_" + tag.encode() + rb"_(\d+)__")
         deadline = time.monotonic() + timeout
         while True:
             m = pattern.search(self.buffer)
             if m:
                 out = self.buffer[: m.start()].decode("utf-8", "replace")
-                # drop the echoed command line
                 lines = out.replace("\r", "").split("\n")
-                body = [ln for ln in lines if f"E''ND_{tag}" not in ln]
+                echoed = set(command.split("\n"))
+                body = [ln for ln in lines if f"E''ND_{tag}" not in ln
+                        and ln.lstrip("#$> ").strip() not in echoed]
                 status = int(m.group(1))
                 if status != 0:
                     raise RuntimeFailure(f"guest command failed ({status}): {command}\n" + "\n".join(body))
                 return "\n".join(body).strip()
             if time.monotonic() > deadline:
                 raise GuestTimeout(f"guest command did not finish in {timeout:.0f}s: {command}")
-            if not self._recv():
-                time.sleep(0.02)
+            self._recv()
