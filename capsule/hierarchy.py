@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,16 +37,33 @@ def _copy_layer(store: Store, layer_id: str) -> Any:
     return tmp
 
 
-def _protected_layers(store: Store) -> set[str]:
+def _protected_layers(store: Store, without: Collection[tuple[str, int]] = ()) -> set[str]:
     """Layers that must not be folded away: chain tops, image roots, and every
-    layer a running instance's leaves stand on."""
+    layer a running instance's leaves stand on (ignoring versions ``without``)."""
     cat = store.catalogue
     keep = {img.root_layer for img in cat.images()}
     for v in cat.versions():
-        keep.update(chain[-1] for chain in v.chains)
+        if (v.capsule, v.number) not in without:
+            keep.update(chain[-1] for chain in v.chains)
     for inst in cat.instances():
         keep.update(lid for chain in inst.chains for lid in chain)
     return keep
+
+
+def _foldable(store: Store, owned: set[str], without: set[tuple[str, int]]) -> dict[str, list[VersionRow]]:
+    """Layers of ``owned`` that remaining versions build on without any of
+    them ending there: deleting their owner means folding them into those
+    dependants. Maps layer id → dependant versions."""
+    protected = _protected_layers(store, without)
+    out: dict[str, list[VersionRow]] = {}
+    for v in store.catalogue.versions():
+        if (v.capsule, v.number) in without:
+            continue
+        for chain in v.chains:
+            for lid in chain[:-1]:
+                if lid in owned and lid not in protected:
+                    out.setdefault(lid, []).append(v)
+    return out
 
 
 def _fold(store: Store, parent_id: str, children: set[str], say: Say) -> dict[str, str]:
@@ -153,11 +170,13 @@ class RmResult:
     gc: GcResult
 
 
-def rm(store: Store, ref: str, *, say: Say = lambda _m: None) -> RmResult:
-    """Delete a capsule (``NAME``) or one version (``NAME@V``). Refused while the
-    capsule runs that version. Layers the deleted versions owned that others
-    still build on are folded into those dependants first, then unreferenced
-    objects are collected."""
+def rm(store: Store, ref: str, *, promote_dependants: bool = False, say: Say = lambda _m: None) -> RmResult:
+    """Delete a capsule (``NAME``) or one version (``NAME@V``), then collect
+    what nothing references any more. Refused while the capsule runs that
+    version. Versions that build on layers only the deleted ones end in
+    (dependants) are refused too, unless ``promote_dependants``: then those
+    layers are first folded into the dependants (§4.2), which stay
+    byte-identical."""
     r = parse_ref(ref)
     with store.lock():
         cat = store.catalogue
@@ -165,35 +184,28 @@ def rm(store: Store, ref: str, *, say: Say = lambda _m: None) -> RmResult:
         victims = cat.versions(r.name) if r.version is None else [target]
         inst = cat.instance(r.name)
         if inst is not None and (r.version is None or inst.version == r.version):
-            raise Conflict(f"capsule {r.name!r} is running{'' if r.version is None else f' {target.ref}'}; "
-                           f"stop or suspend it first")
+            what = f"capsule {r.name!r} is running" + ("" if r.version is None else f" {target.ref}")
+            raise Conflict(f"{what}; stop or suspend it first")
+        without = {(v.capsule, v.number) for v in victims}
         owned = {lid for v in victims for lid in v.layer_ids()}
+        foldable = _foldable(store, owned, without)
+        if foldable and not promote_dependants:
+            deps = sorted({v.ref for vs in foldable.values() for v in vs})
+            raise Conflict(f"{', '.join(sorted(x.ref for x in victims))}: {', '.join(deps)} build on its layers; "
+                           "rerun with --promote to fold those layers into them first")
         with cat.transaction():
             for v in victims:
                 cat.delete_version(v.capsule, v.number)
             if not cat.versions(r.name) and inst is None:
                 cat.delete_capsule(r.name)
         promoted = 0
-        while True:
-            protected = _protected_layers(store)
-            todo = None
-            for v in cat.versions():
-                for chain in v.chains:
-                    for i, lid in enumerate(chain[:-1]):
-                        if lid in owned and lid not in protected:
-                            todo = lid
-                            break
-                    if todo:
-                        break
-                if todo:
-                    break
-            if todo is None:
-                break
+        while foldable:
+            layer = next(iter(foldable))
             children = {chain[i + 1] for v in cat.versions() for chain in v.chains
-                        for i, lid in enumerate(chain[:-1]) if lid == todo}
-            promoted += len(_fold(store, todo, children, say))
-        result = gc(store)
-        return RmResult([v.ref for v in victims], promoted, result)
+                        for i, lid in enumerate(chain[:-1]) if lid == layer}
+            promoted += len(_fold(store, layer, children, say))
+            foldable = _foldable(store, owned, set())
+        return RmResult([v.ref for v in victims], promoted, gc(store))
 
 
 def referenced(store: Store) -> tuple[set[str], set[str]]:

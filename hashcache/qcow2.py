@@ -21,7 +21,7 @@ import enum
 import os
 import stat
 import struct
-from collections import OrderedDict
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -97,7 +97,12 @@ class BlockRun:
 
 
 class Qcow2Image:
-    """One qcow2 file opened read-only. Use as a context manager, or call :meth:`close`."""
+    """One qcow2 file opened read-only. Use as a context manager, or call :meth:`close`.
+
+    Reads use pread, so one instance may serve several threads. OSErrors from the operating
+    system (missing file, EIO) propagate unchanged; problems with the image's content raise
+    CorruptImageError / UnsupportedImageError.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -107,7 +112,8 @@ class Qcow2Image:
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptImageError(f"{self.path}: not a regular file")
             self.file_size = st.st_size
-            self._l2_cache: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+            self._l2_cache: dict[int, tuple[int, ...]] = {}
+            self._l2_lock = threading.Lock()
             self._parse_header()
             self._l1 = self._read_l1()
         except BaseException:
@@ -153,10 +159,7 @@ class Qcow2Image:
         chunks = []
         done = 0
         while done < length:
-            try:
-                chunk = os.pread(self._fd, length - done, offset + done)
-            except OSError as e:
-                raise CorruptImageError(f"{self.path}: cannot read {what}: {e.strerror}") from e
+            chunk = os.pread(self._fd, length - done, offset + done)
             if not chunk:
                 raise self._corrupt(f"{what} at offset {offset:#x}: file shrank while reading")
             chunks.append(chunk)
@@ -174,10 +177,7 @@ class Qcow2Image:
             raise ValueError(f"{self.path}: image is closed")
         done = 0
         while done < length:
-            try:
-                n = os.preadv(self._fd, [view[done:]], offset + done)
-            except OSError as e:
-                raise CorruptImageError(f"{self.path}: cannot read {what}: {e.strerror}") from e
+            n = os.preadv(self._fd, [view[done:]], offset + done)
             if n == 0:
                 raise self._corrupt(f"{what} at offset {offset:#x}: file shrank while reading")
             done += n
@@ -419,18 +419,19 @@ class Qcow2Image:
 
     def _l2_table(self, l1_index: int) -> tuple[int, ...] | None:
         """The raw u64 words of one L2 table (pairs for extended L2), or None if unallocated."""
-        cached = self._l2_cache.get(l1_index)
+        with self._l2_lock:
+            cached = self._l2_cache.get(l1_index)
         if cached is not None:
-            self._l2_cache.move_to_end(l1_index)
             return cached
         offset = self._l2_offset(l1_index)
         if not offset:
             return None
         raw = self._pread(offset, self.cluster_size, f"L2 table {l1_index}")
         words = struct.unpack(f">{self.cluster_size // 8}Q", raw)
-        self._l2_cache[l1_index] = words
-        if len(self._l2_cache) > _L2_CACHE_TABLES:
-            self._l2_cache.popitem(last=False)
+        with self._l2_lock:
+            if len(self._l2_cache) >= _L2_CACHE_TABLES:
+                del self._l2_cache[next(iter(self._l2_cache))]  # oldest inserted
+            self._l2_cache[l1_index] = words
         return words
 
     # -- mapping -----------------------------------------------------------------------------------

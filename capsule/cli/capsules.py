@@ -160,13 +160,18 @@ def promote(
 
 def rm(
     ref: Annotated[str, typer.Argument(help="NAME (the whole capsule) or NAME@V (one version).")],
+    promote_dependants: Annotated[bool, typer.Option(
+        "--promote", help="Fold the removed layers into versions that build on them, then remove.")] = False,
     json: JsonOpt = False,
 ) -> None:
-    """Delete a capsule or one version. Dependants are promoted first; refused while running."""
+    """Delete a capsule or one version, then collect unreferenced objects.
+
+    Refused while running, and while other versions build on its layers unless
+    --promote folds those layers into them first (they stay byte-identical)."""
     json_flag(json)
     store = open_store()
     with progress("removing") as say:
-        r = hierarchy.rm(store, ref, say=say)
+        r = hierarchy.rm(store, ref, promote_dependants=promote_dependants, say=say)
     emit({"removed": r.removed, "promoted_layers": r.promoted, "gc": asdict(r.gc)},
          lambda: console.print(f"removed {', '.join(r.removed)}; {r.promoted} dependant layer(s) promoted; "
                                f"freed {human(r.gc.freed_bytes)}"))

@@ -62,9 +62,13 @@ class ConsoleSession:
         self.fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
         tty.setraw(self.fd)
         self.buffer = b""
+        # a quiet shell: no echo of what we type, no prompt in the output
+        self.send("\nstty -echo; PS1=''\n")
+        self.drain(0.3)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
+            self.send("stty echo; PS1='# '\n")
             os.close(self.fd)
 
     def __enter__(self) -> ConsoleSession:
@@ -106,22 +110,21 @@ class ConsoleSession:
         """Run ``command`` in the guest shell and return its output."""
         tag = secrets.token_hex(4)
         self.drain(0.05)
-        # The echoed command line contains 'E''ND', the output 'END': only the output matches.
-        self.send(f"{command}\necho __CAPS_E''ND_{tag}_$?__\n")
+        # The echoed command line holds B''EGIN and E''ND; only the output holds the joined markers.
+        self.send(f"echo __CAPS_B''EGIN_{tag}__\n{command}\necho __CAPS_E''ND_{tag}_$?__\n")
+        begin = f"__CAPS_BEGIN_{tag}__".encode()
         pattern = re.compile(rb"__CAPS_END_" + tag.encode() + rb"_(\d+)__")
         deadline = time.monotonic() + timeout
         while True:
             m = pattern.search(self.buffer)
-            if m:
-                out = self.buffer[: m.start()].decode("utf-8", "replace")
-                lines = out.replace("\r", "").split("\n")
-                echoed = set(command.split("\n"))
-                body = [ln for ln in lines if f"E''ND_{tag}" not in ln
-                        and ln.lstrip("#$> ").strip() not in echoed]
+            b = self.buffer.find(begin)
+            if m and 0 <= b < m.start():
+                out = self.buffer[b + len(begin): m.start()].decode("utf-8", "replace")
+                lines = [ln for ln in out.replace("\r", "").split("\n") if f"E''ND_{tag}" not in ln]
                 status = int(m.group(1))
                 if status != 0:
-                    raise RuntimeFailure(f"guest command failed ({status}): {command}\n" + "\n".join(body))
-                return "\n".join(body).strip()
+                    raise RuntimeFailure(f"guest command failed ({status}): {command}\n" + "\n".join(lines))
+                return "\n".join(lines).strip()
             if time.monotonic() > deadline:
                 raise GuestTimeout(f"guest command did not finish in {timeout:.0f}s: {command}")
             self._recv()
