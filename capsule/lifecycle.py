@@ -16,7 +16,7 @@ import libvirt
 from capsule import qemuimg
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
-from capsule.errors import CapsuleError, Conflict, NotFound, RuntimeFailure, StorageFull
+from capsule.errors import CapsuleError, Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
 from capsule.fsutil import is_enospc
 from capsule.runtime import saveimage
 from capsule.runtime.accel import AccelDecision, decide
@@ -24,6 +24,9 @@ from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import log_size, wait_for_marker
 from capsule.runtime.domainxml import MachineSpec, build, patch_for_restore
 from capsule.store import Store
+from hashcache.errors import HashcacheError
+from hashcache.manifest import verify_file
+from hashcache.qcow2 import Qcow2Image
 
 Say = Callable[[str], None]
 BOOT_TIMEOUT = 180.0
@@ -69,6 +72,30 @@ def _instance_files(store: Store, capsule: str) -> tuple[Path, Path, Path]:
     return d, d / "console.log", d / "agent.sock"
 
 
+def _check_objects(store: Store, version: VersionRow) -> None:
+    """Refuse to start from a corrupt layer header or a tampered memory image
+    (a memory image is re-hashed: cheap next to restoring it)."""
+    for chain in version.chains:
+        for lid in chain:
+            path = store.layer_path(lid)
+            if not path.exists():
+                raise IntegrityError(f"layer {lid[:12]} of {version.ref} is missing from the store")
+            try:
+                with Qcow2Image(path):
+                    pass
+            except (HashcacheError, OSError) as exc:
+                raise IntegrityError(f"layer {lid[:12]} of {version.ref} is corrupt ({exc}); "
+                                     "`capsule verify` checks the whole store") from exc
+    if version.memory:
+        path = store.file_path(version.memory)
+        if not path.exists():
+            raise IntegrityError(f"the memory image of {version.ref} is missing from the store")
+        try:
+            verify_file(path, store.file_manifest(version.memory), f"memory image {version.memory[:12]}")
+        except HashcacheError as exc:
+            raise IntegrityError(f"{version.ref} will not be restored: {exc}") from exc
+
+
 def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TIMEOUT,
           say: Say = _quiet) -> StartResult:
     """Boot an inactive version or restore an active one, on fresh leaves."""
@@ -89,6 +116,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
             raise Conflict(f"a libvirt domain named {domain} already exists; remove it with virsh first")
         decision = accel_for(store)
         inst_dir, log, agent_sock = _instance_files(store, name)
+        _check_objects(store, version)
         leaves: list[Path] = []
         try:
             for chain in version.chains:
