@@ -57,7 +57,7 @@ def _at_least(text: str | None, minimum: tuple[int, ...]) -> bool:
     return found >= minimum
 
 
-def doctor(store: Store | None, probe: bool = True) -> DoctorReport:
+def doctor(store: Store | None, probe: bool = True, reprobe: bool = False) -> DoctorReport:
     report = DoctorReport()
     tools = [
         ("qemu-system-x86_64", ["qemu-system-x86_64", "--version"], (10, 0)),
@@ -91,6 +91,6 @@ def doctor(store: Store | None, probe: bool = True) -> DoctorReport:
         if probe and all(c.ok for c in report.checks if c.name == "libvirt"):
             from capsule.lifecycle import accel_for
 
-            decision = accel_for(store)
+            decision = accel_for(store, refresh=reprobe)
             report.accel, report.accel_reason = decision.accel, decision.reason
     return report

@@ -19,7 +19,7 @@ from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import CapsuleError, Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
 from capsule.fsutil import is_enospc
 from capsule.runtime import saveimage
-from capsule.runtime.accel import AccelDecision, decide
+from capsule.runtime.accel import AccelDecision, decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import log_size, wait_for_marker
 from capsule.runtime.domainxml import MachineSpec, build, patch_for_restore
@@ -55,13 +55,13 @@ class SealResult:
     seal_seconds: float = 0.0
 
 
-def accel_for(store: Store) -> AccelDecision:
+def accel_for(store: Store, refresh: bool = False) -> AccelDecision:
     probe = None
     for img in store.catalogue.images():
         if img.kind == "tiny":
             probe = (store.file_path(img.kernel), store.file_path(img.initrd), img.cmdline, img.marker)
             break
-    return decide(store.home / "accel.json", probe)
+    return decide(default_cache(), probe, refresh=refresh)
 
 
 def _instance_files(store: Store, capsule: str) -> tuple[Path, Path, Path]:

@@ -212,6 +212,8 @@ def verify(json: JsonOpt = False) -> None:
 
 def doctor(
     no_probe: Annotated[bool, typer.Option("--no-probe", help="Skip the KVM probe boot.")] = False,
+    reprobe: Annotated[bool, typer.Option("--reprobe", help="Probe KVM again instead of using the "
+                                                            "verdict cached for this host boot.")] = False,
     json: JsonOpt = False,
 ) -> None:
     """Check the host: tools and versions, libvirt, and KVM vs TCG (with the reason)."""
@@ -220,7 +222,7 @@ def doctor(
         store = open_store()
     except Exception:  # noqa: BLE001 - doctor reports, never fails on the store
         store = None
-    report = run_doctor(store, probe=not no_probe)
+    report = run_doctor(store, probe=not no_probe, reprobe=reprobe)
 
     def human_view() -> None:
         for c in report.checks:

@@ -182,7 +182,7 @@ class SerialGuest:
 
     def wait_for_marker(self, marker: str = "CAPSULE-GUEST-READY", timeout: float = 60.0) -> float:
         """Wait for the readiness line; return the seconds since QEMU started."""
-        self.wait_for(re.compile(rf"(?m)^{re.escape(marker)}\r?$"), timeout)
+        self.wait_for(re.compile(rf"(?m)^\r*{re.escape(marker)}\r*$"), timeout)
         return time.monotonic() - self.started
 
     def wait_for_shell(self, timeout: float = 30.0) -> float:

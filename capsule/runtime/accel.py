@@ -69,6 +69,12 @@ def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str, timeout: fl
                     pass
 
 
+def default_cache() -> Path:
+    """The probe's verdict is per host (and per host boot), not per store."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "capsule" / "accel.json"
+
+
 def decide(cache: Path, probe_image: tuple[Path, Path, str, str] | None, refresh: bool = False) -> AccelDecision:
     """KVM or TCG for this host. ``CAPSULE_ACCEL=tcg|kvm`` forces a choice."""
     forced = os.environ.get("CAPSULE_ACCEL")
@@ -87,7 +93,8 @@ def decide(cache: Path, probe_image: tuple[Path, Path, str, str] | None, refresh
         return decision  # not cached: probe once the image exists
     ok, why = probe_kvm(*probe_image)
     decision = AccelDecision("kvm" if ok else "tcg", why, boot, time.time())
-    tmp = cache.with_suffix(".tmp")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(decision)))
     os.replace(tmp, cache)
     return decision

@@ -43,9 +43,12 @@ def build(spec: MachineSpec) -> str:
     ET.SubElement(os_el, "cmdline").text = spec.cmdline
     features = ET.SubElement(dom, "features")
     ET.SubElement(features, "acpi")
-    cpu = ET.SubElement(dom, "cpu", mode="custom", match="exact")
-    # a named, host-independent model keeps memory images portable between hosts
-    ET.SubElement(cpu, "model", fallback="allow").text = "qemu64"
+    if spec.accel == "kvm":
+        ET.SubElement(dom, "cpu", mode="host-model")
+    else:
+        # a named, host-independent model keeps TCG memory images portable between hosts
+        cpu = ET.SubElement(dom, "cpu", mode="custom", match="exact")
+        ET.SubElement(cpu, "model", fallback="allow").text = "qemu64"
     ET.SubElement(dom, "on_poweroff").text = "destroy"
     ET.SubElement(dom, "on_reboot").text = "restart"
     ET.SubElement(dom, "on_crash").text = "destroy"

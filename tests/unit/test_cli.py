@@ -1,0 +1,54 @@
+"""The CLI maps typed errors to exit codes and prints JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def capsule(home, *args):
+    env = dict(os.environ, CAPSULE_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "capsule.cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_help_teaches(tmp_path):
+    r = capsule(tmp_path, "--help")
+    assert r.returncode == 0
+    for verb in ("create", "derive", "start", "suspend", "snapshot", "promote", "verify", "tree", "image"):
+        assert verb in r.stdout
+
+
+@pytest.mark.parametrize(("args", "code", "needle"), [
+    (["show", "nope"], 3, "no capsule named 'nope'"),
+    (["show", "bad name"], 2, "invalid capsule name"),
+    (["show", "x@0"], 2, "invalid version"),
+    (["rm", "../../etc"], 2, "invalid capsule name"),
+    (["create", "c", "--image", "missing"], 3, "no image named 'missing'"),
+    (["create", "c", "--image", "../x"], 2, "invalid image name"),
+    (["create", "c", "--image", "x", "--memory", "lots"], 2, "invalid size"),
+    (["start", "ghost"], 3, "no capsule named 'ghost'"),
+    (["suspend", "ghost"], 3, "no capsule named 'ghost'"),
+    (["image", "build", "windows", "w"], 2, "unknown image kind"),
+])
+def test_errors_have_exit_codes_and_messages(tmp_path, args, code, needle):
+    r = capsule(tmp_path, *args)
+    assert r.returncode == code, r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_json_output(tmp_path):
+    r = capsule(tmp_path, "ls", "--json")
+    assert r.returncode == 0
+    assert json.loads(r.stdout) == []
+    r = capsule(tmp_path, "--json", "gc")
+    assert json.loads(r.stdout)["freed_bytes"] == 0
+    r = capsule(tmp_path, "verify", "--json")
+    assert json.loads(r.stdout) == {"ok": True, "layers": 0, "files": 0, "problems": []}
