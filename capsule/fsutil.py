@@ -6,7 +6,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from capsule.errors import StorageFull
@@ -44,10 +44,8 @@ def install_readonly(src: Path, dst: Path) -> bool:
 
 def remove_readonly(path: Path) -> None:
     """Delete a sealed object file (used by gc and rm only)."""
-    try:
+    with suppress(FileNotFoundError):
         path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def disk_usage(path: Path) -> int:

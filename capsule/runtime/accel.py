@@ -6,6 +6,7 @@ and see it print its marker. The result is cached per host boot."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -39,7 +40,8 @@ def _boot_id() -> str:
         return "unknown"
 
 
-def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str, timeout: float = PROBE_TIMEOUT) -> tuple[bool, str]:
+def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str,
+              timeout: float = PROBE_TIMEOUT) -> tuple[bool, str]:
     """Boot the tiny guest under KVM; True only if it prints its marker in time."""
     if not os.path.exists("/dev/kvm"):
         return False, "/dev/kvm does not exist"
@@ -63,10 +65,8 @@ def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str, timeout: fl
             return False, f"a KVM probe guest did not boot within {timeout:.0f}s (KVM present but not working)"
         finally:
             if lookup_domain(name) is not None:
-                try:
+                with contextlib.suppress(libvirt.libvirtError):
                     dom.destroy()
-                except libvirt.libvirtError:
-                    pass
 
 
 def default_cache() -> Path:
