@@ -45,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         progress("booting with qemu -accel tcg")
         try:
             with SerialGuest.boot(img, snapshot=True, log_path=args.workdir / "boot-console.log") as guest:
-                result["boot_seconds_to_marker"] = round(
-                    guest.wait_for_marker(img.marker, args.boot_timeout), 2
-                )
+                result["boot_seconds_to_marker"] = round(guest.wait_for_marker(img.marker, args.boot_timeout), 2)
                 result["boot_seconds_to_shell"] = round(guest.wait_for_shell(60), 2)
                 result["guest_uname"] = guest.run("uname -a")
         except GuestError as exc:

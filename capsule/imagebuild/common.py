@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -107,14 +108,24 @@ def run_streaming(
             f"{what}: cannot run {args[0]!r}: not installed or not on PATH" + (f" ({hint})" if hint else "")
         ) from exc
     assert proc.stdout is not None
-    with log_path.open("w", encoding="utf-8") as log:
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            log.write(line + "\n")
-            last.append(line)
-            if on_line is not None:
-                on_line(line)
-    rc = proc.wait()
+    try:
+        with log_path.open("w", encoding="utf-8") as log:
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                log.write(line + "\n")
+                last.append(line)
+                if on_line is not None:
+                    on_line(line)
+        rc = proc.wait()
+    except BaseException:
+        # let the tool clean up (mmdebstrap unmounts /proc, /sys, /dev in its chroot) before we go on
+        proc.terminate()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
     if rc != 0:
         raise ImageBuildError(
             f"{what}: `{shlex.join(args)}` exited with status {rc} (full log: {log_path})"
@@ -156,3 +167,29 @@ class Stopwatch:
 
     def total(self) -> float:
         return round(time.monotonic() - self.t0, 2)
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below path (from /proc/self/mountinfo), deepest first."""
+    base = os.path.realpath(path)
+    found = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        mp = line.split()[4].encode().decode("unicode_escape")
+        if mp == base or mp.startswith(base.rstrip("/") + "/"):
+            found.append(mp)
+    return sorted(found, key=len, reverse=True)
+
+
+def safe_rmtree(path: Path) -> None:
+    """Remove a work directory, but never through a mount left behind inside it (e.g. a chroot's /dev)."""
+    left = mounts_under(path)
+    for mp in left:
+        subprocess.run(["umount", "--lazy", mp], capture_output=True, check=False)
+    left = mounts_under(path)
+    if left:
+        raise ImageBuildError(f"not removing {path}: still mounted inside it: {', '.join(left)}; unmount by hand")
+    shutil.rmtree(path, ignore_errors=True)

@@ -74,9 +74,7 @@ class CpioWriter:
         return bytes(out)
 
 
-def _append(
-    out: bytearray, name: str, mode: int, data: bytes, ino: int, nlink: int, rdev: tuple[int, int]
-) -> None:
+def _append(out: bytearray, name: str, mode: int, data: bytes, ino: int, nlink: int, rdev: tuple[int, int]) -> None:
     encoded = name.encode() + b"\0"
     fields = (ino, mode, 0, 0, nlink, 0, len(data), 0, 0, rdev[0], rdev[1], len(encoded), 0)
     out += b"070701" + b"".join(b"%08X" % f for f in fields)

@@ -175,8 +175,7 @@ class SerialGuest:
                 if left <= 0 or self._eof:
                     why = "the console closed (qemu exited?)" if self._eof else f"{timeout:.0f} s passed"
                     raise GuestError(
-                        f"waiting for {rx.pattern!r} on the serial console: {why}\n"
-                        f"--- console tail ---\n{self.tail()}"
+                        f"waiting for {rx.pattern!r} on the serial console: {why}\n--- console tail ---\n{self.tail()}"
                     )
                 self._cond.wait(min(left, 0.5))
 

@@ -15,8 +15,7 @@ pytestmark = [
     pytest.mark.vm,
     pytest.mark.slow,
     pytest.mark.skipif(
-        os.geteuid() != 0
-        or not all(shutil.which(t) for t in ("qemu-system-x86_64", "mmdebstrap", "mkfs.ext4")),
+        os.geteuid() != 0 or not all(shutil.which(t) for t in ("qemu-system-x86_64", "mmdebstrap", "mkfs.ext4")),
         reason="needs root, qemu-system-x86_64, mmdebstrap and mkfs.ext4",
     ),
 ]
@@ -31,9 +30,7 @@ def debian(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
     mp = pytest.MonkeyPatch()
     mp.setenv("CAPSULE_IMAGE_CACHE", str(image_cache()))
     try:
-        return build_debian(
-            tmp_path_factory.mktemp("debian") / "out", disk_size="2G", extra_packages=["less"]
-        )
+        return build_debian(tmp_path_factory.mktemp("debian") / "out", disk_size="2G", extra_packages=["less"])
     finally:
         mp.undo()
 

@@ -53,9 +53,7 @@ def test_cpio_newc_is_readable_by_cpio(tmp_path: Path) -> None:
         "dev/console",
         "tmp",
     ]
-    listing = subprocess.run(
-        ["cpio", "-itv", "--quiet"], input=data, capture_output=True, check=True
-    ).stdout.decode()
+    listing = subprocess.run(["cpio", "-itv", "--quiet"], input=data, capture_output=True, check=True).stdout.decode()
     assert "crw-------" in listing and "-> /bin/tool" in listing
     assert "drwxrwxrwt" in listing
     assert w.render() == data  # deterministic
@@ -91,9 +89,7 @@ def _fake_module(modinfo_items: list[bytes]) -> bytes:
 
 
 def test_modinfo_parses_elf_section() -> None:
-    elf = _fake_module(
-        [b"license=GPL", b"depends=virtio,virtio_ring", b"name=virtio_blk", b"alias=a", b"alias=b"]
-    )
+    elf = _fake_module([b"license=GPL", b"depends=virtio,virtio_ring", b"name=virtio_blk", b"alias=a", b"alias=b"])
     info = modinfo(elf)
     assert info["name"] == ["virtio_blk"]
     assert info["depends"] == ["virtio,virtio_ring"]

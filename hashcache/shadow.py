@@ -1,0 +1,121 @@
+"""A shadow: a sparse file of 4 KiB blocks plus a persistent presence bitmap.
+
+Used for objects that arrive block by block: HCP receives (so a killed
+transfer resumes where it stopped) and the disk server's local copies of
+remote layers (§4.3). The rule that makes it crash-safe: block data is
+written and made durable (fdatasync) *before* its presence bit is set, so a
+block marked present is always complete. Callers only store verified blocks.
+A lost bit costs a refetch, never wrong data."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from hashcache.blocks import BLOCK_SIZE
+from hashcache.errors import HashcacheError
+
+_MAGIC = b"CAPSULE-SHADOW1\n"
+_HDR = 64
+
+
+class ShadowError(HashcacheError):
+    pass
+
+
+class Shadow:
+    """``<base>.data`` (sparse, ``nblocks`` × 4 KiB) and ``<base>.bitmap``."""
+
+    def __init__(self, base: Path, nblocks: int) -> None:
+        if nblocks < 0:
+            raise ValueError("nblocks must be >= 0")
+        self.base = base
+        self.nblocks = nblocks
+        self.data_path = base.with_name(base.name + ".data")
+        self.bitmap_path = base.with_name(base.name + ".bitmap")
+        self._lock = threading.Lock()
+        base.parent.mkdir(parents=True, exist_ok=True)
+        self._data_fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT, 0o644)
+        size = nblocks * BLOCK_SIZE
+        if os.fstat(self._data_fd).st_size < size:
+            os.ftruncate(self._data_fd, size)
+        map_len = _HDR + (nblocks + 7) // 8
+        fd = os.open(self.bitmap_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                os.ftruncate(fd, map_len)
+                os.pwrite(fd, _MAGIC + nblocks.to_bytes(8, "little"), 0)
+            elif st.st_size != map_len:
+                raise ShadowError(f"shadow bitmap {self.bitmap_path} does not match {nblocks} blocks; delete it")
+            self._map = mmap.mmap(fd, map_len)
+        finally:
+            os.close(fd)
+        if self._map[: len(_MAGIC)] != _MAGIC or int.from_bytes(self._map[16:24], "little") != nblocks:
+            self._map.close()
+            raise ShadowError(f"shadow bitmap {self.bitmap_path} is foreign or corrupt; delete it to start over")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._map.closed:
+                return
+            self._map.flush()
+            self._map.close()
+            os.close(self._data_fd)
+
+    def __enter__(self) -> Shadow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def has(self, index: int) -> bool:
+        return bool(self._map[_HDR + (index >> 3)] & (1 << (index & 7)))
+
+    def missing(self, indices: Iterable[int]) -> list[int]:
+        m = self._map
+        return [i for i in indices if not m[_HDR + (i >> 3)] & (1 << (i & 7))]
+
+    def present_count(self) -> int:
+        return sum(bin(b).count("1") for b in self._map[_HDR:])
+
+    def read(self, index: int) -> bytes:
+        if not 0 <= index < self.nblocks:
+            raise IndexError(index)
+        return os.pread(self._data_fd, BLOCK_SIZE, index * BLOCK_SIZE).ljust(BLOCK_SIZE, b"\0")
+
+    def read_run(self, start: int, count: int) -> bytes:
+        return os.pread(self._data_fd, count * BLOCK_SIZE, start * BLOCK_SIZE).ljust(count * BLOCK_SIZE, b"\0")
+
+    def store(self, blocks: Sequence[tuple[int, bytes]], durable: bool = True) -> None:
+        """Write verified blocks, make them durable, then mark them present."""
+        if not blocks:
+            return
+        for index, data in blocks:
+            if not 0 <= index < self.nblocks or len(data) != BLOCK_SIZE:
+                raise ValueError(f"bad block {index} ({len(data)} bytes)")
+            os.pwrite(self._data_fd, data, index * BLOCK_SIZE)
+        if durable:
+            os.fdatasync(self._data_fd)
+        with self._lock:
+            m = self._map
+            for index, _ in blocks:
+                m[_HDR + (index >> 3)] |= 1 << (index & 7)
+
+    def mark_present(self, indices: Iterable[int]) -> None:
+        """Mark blocks present that need no data (all-zero blocks are holes)."""
+        with self._lock:
+            m = self._map
+            for index in indices:
+                m[_HDR + (index >> 3)] |= 1 << (index & 7)
+
+    def flush(self) -> None:
+        self._map.flush()
+
+    def remove(self) -> None:
+        self.close()
+        self.data_path.unlink(missing_ok=True)
+        self.bitmap_path.unlink(missing_ok=True)
