@@ -17,6 +17,9 @@ from capsule.errors import GuestTimeout, RuntimeFailure
 from capsule.runtime.connection import lookup_domain
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]")
+
+
 def log_size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -50,7 +53,7 @@ class ConsoleSession:
     Debian's autologin getty), through the console's host pty. For tests and
     scripted demos."""
 
-    def __init__(self, domain: str) -> None:
+    def __init__(self, domain: str, ready_timeout: float = 90.0) -> None:
         dom = lookup_domain(domain)
         if dom is None:
             raise RuntimeFailure(f"domain {domain} is not running")
@@ -62,9 +65,23 @@ class ConsoleSession:
         self.fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
         tty.setraw(self.fd)
         self.buffer = b""
-        # a quiet shell: no echo of what we type, no prompt in the output
-        self.send("\nstty -echo; PS1=''\n")
-        self.drain(0.3)
+        self._wait_for_shell(ready_timeout)
+
+    def _wait_for_shell(self, timeout: float) -> None:
+        """Make the shell quiet (no echo, no prompt) and wait until it answers:
+        a getty may still be starting and swallow what we type."""
+        tag = secrets.token_hex(4)
+        ready = f"__CAPS_READY_{tag}__".encode()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.send(f"\nstty -echo; PS1=''; echo __CAPS_RE''ADY_{tag}__\n")
+            until = time.monotonic() + 2.0
+            while time.monotonic() < until:
+                if ready in self.buffer:
+                    self.drain(0.2)
+                    return
+                self._recv(0.1)
+        raise GuestTimeout(f"no shell answered on the serial console within {timeout:.0f}s")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -120,7 +137,8 @@ class ConsoleSession:
             b = self.buffer.find(begin)
             if m and 0 <= b < m.start():
                 out = self.buffer[b + len(begin): m.start()].decode("utf-8", "replace")
-                lines = [ln for ln in out.replace("\r", "").split("\n") if f"E''ND_{tag}" not in ln]
+                out = _ANSI.sub("", out.replace("\r", ""))
+                lines = [ln for ln in out.split("\n") if f"E''ND_{tag}" not in ln]
                 status = int(m.group(1))
                 if status != 0:
                     raise RuntimeFailure(f"guest command failed ({status}): {command}\n" + "\n".join(lines))
