@@ -16,7 +16,6 @@ from pathlib import Path
 from capsule.errors import GuestTimeout, RuntimeFailure
 from capsule.runtime.connection import lookup_domain
 
-
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]")
 
 
