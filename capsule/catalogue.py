@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,7 +169,9 @@ class Catalogue:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.db = sqlite3.connect(path, timeout=30, isolation_level=None)
+        # one connection shared by the agent's worker threads, serialised by a lock
+        self.db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        self._rlock = threading.RLock()
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
@@ -176,11 +179,23 @@ class Catalogue:
         self._depth = 0
 
     def close(self) -> None:
-        self.db.close()
+        with self._rlock:
+            self.db.close()
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> _Rows:
+        with self._rlock:
+            return _Rows(self.db.execute(sql, args).fetchall())
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
         """One atomic change; nested uses join the outer transaction."""
+        self._rlock.acquire()
+        try:
+            yield from self._transaction()
+        finally:
+            self._rlock.release()
+
+    def _transaction(self) -> Iterator[None]:
         if self._depth:
             self._depth += 1
             try:
@@ -202,133 +217,140 @@ class Catalogue:
 
     # -- meta -------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
-        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        row = self._exec("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return row["value"] if row else None
 
     def set_meta(self, key: str, value: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (key, value))
+        self._exec("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (key, value))
 
     # -- layers -----------------------------------------------------------
     def add_layer(self, row: LayerRow) -> None:
-        self.db.execute(
+        self._exec(
             "INSERT OR IGNORE INTO layers VALUES(?,?,?,?,?,?,?)",
             (row.id, row.parent, row.virtual_size, row.file_size, row.stored_bytes, row.blocks, row.created),
         )
 
     def layer(self, layer_id: str) -> LayerRow | None:
-        row = self.db.execute("SELECT * FROM layers WHERE id=?", (layer_id,)).fetchone()
+        row = self._exec("SELECT * FROM layers WHERE id=?", (layer_id,)).fetchone()
         return LayerRow(**dict(row)) if row else None
 
     def layers(self) -> list[LayerRow]:
-        return [LayerRow(**dict(r)) for r in self.db.execute("SELECT * FROM layers ORDER BY created")]
+        return [LayerRow(**dict(r)) for r in self._exec("SELECT * FROM layers ORDER BY created")]
 
     def delete_layer(self, layer_id: str) -> None:
-        self.db.execute("DELETE FROM layers WHERE id=?", (layer_id,))
+        self._exec("DELETE FROM layers WHERE id=?", (layer_id,))
 
     # -- files (memory images, kernels, initrds) --------------------------
     def add_file(self, row: FileRow) -> None:
-        self.db.execute(
+        self._exec(
             "INSERT OR IGNORE INTO files VALUES(?,?,?,?,?,?)",
             (row.id, row.role, row.size, row.allocated, row.stored_bytes, row.created),
         )
 
     def file(self, file_id: str) -> FileRow | None:
-        row = self.db.execute("SELECT * FROM files WHERE id=?", (file_id,)).fetchone()
+        row = self._exec("SELECT * FROM files WHERE id=?", (file_id,)).fetchone()
         return FileRow(**dict(row)) if row else None
 
     def files(self) -> list[FileRow]:
-        return [FileRow(**dict(r)) for r in self.db.execute("SELECT * FROM files ORDER BY created")]
+        return [FileRow(**dict(r)) for r in self._exec("SELECT * FROM files ORDER BY created")]
 
     def delete_file(self, file_id: str) -> None:
-        self.db.execute("DELETE FROM files WHERE id=?", (file_id,))
+        self._exec("DELETE FROM files WHERE id=?", (file_id,))
 
     # -- images -----------------------------------------------------------
     def add_image(self, row: ImageRow) -> None:
-        self.db.execute(
+        self._exec(
             "INSERT OR REPLACE INTO images VALUES(?,?,?,?,?,?,?,?,?)",
             (row.name, row.kind, row.root_layer, row.kernel, row.initrd, row.cmdline, row.marker,
              json.dumps(row.info), row.created),
         )
 
     def image(self, name: str) -> ImageRow | None:
-        row = self.db.execute("SELECT * FROM images WHERE name=?", (name,)).fetchone()
+        row = self._exec("SELECT * FROM images WHERE name=?", (name,)).fetchone()
         return _image(row) if row else None
 
     def images(self) -> list[ImageRow]:
-        return [_image(r) for r in self.db.execute("SELECT * FROM images ORDER BY name")]
+        return [_image(r) for r in self._exec("SELECT * FROM images ORDER BY name")]
 
     # -- capsules and versions ---------------------------------------------
     def add_capsule(self, row: CapsuleRow) -> None:
-        self.db.execute(
+        self._exec(
             "INSERT INTO capsules VALUES(?,?,?,?,?,?)",
             (row.name, row.uuid, row.image, row.parent_capsule, row.parent_version, row.created),
         )
 
     def capsule(self, name: str) -> CapsuleRow | None:
-        row = self.db.execute("SELECT * FROM capsules WHERE name=?", (name,)).fetchone()
+        row = self._exec("SELECT * FROM capsules WHERE name=?", (name,)).fetchone()
         return CapsuleRow(**dict(row)) if row else None
 
     def capsules(self) -> list[CapsuleRow]:
-        return [CapsuleRow(**dict(r)) for r in self.db.execute("SELECT * FROM capsules ORDER BY name")]
+        return [CapsuleRow(**dict(r)) for r in self._exec("SELECT * FROM capsules ORDER BY name")]
 
     def delete_capsule(self, name: str) -> None:
-        self.db.execute("DELETE FROM capsules WHERE name=?", (name,))
+        self._exec("DELETE FROM capsules WHERE name=?", (name,))
 
     def add_version(self, row: VersionRow) -> None:
-        self.db.execute(
+        self._exec(
             "INSERT INTO versions VALUES(?,?,?,?,?,?,?,?,?)",
             (row.capsule, row.number, row.parent_capsule, row.parent_version, row.memory,
              json.dumps(row.chains), json.dumps(row.config, sort_keys=True), row.note, row.created),
         )
 
     def set_version_chains(self, capsule: str, number: int, chains: list[list[str]]) -> None:
-        self.db.execute(
+        self._exec(
             "UPDATE versions SET chains=? WHERE capsule=? AND number=?", (json.dumps(chains), capsule, number)
         )
 
     def version(self, capsule: str, number: int) -> VersionRow | None:
-        row = self.db.execute(
+        row = self._exec(
             "SELECT * FROM versions WHERE capsule=? AND number=?", (capsule, number)
         ).fetchone()
         return _version(row) if row else None
 
     def latest_version(self, capsule: str) -> VersionRow | None:
-        row = self.db.execute(
+        row = self._exec(
             "SELECT * FROM versions WHERE capsule=? ORDER BY number DESC LIMIT 1", (capsule,)
         ).fetchone()
         return _version(row) if row else None
 
     def next_version_number(self, capsule: str) -> int:
-        row = self.db.execute("SELECT MAX(number) AS n FROM versions WHERE capsule=?", (capsule,)).fetchone()
+        row = self._exec("SELECT MAX(number) AS n FROM versions WHERE capsule=?", (capsule,)).fetchone()
         return (row["n"] or 0) + 1 if row else 1
 
     def versions(self, capsule: str | None = None) -> list[VersionRow]:
         if capsule is None:
-            rows = self.db.execute("SELECT * FROM versions ORDER BY capsule, number")
+            rows = self._exec("SELECT * FROM versions ORDER BY capsule, number")
         else:
-            rows = self.db.execute("SELECT * FROM versions WHERE capsule=? ORDER BY number", (capsule,))
+            rows = self._exec("SELECT * FROM versions WHERE capsule=? ORDER BY number", (capsule,))
         return [_version(r) for r in rows]
 
     def delete_version(self, capsule: str, number: int) -> None:
-        self.db.execute("DELETE FROM versions WHERE capsule=? AND number=?", (capsule, number))
+        self._exec("DELETE FROM versions WHERE capsule=? AND number=?", (capsule, number))
 
     # -- instances ----------------------------------------------------------
     def add_instance(self, row: InstanceRow) -> None:
-        self.db.execute(
+        self._exec(
             "INSERT INTO instances VALUES(?,?,?,?,?,?,?,?)",
             (row.capsule, row.version, row.domain, json.dumps(row.leaves), json.dumps(row.chains),
              row.accel, row.dir, row.started),
         )
 
     def instance(self, capsule: str) -> InstanceRow | None:
-        row = self.db.execute("SELECT * FROM instances WHERE capsule=?", (capsule,)).fetchone()
+        row = self._exec("SELECT * FROM instances WHERE capsule=?", (capsule,)).fetchone()
         return _instance(row) if row else None
 
     def instances(self) -> list[InstanceRow]:
-        return [_instance(r) for r in self.db.execute("SELECT * FROM instances ORDER BY capsule")]
+        return [_instance(r) for r in self._exec("SELECT * FROM instances ORDER BY capsule")]
 
     def delete_instance(self, capsule: str) -> None:
-        self.db.execute("DELETE FROM instances WHERE capsule=?", (capsule,))
+        self._exec("DELETE FROM instances WHERE capsule=?", (capsule,))
+
+
+class _Rows(list):
+    """Fetched rows, usable like the cursor they came from."""
+
+    def fetchone(self) -> sqlite3.Row | None:
+        return self[0] if self else None
 
 
 def _image(row: sqlite3.Row) -> ImageRow:

@@ -64,3 +64,21 @@ class GuestTimeout(CapsuleError):
     """The guest did not reach the expected state in time."""
 
     exit_code = 10
+
+
+class AuthFailed(CapsuleError):
+    """The agent refused the token (or none was given)."""
+
+    exit_code = 11
+
+
+class Unreachable(CapsuleError):
+    """The other host's agent cannot be reached."""
+
+    exit_code = 12
+
+
+class TransferFailed(CapsuleError):
+    """A peer sent something wrong (a block that does not match its hash, a malformed reply)."""
+
+    exit_code = 13

@@ -33,10 +33,12 @@ from capsule.catalogue import Catalogue, FileRow, LayerRow
 from capsule.errors import IntegrityError, NotFound, SealedObjectError
 from capsule.fsutil import disk_usage, install_readonly, translating_enospc
 from capsule.names import check_object_id
+from hashcache.cache import HashCache
 from hashcache.errors import HashcacheError
 from hashcache.manifest import Manifest, manifest_of_file, manifest_of_layer
 
 STORE_FORMAT = 1
+DEFAULT_CACHE_SIZE = 64 << 20
 Progress = Callable[[int, int], None] | None
 
 
@@ -59,6 +61,7 @@ class Store:
         self.files_dir = home / "files"
         self.instances_dir = home / "instances"
         self.tmp_dir = home / "tmp"
+        self._cache: HashCache | None = None
 
     @classmethod
     def open(cls, home: Path | None = None) -> Store:
@@ -81,7 +84,32 @@ class Store:
         return cls(home, store_id, Catalogue(home / "catalogue.sqlite"))
 
     def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
         self.catalogue.close()
+
+    # -- the host's hash cache (§4.4.1) ------------------------------------------
+    @property
+    def cache_path(self) -> Path:
+        return self.home / "hashcache.bin"
+
+    def hash_cache(self) -> HashCache:
+        """This host's persistent hash cache (created on first use; its size is
+        fixed then: CAPSULE_HASHCACHE_SIZE bytes, default 64 MiB ≈ 1M blocks)."""
+        if self._cache is None:
+            size = int(os.environ.get("CAPSULE_HASHCACHE_SIZE", DEFAULT_CACHE_SIZE))
+            try:
+                self._cache = HashCache.open(self.cache_path, size_bytes=size)
+            except HashcacheError as exc:
+                raise IntegrityError(f"{exc} (the hash cache can always be deleted and rebuilt)") from exc
+        return self._cache
+
+    def index_object(self, path: Path, manifest: Manifest) -> None:
+        """Insert every block of a sealed or received object into the hash cache."""
+        # the cache is an optimisation: never fail a seal over it
+        with suppress(HashcacheError, OSError, IntegrityError):
+            self.hash_cache().insert_file(path, manifest)
 
     # -- locking ------------------------------------------------------------
     @contextmanager
@@ -178,6 +206,7 @@ class Store:
                 manifest.write(manifest_path)
             file_size = disk_usage(leaf)
             install_readonly(leaf, self.layer_path(layer_id))
+        self.index_object(self.layer_path(layer_id), manifest)
         return LayerRow(
             id=layer_id,
             parent=parent,
@@ -200,6 +229,7 @@ class Store:
             size = path.stat().st_size
             allocated = disk_usage(path)
             install_readonly(path, self.file_path(file_id))
+        self.index_object(self.file_path(file_id), manifest)
         return FileRow(
             id=file_id,
             role=role,

@@ -45,6 +45,7 @@
 #define MiB (1024ULL * 1024ULL)
 #define HUP_SLEEP_MS 250               /* pause while the host is not connected */
 #define REOPEN_MAX_MS 2000             /* cap of the reopen back-off */
+#define EOF_REOPEN_ROUNDS 40           /* reopen a silent port every 40 * HUP_SLEEP_MS */
 #define WRITE_TIMEOUT_MS 10000         /* give up a reply the host does not read */
 #define BALLOON_CHECK_MS 1000          /* memory-pressure check while holding */
 #define EXEC_DEFAULT_CAP (1024 * 1024) /* stdout / stderr capture cap */
@@ -1621,7 +1622,8 @@ typedef struct {
 static void capture_read(int *fd, capture *c)
 {
     char tmp[65536];
-    for (;;) {
+    /* bounded: a fast writer must not keep us from checking the deadline */
+    for (int rounds = 0; rounds < 16; rounds++) {
         ssize_t n = read(*fd, tmp, sizeof tmp);
         if (n > 0) {
             size_t room = c->buf.len < c->cap ? c->cap - c->buf.len : 0;
@@ -2208,6 +2210,7 @@ static int resolve_port(const char *name, char *out, size_t outlen)
 }
 
 static char g_last_open_err[600];
+static int g_reopened_quietly; /* periodic reopen of a silent port: do not log it */
 
 static void open_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void open_err(const char *fmt, ...)
@@ -2270,7 +2273,9 @@ static int open_transport(void)
         g_kind = KIND_CHR;
     }
     g_last_open_err[0] = 0;
-    logmsg("listening on %s", path);
+    if (g_verbose || !g_reopened_quietly)
+        logmsg("opened %s", path);
+    g_reopened_quietly = 0;
     g_in = g_out = fd;
     return 0;
 }
@@ -2349,7 +2354,10 @@ int main(int argc, char **argv)
     sa.sa_handler = on_signal; /* no SA_RESTART: poll() returns EINTR */
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGHUP, &sa, NULL);
+    if (g_stdio)
+        sigaction(SIGHUP, &sa, NULL);
+    else
+        signal(SIGHUP, SIG_IGN); /* a daemon: a console hangup must not stop it */
 
     static char rbuf[65536];
     long backoff = HUP_SLEEP_MS;
@@ -2370,7 +2378,6 @@ int main(int argc, char **argv)
                 backoff = backoff * 2 > REOPEN_MAX_MS ? REOPEN_MAX_MS : backoff * 2;
                 continue;
             }
-            host_gone = 0;
         }
         struct pollfd pf = {g_in, POLLIN, 0};
         int r = poll(&pf, 1, next_timer_ms(60000));
@@ -2406,14 +2413,22 @@ int main(int argc, char **argv)
             break;
         }
         reset_line(); /* a half-received request belongs to the old host session */
+        g_need_newline = 0;
         if (n == 0 && g_kind == KIND_CHR && !g_is_tty) {
             /* virtio-serial: EOF (and POLLHUP) while no host has the port open.
              * Keep the port, look again shortly; data arriving ends this. */
             if (!host_gone)
-                logmsg("host disconnected; waiting");
-            host_gone = 1;
+                logmsg("host not connected; waiting");
+            host_gone++;
             int t = next_timer_ms(HUP_SLEEP_MS);
             sleep_ms(t < HUP_SLEEP_MS ? t : HUP_SLEEP_MS);
+            /* Every ~10 s of silence, reopen: if the port was hot-unplugged
+             * and plugged again, the old descriptor would never wake up. */
+            if (host_gone % EOF_REOPEN_ROUNDS == 0) {
+                close_transport();
+                g_reopened_quietly = 1;
+                host_gone = 1;
+            }
             continue;
         }
         /* socket closed, tty hung up, device error: reopen with back-off */

@@ -5,6 +5,7 @@ digests name them, and checks data against those manifests.
 """
 
 from hashcache.blocks import ALGORITHM, BLOCK_SIZE, HASH_SIZE, hash_block, hash_blocks, is_zero, scan_blocks
+from hashcache.cache import CacheEntry, CacheError, HashCache, PrimeResult, remove_cache
 from hashcache.errors import (
     CorruptImageError,
     HashcacheError,
@@ -27,11 +28,15 @@ __all__ = [
     "HASH_SIZE",
     "BlockKind",
     "BlockRun",
+    "CacheEntry",
+    "CacheError",
     "CorruptImageError",
+    "HashCache",
     "HashcacheError",
     "Manifest",
     "ManifestError",
     "ManifestMismatch",
+    "PrimeResult",
     "Qcow2Image",
     "UnsupportedImageError",
     "hash_block",
@@ -39,6 +44,7 @@ __all__ = [
     "is_zero",
     "manifest_of_file",
     "manifest_of_layer",
+    "remove_cache",
     "scan_blocks",
     "verify_file",
     "verify_layer",

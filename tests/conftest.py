@@ -76,3 +76,72 @@ def debian_store(tmp_path, debian_images) -> Iterator:
     yield s
     _destroy_domains(s)
     s.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Agent:
+    """``capsule serve`` for one store, in its own process."""
+
+    def __init__(self, home: Path, token_file: Path) -> None:
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.home = home
+        self.token_file = token_file
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen",
+             f"127.0.0.1:{self.port}", "--token-file", str(token_file)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if token_file.exists():
+                    r = httpx.get(f"{self.url}/v1/info", headers={"Authorization": f"Bearer {self.token}"})
+                    if r.status_code == 200:
+                        break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"agent did not start: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            time.sleep(0.1)
+
+    @property
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def two_hosts(tmp_path, tiny_images):
+    """Hosts A and B: two stores (both holding the tiny image) and two agents on loopback."""
+    a = make_store(tmp_path / "a", tiny_images, "tiny")
+    b = make_store(tmp_path / "b", tiny_images, "tiny")
+    agent_a = Agent(a.home, tmp_path / "a.token")
+    agent_b = Agent(b.home, tmp_path / "b.token")
+    yield a, b, agent_a, agent_b
+    for agent in (agent_a, agent_b):
+        agent.stop()
+    for s in (a, b):
+        _destroy_domains(s)
+        s.close()

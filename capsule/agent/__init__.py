@@ -1,0 +1,1 @@
+"""The host agent: HCP and management calls over HTTP (FastAPI)."""

@@ -1,0 +1,253 @@
+"""The host agent's HTTP API (FastAPI). Every request carries a bearer token;
+the agent only ever serves objects of its own store, named by validated ids.
+
+HCP calls (stateless, §4.4.3)::
+
+    GET  /v1/objects/{kind}/{id}                 LOOKUP: manifest header (+ role of a file object)
+    GET  /v1/objects/{kind}/{id}/records         READ-HASH: ?start=&count= raw records, zstd
+    POST /v1/objects/{kind}/{id}/read            READ: body = varint block indices → zstd blocks
+
+Receiving (push) — state lives in the object's shadow on disk, not in memory::
+
+    POST /v1/recv/{kind}/{id}/begin              body = zstd(manifest) → zstd(varint indices still needed)
+    POST /v1/recv/{kind}/{id}/blocks             body = u32 n, n bytes of varint indices, zstd blocks
+    POST /v1/recv/{kind}/{id}/commit             verify the digest, install, record
+
+Management::
+
+    GET  /v1/info, GET /v1/capsules, GET /v1/capsules/{name}/versions/{n|latest}
+    POST /v1/objects/missing                     {"layers": [...], "files": [...]} → what this store lacks
+    POST /v1/versions                            record a version whose objects have all arrived
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import struct
+from pathlib import Path
+from typing import Any
+
+import zstandard
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from capsule import __version__ as capsule_version
+from capsule.agent.records import record_version, version_record
+from capsule.capsules import resolve
+from capsule.errors import AlreadyExists, CapsuleError, Conflict, IntegrityError, InvalidName, NotFound, StorageFull
+from capsule.names import check_name, check_object_id
+from capsule.objectio import (
+    ReaderCache,
+    check_kind,
+    has_object,
+    install_received,
+    object_manifest,
+    object_path,
+    open_shadow,
+)
+from capsule.store import Store
+from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
+from hashcache.hcp import MAX_BATCH, ProtocolError, Receiver, decode_indices, encode_indices, header_of, pack_blocks
+from hashcache.manifest import RECORD_SIZE, Manifest
+
+MAX_MANIFEST_UPLOAD = 512 << 20
+MAX_BLOCKS_UPLOAD = MAX_BATCH * 4096 + (1 << 20)
+MAX_RECORDS = 1 << 20
+
+
+def _status(exc: Exception) -> int:
+    if isinstance(exc, InvalidName | ProtocolError | ManifestError):
+        return 400
+    if isinstance(exc, NotFound):
+        return 404
+    if isinstance(exc, AlreadyExists | Conflict):
+        return 409
+    if isinstance(exc, ManifestMismatch | IntegrityError):
+        return 422
+    if isinstance(exc, StorageFull):
+        return 507
+    return 500
+
+
+def create_app(home: Path, token: str) -> FastAPI:
+    if not token or len(token) < 16:
+        raise InvalidName("the agent's token must be at least 16 characters")
+    app = FastAPI(title="Capsule host agent", version=capsule_version, docs_url=None, redoc_url=None)
+    store = Store.open(home)
+    readers = ReaderCache(store)
+    expected = f"Bearer {token}".encode()
+
+    def auth(request: Request) -> None:
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(CapsuleError)
+    @app.exception_handler(HashcacheError)
+    async def _errors(_request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=_status(exc))
+
+    async def body(request: Request, limit: int) -> bytes:
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(status_code=413, detail=f"request body over {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    deps = [Depends(auth)]
+
+    @app.get("/v1/info", dependencies=deps)
+    def info() -> dict[str, Any]:
+        return {"store_id": store.id, "version": capsule_version}
+
+    @app.get("/v1/capsules", dependencies=deps)
+    def capsules() -> list[dict[str, Any]]:
+        out = []
+        for cap in store.catalogue.capsules():
+            out.append({"name": cap.name, "uuid": cap.uuid,
+                        "versions": [v.number for v in store.catalogue.versions(cap.name)]})
+        return out
+
+    @app.get("/v1/capsules/{name}/versions/{number}", dependencies=deps)
+    def version(name: str, number: str) -> dict[str, Any]:
+        check_name(name)
+        ref = name if number == "latest" else f"{name}@{number}"
+        return version_record(store, resolve(store, ref))
+
+    @app.post("/v1/objects/missing", dependencies=deps)
+    async def missing(request: Request) -> dict[str, list[str]]:
+        try:
+            req = await request.json()
+            layers = [check_object_id(x) for x in req.get("layers", [])]
+            files = [check_object_id(x) for x in req.get("files", [])]
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise InvalidName(f"malformed request: {exc}") from exc
+        return {"layers": [x for x in layers if not has_object(store, "layer", x)],
+                "files": [x for x in files if not has_object(store, "file", x)]}
+
+    @app.get("/v1/objects/{kind}/{oid}", dependencies=deps)
+    def lookup(kind: str, oid: str) -> dict[str, Any]:
+        m = object_manifest(store, kind, oid)
+        head = header_of(m)
+        if kind == "file":
+            row = store.catalogue.file(oid)
+            head["role"] = row.role if row else "memory"
+        return head
+
+    @app.get("/v1/objects/{kind}/{oid}/records", dependencies=deps)
+    def records(kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS) -> Response:
+        m = object_manifest(store, kind, oid)
+        if start < 0 or count < 0 or count > MAX_RECORDS:
+            raise InvalidName(f"bad record range start={start} count={count}")
+        raw = m.record_range(start, min(count, max(0, len(m) - start)))
+        return Response(zstandard.ZstdCompressor(level=3).compress(raw), media_type="application/octet-stream",
+                        headers={"X-Capsule-Records": str(len(raw) // RECORD_SIZE)})
+
+    @app.post("/v1/objects/{kind}/{oid}/read", dependencies=deps)
+    async def read(kind: str, oid: str, request: Request, level: int = 3, compress: bool = True) -> Response:
+        m = object_manifest(store, kind, oid)
+        indices = decode_indices(await body(request, 1 << 20), m.block_count)
+        if not 1 <= level <= 19:
+            raise InvalidName("zstd level must be 1..19")
+
+        def work() -> bytes:
+            blocks = readers.get(kind, oid).read(indices)
+            return pack_blocks(blocks, level=level, compress=compress)
+
+        payload = await asyncio.to_thread(work)
+        return Response(payload, media_type="application/octet-stream",
+                        headers={"X-Capsule-Blocks": str(len(indices))})
+
+    # -- receiving ------------------------------------------------------------
+    def recv_manifest(kind: str, oid: str) -> Manifest:
+        check_kind(kind)
+        check_object_id(oid)
+        path = store.home / "recv" / f"{kind}-{oid}.manifest"
+        if not path.exists():
+            raise NotFound(f"no transfer of {kind} {oid[:12]} has begun here")
+        return Manifest.read(path)
+
+    @app.post("/v1/recv/{kind}/{oid}/begin", dependencies=deps)
+    async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True) -> Response:
+        check_kind(kind)
+        check_object_id(oid)
+        raw = await body(request, MAX_MANIFEST_UPLOAD)
+        try:
+            data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_MANIFEST_UPLOAD)
+        except zstandard.ZstdError as exc:
+            raise ProtocolError(f"bad zstd manifest: {exc}") from exc
+        m = Manifest.from_bytes(data, source=f"upload of {oid[:12]}")
+        if m.digest != oid or m.kind != ("layer" if kind == "layer" else "file"):
+            raise ManifestMismatch(f"{kind} {oid[:12]}: uploaded manifest names {m.digest[:12]}",
+                                   object_name=oid, block=None)
+        if has_object(store, kind, oid):
+            return Response(b"", headers={"X-Capsule-Present": "1"})
+        if kind == "layer" and m.parent and not has_object(store, "layer", m.parent):
+            raise Conflict(f"layer {oid[:12]} needs its parent {m.parent[:12]} first")
+
+        def work() -> bytes:
+            (store.home / "recv").mkdir(exist_ok=True)
+            m.write(store.home / "recv" / f"{kind}-{oid}.manifest")
+            with open_shadow(store, kind, m) as shadow:
+                cache = store.hash_cache() if hash else None
+                needed = Receiver(m, shadow, f"{kind} {oid[:12]}", cache).plan()
+            return zstandard.ZstdCompressor(level=3).compress(encode_indices(needed))
+
+        return Response(await asyncio.to_thread(work), media_type="application/octet-stream")
+
+    @app.post("/v1/recv/{kind}/{oid}/blocks", dependencies=deps)
+    async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True) -> dict[str, int]:
+        m = recv_manifest(kind, oid)
+        raw = await body(request, MAX_BLOCKS_UPLOAD)
+        if len(raw) < 4:
+            raise ProtocolError("truncated block upload")
+        (n,) = struct.unpack_from("<I", raw)
+        if n > len(raw) - 4:
+            raise ProtocolError("truncated block upload")
+        indices = decode_indices(raw[4:4 + n], m.block_count)
+
+        def work() -> None:
+            from hashcache.hcp import unpack_blocks
+
+            blocks = unpack_blocks(raw[4 + n:], len(indices), compressed=compress)
+            with open_shadow(store, kind, m) as shadow:
+                Receiver(m, shadow, f"{kind} {oid[:12]}").accept(indices, blocks)
+
+        await asyncio.to_thread(work)
+        return {"stored": len(indices)}
+
+    @app.post("/v1/recv/{kind}/{oid}/commit", dependencies=deps)
+    async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:
+        if has_object(store, kind, oid):
+            return {"installed": oid, "already": True}
+        m = recv_manifest(kind, oid)
+
+        def work() -> None:
+            shadow = open_shadow(store, kind, m)
+            try:
+                if not Receiver(m, shadow, f"{kind} {oid[:12]}").complete():
+                    raise Conflict(f"{kind} {oid[:12]} is not complete yet")
+                install_received(store, kind, m, shadow, role=role)
+            finally:
+                shadow.close()
+            store.index_object(object_path(store, kind, oid), m)
+            (store.home / "recv" / f"{kind}-{oid}.manifest").unlink(missing_ok=True)
+
+        await asyncio.to_thread(work)
+        return {"installed": oid, "already": False}
+
+    @app.post("/v1/versions", dependencies=deps)
+    async def versions(request: Request) -> dict[str, Any]:
+        try:
+            record = await request.json()
+        except ValueError as exc:
+            raise InvalidName(f"malformed version record: {exc}") from exc
+        row, created = await asyncio.to_thread(record_version, store, record)
+        return {"version": row.ref, "created": created}
+
+    return app

@@ -1,0 +1,106 @@
+"""Version records as they travel between hosts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from capsule.catalogue import CapsuleRow, VersionRow
+from capsule.errors import Conflict, InvalidName, NotFound
+from capsule.names import check_name, check_object_id
+from capsule.store import Store
+
+CONFIG_KEYS = {"memory_mib": int, "vcpus": int, "kernel": str, "initrd": str, "cmdline": str, "marker": str}
+
+
+def version_record(store: Store, v: VersionRow) -> dict[str, Any]:
+    cap = store.catalogue.capsule(v.capsule)
+    return {
+        "capsule": v.capsule, "number": v.number, "uuid": cap.uuid if cap else None,
+        "image": cap.image if cap else None,
+        "parent_capsule": v.parent_capsule, "parent_version": v.parent_version,
+        "memory": v.memory, "chains": v.chains, "config": v.config, "note": v.note, "created": v.created,
+    }
+
+
+def objects_of(record: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(layer ids in chain order, [(file id, role)]) referenced by a record."""
+    layers: list[str] = []
+    for chain in record["chains"]:
+        for lid in chain:
+            if lid not in layers:
+                layers.append(lid)
+    files = [(record["config"]["kernel"], "kernel"), (record["config"]["initrd"], "initrd")]
+    if record.get("memory"):
+        files.append((record["memory"], "memory"))
+    return layers, files
+
+
+def validate(record: Any) -> dict[str, Any]:
+    """Check a record from a peer: names, ids, types. Raises InvalidName."""
+    if not isinstance(record, dict):
+        raise InvalidName("a version record must be a JSON object")
+    try:
+        check_name(record["capsule"])
+        number = record["number"]
+        if not isinstance(number, int) or isinstance(number, bool) or not 0 < number < 10**9:
+            raise InvalidName(f"bad version number {number!r}")
+        chains = record["chains"]
+        if (not isinstance(chains, list) or not chains or len(chains) > 16
+                or not all(isinstance(c, list) and 0 < len(c) <= 4096 for c in chains)):
+            raise InvalidName("bad disk chains")
+        for chain in chains:
+            for lid in chain:
+                check_object_id(lid, "layer")
+        if record.get("memory") is not None:
+            check_object_id(record["memory"], "memory image")
+        config = record["config"]
+        if not isinstance(config, dict):
+            raise InvalidName("bad config")
+        for key, typ in CONFIG_KEYS.items():
+            if not isinstance(config.get(key), typ):
+                raise InvalidName(f"config field {key!r} missing or of the wrong type")
+        check_object_id(config["kernel"], "kernel")
+        check_object_id(config["initrd"], "initrd")
+        if record.get("uuid") is not None and not isinstance(record["uuid"], str):
+            raise InvalidName("bad uuid")
+        if record.get("parent_capsule") is not None:
+            check_name(record["parent_capsule"])
+    except (KeyError, TypeError) as exc:
+        raise InvalidName(f"malformed version record ({exc})") from exc
+    return record
+
+
+def record_version(store: Store, record: dict[str, Any]) -> tuple[VersionRow, bool]:
+    """Record a received version (all its objects must be here already).
+    Returns (row, created); an identical existing version is not an error."""
+    from capsule.objectio import has_object
+
+    validate(record)
+    layers, files = objects_of(record)
+    for lid in layers:
+        if not has_object(store, "layer", lid):
+            raise NotFound(f"layer {lid[:12]} of {record['capsule']}@{record['number']} has not arrived")
+    for fid, role in files:
+        if not has_object(store, "file", fid):
+            raise NotFound(f"{role} {fid[:12]} of {record['capsule']}@{record['number']} has not arrived")
+    name, number = record["capsule"], record["number"]
+    with store.lock():
+        cat = store.catalogue
+        existing = cat.version(name, number)
+        if existing is not None:
+            if existing.chains == record["chains"] and existing.memory == record.get("memory"):
+                return existing, False
+            raise Conflict(f"{name}@{number} already exists here with other content")
+        row = VersionRow(capsule=name, number=number, parent_capsule=record.get("parent_capsule"),
+                         parent_version=record.get("parent_version"), memory=record.get("memory"),
+                         chains=record["chains"], config=record["config"], note=record.get("note") or "received",
+                         created=float(record.get("created") or time.time()))
+        with cat.transaction():
+            if cat.capsule(name) is None:
+                import uuid as uuidlib
+
+                cat.add_capsule(CapsuleRow(name, record.get("uuid") or str(uuidlib.uuid4()), record.get("image"),
+                                           record.get("parent_capsule"), record.get("parent_version"), time.time()))
+            cat.add_version(row)
+        return row, True

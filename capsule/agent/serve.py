@@ -1,0 +1,40 @@
+"""Running the agent: token handling and uvicorn."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from capsule.errors import InvalidName
+
+
+def ensure_token(token_file: Path) -> str:
+    """Read the agent's token, creating the file (mode 0600) with a fresh one if missing."""
+    if not token_file.exists():
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    token = token_file.read_text().strip()
+    if len(token) < 16:
+        raise InvalidName(f"the token in {token_file} is shorter than 16 characters")
+    return token
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidName(f"--listen {listen!r}: expected HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def serve(home: Path, listen: str, token_file: Path) -> None:
+    import uvicorn
+
+    from capsule.agent.app import create_app
+
+    host, port = parse_listen(listen)
+    app = create_app(home, ensure_token(token_file))
+    uvicorn.run(app, host=host, port=port, log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
+                access_log=False)

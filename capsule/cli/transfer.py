@@ -1,0 +1,174 @@
+"""CLI verbs between hosts: serve, push, pull, and the hash cache."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from capsule import transfer
+from capsule.agentclient import read_token
+from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.units import human
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+TokenOpt = Annotated[Path | None, typer.Option("--token-file", help="File holding the agent's token "
+                                                                    "(default: CAPSULE_TOKEN).")]
+NoHash = Annotated[bool, typer.Option("--no-hash", help="Do not look blocks up in the receiver's hash cache.")]
+NoCompress = Annotated[bool, typer.Option("--no-compress", help="Send blocks without zstd.")]
+Level = Annotated[int, typer.Option("--level", help="zstd level on the wire (1-19).", min=1, max=19)]
+Inflight = Annotated[int, typer.Option("--inflight", help="Requests in flight.", min=1, max=64)]
+Batch = Annotated[int, typer.Option("--batch", help="Blocks per request.", min=1, max=1024)]
+
+cache_app = typer.Typer(no_args_is_help=True)
+
+
+class BarProgress(transfer.Progress):
+    """raw bytes done (bar, rate, ETA) with raw / hashed-away / wire bytes in the label."""
+
+    def __init__(self, bar: Progress) -> None:
+        self.bar = bar
+        self.task = bar.add_task("connecting", total=None)
+        self.total = 0
+        self.wire_total = 0
+
+    def begin(self, label: str, total: int) -> None:
+        self.total += total
+        self.label = label
+        self.bar.update(self.task, total=self.total, description=label)
+
+    def advance(self, n: int) -> None:
+        self.bar.advance(self.task, n)
+
+    def wire(self, total_wire: int) -> None:
+        self.wire_total = total_wire
+        self.bar.update(self.task, description=f"{self.label} · wire {human(total_wire)}")
+
+
+def _run(fn, *args, **kw):  # noqa: ANN001, ANN202 - a thin wrapper for the progress bar
+    if OPTIONS.json or not err_console.is_terminal:
+        return fn(*args, progress=transfer.Progress(), **kw)
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err_console, transient=True) as bar:
+        return fn(*args, progress=BarProgress(bar), **kw)
+
+
+def _summary(r: transfer.TransferReport) -> None:
+    t = r.totals()
+    console.print(f"{r.direction}ed [bold]{r.version}[/] {'to' if r.direction == 'push' else 'from'} {r.url} "
+                  f"in {r.seconds:.2f}s")
+    table = Table("object", "raw", "already there", "from hash cache", "sent", "on the wire")
+    for o in r.objects:
+        table.add_row(f"{o.role} {o.id[:12]}", human(o.raw_bytes), human(o.resumed_bytes), human(o.cache_bytes),
+                      human(o.fetched_bytes), human(o.wire_bytes))
+    table.add_row("[bold]total[/]", human(t["raw_bytes"]), human(t["resumed_bytes"]), human(t["cache_bytes"]),
+                  human(t["fetched_bytes"]), human(r.wire_bytes))
+    console.print(table)
+    if r.skipped:
+        console.print(f"{len(r.skipped)} object(s) were already at the receiver")
+
+
+def _options(no_hash: bool, no_compress: bool, level: int, inflight: int, batch: int) -> transfer.Options:
+    return transfer.Options(hash=not no_hash, compress=not no_compress, level=level, inflight=inflight, batch=batch)
+
+
+def push(
+    ref: Annotated[str, typer.Argument(help="NAME or NAME@V to send.")],
+    to: Annotated[str, typer.Option("--to", help="The receiving agent, e.g. http://host:7070.")],
+    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
+    inflight: Inflight = 8, batch: Batch = 256, json: JsonOpt = False,
+) -> None:
+    """Send a capsule version to another host: only what it lacks travels (HCP)."""
+    json_flag(json)
+    store = open_store()
+    r = _run(transfer.push, store, ref, to, read_token(token_file),
+             _options(no_hash, no_compress, level, inflight, batch))
+    emit(r.as_dict(), lambda: _summary(r))
+
+
+def pull(
+    url: Annotated[str, typer.Argument(help="The sending agent, e.g. http://host:7070.")],
+    ref: Annotated[str, typer.Argument(help="NAME or NAME@V to fetch.")],
+    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
+    inflight: Inflight = 8, batch: Batch = 256, json: JsonOpt = False,
+) -> None:
+    """Fetch a capsule version from another host; an interrupted pull resumes."""
+    json_flag(json)
+    store = open_store()
+    r = _run(transfer.pull, store, url, ref, read_token(token_file),
+             _options(no_hash, no_compress, level, inflight, batch))
+    emit(r.as_dict(), lambda: _summary(r))
+
+
+def serve(
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to listen on.")] = "127.0.0.1:7070",
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file", help="The token clients must present (created with a fresh token if missing; "
+                             "default: STORE/agent.token).")] = None,
+) -> None:
+    """Run this host's agent: HCP and management calls over HTTP, bearer-token protected."""
+    from capsule.agent.serve import serve as run_serve
+
+    store = open_store()
+    tf = token_file or store.home / "agent.token"
+    err_console.print(f"agent for store {store.home} on http://{listen} (token in {tf})")
+    store.close()
+    run_serve(store.home, listen, tf)
+
+
+@cache_app.command("prime")
+def cache_prime(
+    paths: Annotated[list[Path], typer.Argument(help="Files or directories to index (other VM images, disks).")],
+    json: JsonOpt = False,
+) -> None:
+    """Index existing files into this host's hash cache, so their blocks never travel."""
+    json_flag(json)
+    store = open_store()
+    cache = store.hash_cache()
+    if OPTIONS.json or not err_console.is_terminal:
+        result = cache.prime_paths(paths)
+    else:
+        with Progress(TextColumn("indexing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=err_console, transient=True) as bar:
+            task = bar.add_task("indexing", total=None)
+            result = cache.prime_paths(paths, progress=lambda done, total: bar.update(task, completed=done,
+                                                                                       total=total))
+    data = asdict(result)
+    emit(data, lambda: console.print(f"indexed {result.files} file(s), {result.blocks} block(s) "
+                                     f"({human(result.bytes_read)} read); {result.skipped} unchanged"
+                                     + (f"; {len(result.errors)} unreadable: {result.errors[:3]}"
+                                        if result.errors else "")))
+
+
+@cache_app.command("stats")
+def cache_stats(json: JsonOpt = False) -> None:
+    """Size, entries, hits, misses, evictions and invalidations of this host's hash cache."""
+    json_flag(json)
+    store = open_store()
+    s = store.hash_cache().stats()
+
+    def human_view() -> None:
+        t = Table("statistic", "value")
+        for k, v in s.items():
+            t.add_row(k, str(v))
+        console.print(t)
+
+    emit(s, human_view)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(push)
+    app.command()(pull)
+    app.command()(serve)
+    app.add_typer(cache_app, name="cache", help="This host's persistent hash cache.")

@@ -1,0 +1,170 @@
+"""Reading sealed objects block by block (the serving side of HCP) and
+installing objects received block by block into a store."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from capsule.catalogue import FileRow, LayerRow
+from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
+from capsule.fsutil import disk_usage, install_readonly, translating_enospc
+from capsule.names import check_object_id
+from capsule.store import Store
+from hashcache.blocks import BLOCK_SIZE
+from hashcache.errors import HashcacheError
+from hashcache.manifest import Manifest, manifest_of_file, manifest_of_layer
+from hashcache.qcow2 import Qcow2Image
+from hashcache.qcow2_writer import write_layer
+from hashcache.shadow import Shadow
+
+KINDS = ("layer", "file")
+FILE_ROLES = ("memory", "kernel", "initrd")
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise InvalidName(f"unknown object kind {kind!r}: expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def object_manifest(store: Store, kind: str, oid: str) -> Manifest:
+    check_kind(kind)
+    check_object_id(oid)
+    if kind == "layer":
+        if store.catalogue.layer(oid) is None:
+            raise NotFound(f"no layer {oid[:12]} in this store")
+        return store.layer_manifest(oid)
+    if store.catalogue.file(oid) is None:
+        raise NotFound(f"no file object {oid[:12]} in this store")
+    return store.file_manifest(oid)
+
+
+def object_path(store: Store, kind: str, oid: str) -> Path:
+    return store.layer_path(oid) if check_kind(kind) == "layer" else store.file_path(oid)
+
+
+def has_object(store: Store, kind: str, oid: str) -> bool:
+    check_object_id(oid)
+    row = store.catalogue.layer(oid) if check_kind(kind) == "layer" else store.catalogue.file(oid)
+    return row is not None and object_path(store, kind, oid).exists()
+
+
+class BlockReader:
+    """Reads 4 KiB guest blocks of one sealed object (thread-safe)."""
+
+    def __init__(self, store: Store, kind: str, oid: str) -> None:
+        self.kind = kind
+        self.path = object_path(store, kind, oid)
+        self._lock = threading.Lock()
+        self._img = Qcow2Image(self.path) if kind == "layer" else None
+        self._fd = None if kind == "layer" else os.open(self.path, os.O_RDONLY)
+
+    def read(self, indices: list[int]) -> list[bytes]:
+        out = []
+        with self._lock:
+            for i in indices:
+                if self._img is not None:
+                    data = self._img.read_block(i)
+                    if data is None:
+                        raise NotFound(f"block {i} is not allocated in layer {self.path.name}")
+                else:
+                    assert self._fd is not None
+                    data = os.pread(self._fd, BLOCK_SIZE, i * BLOCK_SIZE).ljust(BLOCK_SIZE, b"\0")
+                out.append(data)
+        return out
+
+    def close(self) -> None:
+        if self._img is not None:
+            self._img.close()
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+class ReaderCache:
+    """A small LRU of open BlockReaders (sealed objects never change)."""
+
+    def __init__(self, store: Store, size: int = 32) -> None:
+        self.store = store
+        self.size = size
+        self._lock = threading.Lock()
+        self._readers: OrderedDict[tuple[str, str], BlockReader] = OrderedDict()
+
+    def get(self, kind: str, oid: str) -> BlockReader:
+        key = (kind, oid)
+        with self._lock:
+            reader = self._readers.get(key)
+            if reader is not None:
+                self._readers.move_to_end(key)
+                return reader
+        reader = BlockReader(self.store, kind, oid)
+        with self._lock:
+            self._readers[key] = reader
+            while len(self._readers) > self.size:
+                _, old = self._readers.popitem(last=False)
+                old.close()
+        return reader
+
+
+# -- receiving ------------------------------------------------------------------
+
+def recv_base(store: Store, kind: str, oid: str) -> Path:
+    d = store.home / "recv"
+    d.mkdir(exist_ok=True)
+    return d / f"{check_kind(kind)}-{check_object_id(oid)}"
+
+
+def open_shadow(store: Store, kind: str, manifest: Manifest) -> Shadow:
+    return Shadow(recv_base(store, kind, manifest.digest), manifest.block_count)
+
+
+def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow, role: str = "memory"
+                     ) -> LayerRow | FileRow:
+    """Turn a complete shadow into a sealed object of this store, verified
+    against the manifest (its digest is the object's name), and record it."""
+    oid = manifest.digest
+    with store.lock(), translating_enospc(f"installing {kind} {oid[:12]}"):
+        if kind == "layer":
+            if manifest.parent and not has_object(store, "layer", manifest.parent):
+                raise Conflict(f"layer {oid[:12]} needs its parent {manifest.parent[:12]} first")
+            tmp = store.new_leaf_path()
+            try:
+                write_layer(tmp, virtual_size=manifest.size,
+                            backing=f"{manifest.parent}.qcow2" if manifest.parent else None,
+                            records=((i, z) for i, z, _h in manifest.records()), read_block=shadow.read)
+                got = manifest_of_layer(tmp, manifest.parent)
+                if got.digest != oid:
+                    raise IntegrityError(f"layer {oid[:12]}: the rebuilt layer does not match its manifest")
+                if not store.layer_manifest_path(oid).exists():
+                    manifest.write(store.layer_manifest_path(oid))
+                file_size = disk_usage(tmp)
+                install_readonly(tmp, store.layer_path(oid))
+            except HashcacheError as exc:
+                raise IntegrityError(f"layer {oid[:12]}: {exc}") from exc
+            finally:
+                tmp.unlink(missing_ok=True)
+            row: LayerRow | FileRow = LayerRow(oid, manifest.parent, manifest.size, file_size,
+                                               manifest.stored_bytes, len(manifest), time.time())
+            with store.catalogue.transaction():
+                store.catalogue.add_layer(row)
+        else:
+            if role not in FILE_ROLES:
+                raise InvalidName(f"unknown file role {role!r}")
+            data_path = shadow.data_path
+            shadow.close()
+            os.truncate(data_path, manifest.size)
+            got = manifest_of_file(data_path)
+            if got.digest != oid:
+                raise IntegrityError(f"{role} {oid[:12]}: the received file does not match its manifest")
+            if not store.file_manifest_path(oid).exists():
+                manifest.write(store.file_manifest_path(oid))
+            allocated = disk_usage(data_path)
+            install_readonly(data_path, store.file_path(oid))
+            row = FileRow(oid, role, manifest.size, allocated, manifest.stored_bytes, time.time())
+            with store.catalogue.transaction():
+                store.catalogue.add_file(row)
+        shadow.remove()
+        return row

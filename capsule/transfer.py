@@ -1,0 +1,272 @@
+"""Push and pull of capsule versions between hosts with HCP (§4.4).
+
+Only objects the other side lacks travel (a child capsule shares its
+parents' layers). Per object: the manifest first, then every block the
+receiver does not already have — in its shadow from an interrupted run, or
+anywhere on its disks via its hash cache — in zstd batches with many
+requests in flight. Every block is verified against its hash and the object
+against its digest before it is installed; the version is recorded last."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zstandard
+
+from capsule.agent.records import objects_of, record_version, validate, version_record
+from capsule.agentclient import AgentClient
+from capsule.capsules import resolve
+from capsule.errors import TransferFailed
+from capsule.names import parse_ref
+from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
+from capsule.store import Store
+from hashcache.blocks import BLOCK_SIZE
+from hashcache.errors import ManifestMismatch
+from hashcache.hcp import (
+    ProtocolError,
+    Receiver,
+    TransferStats,
+    decode_indices,
+    encode_indices,
+    manifest_from_parts,
+    pack_blocks,
+    records_chunks,
+    unpack_blocks,
+)
+from hashcache.manifest import Manifest
+
+
+@dataclass
+class Options:
+    hash: bool = True          # look blocks up in the receiver's hash cache
+    compress: bool = True      # zstd on the wire
+    level: int = 3
+    batch: int = 256           # blocks per request
+    inflight: int = 8          # requests in flight
+
+
+@dataclass
+class ObjectReport:
+    kind: str
+    id: str
+    role: str
+    raw_bytes: int = 0
+    resumed_bytes: int = 0
+    cache_bytes: int = 0
+    fetched_bytes: int = 0
+    wire_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class TransferReport:
+    direction: str
+    version: str
+    url: str
+    objects: list[ObjectReport] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)      # objects the receiver already had
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    recorded: bool = False
+
+    def totals(self) -> dict[str, int]:
+        keys = ("raw_bytes", "resumed_bytes", "cache_bytes", "fetched_bytes")
+        return {k: sum(getattr(o, k) for o in self.objects) for k in keys}
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(self.totals())
+        return d
+
+
+class Progress:
+    """Callbacks for a progress display: begin(total raw bytes), advance(raw bytes), wire(total wire bytes)."""
+
+    def begin(self, label: str, total: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+    def wire(self, total_wire: int) -> None: ...
+
+
+def _run_batches(batches: list[list[int]], inflight: int, work: Callable[[list[int]], None]) -> None:
+    if not batches:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, inflight)) as pool:
+        pending = {pool.submit(work, b) for b in batches}
+        done, not_done = wait(pending, return_when=FIRST_EXCEPTION)
+        for f in done:
+            exc = f.exception()
+            if exc is not None:
+                for g in not_done:
+                    g.cancel()
+                raise exc
+
+
+def _batches(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i:i + size] for i in range(0, len(indices), size)]
+
+
+# -- pull -------------------------------------------------------------------------
+
+def _fetch_manifest(client: AgentClient, kind: str, oid: str) -> tuple[Manifest, dict[str, Any]]:
+    head = client.get_json(f"/v1/objects/{kind}/{oid}")
+    count = head.get("count")
+    if not isinstance(count, int) or count < 0:
+        raise TransferFailed(f"{kind} {oid[:12]}: malformed LOOKUP reply")
+    parts = []
+    for start, n in records_chunks(count):
+        resp = client.request("GET", f"/v1/objects/{kind}/{oid}/records", params={"start": start, "count": n})
+        try:
+            parts.append(zstandard.ZstdDecompressor().decompress(resp.content, max_output_size=n * 40))
+        except zstandard.ZstdError as exc:
+            raise TransferFailed(f"{kind} {oid[:12]}: bad manifest records from the peer: {exc}") from exc
+    try:
+        return manifest_from_parts(head, b"".join(parts), oid), head
+    except (ManifestMismatch, ProtocolError) as exc:
+        raise TransferFailed(str(exc)) from exc
+    except Exception as exc:  # ManifestError from a hostile peer
+        raise TransferFailed(f"{kind} {oid[:12]}: the peer sent an invalid manifest: {exc}") from exc
+
+
+def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
+                 progress: Progress) -> ObjectReport:
+    t0 = time.monotonic()
+    wire0 = client.wire_bytes
+    manifest, head = _fetch_manifest(client, kind, oid)
+    if kind == "file":
+        role = head.get("role", role)
+    name = f"{role if kind == 'file' else 'layer'} {oid[:12]}"
+    stats = TransferStats()
+    shadow = open_shadow(store, kind, manifest)
+    try:
+        receiver = Receiver(manifest, shadow, name, store.hash_cache() if opts.hash else None, stats)
+        progress.begin(name, stats.raw_bytes)
+        progress.advance(len(receiver.nonzero_indices()) * BLOCK_SIZE
+                         - len(shadow.missing(receiver.nonzero_indices())) * BLOCK_SIZE)
+        needed = receiver.plan(on_progress=progress.advance)
+
+        def fetch(batch: list[int]) -> None:
+            resp = client.request("POST", f"/v1/objects/{kind}/{oid}/read", content=encode_indices(batch),
+                                  params={"level": opts.level, "compress": str(opts.compress).lower()})
+            try:
+                blocks = unpack_blocks(resp.content, len(batch), compressed=opts.compress)
+                receiver.accept(batch, blocks, on_progress=progress.advance)
+            except (ManifestMismatch, ProtocolError) as exc:
+                raise TransferFailed(f"from {client.url}: {exc}; nothing was installed") from exc
+            stats.add(requests=1)
+            progress.wire(client.wire_bytes)
+
+        _run_batches(_batches(needed, opts.batch), opts.inflight, fetch)
+        if not receiver.complete():
+            raise TransferFailed(f"{name}: blocks are still missing after the transfer")
+        shadow.flush()
+        install_received(store, kind, manifest, shadow, role=role)
+    finally:
+        shadow.close()
+    store.index_object(object_path(store, kind, oid), manifest)
+    return ObjectReport(kind, oid, role, stats.raw_bytes, stats.resumed_bytes, stats.cache_bytes,
+                        stats.fetched_bytes, client.wire_bytes - wire0, time.monotonic() - t0)
+
+
+def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = None,
+         progress: Progress | None = None) -> TransferReport:
+    """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store``."""
+    opts = opts or Options()
+    progress = progress or Progress()
+    r = parse_ref(ref)
+    t0 = time.monotonic()
+    with AgentClient(url, token) as client:
+        record = client.get_json(f"/v1/capsules/{r.name}/versions/{r.version or 'latest'}")
+        try:
+            validate(record)
+        except Exception as exc:
+            raise TransferFailed(f"the agent at {url} sent a malformed version record: {exc}") from exc
+        report = TransferReport("pull", f"{record['capsule']}@{record['number']}", url)
+        layers, files = objects_of(record)
+        for kind, oid, role in [("layer", lid, "layer") for lid in layers] + [("file", f, ro) for f, ro in files]:
+            if has_object(store, kind, oid):
+                report.skipped.append(oid)
+                continue
+            report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress))
+        _row, report.recorded = record_version(store, record)
+        report.wire_bytes = client.wire_bytes
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+# -- push -------------------------------------------------------------------------
+
+def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
+                 progress: Progress) -> ObjectReport | None:
+    t0 = time.monotonic()
+    wire0 = client.wire_bytes
+    manifest = object_manifest(store, kind, oid)
+    name = f"{role} {oid[:12]}"
+    resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
+                          content=zstandard.ZstdCompressor(level=3).compress(manifest.to_bytes()),
+                          params={"hash": str(opts.hash).lower()})
+    if resp.headers.get("X-Capsule-Present"):
+        return None
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(resp.content, max_output_size=manifest.block_count * 10 + 64)
+        needed = decode_indices(raw, manifest.block_count, max_count=manifest.block_count)
+    except (zstandard.ZstdError, ProtocolError) as exc:
+        raise TransferFailed(f"{name}: the receiver's plan is malformed: {exc}") from exc
+    raw_bytes = manifest.nonzero_blocks * BLOCK_SIZE
+    progress.begin(name, raw_bytes)
+    progress.advance(raw_bytes - len(needed) * BLOCK_SIZE)
+    reader = BlockReader(store, kind, oid)
+    stats = TransferStats(raw_bytes=raw_bytes)
+
+    def send(batch: list[int]) -> None:
+        idx = encode_indices(batch)
+        payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
+        client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=struct.pack("<I", len(idx)) + idx + payload,
+                       params={"compress": str(opts.compress).lower()})
+        stats.add(fetched_bytes=len(batch) * BLOCK_SIZE, requests=1)
+        progress.advance(len(batch) * BLOCK_SIZE)
+        progress.wire(client.wire_bytes)
+
+    try:
+        _run_batches(_batches(needed, opts.batch), opts.inflight, send)
+    finally:
+        reader.close()
+    client.request("POST", f"/v1/recv/{kind}/{oid}/commit", params={"role": role})
+    cache_bytes = raw_bytes - len(needed) * BLOCK_SIZE
+    return ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes,
+                        client.wire_bytes - wire0, time.monotonic() - t0)
+
+
+def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,
+         progress: Progress | None = None) -> TransferReport:
+    """Send ``NAME[@V]`` from ``store`` to the agent at ``url``."""
+    opts = opts or Options()
+    progress = progress or Progress()
+    t0 = time.monotonic()
+    version = resolve(store, ref)
+    record = version_record(store, version)
+    report = TransferReport("push", version.ref, url)
+    layers, files = objects_of(record)
+    with AgentClient(url, token) as client:
+        missing = client.post_json("/v1/objects/missing", {"layers": layers, "files": [f for f, _ in files]})
+        lacking = set(missing.get("layers", [])) | set(missing.get("files", []))
+        for kind, oid, role in [("layer", lid, "layer") for lid in layers] + [("file", f, ro) for f, ro in files]:
+            if oid not in lacking:
+                report.skipped.append(oid)
+                continue
+            obj = _push_object(store, client, kind, oid, role, opts, progress)
+            if obj is None:
+                report.skipped.append(oid)
+            else:
+                report.objects.append(obj)
+        reply = client.post_json("/v1/versions", record)
+        report.recorded = bool(reply.get("created"))
+        report.wire_bytes = client.wire_bytes
+    report.seconds = time.monotonic() - t0
+    return report

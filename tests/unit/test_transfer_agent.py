@@ -1,0 +1,207 @@
+"""HCP between two stores and two real agents on loopback, without guests:
+tokens, hostile input, a lying peer, the hash cache, resuming a killed pull."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from capsule import capsules, transfer
+from capsule.errors import AuthFailed, TransferFailed
+from capsule.objectio import BlockReader, has_object
+from tests.conftest import Agent, make_store
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def hosts(tmp_path, tiny_images):
+    """A holds the tiny image and a capsule on it; B is empty. Both run agents."""
+    a = make_store(tmp_path / "a", tiny_images, "tiny")
+    b = make_store(tmp_path / "b", tiny_images)
+    capsules.create(a, "cap", "tiny", memory="256M")
+    agent_a = Agent(a.home, tmp_path / "a.token")
+    agent_b = Agent(b.home, tmp_path / "b.token")
+    yield a, b, agent_a, agent_b
+    agent_a.stop()
+    agent_b.stop()
+
+
+def _layer(store):
+    return store.catalogue.latest_version("cap").chains[0][0]
+
+
+def test_pull_then_push_back_sends_almost_nothing(hosts):
+    a, b, agent_a, agent_b = hosts
+    r = transfer.pull(b, agent_a.url, "cap", agent_a.token)
+    assert r.recorded and len(r.objects) == 3  # root layer, kernel, initrd
+    layer = _layer(a)
+    assert has_object(b, "layer", layer)
+    assert b.layer_manifest(layer).digest == layer
+    t = r.totals()
+    assert t["fetched_bytes"] == t["raw_bytes"] > 0
+    # the wire carries less than the raw data: zstd, zero blocks never travel
+    assert r.wire_bytes < t["raw_bytes"]
+    again = transfer.pull(b, agent_a.url, "cap", agent_a.token)
+    assert again.objects == [] and not again.recorded and again.wire_bytes < 20_000
+    back = transfer.push(b, "cap", agent_a.url, agent_a.token)
+    assert back.objects == [] and back.wire_bytes < 20_000
+
+
+def test_push_installs_verified_objects(hosts):
+    a, b, _agent_a, agent_b = hosts
+    r = transfer.push(a, "cap", agent_b.url, agent_b.token)
+    assert r.recorded
+    assert b.catalogue.latest_version("cap").chains == a.catalogue.latest_version("cap").chains
+    from capsule.verify import verify
+
+    assert verify(b).ok
+
+
+def test_primed_hash_cache_blocks_are_copied_locally(hosts, tmp_path):
+    a, b, agent_a, _agent_b = hosts
+    unrelated = tmp_path / "elsewhere" / "some-disk.img"
+    unrelated.parent.mkdir()
+    shutil.copyfile(a.layer_path(_layer(a)), unrelated)
+    primed = b.hash_cache().prime_paths([unrelated.parent])
+    assert primed.blocks > 0
+    r = transfer.pull(b, agent_a.url, "cap", agent_a.token)
+    layer = next(o for o in r.objects if o.kind == "layer")
+    assert layer.cache_bytes == layer.raw_bytes and layer.fetched_bytes == 0
+    assert b.hash_cache().stats()["hits"] > 0
+
+
+def test_no_hash_fetches_everything(hosts, tmp_path):
+    a, b, agent_a, _agent_b = hosts
+    shutil.copyfile(a.layer_path(_layer(a)), tmp_path / "copy.img")
+    b.hash_cache().prime_paths([tmp_path / "copy.img"])
+    r = transfer.pull(b, agent_a.url, "cap", agent_a.token, transfer.Options(hash=False))
+    layer = next(o for o in r.objects if o.kind == "layer")
+    assert layer.cache_bytes == 0 and layer.fetched_bytes == layer.raw_bytes
+
+
+def test_tokens(hosts):
+    _a, _b, agent_a, _agent_b = hosts
+    for headers in ({}, {"Authorization": "Bearer wrong-token-wrong-token"}, {"Authorization": agent_a.token}):
+        assert httpx.get(f"{agent_a.url}/v1/capsules", headers=headers).status_code == 401
+    with pytest.raises(AuthFailed):
+        transfer.pull(_b, agent_a.url, "cap", "not-the-token-at-all")
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("GET", "/v1/objects/layer/..%2F..%2Fcatalogue.sqlite", None),
+    ("GET", "/v1/objects/layer/" + "0" * 63 + "z", None),
+    ("GET", "/v1/objects/..%2Flayers/" + "0" * 64, None),
+    ("GET", "/v1/objects/file/" + "0" * 64, None),
+    ("GET", "/v1/capsules/..%2F..%2Fetc/versions/latest", None),
+    ("GET", "/v1/capsules/cap/versions/0", None),
+    ("GET", "/v1/capsules/cap/versions/..", None),
+    ("POST", "/v1/objects/missing", b"{not json"),
+    ("POST", "/v1/objects/missing", b'{"layers": ["../../x"]}'),
+    ("POST", "/v1/recv/layer/" + "1" * 64 + "/begin", b"garbage"),
+    ("POST", "/v1/recv/layer/" + "1" * 64 + "/blocks", b"\xff\xff\xff\xff"),
+    ("POST", "/v1/recv/file/" + "1" * 64 + "/commit", b""),
+    ("POST", "/v1/versions", b'{"capsule": "../evil", "number": 1}'),
+    ("POST", "/v1/versions", b'[1, 2]'),
+])
+def test_hostile_requests_get_4xx(hosts, tmp_path, method, path, body):
+    a, _b, agent_a, _agent_b = hosts
+    sentinel = tmp_path / "outside"
+    sentinel.write_text("untouched")
+    before = sorted(p.name for p in a.home.rglob("*"))
+    r = httpx.request(method, agent_a.url + path, content=body,
+                      headers={"Authorization": f"Bearer {agent_a.token}"})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert sentinel.read_text() == "untouched"
+    after = sorted(p.name for p in a.home.rglob("*") if "hashcache" not in p.name)
+    assert [p for p in after if p not in before and not p.startswith("recv")] == []
+
+
+def test_out_of_range_block_read_is_refused(hosts):
+    a, _b, agent_a, _agent_b = hosts
+    from hashcache.hcp import encode_indices
+
+    layer = _layer(a)
+    r = httpx.post(f"{agent_a.url}/v1/objects/layer/{layer}/read", content=encode_indices([10**9]),
+                   headers={"Authorization": f"Bearer {agent_a.token}"})
+    assert r.status_code == 400
+
+
+def test_lying_agent_fails_the_transfer_and_installs_nothing(tmp_path, tiny_images, monkeypatch):
+    import uvicorn
+
+    from capsule.agent.app import create_app
+    from tests.conftest import free_port
+
+    a = make_store(tmp_path / "a", tiny_images, "tiny")
+    b = make_store(tmp_path / "b", tiny_images)
+    capsules.create(a, "cap", "tiny", memory="256M")
+    layer = _layer(a)
+    manifest = a.layer_manifest(layer)
+    victim = [i for i, z, _h in manifest.records() if not z][5]
+    real_read = BlockReader.read
+
+    def lying_read(self, indices):
+        blocks = real_read(self, indices)
+        return [b[:-1] + bytes([b[-1] ^ 1]) if i == victim and self.kind == "layer" else b
+                for i, b in zip(indices, blocks, strict=True)]
+
+    monkeypatch.setattr(BlockReader, "read", lying_read)
+    token = "t" * 32
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(a.home, token), host="127.0.0.1", port=port,
+                                           log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        with pytest.raises(TransferFailed, match=f"block {victim}") as exc:
+            transfer.pull(b, f"http://127.0.0.1:{port}", "cap", token)
+        assert layer[:12] in str(exc.value)
+        assert not has_object(b, "layer", layer)
+        assert b.catalogue.capsule("cap") is None
+        assert not list(b.layers_dir.glob("*.qcow2"))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_killed_pull_resumes_without_refetching(hosts):
+    a, b, agent_a, _agent_b = hosts
+    env = dict(os.environ, CAPSULE_HOME=str(b.home), CAPSULE_TOKEN=agent_a.token)
+    cmd = [sys.executable, "-m", "capsule.cli.main", "pull", agent_a.url, "cap", "--json", "--batch", "4",
+           "--inflight", "1", "--no-compress"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    layer = _layer(a)
+    bitmap = b.home / "recv" / f"layer-{layer}.bitmap"
+    deadline = time.monotonic() + 60
+    from hashcache.shadow import Shadow
+
+    nblocks = a.layer_manifest(layer).block_count
+    while time.monotonic() < deadline:
+        if bitmap.exists():
+            with Shadow(b.home / "recv" / f"layer-{layer}", nblocks) as sh:
+                if sh.present_count() > 40:
+                    break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not has_object(b, "layer", layer)
+    import json
+
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    obj = next(o for o in report["objects"] if o["kind"] == "layer")
+    assert obj["resumed_bytes"] > 40 * 4096
+    assert obj["fetched_bytes"] <= obj["raw_bytes"] - obj["resumed_bytes"]
+    assert has_object(b, "layer", layer)
