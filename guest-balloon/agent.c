@@ -47,7 +47,7 @@
 #define REOPEN_MAX_MS 2000             /* cap of the reopen back-off */
 #define EOF_REOPEN_ROUNDS 40           /* reopen a silent port every 40 * HUP_SLEEP_MS */
 #define WRITE_TIMEOUT_MS 10000         /* give up a reply the host does not read */
-#define BALLOON_CHECK_MS 1000          /* memory-pressure check while holding */
+#define BALLOON_CHECK_MS 250           /* memory-pressure check while holding */
 #define EXEC_DEFAULT_CAP (1024 * 1024) /* stdout / stderr capture cap */
 #define EXEC_MAX_CAP (8 * 1024 * 1024)
 #define MAX_FROZEN 256
@@ -984,32 +984,25 @@ typedef struct {
 static chunk *g_chunks;
 static size_t g_nchunks, g_chunks_cap;
 static unsigned long long g_held;
-static char g_oom_orig[32] = "";
-static int g_oom_raised;
+static char g_oom_orig[32] = "0\n"; /* read at start-up */
+static int g_oom_state;              /* 0 = original, 1 = +1000 (victim), -1 = -1000 (protected) */
 static char g_last_stop[32] = "";
 static unsigned long long g_floor = 32 * MiB;
 static unsigned long long g_pressure_released;
 static double g_auto_deflate_at;    /* 0 = never */
 static double g_next_balloon_check; /* monotonic seconds */
 
-static void oom_raise(void)
+/* While the balloon holds memory, be the OOM killer's first victim: the
+ * guest survives and the memory comes back.  But while file systems are
+ * frozen, never be killed: nobody else would thaw them. */
+static void oom_update(int inflating)
 {
-    if (g_oom_raised)
+    int want = g_nfrozen > 0 ? -1 : (g_held > 0 || inflating) ? 1 : 0;
+    if (want == g_oom_state)
         return;
-    if (!g_oom_orig[0]) {
-        if (read_file("/proc/self/oom_score_adj", g_oom_orig, sizeof g_oom_orig) <= 0)
-            strcpy(g_oom_orig, "0\n");
-    }
-    if (write_file("/proc/self/oom_score_adj", "1000\n") == 0)
-        g_oom_raised = 1;
-}
-
-static void oom_restore(void)
-{
-    if (!g_oom_raised)
-        return;
-    write_file("/proc/self/oom_score_adj", g_oom_orig);
-    g_oom_raised = 0;
+    const char *v = want < 0 ? "-1000\n" : want > 0 ? "1000\n" : g_oom_orig;
+    if (write_file("/proc/self/oom_score_adj", v) == 0)
+        g_oom_state = want;
 }
 
 /* Release chunks, newest first, until at least `bytes` are freed. */
@@ -1025,8 +1018,8 @@ static unsigned long long balloon_release(unsigned long long bytes)
     if (g_nchunks == 0) {
         g_held = 0;
         g_auto_deflate_at = 0;
-        oom_restore();
     }
+    oom_update(0);
     return released;
 }
 
@@ -1057,7 +1050,7 @@ static int cmd_balloon_inflate(const jval *args, jw *w, errbuf *e)
     const char *policy;
     unsigned long long floor_b, max_b, swap_drop, step;
     double timeout_s, hold_s;
-    if (arg_cstr(args, "policy", &policy, e) < 0 || arg_u64(args, "floor_bytes", 32 * MiB, &floor_b, e) < 0 ||
+    if (arg_cstr(args, "policy", &policy, e) < 0 || arg_u64(args, "floor_bytes", ULLONG_MAX, &floor_b, e) < 0 ||
         arg_u64(args, "max_bytes", ULLONG_MAX, &max_b, e) < 0 ||
         arg_u64(args, "swap_drop_bytes", 1 * MiB, &swap_drop, e) < 0 ||
         arg_u64(args, "step_bytes", 4 * MiB, &step, e) < 0 || arg_seconds(args, "timeout_s", 30, 3600, &timeout_s, e) < 0 ||
@@ -1065,7 +1058,7 @@ static int cmd_balloon_inflate(const jval *args, jw *w, errbuf *e)
         return -1;
     if (!policy)
         policy = "none";
-    if (floor_b > (1ULL << 50))
+    if (floor_b > (1ULL << 50) && floor_b != ULLONG_MAX)
         floor_b = 1ULL << 50;
     if (swap_drop > (1ULL << 50))
         swap_drop = 1ULL << 50;
@@ -1087,8 +1080,10 @@ static int cmd_balloon_inflate(const jval *args, jw *w, errbuf *e)
         return fail(e, "cannot read /proc/meminfo");
     unsigned long long added = 0;
     const char *stop = NULL;
+    if (floor_b == ULLONG_MAX) /* default: 32 MiB, or 1/32 of RAM on big guests */
+        floor_b = (unsigned long long)m0.total / 32 > 32 * MiB ? (unsigned long long)m0.total / 32 : 32 * MiB;
     g_floor = floor_b;
-    oom_raise();
+    oom_update(1);
     for (;;) {
         if (g_term) {
             stop = "terminated";
@@ -1147,8 +1142,7 @@ static int cmd_balloon_inflate(const jval *args, jw *w, errbuf *e)
         g_held += this_step;
         added += this_step;
     }
-    if (g_held == 0)
-        oom_restore();
+    oom_update(0);
     snprintf(g_last_stop, sizeof g_last_stop, "%s", stop);
     g_auto_deflate_at = hold_s > 0 && g_held > 0 ? now_mono() + hold_s : 0;
     g_next_balloon_check = now_mono() + BALLOON_CHECK_MS / 1000.0;
@@ -1157,6 +1151,7 @@ static int cmd_balloon_inflate(const jval *args, jw *w, errbuf *e)
     kv_u64(w, "held_bytes", g_held);
     kv_u64(w, "added_bytes", added);
     kv_str(w, "stop_reason", stop);
+    kv_u64(w, "floor_bytes", floor_b);
     kv_dbl(w, "seconds", now_mono() - t0);
     kv_str(w, "policy", policy);
     kv_str(w, "drop_caches", drop);
@@ -1207,7 +1202,7 @@ static int cmd_balloon_status(const jval *args, jw *w, errbuf *e)
     return 0;
 }
 
-/* Called from the main loop at least once a second while memory is held. */
+/* Called from the main loop (and during exec) every BALLOON_CHECK_MS while memory is held. */
 static void balloon_tick(void)
 {
     if (g_held == 0)
@@ -1225,7 +1220,7 @@ static void balloon_tick(void)
     if (read_meminfo(&m) < 0)
         return;
     /* Someone in the guest needs memory: give back enough to reach the floor. */
-    if ((unsigned long long)m.avail < g_floor / 2) {
+    if ((unsigned long long)m.avail < g_floor / 4 * 3) {
         unsigned long long r = balloon_release(g_floor - (unsigned long long)m.avail);
         g_pressure_released += r;
         logmsg("memory pressure (MemAvailable %lld): released %llu bytes", m.avail, r);
@@ -1363,6 +1358,7 @@ static void frozen_remove(int k)
     g_nfrozen--;
     if (g_nfrozen == 0)
         g_thaw_at = 0;
+    oom_update(0);
 }
 
 static int fs_ioctl(const char *path, unsigned long req, dev_t *dev)
@@ -1496,6 +1492,7 @@ static int cmd_fs_freeze(const jval *args, jw *w, errbuf *e)
     }
     if (g_nfrozen > 0)
         g_thaw_at = now_mono() + timeout_s;
+    oom_update(0);
     list_frozen(w, "frozen");
     jw_key(w, "skipped");
     jw_raw(w, skipped.p, skipped.len);
@@ -1705,7 +1702,7 @@ static int cmd_exec(const jval *args, jw *w, errbuf *e)
         signal(SIGTERM, SIG_DFL);
         signal(SIGINT, SIG_DFL);
         signal(SIGHUP, SIG_DFL);
-        if (g_oom_raised)
+        if (g_oom_state != 0)
             write_file("/proc/self/oom_score_adj", g_oom_orig);
         dup2(pin[0], 0);
         dup2(pout[1], 1);
@@ -2347,6 +2344,8 @@ int main(int argc, char **argv)
         return 2;
     }
     g_start = now_mono();
+    if (read_file("/proc/self/oom_score_adj", g_oom_orig, sizeof g_oom_orig) <= 0)
+        strcpy(g_oom_orig, "0\n");
     if (!getenv("PATH"))
         setenv("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", 1);
     signal(SIGPIPE, SIG_IGN);

@@ -25,10 +25,13 @@ Design
   empty slot (searched from a random position), else evicts the entry with the lowest use count
   among ``evict_sample`` entries of the bucket chosen at random; a hit increments the entry's use
   count.
-* **Read-ahead**: a hit reads the block and the ``readahead`` blocks after it in one pread and
-  primes a bounded in-memory LRU, keyed by the hash of each primed block (computed from the data
-  itself, so a primed block is verified by construction). Runs of blocks shared between two files
-  then cost one disk access.
+* **Read-ahead**: a hit reads the block and the blocks after it in one pread and primes a bounded
+  in-memory LRU, keyed by the hash of each primed block (computed from the data itself, so a
+  primed block is verified by construction, whichever file a later lookup's entry points to). Runs
+  of blocks shared between two files then cost one disk access per window. The window is adaptive
+  per file, like the kernel's: it starts at 8 blocks, doubles (up to ``readahead``, default 64)
+  on every hit served from it, and falls back to 8 after a window nobody used, so random lookups
+  do not pay for reading and hashing 64 blocks each.
 
 Entry layout (32 bytes, little-endian; 128 per bucket)::
 
@@ -127,7 +130,8 @@ DEFAULT_SIZE = 64 * 1024 * 1024  # 16382 buckets, ~2.1M entries, indexes ~8 GiB 
 MIN_SIZE = BUCKETS_OFFSET + BUCKET_SIZE  # one bucket
 MAX_SIZE = 1 << 40
 DEFAULT_EVICT_SAMPLE = 16
-DEFAULT_READAHEAD = 64  # blocks read after a hit, in the same pread (256 KiB)
+DEFAULT_READAHEAD = 64  # at most this many blocks read after a hit, in the same pread (256 KiB)
+READAHEAD_INITIAL = 8  # the first window of a file, and the window after an unused one
 DEFAULT_READAHEAD_CAPACITY = 1024  # primed blocks kept in memory (4 MiB)
 
 #: Bytes read (and hashed) per system call by prime_paths.
@@ -256,8 +260,8 @@ class HashCache:
         """Open the cache at ``path``, creating it (``size_bytes``, default 64 MiB) if missing and ``create``.
 
         ``size_bytes`` only matters when the file is created (it is rounded down to whole pages);
-        an existing cache keeps its size. ``readahead`` is the number of blocks read after each
-        verified hit (0 disables read-ahead), ``readahead_capacity`` the number of primed blocks kept
+        an existing cache keeps its size. ``readahead`` is the largest number of blocks read after
+        a verified hit (0 disables read-ahead), ``readahead_capacity`` the number of primed blocks kept
         in memory, ``evict_sample`` overrides the number of slots sampled per eviction (default:
         the value recorded at creation, 16). Raises CacheError if the file is not a usable cache.
         """
@@ -338,6 +342,7 @@ class HashCache:
         self._dead: set[int] = set()  # ids whose file is gone, replaced or unknown
         self._fds: OrderedDict[int, int] = OrderedDict()  # id -> open descriptor (LRU)
         self._primed: OrderedDict[bytes, tuple[bytes, int, int]] = OrderedDict()  # hash -> (data, id, offset)
+        self._windows: dict[int, list[int]] = {}  # id -> [next read-ahead window, used since the last read]
         self._delta = [0] * len(_STAT_NAMES)
         self._ops = 0
         self._last_flush = time.monotonic()
@@ -383,6 +388,7 @@ class HashCache:
         """Forget primed blocks and close cached descriptors (the table is untouched)."""
         with self._lock:
             self._primed.clear()
+            self._windows.clear()
             for fd in self._fds.values():
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -394,7 +400,7 @@ class HashCache:
         """The path table id of a regular file (registered if new). OSError if it cannot be stat'ed."""
         with self._lock:
             self._check_open()
-            real = os.path.realpath(os.fspath(path))
+            real = os.path.abspath(os.fspath(path))  # not realpath: one lstat per component
             st = os.stat(real)
             if not stat.S_ISREG(st.st_mode):
                 raise HashcacheError(f"{real}: not a regular file; only regular files can be cached")
@@ -404,7 +410,7 @@ class HashCache:
         """Drop a path from the path table: its entries miss from now on (e.g. before deleting it)."""
         with self._lock:
             self._check_open()
-            real = os.path.realpath(os.fspath(path))
+            real = os.path.abspath(os.fspath(path))
             row = self._db.execute("SELECT id FROM files WHERE path = ?", (real,)).fetchone()
             self._path_ids.pop(real, None)
             if row is None:
@@ -785,6 +791,10 @@ class HashCache:
         primed = self._primed.get(h)
         if primed is not None:
             self._primed.move_to_end(h)
+            state = self._windows.get(primed[1])
+            if state is not None:  # the window of this file is being used: widen the next one
+                state[0] = min(self.readahead, state[0] * 2)
+                state[1] = 1
             found = self._candidates(h)
             if found:
                 self._bump_uses(found[0][0])
@@ -808,7 +818,7 @@ class HashCache:
         if fd is None:
             return None
         try:
-            buf = os.pread(fd, BLOCK_SIZE * (1 + self.readahead), off)
+            buf = os.pread(fd, BLOCK_SIZE * (1 + self._window(fid)), off)
         except OSError:
             return None
         self.disk_reads += 1
@@ -824,6 +834,20 @@ class HashCache:
         if n > BLOCK_SIZE:
             self._prime(buf, fid, off)
         return block
+
+    def _window(self, fid: int) -> int:
+        """Blocks to read ahead of this hit in file ``fid`` (adaptive: see the module docstring)."""
+        ra = self.readahead
+        if not ra:
+            return 0
+        windows = self._windows
+        state = windows.get(fid)
+        if state is None or not state[1]:
+            if len(windows) >= 4096:
+                windows.clear()
+            state = windows[fid] = [min(ra, READAHEAD_INITIAL), 0]
+        state[1] = 0
+        return state[0]
 
     def _prime(self, buf: bytes, fid: int, off: int) -> None:
         """Keep the blocks after a hit in memory, keyed by their own hash."""

@@ -114,7 +114,8 @@ class Agent:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"agent did not start: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"agent did not start: {err}")
             time.sleep(0.1)
 
     @property

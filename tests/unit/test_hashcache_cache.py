@@ -146,7 +146,7 @@ def test_insert_file_from_layer_manifest_uses_host_offsets(cache: HashCache, tmp
         if b != bytes(B):
             assert cache.lookup(hash_block(b)) == b
             (entry,) = cache.peek(hash_block(b))
-            assert entry.path == str(layer.resolve()) and entry.offset != i * B  # a host offset
+            assert entry.path == str(layer) and entry.offset != i * B  # a host offset
 
 
 # -- invalidation --------------------------------------------------------------------------------------
@@ -446,21 +446,42 @@ def test_readahead_serves_following_blocks_without_reads(
 
         monkeypatch.setattr(cache_mod.os, "pread", counting_pread)
         assert c.lookup(hashes[10]) == blocks[10]
-        assert preads == [(17 * B, 10 * B)]  # the block and the 16 after it, in one read
-        for i in range(11, 27):
+        assert preads == [(9 * B, 10 * B)]  # the block and the first window (8) after it, in one read
+        for i in range(11, 19):
             assert c.lookup(hashes[i]) == blocks[i]
         assert len(preads) == 1 and c.disk_reads == 1
-        assert c.stats()["readahead_hits"] == 16
-        assert c.lookup(hashes[27]) == blocks[27]  # past the window: the next read
-        assert len(preads) == 2
-        # A primed block is found by hash, whatever file asks for it.
-        c.clear_readahead()
-        assert c.lookup(hashes[100]) == blocks[100]
-        with open(path, "r+b") as f:  # the file changes after priming: memory still holds the right data
-            f.seek(101 * B)
-            f.write(content(101, b"new"))
-        assert c.lookup(hashes[101]) == blocks[101]
-        assert len(preads) == 3
+        assert c.stats()["readahead_hits"] == 8
+        # The window was used, so the next read is wider (up to readahead=16).
+        assert c.lookup(hashes[19]) == blocks[19]
+        assert preads[1] == (17 * B, 19 * B)
+        for i in range(20, 36):
+            assert c.lookup(hashes[i]) == blocks[i]
+        assert len(preads) == 2 and c.stats()["readahead_hits"] == 24
+        # An unused window shrinks the next one back: random lookups do not read 16 blocks each.
+        assert c.lookup(hashes[150]) == blocks[150]
+        assert preads[2] == (17 * B, 150 * B)
+        assert c.lookup(hashes[60]) == blocks[60]
+        assert preads[3] == (9 * B, 60 * B)
+        # A primed block is found by hash, and the file changing afterwards does not matter.
+        with open(path, "r+b") as f:
+            f.seek(61 * B)
+            f.write(content(61, b"new"))
+        assert c.lookup(hashes[61]) == blocks[61]
+        assert len(preads) == 4
+
+
+def test_primed_block_serves_a_lookup_whose_entry_points_elsewhere(tmp_path: Path, image) -> None:
+    """Two files share a run; the table points its second block at the other file: still no read."""
+    path, blocks, hashes = image
+    other = tmp_path / "other"
+    other.write_bytes(content(0, b"pad") + b"".join(blocks[50:60]))
+    with HashCache.open(tmp_path / "c", size_bytes=1 << 20, readahead=8) as c:
+        c.insert_file(path, hashes)
+        c.insert(hashes[51], other, 2 * B)  # the table now says block 51 lies in `other`
+        assert c.lookup(hashes[50]) == blocks[50]
+        reads = c.disk_reads
+        assert c.lookup(hashes[51]) == blocks[51]
+        assert c.disk_reads == reads
 
 
 def test_readahead_restores_evicted_entries(tmp_path: Path, image) -> None:
@@ -483,7 +504,9 @@ def test_lookup_many_reads_in_file_order(tmp_path: Path, image) -> None:
         random.Random(3).shuffle(order)
         got = c.lookup_many([hashes[i] for i in order])
         assert got == [blocks[i] for i in order]
-        assert c.disk_reads == 2  # blocks 0 and 64, each with 63 following blocks
+        # Windows of 1+8 blocks, then (used, so widened to the maximum) 1+63 and 1+63: three reads
+        # for 128 blocks asked in random order.
+        assert c.disk_reads == 3
 
 
 # -- prime_paths ---------------------------------------------------------------------------------------
