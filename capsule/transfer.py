@@ -145,7 +145,8 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     stats = TransferStats()
     shadow = open_shadow(store, kind, manifest)
     try:
-        receiver = Receiver(manifest, shadow, name, store.hash_cache() if opts.hash else None, stats)
+        receiver = Receiver(manifest, shadow, name, store.hash_cache() if opts.hash else None, stats,
+                            dedupe=opts.hash)
         progress.begin(name, stats.raw_bytes)
         progress.advance(len(receiver.nonzero_indices()) * BLOCK_SIZE
                          - len(shadow.missing(receiver.nonzero_indices())) * BLOCK_SIZE)

@@ -1514,6 +1514,26 @@ static int cmd_fs_thaw(const jval *args, jw *w, errbuf *e)
         jw_key(w, "thawed");
         jw_open(w, '[');
         failures = thaw_all(w);
+        /* Also sweep the default set: recovers file systems left frozen by an
+         * earlier agent that was killed.  FITHAW on a thawed fs is a no-op
+         * (EINVAL), so this is harmless. */
+        char **paths = NULL;
+        int n = 0;
+        if (default_mounts(&paths, &n) == 0) {
+            for (int k = 0; k < n; k++) {
+                dev_t dev;
+                if (paths[k] && fs_ioctl(paths[k], FITHAW, &dev) == 0) {
+                    jw_cstr(w, paths[k]);
+                    int i = frozen_index(dev);
+                    if (i >= 0) {
+                        frozen_remove(i);
+                        failures--;
+                    }
+                }
+                free(paths[k]);
+            }
+            free(paths);
+        }
         jw_close(w, ']');
         if (failures)
             snprintf(firsterr, sizeof firsterr, "%d file system(s) failed to thaw", failures);

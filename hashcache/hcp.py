@@ -140,7 +140,7 @@ class TransferStats:
 
     raw_bytes: int = 0          # non-zero bytes of the object
     resumed_bytes: int = 0      # already in the shadow from an earlier, interrupted run
-    cache_bytes: int = 0        # copied from local files via the hash cache
+    cache_bytes: int = 0        # found locally: via the hash cache, or a repeat of a block within the object
     fetched_bytes: int = 0      # raw bytes of blocks that travelled
     wire_bytes: int = 0         # bytes on the wire (bodies + headers, both directions)
     requests: int = 0
@@ -156,7 +156,7 @@ class Receiver:
     """Receives one object described by ``manifest`` into ``shadow``."""
 
     def __init__(self, manifest: Manifest, shadow: Shadow, name: str, cache: BlockLookup | None = None,
-                 stats: TransferStats | None = None) -> None:
+                 stats: TransferStats | None = None, dedupe: bool = True) -> None:
         if shadow.nblocks < manifest.block_count:
             raise ValueError("shadow is smaller than the object")
         self.manifest = manifest
@@ -165,22 +165,38 @@ class Receiver:
         self.cache = cache
         self.stats = stats or TransferStats()
         self._nonzero = [i for i, z, _h in manifest.records() if not z]
+        self._by_hash: dict[bytes, list[int]] | None = None if dedupe else {}
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
 
+    def _duplicates(self) -> dict[bytes, list[int]]:
+        """hash → every data block index with that hash (a memory image repeats many pages)."""
+        if self._by_hash is None:
+            by: dict[bytes, list[int]] = {}
+            for i, z, h in self.manifest.records():
+                if not z:
+                    by.setdefault(h, []).append(i)
+            self._by_hash = {h: ix for h, ix in by.items() if len(ix) > 1}
+        return self._by_hash
+
     def plan(self, on_progress: Callable[[int], None] | None = None) -> list[int]:
-        """Blocks still to fetch, after the shadow (resume) and the hash cache."""
+        """Blocks still to fetch: not in the shadow (resume), not in the hash
+        cache, and one block per distinct hash (repeats are copied locally)."""
         missing = self.shadow.missing(self._nonzero)
         self.stats.resumed_bytes = (len(self._nonzero) - len(missing)) * BLOCK_SIZE
-        if self.cache is None or not missing:
-            return missing
         still: list[int] = []
+        seen: set[bytes] = set()
         batch: list[tuple[int, bytes]] = []
         for index in missing:
             h = self.manifest.hash_of(index)
             assert h is not None
-            data = self.cache.lookup(h)
+            if h in seen and self._duplicates():
+                continue  # a repeat of a block we will fetch: copied when it arrives
+            seen.add(h)
+            data = self.cache.lookup(h) if self.cache is not None else None
             if data is not None and len(data) == BLOCK_SIZE and hash_block(data) == h:
                 batch.append((index, data))
+                batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index
+                             and not self.shadow.has(j))
                 if len(batch) >= DEFAULT_BATCH:
                     self._store(batch, "cache_bytes", on_progress)
                     batch = []
@@ -217,6 +233,10 @@ class Receiver:
                 good.append((index, data))
         finally:
             self._store(good, "fetched_bytes", on_progress)
+            dups = self._duplicates()
+            copies = [(j, data) for index, data in good for j in dups.get(self.manifest.hash_of(index) or b"", ())
+                      if j != index and not self.shadow.has(j)]
+            self._store(copies, "cache_bytes", on_progress)
 
     def complete(self) -> bool:
         return not self.shadow.missing(self._nonzero)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import struct
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +50,18 @@ from capsule.objectio import (
 )
 from capsule.store import Store
 from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
-from hashcache.hcp import MAX_BATCH, ProtocolError, Receiver, decode_indices, encode_indices, header_of, pack_blocks
+from hashcache.hcp import (
+    MAX_BATCH,
+    ProtocolError,
+    Receiver,
+    decode_indices,
+    encode_indices,
+    header_of,
+    pack_blocks,
+    unpack_blocks,
+)
 from hashcache.manifest import RECORD_SIZE, Manifest
+from hashcache.shadow import Shadow
 
 MAX_MANIFEST_UPLOAD = 512 << 20
 MAX_BLOCKS_UPLOAD = MAX_BATCH * 4096 + (1 << 20)
@@ -164,6 +176,36 @@ def create_app(home: Path, token: str) -> FastAPI:
                         headers={"X-Capsule-Blocks": str(len(indices))})
 
     # -- receiving ------------------------------------------------------------
+    # Open receivers are a cache (rebuilt from the shadow and manifest on disk
+    # whenever missing), so the protocol itself keeps no per-client state.
+    receivers: OrderedDict[tuple[str, str], tuple[Shadow, Receiver]] = OrderedDict()
+    receivers_lock = threading.Lock()
+
+    def drop_receiver(kind: str, oid: str) -> None:
+        with receivers_lock:
+            entry = receivers.pop((kind, oid), None)
+        if entry:
+            entry[0].close()
+
+    def get_receiver(kind: str, oid: str) -> Receiver:
+        with receivers_lock:
+            entry = receivers.get((kind, oid))
+            if entry:
+                receivers.move_to_end((kind, oid))
+                return entry[1]
+        m = recv_manifest(kind, oid)
+        shadow = open_shadow(store, kind, m)
+        receiver = Receiver(m, shadow, f"{kind} {oid[:12]}")
+        with receivers_lock:
+            if (kind, oid) in receivers:
+                shadow.close()
+                return receivers[(kind, oid)][1]
+            receivers[(kind, oid)] = (shadow, receiver)
+            while len(receivers) > 8:
+                _, (old, _r) = receivers.popitem(last=False)
+                old.close()
+        return receiver
+
     def recv_manifest(kind: str, oid: str) -> Manifest:
         check_kind(kind)
         check_object_id(oid)
@@ -190,19 +232,22 @@ def create_app(home: Path, token: str) -> FastAPI:
         if kind == "layer" and m.parent and not has_object(store, "layer", m.parent):
             raise Conflict(f"layer {oid[:12]} needs its parent {m.parent[:12]} first")
 
+        drop_receiver(kind, oid)
+
         def work() -> bytes:
             (store.home / "recv").mkdir(exist_ok=True)
             m.write(store.home / "recv" / f"{kind}-{oid}.manifest")
             with open_shadow(store, kind, m) as shadow:
                 cache = store.hash_cache() if hash else None
-                needed = Receiver(m, shadow, f"{kind} {oid[:12]}", cache).plan()
+                needed = Receiver(m, shadow, f"{kind} {oid[:12]}", cache, dedupe=hash).plan()
             return zstandard.ZstdCompressor(level=3).compress(encode_indices(needed))
 
         return Response(await asyncio.to_thread(work), media_type="application/octet-stream")
 
     @app.post("/v1/recv/{kind}/{oid}/blocks", dependencies=deps)
     async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True) -> dict[str, int]:
-        m = recv_manifest(kind, oid)
+        receiver = await asyncio.to_thread(get_receiver, kind, oid)
+        m = receiver.manifest
         raw = await body(request, MAX_BLOCKS_UPLOAD)
         if len(raw) < 4:
             raise ProtocolError("truncated block upload")
@@ -212,11 +257,8 @@ def create_app(home: Path, token: str) -> FastAPI:
         indices = decode_indices(raw[4:4 + n], m.block_count)
 
         def work() -> None:
-            from hashcache.hcp import unpack_blocks
-
             blocks = unpack_blocks(raw[4 + n:], len(indices), compressed=compress)
-            with open_shadow(store, kind, m) as shadow:
-                Receiver(m, shadow, f"{kind} {oid[:12]}").accept(indices, blocks)
+            receiver.accept(indices, blocks)
 
         await asyncio.to_thread(work)
         return {"stored": len(indices)}
@@ -226,6 +268,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         if has_object(store, kind, oid):
             return {"installed": oid, "already": True}
         m = recv_manifest(kind, oid)
+        drop_receiver(kind, oid)
 
         def work() -> None:
             shadow = open_shadow(store, kind, m)

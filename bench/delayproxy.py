@@ -1,0 +1,68 @@
+"""A TCP proxy that adds a fixed one-way delay in each direction.
+
+The kernel here has tbf (rate) but not netem (delay), so latency is added in
+user space: every chunk read from one side is written to the other side
+``delay`` seconds later, in order.
+
+    python bench/delayproxy.py --listen 127.0.0.1:9000 --to 10.77.0.2:7070 --delay-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def sender() -> None:
+        while True:
+            due, data = await queue.get()
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                writer.close()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    task = asyncio.create_task(sender())
+    try:
+        while True:
+            data = await reader.read(65536)
+            await queue.put((time.monotonic() + delay, data))
+            if not data:
+                break
+        await task
+    except (ConnectionError, asyncio.CancelledError):
+        task.cancel()
+        writer.close()
+
+
+async def main(listen: str, to: str, delay: float) -> None:
+    lhost, lport = listen.rsplit(":", 1)
+    thost, tport = to.rsplit(":", 1)
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection(thost, int(tport))
+        except OSError:
+            cw.close()
+            return
+        await asyncio.gather(_pump(cr, uw, delay), _pump(ur, cw, delay), return_exceptions=True)
+
+    server = await asyncio.start_server(handle, lhost, int(lport))
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--listen", required=True)
+    ap.add_argument("--to", required=True)
+    ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay (RTT = 2x)")
+    a = ap.parse_args()
+    asyncio.run(main(a.listen, a.to, a.delay_ms / 1000.0))

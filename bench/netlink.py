@@ -1,0 +1,140 @@
+"""Two hosts joined by a shaped link: network namespaces A and B, a veth pair
+between them rate-limited with ``tbf`` on both ends, and latency added by a
+user-space delaying proxy (bench/delayproxy.py) in A in front of B's port.
+
+    with SlowLink(rate_kbit=384, rtt_ms=20) as link:
+        link.exec_a([...])                     # run a command inside A
+        link.spawn_b([...])                    # start a daemon inside B
+        url = link.url_b(7070)                 # reach B's port from A, through the delay
+
+Set-up and tear-down are automatic and leave nothing behind (namespaces,
+veths, qdiscs, processes). Presets: DSL = 384 kbit/s, 20 ms RTT (the paper's);
+LAN = 100 Mbit/s, 1 ms RTT.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DSL = {"rate_kbit": 384, "rtt_ms": 20.0}
+LAN = {"rate_kbit": 100_000, "rtt_ms": 1.0}
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+class SlowLink:
+    def __init__(self, rate_kbit: int = 384, rtt_ms: float = 20.0) -> None:
+        tag = secrets.token_hex(3)
+        self.ns_a, self.ns_b = f"capsule-a-{tag}", f"capsule-b-{tag}"
+        self.veth_a, self.veth_b = f"cva{tag}", f"cvb{tag}"
+        n = int(tag, 16) % 250 + 1
+        self.ip_a, self.ip_b = f"10.{n}.77.1", f"10.{n}.77.2"
+        self.rate_kbit = rate_kbit
+        self.rtt_ms = rtt_ms
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._proxies: dict[int, int] = {}
+
+    # -- set-up / tear-down ---------------------------------------------------------
+    def __enter__(self) -> SlowLink:
+        try:
+            _ip("netns", "add", self.ns_a)
+            _ip("netns", "add", self.ns_b)
+            _ip("link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
+            _ip("link", "set", self.veth_a, "netns", self.ns_a)
+            _ip("link", "set", self.veth_b, "netns", self.ns_b)
+            for ns, dev, addr in ((self.ns_a, self.veth_a, self.ip_a), (self.ns_b, self.veth_b, self.ip_b)):
+                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                # tbf: rate; burst at least one MTU-sized packet; queue bounded by latency
+                burst = max(3200, self.rate_kbit * 1000 // 8 // 100)
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                                "rate", f"{self.rate_kbit}kbit", "burst", str(burst), "latency", "400ms"],
+                               check=True, capture_output=True)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(5)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        self.procs.clear()
+        for ns in (self.ns_a, self.ns_b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    # -- running things ---------------------------------------------------------------
+    def _wrap(self, ns: str, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", ns, *cmd]
+
+    def exec_a(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
+        return subprocess.run(self._wrap(self.ns_a, cmd), **kw)
+
+    def spawn(self, ns: str, cmd: list[str], **kw) -> subprocess.Popen[bytes]:  # noqa: ANN003
+        p = subprocess.Popen(self._wrap(ns, cmd), start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def spawn_a(self, cmd: list[str], **kw) -> subprocess.Popen[bytes]:  # noqa: ANN003
+        return self.spawn(self.ns_a, cmd, **kw)
+
+    def spawn_b(self, cmd: list[str], **kw) -> subprocess.Popen[bytes]:  # noqa: ANN003
+        return self.spawn(self.ns_b, cmd, **kw)
+
+    def url_b(self, port: int) -> str:
+        """An http URL, valid inside A, for B's ``port`` through the delaying proxy."""
+        if port not in self._proxies:
+            local = 20000 + len(self._proxies)
+            self.spawn_a([sys.executable, str(HERE / "delayproxy.py"), "--listen", f"127.0.0.1:{local}",
+                          "--to", f"{self.ip_b}:{port}", "--delay-ms", str(self.rtt_ms / 2)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._proxies[port] = local
+            self._wait_port_a(local)
+        return f"http://127.0.0.1:{self._proxies[port]}"
+
+    def _wait_port_a(self, port: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        probe = ("import socket,sys; s=socket.socket(); s.settimeout(0.5); "
+                 f"sys.exit(s.connect_ex(('127.0.0.1', {port})))")
+        while time.monotonic() < deadline:
+            if self.exec_a([sys.executable, "-c", probe], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"port {port} in {self.ns_a} did not open")
+
+    def wait_port_b(self, port: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        probe = ("import socket,sys; s=socket.socket(); s.settimeout(0.5); "
+                 f"sys.exit(s.connect_ex(('{self.ip_b}', {port})))")
+        while time.monotonic() < deadline:
+            if self.exec_a([sys.executable, "-c", probe], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.ip_b}:{port} did not open")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
