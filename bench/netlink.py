@@ -14,6 +14,7 @@ LAN = 100 Mbit/s, 1 ms RTT.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -76,10 +77,8 @@ class SlowLink:
                     os.killpg(p.pid, signal.SIGTERM)
                     p.wait(5)
                 except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
         self.procs.clear()
         for ns in (self.ns_a, self.ns_b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -37,4 +37,5 @@ def serve(home: Path, listen: str, token_file: Path) -> None:
     host, port = parse_listen(listen)
     app = create_app(home, ensure_token(token_file))
     uvicorn.run(app, host=host, port=port, log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
-                access_log=False)
+                access_log=False,
+                server_header=False, date_header=False)

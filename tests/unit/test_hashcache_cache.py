@@ -202,6 +202,25 @@ def test_forget_path(cache: HashCache, image) -> None:
     assert cache.lookup(hashes[0]) is None
 
 
+def test_unreadable_file_is_a_miss_but_keeps_its_entries(
+    cache: HashCache, image, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, blocks, hashes = image
+    cache.insert_file(path, hashes)
+    real_open = os.open
+
+    def denied(p: str, *args: object, **kwargs: object) -> int:
+        if p == str(path):
+            raise PermissionError(13, "Permission denied", p)
+        return real_open(p, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cache_mod.os, "open", denied)
+    assert cache.lookup(hashes[0]) is None
+    assert cache.stats()["invalidations"] == 0 and len(cache.peek(hashes[0])) == 1
+    monkeypatch.setattr(cache_mod.os, "open", real_open)
+    assert cache.lookup(hashes[0]) == blocks[0]
+
+
 def test_reopened_cache_reads_a_rewritten_file_correctly(tmp_path: Path, image) -> None:
     """Inode reuse or in-place rewrites: identity matches, the data does not -> verification."""
     path, blocks, hashes = image
@@ -251,6 +270,23 @@ def test_full_bucket_evicts_the_least_used(tmp_path: Path) -> None:
         assert c.peek(hashes[cold]) == []
         assert c.lookup(hashes[-1]) == blocks[-1]
         assert all(c.peek(hashes[i]) for i in range(ENTRIES_PER_BUCKET) if i != cold)
+
+
+def test_eviction_prefers_a_torn_entry(tmp_path: Path) -> None:
+    n = ENTRIES_PER_BUCKET
+    blocks = [content(i) for i in range(n + 1)]
+    path = tmp_path / "f"
+    hashes = write_blocks(path, blocks)
+    cpath = tmp_path / "c"
+    with HashCache.open(cpath, size_bytes=one_bucket_size(), evict_sample=n, readahead=0) as c:
+        c.insert_file(path, hashes[:n])
+        assert c.lookup_many(hashes[:n]) == blocks[:n]  # every entry has been used once
+        torn = c.peek(hashes[40])[0].position
+        c._mm[torn + 8 : torn + 16] = os.urandom(8)  # a torn write: the check word no longer matches
+        assert c.peek(hashes[40])[0].intact is False
+        c.insert(hashes[n], path, n * B)
+        assert c.peek(hashes[40]) == [] and c.lookup(hashes[n]) == blocks[n]
+        assert all(len(c.peek(hashes[i])) == 1 for i in range(n) if i != 40)
 
 
 def test_sampled_eviction_spares_hot_entries(tmp_path: Path) -> None:
