@@ -16,6 +16,7 @@ from capsule.names import check_object_id
 from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import HashcacheError
+from hashcache.hcp import Expectation
 from hashcache.manifest import Manifest, manifest_of_file, manifest_of_layer
 from hashcache.qcow2 import Qcow2Image
 from hashcache.qcow2_writer import write_layer
@@ -117,7 +118,7 @@ def recv_base(store: Store, kind: str, oid: str) -> Path:
     return d / f"{check_kind(kind)}-{check_object_id(oid)}"
 
 
-def open_shadow(store: Store, kind: str, manifest: Manifest) -> Shadow:
+def open_shadow(store: Store, kind: str, manifest: Manifest | Expectation) -> Shadow:
     return Shadow(recv_base(store, kind, manifest.digest), manifest.block_count)
 
 

@@ -25,20 +25,23 @@ from capsule.errors import TransferFailed
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
 from capsule.store import Store
-from hashcache.blocks import BLOCK_SIZE
+from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import (
+    PREFIX_SIZE,
+    Expectation,
     ProtocolError,
     Receiver,
     TransferStats,
+    compact_records,
     decode_indices,
     encode_indices,
-    manifest_from_parts,
+    header_of,
     pack_blocks,
     records_chunks,
     unpack_blocks,
 )
-from hashcache.manifest import Manifest
+from hashcache.shadow import Shadow
 
 
 @dataclass
@@ -48,6 +51,11 @@ class Options:
     level: int = 3
     batch: int = 256           # blocks per request
     inflight: int = 8          # requests in flight
+    full_hashes: bool = False  # send whole 32-byte hashes instead of 8-byte prefixes + digest check
+
+    @property
+    def hash_len(self) -> int:
+        return 32 if self.full_hashes else PREFIX_SIZE
 
 
 @dataclass
@@ -114,38 +122,49 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
 
 # -- pull -------------------------------------------------------------------------
 
-def _fetch_manifest(client: AgentClient, kind: str, oid: str) -> tuple[Manifest, dict[str, Any]]:
+def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) -> tuple[Expectation, dict]:
+    """LOOKUP, then READ-HASH in chunks: what the object must turn out to be."""
     head = client.get_json(f"/v1/objects/{kind}/{oid}")
-    count = head.get("count")
+    count = head.get("count") if isinstance(head, dict) else None
     if not isinstance(count, int) or count < 0:
         raise TransferFailed(f"{kind} {oid[:12]}: malformed LOOKUP reply")
     parts = []
     for start, n in records_chunks(count):
-        resp = client.request("GET", f"/v1/objects/{kind}/{oid}/records", params={"start": start, "count": n})
+        resp = client.request("GET", f"/v1/objects/{kind}/{oid}/records",
+                              params={"start": start, "count": n, "hash_len": hash_len})
         try:
-            parts.append(zstandard.ZstdDecompressor().decompress(resp.content, max_output_size=n * 40))
+            parts.append(zstandard.ZstdDecompressor().decompress(resp.content, max_output_size=n * (8 + hash_len)))
         except zstandard.ZstdError as exc:
             raise TransferFailed(f"{kind} {oid[:12]}: bad manifest records from the peer: {exc}") from exc
     try:
-        return manifest_from_parts(head, b"".join(parts), oid), head
-    except (ManifestMismatch, ProtocolError) as exc:
-        raise TransferFailed(str(exc)) from exc
-    except Exception as exc:  # ManifestError from a hostile peer
+        return Expectation.from_records(head, b"".join(parts), oid, hash_len), head
+    except ProtocolError as exc:
         raise TransferFailed(f"{kind} {oid[:12]}: the peer sent an invalid manifest: {exc}") from exc
+
+
+def _name_bad_block(client: AgentClient, kind: str, oid: str, shadow: Shadow, name: str) -> str:
+    """After a digest mismatch with hash prefixes: fetch the full hashes, find
+    the blocks that differ, forget them, and say which."""
+    full, _ = _fetch_expectation(client, kind, oid, 32)
+    bad = [i for i, z, h in full.records() if not z and shadow.has(i) and hash_block(shadow.read(i)) != h]
+    shadow.forget(bad)
+    if bad:
+        return f"{name}: block {bad[0]} does not match its manifest hash ({len(bad)} bad block(s))"
+    return f"{name}: the received object does not match its digest"
 
 
 def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
                  progress: Progress) -> ObjectReport:
     t0 = time.monotonic()
     wire0 = client.wire_bytes
-    manifest, head = _fetch_manifest(client, kind, oid)
+    expect, head = _fetch_expectation(client, kind, oid, opts.hash_len)
     if kind == "file":
         role = head.get("role", role)
     name = f"{role if kind == 'file' else 'layer'} {oid[:12]}"
     stats = TransferStats()
-    shadow = open_shadow(store, kind, manifest)
+    shadow = open_shadow(store, kind, expect)
     try:
-        receiver = Receiver(manifest, shadow, name, store.hash_cache() if opts.hash else None, stats,
+        receiver = Receiver(expect, shadow, name, store.hash_cache() if opts.hash else None, stats,
                             dedupe=opts.hash)
         progress.begin(name, stats.raw_bytes)
         progress.advance(len(receiver.nonzero_indices()) * BLOCK_SIZE
@@ -166,6 +185,11 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
         _run_batches(_batches(needed, opts.batch), opts.inflight, fetch)
         if not receiver.complete():
             raise TransferFailed(f"{name}: blocks are still missing after the transfer")
+        try:
+            manifest = receiver.finish()
+        except ManifestMismatch as exc:
+            raise TransferFailed(f"from {client.url}: {_name_bad_block(client, kind, oid, shadow, name)}; "
+                                 "nothing was installed") from exc
         shadow.flush()
         install_received(store, kind, manifest, shadow, role=role)
     finally:
@@ -209,8 +233,10 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
     name = f"{role} {oid[:12]}"
+    expect = Expectation.from_records(header_of(manifest), compact_records(manifest, 0, len(manifest), opts.hash_len),
+                                      oid, opts.hash_len)
     resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
-                          content=zstandard.ZstdCompressor(level=3).compress(manifest.to_bytes()),
+                          content=zstandard.ZstdCompressor(level=3).compress(expect.to_bytes()),
                           params={"hash": str(opts.hash).lower()})
     if resp.headers.get("X-Capsule-Present"):
         return None

@@ -344,6 +344,7 @@ class HashCache:
         self._dead: set[int] = set()  # ids whose file is gone, replaced or unknown
         self._fds: OrderedDict[int, int] = OrderedDict()  # id -> open descriptor (LRU)
         self._primed: OrderedDict[bytes, tuple[bytes, int, int]] = OrderedDict()  # hash -> (data, id, offset)
+        self._primed_prefix: dict[bytes, bytes] = {}  # hash prefix -> hash, for lookup_prefix
         self._windows: dict[int, list[int]] = {}  # id -> [next read-ahead window, used since the last read]
         self._delta = [0] * len(_STAT_NAMES)
         self._ops = 0
@@ -374,6 +375,7 @@ class HashCache:
                         os.close(fd)
                 self._fds.clear()
                 self._primed.clear()
+                self._primed_prefix.clear()
                 self._q.release()
                 self._mm.close()
                 os.close(self._fd)
@@ -390,6 +392,7 @@ class HashCache:
         """Forget primed blocks and close cached descriptors (the table is untouched)."""
         with self._lock:
             self._primed.clear()
+            self._primed_prefix.clear()
             self._windows.clear()
             for fd in self._fds.values():
                 with contextlib.suppress(OSError):
@@ -793,6 +796,33 @@ class HashCache:
             self._maybe_flush()
         return out
 
+    def lookup_prefix(self, prefix: bytes) -> tuple[bytes, bytes] | None:
+        """A verified block whose BLAKE3 hash starts with ``prefix`` (8 bytes, the table's key), as
+        ``(data, full hash)``; else None. For transfers that send hash prefixes and verify the whole
+        object against its digest afterwards."""
+        if not isinstance(prefix, bytes) or len(prefix) != KEY_SIZE:
+            raise ValueError(f"a hash prefix is {KEY_SIZE} bytes")
+        with self._lock:
+            self._check_open()
+            full = self._primed_prefix.get(prefix)
+            if full is not None and full in self._primed:
+                data = self._lookup(full, set())
+                if data is not None:
+                    return data, full
+            validated: set[int] = set()
+            for pos, head, fid, off in self._candidates(prefix + bytes(HASH_SIZE - KEY_SIZE)):
+                data = self._read_verified(prefix, fid, off, validated)
+                if data:
+                    self._bump_uses(pos)
+                    self._count(_HITS)
+                    self._maybe_flush()
+                    return data, blake3(data).digest()
+                if data is None:
+                    self._invalidate(pos, head)
+            self._count(_MISSES)
+            self._maybe_flush()
+            return None
+
     def _lookup(self, h: bytes, validated: set[int]) -> bytes | None:
         if h == _ZERO_HASH:
             self._count(_HITS)
@@ -841,7 +871,7 @@ class HashCache:
             block = buf + ZERO_BLOCK[n:]  # the file's short last block, hashed zero-padded
         else:
             return None  # beyond the end of the file
-        if blake3(block).digest() != h:
+        if blake3(block).digest()[: len(h)] != h:  # h may be a prefix (lookup_prefix)
             return None
         if n > BLOCK_SIZE:
             self._prime(buf, fid, off)
@@ -877,8 +907,11 @@ class HashCache:
                 data += ZERO_BLOCK[len(data) :]
             primed[h] = (data, fid, off + BLOCK_SIZE + a)
             primed.move_to_end(h)
+            self._primed_prefix[h[:KEY_SIZE]] = h
         while len(primed) > cap:
             primed.popitem(last=False)
+        if len(self._primed_prefix) > 2 * cap:
+            self._primed_prefix = {h[:KEY_SIZE]: h for h in primed}
 
     def peek(self, hash32: bytes) -> list[CacheEntry]:
         """The table entries whose key matches ``hash32`` (nothing read, verified or counted)."""

@@ -17,8 +17,12 @@ manifest and then only the blocks the receiver asks for."""
 
 from __future__ import annotations
 
+import json
+import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,9 +43,11 @@ class ProtocolError(HashcacheError):
 
 
 class BlockLookup(Protocol):
-    """What a receiver needs from a hash cache: verified data for a hash, or None."""
+    """What a receiver needs from a hash cache: verified data for a hash (or a hash prefix)."""
 
     def lookup(self, digest: bytes) -> bytes | None: ...
+
+    def lookup_prefix(self, prefix: bytes) -> tuple[bytes, bytes] | None: ...
 
 
 # -- wire encodings ------------------------------------------------------------
@@ -128,6 +134,133 @@ def header_of(m: Manifest) -> dict:
             "parent": m.parent, "count": len(m), "digest": m.digest, "stored_bytes": m.stored_bytes}
 
 
+PREFIX_SIZE = 8
+
+
+def compact_records(m: Manifest, start: int, count: int, hash_len: int = PREFIX_SIZE) -> bytes:
+    """Manifest records with each hash cut to its first ``hash_len`` bytes (8 + hash_len bytes per
+    record). The receiver checks every block against its prefix as it arrives, and the whole object
+    against its digest at the end, which authenticates the full hashes it computes itself."""
+    raw = m.record_range(start, count)
+    if hash_len >= RECORD_SIZE - 8:
+        return raw
+    step = RECORD_SIZE
+    return b"".join(raw[o:o + 8 + hash_len] for o in range(0, len(raw), step))
+
+
+class Expectation:
+    """What a receiver knows of an object before its data arrives: the manifest header (whose
+    digest names the object) and per listed block its index, zero flag and hash — or a prefix of
+    the hash, when the full hashes are to be computed from the data and checked by the digest."""
+
+    def __init__(self, header: dict, digest: str, keys: array[int], hashes: bytes, hash_len: int) -> None:
+        self.header = header
+        self.digest = digest
+        self.keys = keys
+        self.hashes = hashes
+        self.hash_len = hash_len
+        self.block_size = BLOCK_SIZE
+        self.size = header["size"]
+        self.block_count = -(-self.size // BLOCK_SIZE)
+
+    @classmethod
+    def of_manifest(cls, m: Manifest) -> Expectation:
+        return cls.from_records(header_of(m), m.record_bytes, m.digest, RECORD_SIZE - 8)
+
+    @classmethod
+    def from_records(cls, header: dict, data: bytes, digest: str, hash_len: int) -> Expectation:
+        """Parse (and validate: this may come from a hostile peer) compact or full records."""
+        try:
+            kind, algorithm, size = header["kind"], header["algorithm"], header["size"]
+            block_size, parent, count = header["block_size"], header.get("parent"), header["count"]
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"malformed manifest header: {exc}") from exc
+        if kind not in ("layer", "file") or algorithm != "blake3" or block_size != BLOCK_SIZE:
+            raise ProtocolError(f"unsupported manifest header {header!r:.200}")
+        if not isinstance(size, int) or not 0 <= size < 1 << 50 or not isinstance(count, int) or count < 0:
+            raise ProtocolError("bad manifest size or count")
+        if parent is not None and (not isinstance(parent, str) or len(parent) != 64):
+            raise ProtocolError("bad manifest parent")
+        if hash_len not in (PREFIX_SIZE, RECORD_SIZE - 8):
+            raise ProtocolError(f"unsupported hash length {hash_len}")
+        rec = 8 + hash_len
+        if len(data) != count * rec:
+            raise ProtocolError(f"{len(data)} bytes of records, expected {count} x {rec}")
+        nblocks = -(-size // BLOCK_SIZE)
+        keys = array("Q")
+        hashes = bytearray()
+        prev = -1
+        for o in range(0, len(data), rec):
+            key = int.from_bytes(data[o:o + 8], "little")
+            index = key >> 1
+            if index <= prev or index >= nblocks:
+                raise ProtocolError(f"manifest record for block {index} is out of order or out of range")
+            prev = index
+            keys.append(key)
+            hashes += data[o + 8:o + rec]
+        clean = {"kind": kind, "algorithm": algorithm, "block_size": block_size, "size": size,
+                 "parent": parent, "count": count}
+        return cls(clean, digest, keys, bytes(hashes), hash_len)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def records(self) -> Iterator[tuple[int, bool, bytes]]:
+        n = self.hash_len
+        for i, key in enumerate(self.keys):
+            yield key >> 1, bool(key & 1), self.hashes[i * n:(i + 1) * n]
+
+    def record(self, index: int) -> tuple[bool, bytes] | None:
+        pos = bisect_left(self.keys, index << 1)
+        if pos < len(self.keys) and self.keys[pos] >> 1 == index:
+            n = self.hash_len
+            return bool(self.keys[pos] & 1), self.hashes[pos * n:(pos + 1) * n]
+        return None
+
+    def manifest_from(self, block_hash: Callable[[int], bytes]) -> Manifest:
+        """The full manifest, with each data block's hash computed by ``block_hash(index)``; raises
+        ManifestMismatch unless its digest is the object's name."""
+        out = bytearray()
+        zero_hash = bytes(RECORD_SIZE - 8)
+        for i, key in enumerate(self.keys):
+            out += key.to_bytes(8, "little")
+            out += zero_hash if key & 1 else block_hash(key >> 1)
+            del i
+        h = self.header
+        try:
+            m = Manifest(kind=h["kind"], algorithm=h["algorithm"], block_size=h["block_size"], size=h["size"],
+                         parent=h["parent"], record_bytes=bytes(out))
+        except HashcacheError as exc:
+            raise ManifestMismatch(f"{h['kind']} {self.digest[:12]}: the received data does not form a valid "
+                                   f"object ({exc})", object_name=self.digest, block=None) from exc
+        if m.digest != self.digest:
+            raise ManifestMismatch(f"{h['kind']} {self.digest[:12]}: the received data does not match the object's "
+                                   "digest", object_name=self.digest, block=None)
+        return m
+
+    def to_bytes(self) -> bytes:
+        head = json.dumps(self.header, sort_keys=True).encode()
+        n = self.hash_len
+        body = b"".join(key.to_bytes(8, "little") + self.hashes[i * n:(i + 1) * n]
+                        for i, key in enumerate(self.keys))
+        return struct.pack("<II", len(head), n) + head + body
+
+    @classmethod
+    def from_bytes(cls, data: bytes, digest: str) -> Expectation:
+        if len(data) < 8:
+            raise ProtocolError("truncated manifest upload")
+        hlen, n = struct.unpack_from("<II", data)
+        if hlen > 4096 or len(data) < 8 + hlen:
+            raise ProtocolError("bad manifest upload header")
+        try:
+            header = json.loads(data[8:8 + hlen])
+        except ValueError as exc:
+            raise ProtocolError(f"bad manifest upload header: {exc}") from exc
+        if not isinstance(header, dict):
+            raise ProtocolError("bad manifest upload header")
+        return cls.from_records(header, data[8 + hlen:], digest, n)
+
+
 def records_chunks(count: int, chunk: int = 65536) -> list[tuple[int, int]]:
     return [(s, min(chunk, count - s)) for s in range(0, count, chunk)]
 
@@ -155,16 +288,18 @@ class TransferStats:
 class Receiver:
     """Receives one object described by ``manifest`` into ``shadow``."""
 
-    def __init__(self, manifest: Manifest, shadow: Shadow, name: str, cache: BlockLookup | None = None,
-                 stats: TransferStats | None = None, dedupe: bool = True) -> None:
-        if shadow.nblocks < manifest.block_count:
+    def __init__(self, expect: Expectation | Manifest, shadow: Shadow, name: str,
+                 cache: BlockLookup | None = None, stats: TransferStats | None = None, dedupe: bool = True) -> None:
+        if isinstance(expect, Manifest):
+            expect = Expectation.of_manifest(expect)
+        if shadow.nblocks < expect.block_count:
             raise ValueError("shadow is smaller than the object")
-        self.manifest = manifest
+        self.manifest = expect
         self.shadow = shadow
         self.name = name
         self.cache = cache
         self.stats = stats or TransferStats()
-        self._nonzero = [i for i, z, _h in manifest.records() if not z]
+        self._nonzero = [k >> 1 for k in expect.keys if not k & 1]
         self._by_hash: dict[bytes, list[int]] | None = None if dedupe else {}
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
 
@@ -187,13 +322,14 @@ class Receiver:
         seen: set[bytes] = set()
         batch: list[tuple[int, bytes]] = []
         for index in missing:
-            h = self.manifest.hash_of(index)
-            assert h is not None
+            rec = self.manifest.record(index)
+            assert rec is not None
+            h = rec[1]
             if h in seen and self._duplicates():
                 continue  # a repeat of a block we will fetch: copied when it arrives
             seen.add(h)
-            data = self.cache.lookup(h) if self.cache is not None else None
-            if data is not None and len(data) == BLOCK_SIZE and hash_block(data) == h:
+            data = self._from_cache(h)
+            if data is not None:
                 batch.append((index, data))
                 batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index
                              and not self.shadow.has(j))
@@ -204,6 +340,25 @@ class Receiver:
                 still.append(index)
         self._store(batch, "cache_bytes", on_progress)
         return still
+
+    def _from_cache(self, key: bytes) -> bytes | None:
+        if self.cache is None:
+            return None
+        if len(key) == PREFIX_SIZE:
+            found = self.cache.lookup_prefix(key)  # type: ignore[attr-defined]
+            data = found[0] if found else None
+        else:
+            data = self.cache.lookup(key)
+        if data is None or len(data) != BLOCK_SIZE or hash_block(data)[:len(key)] != key:
+            return None
+        return data
+
+    def finish(self) -> Manifest:
+        """Once complete: the full manifest, its hashes computed from the received blocks, checked
+        against the object's digest (which names it). Raises ManifestMismatch otherwise."""
+        if not self.complete():
+            raise ProtocolError(f"{self.name}: blocks are still missing")
+        return self.manifest.manifest_from(lambda i: hash_block(self.shadow.read(i)))
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
                on_progress: Callable[[int], None] | None) -> None:
@@ -227,14 +382,15 @@ class Receiver:
                 rec = self.manifest.record(index)
                 if rec is None or rec[0]:
                     raise ProtocolError(f"{self.name}: block {index} is not a data block of this object")
-                if hash_block(data) != rec[1]:
+                if hash_block(data)[:len(rec[1])] != rec[1]:
                     raise ManifestMismatch(f"{self.name}: block {index} does not match its manifest hash",
                                            object_name=self.name, block=index)
                 good.append((index, data))
         finally:
             self._store(good, "fetched_bytes", on_progress)
             dups = self._duplicates()
-            copies = [(j, data) for index, data in good for j in dups.get(self.manifest.hash_of(index) or b"", ())
+            copies = [(j, data) for index, data in good
+                      for j in dups.get((self.manifest.record(index) or (False, b""))[1], ())
                       if j != index and not self.shadow.has(j)]
             self._store(copies, "cache_bytes", on_progress)
 

@@ -112,6 +112,13 @@ class Shadow:
             for index in indices:
                 m[_HDR + (index >> 3)] |= 1 << (index & 7)
 
+    def forget(self, indices: Iterable[int]) -> None:
+        """Clear presence bits (blocks found to be wrong): they will be fetched again."""
+        with self._lock:
+            m = self._map
+            for index in indices:
+                m[_HDR + (index >> 3)] &= ~(1 << (index & 7)) & 0xFF
+
     def flush(self) -> None:
         self._map.flush()
 

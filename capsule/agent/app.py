@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -52,15 +53,17 @@ from capsule.store import Store
 from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
 from hashcache.hcp import (
     MAX_BATCH,
+    PREFIX_SIZE,
+    Expectation,
     ProtocolError,
     Receiver,
+    compact_records,
     decode_indices,
     encode_indices,
     header_of,
     pack_blocks,
     unpack_blocks,
 )
-from hashcache.manifest import RECORD_SIZE, Manifest
 from hashcache.shadow import Shadow
 
 MAX_MANIFEST_UPLOAD = 512 << 20
@@ -152,13 +155,14 @@ def create_app(home: Path, token: str) -> FastAPI:
         return head
 
     @app.get("/v1/objects/{kind}/{oid}/records", dependencies=deps)
-    def records(kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS) -> Response:
+    def records(kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS, hash_len: int = 32) -> Response:
         m = object_manifest(store, kind, oid)
-        if start < 0 or count < 0 or count > MAX_RECORDS:
-            raise InvalidName(f"bad record range start={start} count={count}")
-        raw = m.record_range(start, min(count, max(0, len(m) - start)))
+        if start < 0 or count < 0 or count > MAX_RECORDS or hash_len not in (PREFIX_SIZE, 32):
+            raise InvalidName(f"bad record range start={start} count={count} hash_len={hash_len}")
+        n = min(count, max(0, len(m) - start))
+        raw = compact_records(m, start, n, hash_len)
         return Response(zstandard.ZstdCompressor(level=3).compress(raw), media_type="application/octet-stream",
-                        headers={"X-Capsule-Records": str(len(raw) // RECORD_SIZE)})
+                        headers={"X-Capsule-Records": str(n)})
 
     @app.post("/v1/objects/{kind}/{oid}/read", dependencies=deps)
     async def read(kind: str, oid: str, request: Request, level: int = 3, compress: bool = True) -> Response:
@@ -206,13 +210,14 @@ def create_app(home: Path, token: str) -> FastAPI:
                 old.close()
         return receiver
 
-    def recv_manifest(kind: str, oid: str) -> Manifest:
-        check_kind(kind)
-        check_object_id(oid)
-        path = store.home / "recv" / f"{kind}-{oid}.manifest"
+    def expect_path(kind: str, oid: str) -> Path:
+        return store.home / "recv" / f"{check_kind(kind)}-{check_object_id(oid)}.expect"
+
+    def recv_manifest(kind: str, oid: str) -> Expectation:
+        path = expect_path(kind, oid)
         if not path.exists():
             raise NotFound(f"no transfer of {kind} {oid[:12]} has begun here")
-        return Manifest.read(path)
+        return Expectation.from_bytes(path.read_bytes(), oid)
 
     @app.post("/v1/recv/{kind}/{oid}/begin", dependencies=deps)
     async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True) -> Response:
@@ -223,20 +228,22 @@ def create_app(home: Path, token: str) -> FastAPI:
             data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_MANIFEST_UPLOAD)
         except zstandard.ZstdError as exc:
             raise ProtocolError(f"bad zstd manifest: {exc}") from exc
-        m = Manifest.from_bytes(data, source=f"upload of {oid[:12]}")
-        if m.digest != oid or m.kind != ("layer" if kind == "layer" else "file"):
-            raise ManifestMismatch(f"{kind} {oid[:12]}: uploaded manifest names {m.digest[:12]}",
-                                   object_name=oid, block=None)
+        m = Expectation.from_bytes(data, oid)
+        if m.header["kind"] != kind:
+            raise ProtocolError(f"{kind} {oid[:12]}: the uploaded manifest is of a {m.header['kind']}")
+        parent = m.header.get("parent")
         if has_object(store, kind, oid):
             return Response(b"", headers={"X-Capsule-Present": "1"})
-        if kind == "layer" and m.parent and not has_object(store, "layer", m.parent):
-            raise Conflict(f"layer {oid[:12]} needs its parent {m.parent[:12]} first")
+        if kind == "layer" and parent and not has_object(store, "layer", parent):
+            raise Conflict(f"layer {oid[:12]} needs its parent {parent[:12]} first")
 
         drop_receiver(kind, oid)
 
         def work() -> bytes:
             (store.home / "recv").mkdir(exist_ok=True)
-            m.write(store.home / "recv" / f"{kind}-{oid}.manifest")
+            tmp = expect_path(kind, oid).with_suffix(".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, expect_path(kind, oid))
             with open_shadow(store, kind, m) as shadow:
                 cache = store.hash_cache() if hash else None
                 needed = Receiver(m, shadow, f"{kind} {oid[:12]}", cache, dedupe=hash).plan()
@@ -273,13 +280,20 @@ def create_app(home: Path, token: str) -> FastAPI:
         def work() -> None:
             shadow = open_shadow(store, kind, m)
             try:
-                if not Receiver(m, shadow, f"{kind} {oid[:12]}").complete():
+                receiver = Receiver(m, shadow, f"{kind} {oid[:12]}")
+                if not receiver.complete():
                     raise Conflict(f"{kind} {oid[:12]} is not complete yet")
-                install_received(store, kind, m, shadow, role=role)
+                try:
+                    manifest = receiver.finish()
+                except ManifestMismatch:
+                    shadow.remove()  # the sender's data was wrong somewhere: start over
+                    expect_path(kind, oid).unlink(missing_ok=True)
+                    raise
+                install_received(store, kind, manifest, shadow, role=role)
             finally:
                 shadow.close()
-            store.index_object(object_path(store, kind, oid), m)
-            (store.home / "recv" / f"{kind}-{oid}.manifest").unlink(missing_ok=True)
+            store.index_object(object_path(store, kind, oid), manifest)
+            expect_path(kind, oid).unlink(missing_ok=True)
 
         await asyncio.to_thread(work)
         return {"installed": oid, "already": False}

@@ -30,6 +30,8 @@ NoCompress = Annotated[bool, typer.Option("--no-compress", help="Send blocks wit
 Level = Annotated[int, typer.Option("--level", help="zstd level on the wire (1-19).", min=1, max=19)]
 Inflight = Annotated[int, typer.Option("--inflight", help="Requests in flight.", min=1, max=64)]
 Batch = Annotated[int, typer.Option("--batch", help="Blocks per request.", min=1, max=1024)]
+FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
+                                                                "8-byte prefixes checked by the object digest.")]
 
 cache_app = typer.Typer(no_args_is_help=True)
 
@@ -79,21 +81,23 @@ def _summary(r: transfer.TransferReport) -> None:
         console.print(f"{len(r.skipped)} object(s) were already at the receiver")
 
 
-def _options(no_hash: bool, no_compress: bool, level: int, inflight: int, batch: int) -> transfer.Options:
-    return transfer.Options(hash=not no_hash, compress=not no_compress, level=level, inflight=inflight, batch=batch)
+def _options(no_hash: bool, no_compress: bool, level: int, inflight: int, batch: int,
+             full_hashes: bool) -> transfer.Options:
+    return transfer.Options(hash=not no_hash, compress=not no_compress, level=level, inflight=inflight, batch=batch,
+                            full_hashes=full_hashes)
 
 
 def push(
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to send.")],
     to: Annotated[str, typer.Option("--to", help="The receiving agent, e.g. http://host:7070.")],
     token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
-    inflight: Inflight = 8, batch: Batch = 256, json: JsonOpt = False,
+    inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, json: JsonOpt = False,
 ) -> None:
     """Send a capsule version to another host: only what it lacks travels (HCP)."""
     json_flag(json)
     store = open_store()
     r = _run(transfer.push, store, ref, to, read_token(token_file),
-             _options(no_hash, no_compress, level, inflight, batch))
+             _options(no_hash, no_compress, level, inflight, batch, full_hashes))
     emit(r.as_dict(), lambda: _summary(r))
 
 
@@ -101,13 +105,13 @@ def pull(
     url: Annotated[str, typer.Argument(help="The sending agent, e.g. http://host:7070.")],
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to fetch.")],
     token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
-    inflight: Inflight = 8, batch: Batch = 256, json: JsonOpt = False,
+    inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, json: JsonOpt = False,
 ) -> None:
     """Fetch a capsule version from another host; an interrupted pull resumes."""
     json_flag(json)
     store = open_store()
     r = _run(transfer.pull, store, url, ref, read_token(token_file),
-             _options(no_hash, no_compress, level, inflight, batch))
+             _options(no_hash, no_compress, level, inflight, batch, full_hashes))
     emit(r.as_dict(), lambda: _summary(r))
 
 

@@ -762,3 +762,22 @@ def test_hash_blocks_agree_with_lookup_padding(cache: HashCache, tmp_path: Path)
     cache.insert_file(path, hashes)
     padded = data + bytes(B - 123)
     assert cache.lookup_many(hashes) == [padded[i * B : (i + 1) * B] for i in range(6)]
+
+
+def test_lookup_by_prefix(tmp_path):
+    data = os.urandom(BLOCK_SIZE * 4)
+    f = tmp_path / "file.bin"
+    f.write_bytes(data)
+    hashes = hash_blocks(data)
+    with HashCache.open(tmp_path / "c.bin", size_bytes=1 << 20) as cache:
+        cache.insert_file(f, hashes)
+        got = cache.lookup_prefix(hashes[1][:8])
+        assert got == (data[BLOCK_SIZE:2 * BLOCK_SIZE], hashes[1])
+        # served again from the read-ahead of the first hit
+        assert cache.lookup_prefix(hashes[2][:8]) == (data[2 * BLOCK_SIZE:3 * BLOCK_SIZE], hashes[2])
+        assert cache.lookup_prefix(b"\x01" * 8) is None
+        f.write_bytes(os.urandom(len(data)))  # changed underneath: the prefix no longer matches
+        cache.clear_readahead()
+        assert cache.lookup_prefix(hashes[3][:8]) is None
+        with pytest.raises(ValueError):
+            cache.lookup_prefix(b"short")

@@ -90,3 +90,31 @@ def test_receiver_uses_the_cache_and_checks_it(tmp_path):
         r = Receiver(m, sh, "file y", Cache())
         assert r.plan() == [2, 3]
         assert r.stats.cache_bytes == 2 * BLOCK_SIZE
+
+
+def test_prefix_expectation_is_checked_by_the_digest(tmp_path):
+    from hashcache.hcp import Expectation, compact_records, header_of
+
+    blocks = [os.urandom(BLOCK_SIZE) for _ in range(5)]
+    _path, m = _object(tmp_path, blocks)
+    compact = compact_records(m, 0, len(m), 8)
+    assert len(compact) == len(m) * 16
+    exp = Expectation.from_bytes(Expectation.from_records(header_of(m), compact, m.digest, 8).to_bytes(), m.digest)
+    with Shadow(tmp_path / "p", m.block_count) as sh:
+        r = Receiver(exp, sh, "file z")
+        need = r.plan()
+        r.accept(need, [blocks[i] for i in need])
+        assert r.finish() == m  # full hashes rebuilt from the data, digest matches
+    # the same records under another object's name: the digest check refuses
+    other = Expectation.from_records(header_of(m), compact, "0" * 64, 8)
+    with Shadow(tmp_path / "q", m.block_count) as sh:
+        r = Receiver(other, sh, "file w")
+        need = r.plan()
+        r.accept(need, [blocks[i] for i in need])
+        with pytest.raises(ManifestMismatch, match="digest"):
+            r.finish()
+    # malformed uploads
+    for bad in (b"", b"\x00" * 7, compact[:-1]):
+        with pytest.raises(ProtocolError):
+            Expectation.from_records(header_of(m), bad, m.digest, 8) if bad is compact[:-1] else \
+                Expectation.from_bytes(bad, m.digest)

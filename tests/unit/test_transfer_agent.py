@@ -207,3 +207,11 @@ def test_killed_pull_resumes_without_refetching(hosts):
     assert obj["resumed_bytes"] > 40 * 4096
     assert obj["fetched_bytes"] <= obj["raw_bytes"] - obj["resumed_bytes"]
     assert has_object(b, "layer", layer)
+
+
+def test_full_hashes_option_transfers_the_same_object(hosts):
+    a, b, agent_a, _agent_b = hosts
+    r = transfer.pull(b, agent_a.url, "cap", agent_a.token, transfer.Options(full_hashes=True))
+    assert r.recorded
+    layer = _layer(a)
+    assert b.layer_manifest(layer).digest == layer
