@@ -35,7 +35,9 @@ lint: venv
 	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
 
 bench: setup
+	$(PY) bench/hashcache_micro.py
 	$(PY) bench/suspend_resume.py
+	$(PY) bench/hcp_bench.py
 
 clean-venv:
 	rm -rf $(VENV)

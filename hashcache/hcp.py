@@ -36,6 +36,7 @@ from hashcache.shadow import Shadow
 MAX_BATCH = 1024            # blocks per READ / upload batch
 DEFAULT_BATCH = 256         # 1 MiB of raw data per request
 DEFAULT_LEVEL = 3
+LOCAL_BATCH = 4096          # blocks found locally per fdatasync of the shadow
 
 
 class ProtocolError(HashcacheError):
@@ -333,7 +334,7 @@ class Receiver:
                 batch.append((index, data))
                 batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index
                              and not self.shadow.has(j))
-                if len(batch) >= DEFAULT_BATCH:
+                if len(batch) >= LOCAL_BATCH:
                     self._store(batch, "cache_bytes", on_progress)
                     batch = []
             else:
@@ -345,11 +346,13 @@ class Receiver:
         if self.cache is None:
             return None
         if len(key) == PREFIX_SIZE:
-            found = self.cache.lookup_prefix(key)  # type: ignore[attr-defined]
-            data = found[0] if found else None
-        else:
-            data = self.cache.lookup(key)
-        if data is None or len(data) != BLOCK_SIZE or hash_block(data)[:len(key)] != key:
+            # the cache hashed the data it returns; finish() re-checks everything against the digest
+            found = self.cache.lookup_prefix(key)
+            if found is None or len(found[0]) != BLOCK_SIZE or found[1][:PREFIX_SIZE] != key:
+                return None
+            return found[0]
+        data = self.cache.lookup(key)
+        if data is None or len(data) != BLOCK_SIZE or hash_block(data) != key:
             return None
         return data
 

@@ -1,19 +1,27 @@
-"""`make demo`: the main job end to end on this host.
+"""`make demo`: the main job end to end, on two local hosts.
 
-Builds the tiny guest image, creates a capsule, boots it, starts a counter
-inside, suspends it (sparse memory image + sealed layer), resumes it and
-shows that the counter went on from where it stopped, then prints what it
-cost."""
+Host A is the default store; host B is a second store beside it with its own
+agent on a loopback port. The demo builds the tiny guest image, boots a
+capsule on A, starts a counter inside it and writes to its disk, suspends it,
+pushes it to B with HCP, resumes it on B (the counter goes on: no reboot),
+then moves it back to A, where only what changed travels. It prints what
+each step cost."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
-from capsule import capsules, hierarchy, images, lifecycle
+from capsule import capsules, hierarchy, images, lifecycle, transfer
 from capsule.errors import CapsuleError
 from capsule.runtime.console import ConsoleSession
 from capsule.store import Store
@@ -33,57 +41,116 @@ def guest(store: Store, command: str) -> str:
         return c.run(command)
 
 
-def main() -> int:
-    store = Store.open()
-    step(f"store {store.home} (id {store.id})")
-    t = time.monotonic()
-    with out.status("building the tiny image (first run downloads a kernel)"):
-        row, built = images.build(store, "tiny", "tiny")
-    step(f"image tiny {'built' if built else 'already built'} in {time.monotonic() - t:.1f}s")
-
+def fresh(store: Store) -> None:
     if store.catalogue.capsule(NAME) is not None:
         if store.catalogue.instance(NAME) is not None:
             lifecycle.stop(store, NAME, force=True)
         hierarchy.rm(store, NAME, promote_dependants=True)
-    capsules.create(store, NAME, "tiny", memory="256M")
-    step(f"created capsule {NAME} (256 MiB RAM) on the image's root layer")
 
-    boot = lifecycle.start(store, NAME)
-    step(f"booted {boot.version.ref} under {boot.accel.upper()} in {boot.seconds:.2f}s")
-    guest(store, COUNTER)
-    guest(store, "dd if=/dev/urandom of=/dev/vda bs=4096 seek=1000 count=256 conv=notrunc 2>/dev/null; sync")
-    time.sleep(2)
-    before = int(guest(store, "cat /tmp/count"))
-    step(f"counter in the guest is at {before}; wrote 1 MiB to its disk")
 
-    sealed = lifecycle.suspend(store, NAME)
-    assert sealed.version and sealed.memory
-    step(f"suspended → {sealed.version.ref}")
-    resumed = lifecycle.start(store, NAME)
-    after = int(guest(store, "cat /tmp/count"))
-    step(f"resumed {resumed.version.ref} in {resumed.seconds:.2f}s; counter went on at {after} (no reboot)")
+def start_agent(home: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    import socket
 
-    t = Table(title="what it cost")
-    t.add_column("item")
-    t.add_column("value", justify="right")
-    mem = sealed.memory
-    t.add_row("guest RAM", "256.0 MiB")
-    t.add_row("memory image, logical size", human(mem.size))
-    t.add_row("memory image, allocated on disk", human(mem.allocated))
-    t.add_row("memory image, non-zero blocks", human(mem.stored_bytes))
-    for layer in sealed.layers:
-        t.add_row(f"new disk layer {layer.id[:12]}", f"{human(layer.stored_bytes)} data, {human(layer.file_size)} file")
-    root = store.catalogue.layer(row.root_layer)
-    t.add_row("shared root layer (not copied)", human(root.stored_bytes) if root else "?")
-    t.add_row("save (libvirt sparse)", f"{sealed.save_seconds:.2f} s")
-    t.add_row("seal (hash + manifests)", f"{sealed.seal_seconds:.2f} s")
-    t.add_row("restore", f"{resumed.seconds:.2f} s")
-    t.add_row("counter before → after", f"{before} → {after}")
-    out.print(t)
-    lifecycle.stop(store, NAME, force=True)
-    ok = before <= after < before + 50
-    out.print("[green]demo OK[/]" if ok else "[red]the counter did not continue[/]")
-    return 0 if ok else 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token_file = home / "agent.token"
+    if not token_file.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        token_file.write_text(secrets.token_urlsafe(32))
+        token_file.chmod(0o600)
+    token = token_file.read_text().strip()
+    proc = subprocess.Popen([sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen",
+                             f"127.0.0.1:{port}", "--token-file", str(token_file)], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{url}/v1/info", headers={"Authorization": f"Bearer {token}"}).status_code == 200:
+                return proc, url, token
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("the agent of host B did not start")
+
+
+def main() -> int:
+    a = Store.open()
+    b_home = a.home.parent / (a.home.name + "-host-b")
+    b = Store.open(b_home)
+    step(f"host A: store {a.home} (id {a.id}); host B: store {b.home} (id {b.id})")
+    t = time.monotonic()
+    with out.status("building the tiny image (the first run downloads a kernel)"):
+        _row, built = images.build(a, "tiny", "tiny")
+    step(f"image tiny {'built' if built else 'already built'} in {time.monotonic() - t:.1f}s")
+    for s in (a, b):
+        fresh(s)
+    b_agents: list[subprocess.Popen[bytes]] = []
+    a_agents: list[subprocess.Popen[bytes]] = []
+    try:
+        proc_b, url_b, token_b = start_agent(b.home)
+        b_agents.append(proc_b)
+        proc_a, url_a, token_a = start_agent(a.home)
+        a_agents.append(proc_a)
+
+        capsules.create(a, NAME, "tiny", memory="256M")
+        boot = lifecycle.start(a, NAME)
+        step(f"A: booted {boot.version.ref} under {boot.accel.upper()} in {boot.seconds:.2f}s")
+        guest(a, COUNTER)
+        guest(a, "dd if=/dev/urandom of=/dev/vda bs=4096 seek=1000 count=256 conv=notrunc 2>/dev/null; sync")
+        time.sleep(2)
+        before = int(guest(a, "cat /tmp/count"))
+        step(f"A: the guest's counter is at {before}; it wrote 1 MiB to its disk")
+
+        s1 = lifecycle.suspend(a, NAME)
+        step(f"A: suspended → {s1.version.ref} (save {s1.save_seconds:.2f}s, seal {s1.seal_seconds:.2f}s)")
+        p1 = transfer.push(a, s1.version.ref, url_b, token_b)
+        step(f"A → B: pushed {p1.version}: {human(p1.totals()['raw_bytes'])} of data, "
+             f"{human(p1.wire_bytes)} on the wire, {p1.seconds:.2f}s")
+        r1 = lifecycle.start(b, NAME)
+        at_b = int(guest(b, "cat /tmp/count"))
+        step(f"B: resumed in {r1.seconds:.2f}s; the counter went on at {at_b} (no reboot)")
+        guest(b, "dd if=/dev/urandom of=/dev/vda bs=4096 seek=3000 count=64 conv=notrunc 2>/dev/null; sync")
+        time.sleep(1)
+
+        s2 = lifecycle.suspend(b, NAME)
+        p2 = transfer.push(b, s2.version.ref, url_a, token_a)
+        step(f"B → A: pushed {p2.version}: only the changes travel — {human(p2.wire_bytes)} on the wire, "
+             f"{len(p2.skipped)} object(s) already at A")
+        r2 = lifecycle.start(a, NAME)
+        back = int(guest(a, "cat /tmp/count"))
+        step(f"A: resumed {r2.version.ref}; the counter is at {back}")
+
+        t = Table(title="what it cost")
+        t.add_column("step")
+        t.add_column("data", justify="right")
+        t.add_column("found locally", justify="right")
+        t.add_column("on the wire", justify="right")
+        t.add_column("time", justify="right")
+        t.add_column("at 384 kbit/s (DSL)", justify="right")
+        mem = s1.memory
+        t.add_row("suspend on A (256 MiB guest)", f"memory image {human(mem.allocated)} allocated", "",
+                  "", f"{s1.save_seconds + s1.seal_seconds:.2f} s", "")
+        for label, p in (("push A → B (B had nothing)", p1), ("push B → A (A had the old version)", p2)):
+            tt = p.totals()
+            t.add_row(label, human(tt["raw_bytes"]), human(tt["cache_bytes"]), human(p.wire_bytes),
+                      f"{p.seconds:.2f} s", f"~{p.wire_bytes / (370_000 / 8):.0f} s")
+        t.add_row("resume on B", "", "", "", f"{r1.seconds:.2f} s", "")
+        t.add_row("resume on A", "", "", "", f"{r2.seconds:.2f} s", "")
+        t.add_row("counter: A before → B → A", f"{before} → {at_b} → {back}", "", "", "", "")
+        out.print(t)
+        lifecycle.stop(a, NAME, force=True)
+        ok = before <= at_b <= back
+        out.print("[green]demo OK[/]" if ok else "[red]the counter did not continue[/]")
+        return 0 if ok else 1
+    finally:
+        for p in b_agents + a_agents:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for s in (a, b):
+            inst = s.catalogue.instance(NAME)
+            if inst is not None:
+                lifecycle.stop(s, NAME, force=True)
 
 
 if __name__ == "__main__":
