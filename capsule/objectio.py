@@ -62,27 +62,45 @@ class BlockReader:
         self.path = object_path(store, kind, oid)
         self._lock = threading.Lock()
         self._img = Qcow2Image(self.path) if kind == "layer" else None
-        self._fd = None if kind == "layer" else os.open(self.path, os.O_RDONLY)
+        self._fd_data = os.open(self.path, os.O_RDONLY)
 
     def read(self, indices: list[int]) -> list[bytes]:
-        out = []
+        """The blocks at ``indices``; blocks adjacent in the file are read with one pread."""
         with self._lock:
+            places: list[int | None] = []
             for i in indices:
                 if self._img is not None:
-                    data = self._img.read_block(i)
-                    if data is None:
+                    found = self._img.block_kind(i)
+                    if found is None:
                         raise NotFound(f"block {i} is not allocated in layer {self.path.name}")
+                    places.append(found[1])  # None: a zero block
                 else:
-                    assert self._fd is not None
-                    data = os.pread(self._fd, BLOCK_SIZE, i * BLOCK_SIZE).ljust(BLOCK_SIZE, b"\0")
-                out.append(data)
-        return out
+                    places.append(i * BLOCK_SIZE)
+            out: list[bytes] = []
+            pos = 0
+            while pos < len(indices):
+                start = places[pos]
+                if start is None:
+                    out.append(bytes(BLOCK_SIZE))
+                    pos += 1
+                    continue
+                if self._img is not None and (indices[pos] + 1) * BLOCK_SIZE > self._img.virtual_size:
+                    out.append(self._img.read_block(indices[pos]) or bytes(BLOCK_SIZE))  # short last block
+                    pos += 1
+                    continue
+                end = pos + 1
+                while end < len(indices) and places[end] == start + (end - pos) * BLOCK_SIZE:
+                    end += 1
+                data = os.pread(self._fd_data, (end - pos) * BLOCK_SIZE, start)
+                data = data.ljust((end - pos) * BLOCK_SIZE, b"\0")
+                out.extend(data[k * BLOCK_SIZE:(k + 1) * BLOCK_SIZE] for k in range(end - pos))
+                pos = end
+            return out
 
     def close(self) -> None:
         if self._img is not None:
             self._img.close()
-        if self._fd is not None:
-            os.close(self._fd)
+        os.close(self._fd_data)
 
 
 class ReaderCache:

@@ -97,7 +97,14 @@ class Shadow:
         for index, data in blocks:
             if not 0 <= index < self.nblocks or len(data) != BLOCK_SIZE:
                 raise ValueError(f"bad block {index} ({len(data)} bytes)")
-            os.pwrite(self._data_fd, data, index * BLOCK_SIZE)
+        ordered = sorted(blocks, key=lambda b: b[0])
+        pos = 0
+        while pos < len(ordered):  # one pwrite per run of adjacent blocks
+            end = pos + 1
+            while end < len(ordered) and ordered[end][0] == ordered[pos][0] + (end - pos):
+                end += 1
+            os.pwrite(self._data_fd, b"".join(d for _i, d in ordered[pos:end]), ordered[pos][0] * BLOCK_SIZE)
+            pos = end
         if durable:
             os.fdatasync(self._data_fd)
         with self._lock:
