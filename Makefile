@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup host venv lint bench clean-venv
+.PHONY: demo test setup host venv lint bench clean-venv agent
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -30,6 +30,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
+
+# The guest agent (static C binary guest-balloon/capsule-agent). Image builds run this themselves
+# when the binary is missing or older than agent.c, so nothing above depends on it.
+agent:
+	$(MAKE) -C guest-balloon
 
 lint: venv
 	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts

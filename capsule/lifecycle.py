@@ -13,6 +13,7 @@ from pathlib import Path
 
 import libvirt
 
+from capsule import balloon as balloon_mod
 from capsule import qemuimg
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
@@ -53,6 +54,7 @@ class SealResult:
     memory: FileRow | None = None
     save_seconds: float = 0.0
     seal_seconds: float = 0.0
+    balloon: balloon_mod.BalloonResult | None = None
 
 
 def accel_for(store: Store, refresh: bool = False) -> AccelDecision:
@@ -143,6 +145,9 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 except libvirt.libvirtError as exc:
                     raise RuntimeFailure(f"restoring {version.ref} failed: {exc.get_error_message()}") from exc
                 accel = "kvm" if 'type="kvm"' in xml or "type='kvm'" in xml else "tcg"
+                if version.config.get("balloon"):
+                    say("giving the guest its memory back")
+                    balloon_mod.give_back(agent_sock, lookup_domain(domain), version.config["balloon"])
             else:
                 mode = "boot"
                 accel = decision.accel
@@ -211,10 +216,13 @@ def _seal_leaves(store: Store, inst: InstanceRow, say: Say,
 
 
 def _record(store: Store, inst: InstanceRow, chains: list[list[str]], layers: list[LayerRow],
-            memory: FileRow | None, note: str) -> VersionRow:
+            memory: FileRow | None, note: str, balloon: dict | None = None) -> VersionRow:
     cat = store.catalogue
     base = cat.version(inst.capsule, inst.version)
     config = dict(base.config) if base else {}
+    config.pop("balloon", None)
+    if balloon:
+        config["balloon"] = balloon  # so whoever restores this version gives the memory back
     with cat.transaction():
         number = cat.next_version_number(inst.capsule)
         version = VersionRow(capsule=inst.capsule, number=number, parent_capsule=inst.capsule,
@@ -229,12 +237,24 @@ def _record(store: Store, inst: InstanceRow, chains: list[list[str]], layers: li
     return version
 
 
-def suspend(store: Store, name: str, *, note: str = "suspended", say: Say = _quiet) -> SealResult:
+def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | None = None,
+            balloon_method: str = balloon_mod.DEFAULT_METHOD, say: Say = _quiet) -> SealResult:
     """Save the running capsule (libvirt ``sparse`` format), seal its leaves and
-    record a new active version. On failure the guest keeps running and
-    nothing is recorded."""
+    record a new active version. With ``balloon`` (a policy: none, cache,
+    aggressive) the guest's spare memory is zeroed first (§4.1). On failure
+    the guest keeps running (with its memory given back) and nothing is
+    recorded."""
     with store.lock():
         inst, dom = _running_instance(store, name)
+        agent_sock = Path(inst.dir) / "agent.sock"
+        ballooned: balloon_mod.BalloonResult | None = None
+        if balloon is not None:
+            balloon_mod.check(balloon, balloon_method)
+            say(f"ballooning ({balloon_method}, {balloon})")
+            ballooned = balloon_mod.inflate(agent_sock, dom, balloon, balloon_method)
+            if ballooned.skipped:
+                say(f"no ballooning: {ballooned.skipped}")
+        balloon_info = ballooned.as_dict() if ballooned and not ballooned.skipped else None
         tmp = store.temp_path(".save")
         say("saving memory (sparse)")
         t0 = time.monotonic()
@@ -243,6 +263,8 @@ def suspend(store: Store, name: str, *, note: str = "suspended", say: Say = _qui
                             libvirt.VIR_DOMAIN_SAVE_PARAM_IMAGE_FORMAT: "sparse"}, 0)
         except libvirt.libvirtError as exc:
             tmp.unlink(missing_ok=True)
+            if balloon_info:
+                balloon_mod.give_back(agent_sock, lookup_domain(inst.domain), balloon_info)
             msg = exc.get_error_message()
             if is_enospc(exc):
                 raise StorageFull(f"suspending {name}: the store's file system is full ({msg}); "
@@ -256,13 +278,15 @@ def suspend(store: Store, name: str, *, note: str = "suspended", say: Say = _qui
             say("sealing memory image")
             memory = store.seal_file(tmp, "memory")
             chains, layers = _seal_leaves(store, inst, say, sealed)
-            version = _record(store, inst, chains, layers, memory, note)
+            version = _record(store, inst, chains, layers, memory, note, balloon_info)
         except BaseException:
             image = tmp if tmp.exists() else (store.file_path(memory.id) if memory else None)
             _resume_after_failed_seal(store, inst, image, sealed)
+            if balloon_info:
+                balloon_mod.give_back(agent_sock, lookup_domain(inst.domain), balloon_info)
             raise
         shutil.rmtree(inst.dir, ignore_errors=True)
-        return SealResult(version, layers, memory, save_seconds, time.monotonic() - t1)
+        return SealResult(version, layers, memory, save_seconds, time.monotonic() - t1, ballooned)
 
 
 def _resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | None,
@@ -304,10 +328,11 @@ def _resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | Non
         image.unlink(missing_ok=True)
 
 
-def snapshot(store: Store, name: str, *, say: Say = _quiet) -> tuple[SealResult, StartResult]:
+def snapshot(store: Store, name: str, *, balloon: str | None = None,
+             balloon_method: str = balloon_mod.DEFAULT_METHOD, say: Say = _quiet) -> tuple[SealResult, StartResult]:
     """Suspend, then immediately resume on a new leaf: the guest keeps running."""
     with store.lock():
-        sealed = suspend(store, name, note="snapshot", say=say)
+        sealed = suspend(store, name, note="snapshot", balloon=balloon, balloon_method=balloon_method, say=say)
         assert sealed.version is not None
         resumed = start(store, sealed.version.ref, wait=False, say=say)
     return sealed, resumed

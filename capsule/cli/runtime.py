@@ -14,6 +14,12 @@ from capsule.runtime.connection import libvirt_uri
 from capsule.units import human
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+BalloonOpt = Annotated[bool, typer.Option("--balloon", help="Zero the guest's spare memory first (§4.1): smaller "
+                                                            "memory image, less to move. Needs the guest agent.")]
+PolicyOpt = Annotated[str, typer.Option("--balloon-policy", help="none | cache (drop clean page cache) | "
+                                                                 "aggressive (also dentries/inodes, compaction).")]
+MethodOpt = Annotated[str, typer.Option("--balloon-method", help="agent (in-guest balloon) | virtio "
+                                                                 "(host virtio-balloon).")]
 
 
 def _seal_dict(r: lifecycle.SealResult) -> dict:
@@ -22,6 +28,7 @@ def _seal_dict(r: lifecycle.SealResult) -> dict:
         "memory": {"id": r.memory.id, "size": r.memory.size, "allocated": r.memory.allocated,
                    "stored_bytes": r.memory.stored_bytes} if r.memory else None,
         "layers": [{"id": x.id, "stored_bytes": x.stored_bytes, "file_bytes": x.file_size} for x in r.layers],
+        "balloon": r.balloon.as_dict() if r.balloon else None,
         "save_seconds": round(r.save_seconds, 3),
         "seal_seconds": round(r.seal_seconds, 3),
     }
@@ -37,6 +44,10 @@ def _print_seal(r: lifecycle.SealResult, verb: str) -> None:
         console.print(f"{verb}; the disks were not written, so no new version")
         return
     parts = [f"{verb} → [bold]{r.version.ref}[/]"]
+    if r.balloon:
+        parts.append(f"balloon: {r.balloon.skipped}" if r.balloon.skipped else
+                     f"balloon ({r.balloon.method}, {r.balloon.policy}): {human(r.balloon.held_bytes)} zeroed "
+                     f"in {r.balloon.seconds:.2f}s ({r.balloon.stop_reason})")
     if r.memory:
         parts.append(f"memory image {short(r.memory.id)}: {human(r.memory.allocated)} allocated "
                      f"of {human(r.memory.size)}, saved in {r.save_seconds:.2f}s")
@@ -64,25 +75,29 @@ def start(
 
 def suspend(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
+    balloon: BalloonOpt = False, balloon_policy: PolicyOpt = "cache", balloon_method: MethodOpt = "agent",
     json: JsonOpt = False,
 ) -> None:
     """Save the running capsule (sparse memory image), seal its leaves, record a new active version."""
     json_flag(json)
     store = open_store()
     with progress(f"suspending {name}") as say:
-        r = lifecycle.suspend(store, name, say=say)
+        r = lifecycle.suspend(store, name, balloon=balloon_policy if balloon else None,
+                              balloon_method=balloon_method, say=say)
     emit(_seal_dict(r), lambda: _print_seal(r, "suspended"))
 
 
 def snapshot(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
+    balloon: BalloonOpt = False, balloon_policy: PolicyOpt = "cache", balloon_method: MethodOpt = "agent",
     json: JsonOpt = False,
 ) -> None:
     """Record a new active version; the guest keeps running on a new leaf."""
     json_flag(json)
     store = open_store()
     with progress(f"snapshotting {name}") as say:
-        sealed, resumed = lifecycle.snapshot(store, name, say=say)
+        sealed, resumed = lifecycle.snapshot(store, name, balloon=balloon_policy if balloon else None,
+                                             balloon_method=balloon_method, say=say)
     data = _seal_dict(sealed) | {"resumed": _start_dict(resumed)}
     emit(data, lambda: (_print_seal(sealed, "snapshot"),
                         console.print(f"  running again after {resumed.seconds:.2f}s")))

@@ -2,6 +2,8 @@
 
 python -m capsule.imagebuild tiny /tmp/img/tiny --boot
 python -m capsule.imagebuild debian /tmp/img/debian --disk-size 3G --extra vim-tiny --boot
+
+--boot also pings the guest agent over its virtio-serial port.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
                 result["boot_seconds_to_marker"] = round(guest.wait_for_marker(img.marker, args.boot_timeout), 2)
                 result["boot_seconds_to_shell"] = round(guest.wait_for_shell(60), 2)
                 result["guest_uname"] = guest.run("uname -a")
+                reply = guest.agent_call("ping", timeout=60)
+                if not reply.get("ok"):
+                    raise GuestError(f"the guest agent answered ping with {reply}")
+                result["boot_seconds_to_agent"] = round(time.monotonic() - guest.started, 2)
+                result["agent_ping"] = reply["result"]
         except GuestError as exc:
             print(f"boot test failed: {exc}", file=sys.stderr)
             return 2

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import fcntl
+import hashlib
 import os
+import re
 import shlex
 import shutil
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +20,13 @@ MARKER = "CAPSULE-GUEST-READY"
 """Line a Capsule guest prints on its serial console once it is up."""
 
 Progress = Callable[[str], None]
+
+AGENT_SOURCE_DIR = Path(__file__).resolve().parents[2] / "guest-balloon"
+"""guest-balloon/ of the repository: agent.c and the Makefile that builds capsule-agent from it."""
+AGENT_ENV = "CAPSULE_AGENT_BINARY"
+"""Environment variable naming a prebuilt agent binary to use instead of building one."""
+AGENT_PORT = "org.capsule.agent.0"
+"""The virtio-serial port name the guest agent listens on."""
 
 
 class ImageBuildError(Exception):
@@ -193,3 +204,82 @@ def safe_rmtree(path: Path) -> None:
     if left:
         raise ImageBuildError(f"not removing {path}: still mounted inside it: {', '.join(left)}; unmount by hand")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def is_static_elf(path: Path) -> bool:
+    """True for an x86-64 (ELF64) executable without a program interpreter (PT_INTERP)."""
+    with path.open("rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:
+            return False
+        (phoff,) = struct.unpack_from("<Q", head, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    return all(struct.unpack_from("<I", table, i * phentsize)[0] != 3 for i in range(phnum))  # PT_INTERP
+
+
+def _agent_build_hint(output: str) -> str:
+    if re.search(r"\bgcc: (command )?not found|\bgcc: No such file or directory", output):
+        return "gcc is not installed: install the Debian packages gcc and libc6-dev"
+    if re.search(r"cannot find -lc\b|cannot find -lc:|\.h: No such file or directory", output):
+        return "the static C library (libc.a) or the C headers are missing: install the Debian package libc6-dev"
+    return "building the agent needs make, gcc and the static glibc (Debian packages make, gcc, libc6-dev)"
+
+
+def agent_binary(progress: Progress | None = None, source_dir: Path | None = None) -> Path:
+    """The static guest agent binary (capsule-agent), built with `make -C guest-balloon` if it is
+    missing or older than agent.c.  $CAPSULE_AGENT_BINARY names a prebuilt one instead."""
+    env = os.environ.get(AGENT_ENV)
+    if env and source_dir is None:
+        binary = Path(env)
+        if not binary.is_file():
+            raise ImageBuildError(f"${AGENT_ENV}={env}: no such file")
+        if not is_static_elf(binary):
+            raise ImageBuildError(f"${AGENT_ENV}={env}: not a static x86-64 ELF executable")
+        return binary
+    src_dir = Path(source_dir) if source_dir is not None else AGENT_SOURCE_DIR
+    source = src_dir / "agent.c"
+    binary = src_dir / "capsule-agent"
+    if not source.is_file():
+        raise ImageBuildError(
+            f"the guest agent source {source} is missing (a Capsule checkout has it), "
+            f"or set ${AGENT_ENV} to a prebuilt capsule-agent"
+        )
+    # one build at a time (concurrent image builds); agent.c itself is the lock, so no lock file is left
+    with source.open("rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.is_file() or binary.stat().st_mtime < source.stat().st_mtime:
+            say(progress, f"building the guest agent: make -C {src_dir}")
+            try:
+                proc = subprocess.run(["make", "-C", str(src_dir)], capture_output=True, timeout=600, check=False)
+            except FileNotFoundError as exc:
+                raise ImageBuildError(
+                    "building the guest agent: `make` is not installed: "
+                    "install the Debian packages make, gcc and libc6-dev"
+                ) from exc
+            if proc.returncode != 0 or not binary.is_file():
+                out = (proc.stdout + proc.stderr).decode("utf-8", "replace")
+                raise ImageBuildError(
+                    f"building the guest agent: `make -C {src_dir}` exited with status {proc.returncode}\n"
+                    f"hint: {_agent_build_hint(out)}\n--- output tail ---\n{tail(out)}"
+                )
+    if not is_static_elf(binary):
+        raise ImageBuildError(f"{binary} is not a static x86-64 executable; run `make -C {src_dir} clean` and retry")
+    return binary
+
+
+def agent_info(binary: Path) -> dict[str, object]:
+    """Version, protocol, sha256 and size of an agent binary (it is run with --version)."""
+    data = binary.read_bytes()
+    proc = run([binary, "--version"], f"run {binary} --version", timeout=30)
+    out = proc.stdout.decode("utf-8", "replace").strip()
+    m = re.fullmatch(r"capsule-agent (\S+) \(protocol (\d+)\)", out)
+    if not m:
+        raise ImageBuildError(f"{binary} --version printed {out!r}, not 'capsule-agent VERSION (protocol N)'")
+    return {
+        "version": m.group(1),
+        "protocol": int(m.group(2)),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+    }

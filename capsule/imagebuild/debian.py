@@ -12,11 +12,14 @@ from pathlib import Path
 from urllib.parse import quote
 
 from .common import (
+    AGENT_PORT,
     MARKER,
     BuiltImage,
     ImageBuildError,
     Progress,
     Stopwatch,
+    agent_binary,
+    agent_info,
     cache_dir,
     file_size_info,
     require_root,
@@ -77,9 +80,32 @@ for m in @MODULES@; do
 done
 """
 
+AGENT_PATH = "/usr/local/sbin/capsule-agent"
+
+AGENT_UNIT = f"""[Unit]
+Description=Capsule guest agent (virtio-serial port {AGENT_PORT})
+# it waits for its port itself; restart it forever, however often it dies
+StartLimitIntervalSec=0
+
+[Service]
+Type=exec
+ExecStart={AGENT_PATH}
+Restart=always
+RestartSec=1
+# its log goes to the journal, never to the serial console (the host types into that shell)
+StandardInput=null
+StandardOutput=journal
+StandardError=journal
+# no OOMScoreAdjust: the agent sets its own (1000 while ballooning, -1000 while file systems are frozen)
+
+[Install]
+WantedBy=multi-user.target
+"""
+
 READY_UNIT = f"""[Unit]
 Description=Tell the host on the serial console that the Capsule guest is up
-After=basic.target systemd-user-sessions.service
+# the agent is running (exec'd) by the time the marker appears
+After=basic.target systemd-user-sessions.service capsule-agent.service
 # print before agetty takes over (and hangs up) ttyS0
 Before=serial-getty@ttyS0.service getty.target
 
@@ -143,7 +169,17 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
-def _configure_tree(root: Path) -> None:
+def _enable(system: Path, unit: str, target: str = "multi-user.target") -> None:
+    """What `systemctl enable` does for a unit in /etc/systemd/system with WantedBy=target."""
+    wants = system / f"{target}.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    link = wants / unit
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(f"/etc/systemd/system/{unit}")
+
+
+def _configure_tree(root: Path, agent: Path) -> None:
     """Capsule's settings, written straight into the unpacked tree (after mmdebstrap finished)."""
     etc = root / "etc"
     _write(etc / "hostname", HOSTNAME + "\n")
@@ -171,11 +207,14 @@ def _configure_tree(root: Path) -> None:
     # readiness marker
     system = etc / "systemd/system"
     _write(system / "capsule-ready.service", READY_UNIT)
-    wants = system / "multi-user.target.wants"
-    wants.mkdir(parents=True, exist_ok=True)
-    link = wants / "capsule-ready.service"
-    if not link.is_symlink():
-        link.symlink_to("/etc/systemd/system/capsule-ready.service")
+    _enable(system, "capsule-ready.service")
+    # the guest agent, started at boot and restarted whenever it exits
+    dest = root / AGENT_PATH.lstrip("/")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(agent, dest)
+    dest.chmod(0o755)
+    _write(system / "capsule-agent.service", AGENT_UNIT)
+    _enable(system, "capsule-agent.service")
     for unit in MASKED_UNITS:
         target = system / unit
         if target.is_symlink() or target.exists():
@@ -257,6 +296,8 @@ def build_debian(
     if bad:
         raise ImageBuildError(f"not Debian package names: {bad}")
     clock = Stopwatch()
+    agent = agent_binary(progress)  # before the long mmdebstrap run: a missing compiler fails fast
+    agent_meta = agent_info(agent)
     sources = host_apt_sources()
     packages = list(dict.fromkeys([*BASE_PACKAGES, *extra_packages]))
     debcache = cache_dir(workdir) / "debian-debs"
@@ -333,7 +374,7 @@ def build_debian(
         shutil.copyfile(kernels[0], kernel)
         shutil.copyfile(initrds[0], initrd)
 
-        _configure_tree(tree)
+        _configure_tree(tree, agent)
         tree_bytes = _dir_bytes(tree)
         clock.lap("configure")
 
@@ -375,6 +416,12 @@ def build_debian(
         "package_count": len(installed),
         "packages": {p: installed[p] for p in (*BASE_PACKAGES, *extras) if p in installed},
         "initrd_has": [m for m in INITRD_MODULES if re.search(rf"/{m}\.ko", listing)],
+        "agent_version": agent_meta["version"],
+        "agent_protocol": agent_meta["protocol"],
+        "agent_sha256": agent_meta["sha256"],
+        "agent_bytes": agent_meta["bytes"],
+        "agent_path": AGENT_PATH,
+        "agent_unit": "capsule-agent.service",
         "tree_bytes": tree_bytes,
         "disk_size": disk_size,
         "disk_label": DISK_LABEL,

@@ -5,11 +5,13 @@ Used by the image tests and handy for checking an image by hand:
     with SerialGuest.boot(image, workdir) as g:
         g.wait_for_marker(timeout=30)
         out = g.run("dd if=/dev/vda bs=4096 count=1 | md5sum")
+        g.agent_call("ping")  # the guest agent, over the virtio-serial port org.capsule.agent.0
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -21,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .common import BuiltImage
+from .common import AGENT_PORT, BuiltImage
 
 _ANSI = re.compile(rb"\x1b(\[[0-9;?]*[A-Za-z]|[()][A-Za-z0-9]|[A-Za-z])")
 
@@ -45,9 +47,20 @@ class SerialGuest:
         extra_args: Sequence[str] = (),
         snapshot: bool = False,
         log_path: Path | None = None,
+        agent_port: bool = True,
     ) -> None:
         self._sockdir = tempfile.mkdtemp(prefix="capsule-serial-")  # short path: sun_path is 108 bytes
         self.sock_path = os.path.join(self._sockdir, "ttyS0")
+        # the guest agent's virtio-serial port, as a unix socket QEMU listens on (libvirt's <channel>)
+        self.agent_sock_path = os.path.join(self._sockdir, "agent") if agent_port else None
+        agent_args = (
+            [
+                "-chardev", f"socket,id=agent0,path={self.agent_sock_path},server=on,wait=off",
+                "-device", f"virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT}",
+            ]
+            if agent_port
+            else []
+        )  # fmt: skip
         drive = f"file={disk},format=raw,if=virtio,cache=unsafe"
         if snapshot:
             drive += ",snapshot=on"
@@ -59,10 +72,11 @@ class SerialGuest:
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline,
             "-drive", drive,
-            "-device", "virtio-serial",
+            "-device", "virtio-serial,id=vser0",
             "-device", "virtio-balloon",
             "-chardev", f"socket,id=ser0,path={self.sock_path},server=on,wait=on",
             "-serial", "chardev:ser0",
+            *agent_args,
             *extra_args,
         ]  # fmt: skip
         self.log_path = log_path
@@ -228,3 +242,45 @@ class SerialGuest:
         if check and status != 0:
             raise GuestError(f"`{command}` exited with {status} in the guest:\n{out}")
         return out
+
+    # --- guest agent -------------------------------------------------------------------------------
+    def agent_call(self, cmd: str, args: dict | None = None, timeout: float = 30.0) -> dict:
+        """One request to the guest agent over its virtio-serial port; returns the whole reply object.
+
+        Connects to the port's socket, sends a bare newline (PROTOCOL.md: it ends any partial line
+        an earlier host left) and the request, and waits for the reply line with the same id. Right
+        after boot the agent may not run yet: the request waits in the port until it does.
+        """
+        if self.agent_sock_path is None:
+            raise GuestError("this guest was started without the agent port (agent_port=False)")
+        self._seq += 1
+        rid = self._seq
+        req: dict = {"id": rid, "cmd": cmd}
+        if args is not None:
+            req["args"] = args
+        deadline = time.monotonic() + timeout
+        buf = b""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(max(0.1, timeout))
+            s.connect(self.agent_sock_path)
+            s.sendall(b"\n" + json.dumps(req).encode() + b"\n")
+            while True:
+                while b"\n" not in buf:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise GuestError(f"the guest agent did not answer {cmd!r} within {timeout:.0f} s")
+                    s.settimeout(left)
+                    try:
+                        chunk = s.recv(1 << 16)
+                    except TimeoutError:
+                        continue
+                    if not chunk:
+                        raise GuestError(f"the guest agent port closed while waiting for the reply to {cmd!r}")
+                    buf += chunk
+                line, _, buf = buf.partition(b"\n")
+                try:
+                    reply = json.loads(line)
+                except ValueError:
+                    continue  # blank or broken line
+                if isinstance(reply, dict) and reply.get("id") == rid:
+                    return reply

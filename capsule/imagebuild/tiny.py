@@ -6,12 +6,23 @@ import gzip
 import hashlib
 import os
 import shutil
-import struct
 import subprocess
 import tempfile
 from pathlib import Path
 
-from .common import MARKER, BuiltImage, ImageBuildError, Progress, Stopwatch, cache_dir, file_size_info, say
+from .common import (
+    MARKER,
+    BuiltImage,
+    ImageBuildError,
+    Progress,
+    Stopwatch,
+    agent_binary,
+    agent_info,
+    cache_dir,
+    file_size_info,
+    is_static_elf,
+    say,
+)
 from .cpio import CpioWriter
 from .kernel import ModuleTree, extract_kernel, fetch_kernel_deb, read_module
 
@@ -50,7 +61,7 @@ def write_tiny_disk(path: Path) -> None:
 def find_static_busybox() -> Path:
     candidates = [Path(p) for p in (shutil.which("busybox"), "/bin/busybox", "/usr/bin/busybox") if p]
     for c in candidates:
-        if c.is_file() and _is_static_elf(c):
+        if c.is_file() and is_static_elf(c):
             return c
     raise ImageBuildError(
         "no static busybox found (looked at "
@@ -59,21 +70,10 @@ def find_static_busybox() -> Path:
     )
 
 
-def _is_static_elf(path: Path) -> bool:
-    with path.open("rb") as f:
-        head = f.read(64)
-        if head[:4] != b"\x7fELF" or head[4] != 2:
-            return False
-        (phoff,) = struct.unpack_from("<Q", head, 0x20)
-        phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
-    return all(struct.unpack_from("<I", table, i * phentsize)[0] != 3 for i in range(phnum))  # PT_INTERP
-
-
 INIT_SCRIPT = r"""#!/bin/sh
 # Capsule tiny guest, PID 1: set up, load virtio drivers, announce readiness,
-# then hand over to busybox init, which keeps a root shell on the console.
+# then hand over to busybox init, which keeps a root shell on the console
+# and the guest agent (/sbin/capsule-agent) running.
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin HOME=/root
 mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
@@ -96,10 +96,17 @@ echo "@MARKER@"
 exec /sbin/init
 """
 
-INITTAB = """\
+AGENT_PATH = "sbin/capsule-agent"
+AGENT_LOG = "/run/capsule-agent.log"
+
+INITTAB = f"""\
 # busybox init: a root shell on the kernel console (ttyS0), respawned whenever it exits.
 # cttyhack makes it the controlling terminal, so job control (&, fg, ^C) works.
 ::respawn:/bin/cttyhack /bin/sh -l
+# the guest agent (virtio-serial port org.capsule.agent.0; /init loaded virtio_console already).
+# Its log goes to a file, never to the console: the host types into that shell.
+# (busybox init runs a line with redirections as `sh -c 'exec ...'`, so it supervises the agent itself)
+::respawn:/{AGENT_PATH} </dev/null >/dev/null 2>>{AGENT_LOG}
 ::ctrlaltdel:/sbin/reboot
 ::shutdown:/bin/sync
 """
@@ -117,6 +124,8 @@ def build_tiny(workdir: Path, progress: Progress | None = None) -> BuiltImage:
     workdir.mkdir(parents=True, exist_ok=True)
     clock = Stopwatch()
     busybox = find_static_busybox()
+    agent = agent_binary(progress)
+    agent_meta = agent_info(agent)
     deb = fetch_kernel_deb(cache_dir(workdir), progress)
     clock.lap("fetch_kernel")
 
@@ -153,13 +162,15 @@ def build_tiny(workdir: Path, progress: Progress | None = None) -> BuiltImage:
             dep_lines.append(f"{rel}: {deps}".rstrip())
         cpio.add_file(f"lib/modules/{kern.release}/modules.dep", ("\n".join(dep_lines) + "\n").encode())
         cpio.add_file("etc/capsule/modules", ("\n".join(rel_paths) + "\n").encode())
+        cpio.add_file(AGENT_PATH, agent.read_bytes(), 0o755)
         cpio.add_file("init", INIT_SCRIPT.replace("@MARKER@", MARKER).encode(), 0o755)
         cpio.add_file("etc/inittab", INITTAB.encode())
         cpio.add_file("etc/profile", PROFILE.encode())
         cpio.add_file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
         cpio.add_file("etc/group", b"root:x:0:\ntty:x:5:\n")
         cpio.add_file("etc/hostname", b"capsule-tiny\n")
-        cpio.add_file("etc/capsule/release", f"capsule-tiny kernel={kern.release}\n".encode())
+        release = f"capsule-tiny kernel={kern.release} agent={agent_meta['version']}\n"
+        cpio.add_file("etc/capsule/release", release.encode())
         archive = cpio.render()
 
         initrd = workdir / "initramfs.img"
@@ -179,6 +190,12 @@ def build_tiny(workdir: Path, progress: Progress | None = None) -> BuiltImage:
         "modules_loaded": order,
         "modules_builtin": builtin,
         "busybox": subprocess.run([str(busybox)], capture_output=True, text=True).stdout.splitlines()[0],
+        "agent_version": agent_meta["version"],
+        "agent_protocol": agent_meta["protocol"],
+        "agent_sha256": agent_meta["sha256"],
+        "agent_bytes": agent_meta["bytes"],
+        "agent_path": "/" + AGENT_PATH,
+        "agent_log": AGENT_LOG,
         "initramfs_compression": compression,
         "initramfs_uncompressed_bytes": len(archive),
         "sizes": {

@@ -1,0 +1,111 @@
+"""Ballooning before a memory image is saved (§4.1), and giving the memory
+back after it is restored.
+
+Two ways to turn guest memory into zero pages (holes in a ``sparse`` memory
+image, nothing on the wire):
+
+- ``agent``: the guest agent drops clean page cache (policy ``cache`` or
+  ``aggressive``; ``none`` keeps it), then allocates and writes every page
+  until §4.1's stop rule (free swap falls by > 1 MB) or a MemAvailable floor;
+- ``virtio``: the host inflates the virtio-balloon device (libvirt
+  set-memory) down to what the guest uses, as the agent reports it.
+
+Guest free-page reporting is always on (the domain's memballoon has
+``freePageReporting``): free pages the guest reports are discarded by QEMU.
+A guest without an agent still suspends, only without ballooning."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import libvirt
+
+from capsule.errors import InvalidName
+from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
+
+POLICIES = ("none", "cache", "aggressive")
+METHODS = ("agent", "virtio")
+DEFAULT_POLICY = "cache"
+DEFAULT_METHOD = "agent"
+AGENT_TIMEOUT = 3.0          # connect + ping budget: a guest without an agent costs at most this
+INFLATE_TIMEOUT = 30.0
+HOLD_SAFETY_S = 300          # the agent gives the memory back by itself after this much guest time
+VIRTIO_MARGIN_MIB = 48
+
+
+@dataclass
+class BalloonResult:
+    method: str
+    policy: str
+    held_bytes: int = 0
+    stop_reason: str | None = None
+    seconds: float = 0.0
+    skipped: str | None = None       # why nothing was ballooned
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check(policy: str, method: str) -> None:
+    if policy not in POLICIES:
+        raise InvalidName(f"unknown balloon policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    if method not in METHODS:
+        raise InvalidName(f"unknown balloon method {method!r}: choose one of {', '.join(METHODS)}")
+
+
+def inflate(agent_sock: Path, dom: libvirt.virDomain, policy: str, method: str) -> BalloonResult:
+    """Balloon the running guest; never raises for a missing or silent agent."""
+    check(policy, method)
+    t0 = time.monotonic()
+    result = BalloonResult(method, policy)
+    try:
+        with GuestAgent(agent_sock, timeout=AGENT_TIMEOUT) as agent:
+            agent.ping()
+            if method == "agent":
+                r = agent.inflate(policy=policy, timeout_s=INFLATE_TIMEOUT, hold_s=HOLD_SAFETY_S)
+                result.held_bytes = int(r.get("held_bytes", 0))
+                result.stop_reason = r.get("stop_reason")
+            else:
+                if policy != "none":
+                    agent.call("balloon.inflate", {"policy": policy, "max_bytes": 0}, timeout=INFLATE_TIMEOUT)
+                stats = agent.stats()
+                result.held_bytes, result.stop_reason = _virtio_inflate(dom, stats)
+    except (AgentUnavailable, AgentError) as exc:
+        result.skipped = str(exc)
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _virtio_inflate(dom: libvirt.virDomain, stats: dict[str, Any]) -> tuple[int, str]:
+    """Shrink the guest through the virtio-balloon device to what it uses plus a margin."""
+    max_kib = dom.maxMemory()
+    total, available = int(stats.get("MemTotal", 0)), int(stats.get("MemAvailable", 0))
+    used_kib = max(0, total - available) // 1024
+    target = max(used_kib + VIRTIO_MARGIN_MIB * 1024, 64 * 1024)
+    if target >= max_kib:
+        return 0, "nothing to take"
+    dom.setMemoryFlags(target, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+    deadline = time.monotonic() + INFLATE_TIMEOUT
+    actual = max_kib
+    while time.monotonic() < deadline:
+        actual = int(dom.memoryStats().get("actual", max_kib))
+        if actual <= target + 1024:
+            return (max_kib - actual) * 1024, "target"
+        time.sleep(0.2)
+    return (max_kib - actual) * 1024, "timeout"
+
+
+def give_back(agent_sock: Path, dom: libvirt.virDomain | None, info: dict[str, Any] | None) -> None:
+    """After a restore (or a failed save): deflate, so the guest has all its memory again."""
+    if dom is not None:
+        with contextlib.suppress(libvirt.libvirtError):
+            max_kib = dom.maxMemory()
+            if int(dom.info()[2]) < max_kib:
+                dom.setMemoryFlags(max_kib, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+    if info and info.get("method") == "agent" and info.get("held_bytes"):
+        with contextlib.suppress(AgentUnavailable, AgentError), GuestAgent(agent_sock, timeout=5.0) as agent:
+            agent.deflate()

@@ -1,0 +1,152 @@
+"""The host side of the guest agent (guest-balloon/PROTOCOL.md): JSON lines
+over the virtio-serial channel libvirt exposes as a unix socket.
+
+Every call has a deadline and never hangs the caller: a guest without an
+agent, an agent that does not answer, or one that sends garbage or endless
+lines gives ``AgentUnavailable`` (or ``AgentError`` for an error reply)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from capsule.errors import CapsuleError
+
+MAX_REPLY = 16 << 20       # a reply line longer than this is refused
+CONNECT_TIMEOUT = 2.0
+
+
+class AgentUnavailable(CapsuleError):
+    """No guest agent answered (none installed, not started yet, or misbehaving)."""
+
+    exit_code = 14
+
+
+class AgentError(CapsuleError):
+    """The guest agent answered with an error."""
+
+    exit_code = 14
+
+
+class GuestAgent:
+    """One connection to a guest's agent socket."""
+
+    def __init__(self, sock_path: Path, timeout: float = 5.0) -> None:
+        self.path = sock_path
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._buf = b""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(CONNECT_TIMEOUT)
+        try:
+            self._sock.connect(str(sock_path))
+        except OSError as exc:
+            self._sock.close()
+            raise AgentUnavailable(f"no guest agent channel at {sock_path}: {exc.strerror or exc}") from exc
+        self._send(b"\n")  # ends any partial line a previous host left behind
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def __enter__(self) -> GuestAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.settimeout(self.timeout)
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise AgentUnavailable(f"writing to the guest agent failed: {exc}") from exc
+
+    def _line(self, deadline: float) -> bytes:
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentUnavailable("the guest agent did not answer in time")
+            self._sock.settimeout(left)
+            try:
+                chunk = self._sock.recv(1 << 16)
+            except TimeoutError as exc:
+                raise AgentUnavailable("the guest agent did not answer in time") from exc
+            except OSError as exc:
+                raise AgentUnavailable(f"reading from the guest agent failed: {exc}") from exc
+            if not chunk:
+                raise AgentUnavailable("the guest agent channel closed")
+            self._buf += chunk
+            if len(self._buf) > MAX_REPLY and b"\n" not in self._buf:
+                self._buf = b""
+                raise AgentUnavailable(f"the guest agent sent a line longer than {MAX_REPLY} bytes")
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def call(self, cmd: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Send one request and wait for its reply (lines that do not parse, or
+        answer another id, are skipped)."""
+        rid = next(self._ids)
+        self._send(json.dumps({"id": rid, "cmd": cmd, "args": args or {}}).encode() + b"\n")
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        while True:
+            line = self._line(deadline).strip()
+            if not line:
+                continue
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(reply, dict) or reply.get("id") != rid:
+                continue
+            if reply.get("ok") is True and isinstance(reply.get("result"), dict):
+                return reply["result"]
+            raise AgentError(f"guest agent: {cmd}: {reply.get('error', 'malformed reply')}")
+
+    # -- the commands ---------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")
+
+    def inflate(self, policy: str = "cache", timeout_s: float = 30.0, **limits: int) -> dict[str, Any]:
+        args: dict[str, Any] = {"policy": policy, "timeout_s": timeout_s, **limits}
+        return self.call("balloon.inflate", args, timeout=timeout_s + 5)
+
+    def deflate(self) -> dict[str, Any]:
+        return self.call("balloon.deflate")
+
+    def status(self) -> dict[str, Any]:
+        return self.call("balloon.status")
+
+    def freeze(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        return self.call("fs.freeze", {"timeout_s": timeout_s}, timeout=timeout_s)
+
+    def thaw(self) -> dict[str, Any]:
+        return self.call("fs.thaw", timeout=30)
+
+    def exec(self, argv: list[str], timeout_s: float = 30.0, stdin: str | None = None) -> dict[str, Any]:
+        args: dict[str, Any] = {"argv": argv, "timeout_s": timeout_s}
+        if stdin is not None:
+            args["stdin"] = stdin
+        return self.call("exec", args, timeout=timeout_s + 3)
+
+
+def wait_for_agent(sock_path: Path, timeout: float = 30.0) -> dict[str, Any]:
+    """Ping until the agent answers (it may still be starting); returns the ping result."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with GuestAgent(sock_path, timeout=min(2.0, max(0.2, deadline - time.monotonic()))) as agent:
+                return agent.ping()
+        except AgentUnavailable as exc:
+            last = exc
+            time.sleep(0.3)
+    raise AgentUnavailable(f"no guest agent answered within {timeout:.0f}s ({last})")
