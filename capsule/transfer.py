@@ -33,15 +33,15 @@ from hashcache.hcp import (
     ProtocolError,
     Receiver,
     TransferStats,
-    compact_records,
     decode_indices,
     encode_indices,
-    header_of,
     pack_blocks,
     records_chunks,
     unpack_blocks,
 )
 from hashcache.shadow import Shadow
+
+PART_RECORDS = 8192            # manifest records per part when pushing
 
 
 @dataclass
@@ -229,27 +229,18 @@ def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = No
 
 def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
                  progress: Progress) -> ObjectReport | None:
+    """Send one object: its manifest in parts (the receiver plans each part
+    while the next one and the blocks it already asked for are on the wire),
+    then the blocks it asks for, then commit."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
     name = f"{role} {oid[:12]}"
-    expect = Expectation.from_records(header_of(manifest), compact_records(manifest, 0, len(manifest), opts.hash_len),
-                                      oid, opts.hash_len)
-    resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
-                          content=zstandard.ZstdCompressor(level=3).compress(expect.to_bytes()),
-                          params={"hash": str(opts.hash).lower()})
-    if resp.headers.get("X-Capsule-Present"):
-        return None
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(resp.content, max_output_size=manifest.block_count * 10 + 64)
-        needed = decode_indices(raw, manifest.block_count, max_count=manifest.block_count)
-    except (zstandard.ZstdError, ProtocolError) as exc:
-        raise TransferFailed(f"{name}: the receiver's plan is malformed: {exc}") from exc
     raw_bytes = manifest.nonzero_blocks * BLOCK_SIZE
     progress.begin(name, raw_bytes)
-    progress.advance(raw_bytes - len(needed) * BLOCK_SIZE)
     reader = BlockReader(store, kind, oid)
     stats = TransferStats(raw_bytes=raw_bytes)
+    starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
     def send(batch: list[int]) -> None:
         idx = encode_indices(batch)
@@ -260,12 +251,40 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
         progress.advance(len(batch) * BLOCK_SIZE)
         progress.wire(client.wire_bytes)
 
+    needed_total = 0
     try:
-        _run_batches(_batches(needed, opts.batch), opts.inflight, send)
+        with ThreadPoolExecutor(max_workers=max(1, opts.inflight)) as pool:
+            futures = []
+            for k, start in enumerate(starts):
+                part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
+                resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
+                                      content=zstandard.ZstdCompressor(level=3).compress(part.to_bytes()),
+                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)})
+                if resp.headers.get("X-Capsule-Present"):
+                    return None
+                try:
+                    raw = zstandard.ZstdDecompressor().decompress(resp.content,
+                                                                  max_output_size=manifest.block_count * 10 + 64)
+                    needed = decode_indices(raw, manifest.block_count, max_count=manifest.block_count)
+                except (zstandard.ZstdError, ProtocolError) as exc:
+                    raise TransferFailed(f"{name}: the receiver's plan is malformed: {exc}") from exc
+                part_bytes = sum(1 for _i, z, _h in part.records() if not z) * BLOCK_SIZE
+                progress.advance(part_bytes - len(needed) * BLOCK_SIZE)
+                needed_total += len(needed)
+                futures += [pool.submit(send, b) for b in _batches(needed, opts.batch)]
+                failed = [f for f in futures if f.done() and f.exception() is not None]
+                if failed:
+                    raise failed[0].exception()  # type: ignore[misc]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    for g in futures:
+                        g.cancel()
+                    raise f.exception()  # type: ignore[misc]
     finally:
         reader.close()
     client.request("POST", f"/v1/recv/{kind}/{oid}/commit", params={"role": role})
-    cache_bytes = raw_bytes - len(needed) * BLOCK_SIZE
+    cache_bytes = raw_bytes - needed_total * BLOCK_SIZE
     return ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes,
                         client.wire_bytes - wire0, time.monotonic() - t0)
 

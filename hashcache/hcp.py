@@ -203,6 +203,32 @@ class Expectation:
                  "parent": parent, "count": count}
         return cls(clean, digest, keys, bytes(hashes), hash_len)
 
+    @classmethod
+    def part_of(cls, m: Manifest, start: int, count: int, hash_len: int) -> Expectation:
+        """Records ``start .. start+count`` of ``m`` (a part of a manifest sent in pieces)."""
+        header = header_of(m)
+        n = max(0, min(count, len(m) - start))
+        header["count"] = n
+        return cls.from_records(header, compact_records(m, start, n, hash_len), m.digest, hash_len)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Expectation]) -> Expectation:
+        """The parts of one manifest, in order, as one expectation."""
+        if not parts:
+            raise ProtocolError("no manifest parts")
+        first = parts[0]
+        keys = array("Q")
+        for p in parts:
+            if (p.digest, p.hash_len) != (first.digest, first.hash_len) or {
+                    k: v for k, v in p.header.items() if k != "count"} != {
+                    k: v for k, v in first.header.items() if k != "count"}:
+                raise ProtocolError("manifest parts do not belong together")
+            if keys and len(p.keys) and p.keys[0] >> 1 <= keys[-1] >> 1:
+                raise ProtocolError("manifest parts overlap or are out of order")
+            keys.extend(p.keys)
+        header = dict(first.header, count=len(keys))
+        return cls(header, first.digest, keys, b"".join(p.hashes for p in parts), first.hash_len)
+
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -301,7 +327,15 @@ class Receiver:
         self.cache = cache
         self.stats = stats or TransferStats()
         self._nonzero = [k >> 1 for k in expect.keys if not k & 1]
+        self._dedupe = dedupe
         self._by_hash: dict[bytes, list[int]] | None = None if dedupe else {}
+        self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
+
+    def update(self, expect: Expectation) -> None:
+        """Know more of the object (another part of its manifest arrived)."""
+        self.manifest = expect
+        self._nonzero = [k >> 1 for k in expect.keys if not k & 1]
+        self._by_hash = None if self._dedupe else {}
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
 
     def _duplicates(self) -> dict[bytes, list[int]]:
@@ -326,7 +360,7 @@ class Receiver:
             rec = self.manifest.record(index)
             assert rec is not None
             h = rec[1]
-            if h in seen and self._duplicates():
+            if h in seen and self._dedupe:
                 continue  # a repeat of a block we will fetch: copied when it arrives
             seen.add(h)
             data = self._from_cache(h)

@@ -213,16 +213,29 @@ def create_app(home: Path, token: str) -> FastAPI:
     def expect_path(kind: str, oid: str) -> Path:
         return store.home / "recv" / f"{check_kind(kind)}-{check_object_id(oid)}.expect"
 
+    def part_paths(kind: str, oid: str) -> list[Path]:
+        base = expect_path(kind, oid)
+        return sorted(base.parent.glob(base.stem + ".part*"), key=lambda p: int(p.suffix[5:]))
+
     def recv_manifest(kind: str, oid: str) -> Expectation:
+        """The whole manifest once every part has arrived; before that, the parts so far."""
         path = expect_path(kind, oid)
-        if not path.exists():
+        if path.exists():
+            return Expectation.from_bytes(path.read_bytes(), oid)
+        parts = part_paths(kind, oid)
+        if not parts:
             raise NotFound(f"no transfer of {kind} {oid[:12]} has begun here")
-        return Expectation.from_bytes(path.read_bytes(), oid)
+        return Expectation.concat([Expectation.from_bytes(p.read_bytes(), oid) for p in parts])
 
     @app.post("/v1/recv/{kind}/{oid}/begin", dependencies=deps)
-    async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True) -> Response:
+    async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True, part: int = 0,
+                         parts: int = 1) -> Response:
+        """Part ``part`` of ``parts`` of the manifest (sent in pieces so that planning one part
+        overlaps the upload of the next and of the blocks already asked for)."""
         check_kind(kind)
         check_object_id(oid)
+        if not 0 <= part < parts <= 4096:
+            raise InvalidName(f"bad manifest part {part} of {parts}")
         raw = await body(request, MAX_MANIFEST_UPLOAD)
         try:
             data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_MANIFEST_UPLOAD)
@@ -237,13 +250,32 @@ def create_app(home: Path, token: str) -> FastAPI:
         if kind == "layer" and parent and not has_object(store, "layer", parent):
             raise Conflict(f"layer {oid[:12]} needs its parent {parent[:12]} first")
 
-        drop_receiver(kind, oid)
+        if part == 0:
+            drop_receiver(kind, oid)
 
         def work() -> bytes:
             (store.home / "recv").mkdir(exist_ok=True)
-            tmp = expect_path(kind, oid).with_suffix(".tmp")
+            final = expect_path(kind, oid)
+            if part == 0:  # a new transfer (the shadow, with its verified blocks, stays)
+                final.unlink(missing_ok=True)
+                for p in part_paths(kind, oid):
+                    p.unlink()
+            elif len(part_paths(kind, oid)) != part:
+                raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
+            target = final if parts == 1 else final.with_suffix(f".part{part}")
+            tmp = target.with_suffix(".tmp")
             tmp.write_bytes(data)
-            os.replace(tmp, expect_path(kind, oid))
+            os.replace(tmp, target)
+            if parts > 1 and part == parts - 1:
+                whole = recv_manifest(kind, oid)
+                tmp.write_bytes(whole.to_bytes())
+                os.replace(tmp, final)
+                for p in part_paths(kind, oid):
+                    p.unlink()
+            with receivers_lock:
+                entry = receivers.get((kind, oid))
+            if entry:  # blocks of earlier parts may be arriving: let their receiver know this part too
+                entry[1].update(recv_manifest(kind, oid))
             with open_shadow(store, kind, m) as shadow:
                 cache = store.hash_cache() if hash else None
                 needed = Receiver(m, shadow, f"{kind} {oid[:12]}", cache, dedupe=hash).plan()
@@ -274,6 +306,8 @@ def create_app(home: Path, token: str) -> FastAPI:
     async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:
         if has_object(store, kind, oid):
             return {"installed": oid, "already": True}
+        if not expect_path(kind, oid).exists():
+            raise Conflict(f"{kind} {oid[:12]}: not every part of its manifest has arrived")
         m = recv_manifest(kind, oid)
         drop_receiver(kind, oid)
 

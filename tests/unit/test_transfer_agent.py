@@ -215,3 +215,35 @@ def test_full_hashes_option_transfers_the_same_object(hosts):
     assert r.recorded
     layer = _layer(a)
     assert b.layer_manifest(layer).digest == layer
+
+
+def test_push_with_the_manifest_in_many_parts(hosts, monkeypatch):
+    a, b, _agent_a, agent_b = hosts
+    monkeypatch.setattr(transfer, "PART_RECORDS", 100)
+    r = transfer.push(a, "cap", agent_b.url, agent_b.token)
+    assert r.recorded
+    assert len(a.layer_manifest(_layer(a))) > 300  # so the layer went in several parts
+    from capsule.verify import verify
+
+    assert verify(b).ok
+
+
+def test_manifest_parts_out_of_order_and_early_commit_are_refused(hosts):
+    a, _b, _agent_a, agent_b = hosts
+    from hashcache.hcp import Expectation
+
+    layer = _layer(a)
+    m = a.layer_manifest(layer)
+    auth = {"Authorization": f"Bearer {agent_b.token}"}
+    import zstandard
+
+    part1 = zstandard.ZstdCompressor().compress(Expectation.part_of(m, 100, 100, 8).to_bytes())
+    r = httpx.post(f"{agent_b.url}/v1/recv/layer/{layer}/begin", params={"part": 1, "parts": 3},
+                   content=part1, headers=auth)
+    assert r.status_code in (404, 409), r.text
+    part0 = zstandard.ZstdCompressor().compress(Expectation.part_of(m, 0, 100, 8).to_bytes())
+    r = httpx.post(f"{agent_b.url}/v1/recv/layer/{layer}/begin", params={"part": 0, "parts": 3},
+                   content=part0, headers=auth)
+    assert r.status_code == 200
+    r = httpx.post(f"{agent_b.url}/v1/recv/layer/{layer}/commit", headers=auth)
+    assert r.status_code == 409 and "part" in r.json()["detail"]
