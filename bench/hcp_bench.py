@@ -207,7 +207,7 @@ def main() -> None:
                      "zstd3_object_bytes": zstd_size(path), "rsync_z_vs_previous_bytes": rsync_bytes(path, prev, work),
                      "zstd3_novel_blocks_bytes": zn, "novel_blocks": n_novel, "nonzero_blocks": nonzero,
                      "goal_bytes": int(goal), "hcp_vs_goal": round(o["wire_bytes"] / goal, 3) if goal else None,
-                     "seconds": round(o["seconds"], 2)}
+                     "seconds": round(o["seconds"], 2), "commit_seconds": round(o["commit_seconds"], 2)}
             objects.append(entry)
             rows.append([entry["object"], entry["raw_bytes"], entry["hcp_wire_bytes"], entry["zstd3_object_bytes"],
                          entry["rsync_z_vs_previous_bytes"], entry["zstd3_novel_blocks_bytes"],

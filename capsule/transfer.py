@@ -69,6 +69,7 @@ class ObjectReport:
     fetched_bytes: int = 0
     wire_bytes: int = 0
     seconds: float = 0.0
+    commit_seconds: float = 0.0      # the receiver verifying, writing and recording the object
 
 
 @dataclass
@@ -283,10 +284,11 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                     raise f.exception()  # type: ignore[misc]
     finally:
         reader.close()
+    t_commit = time.monotonic()
     client.request("POST", f"/v1/recv/{kind}/{oid}/commit", params={"role": role})
     cache_bytes = raw_bytes - needed_total * BLOCK_SIZE
     return ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes,
-                        client.wire_bytes - wire0, time.monotonic() - t0)
+                        client.wire_bytes - wire0, time.monotonic() - t0, time.monotonic() - t_commit)
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,

@@ -21,21 +21,27 @@ def _image_store():
     return Store.open(IMAGE_HOME)
 
 
+def _ensure_image(store, kind: str) -> None:
+    """Build the image once; again when the guest agent it carries is not the current one."""
+    from capsule import images
+    from capsule.imagebuild.common import agent_binary, agent_info
+
+    row = store.catalogue.image(kind)
+    stale = row is not None and row.info.get("agent_sha256") != agent_info(agent_binary())["sha256"]
+    images.build(store, kind, kind, rebuild=stale)
+
+
 @pytest.fixture(scope="session")
 def tiny_images():
     """The machine-wide test image store, with the tiny image built."""
-    from capsule import images
-
     store = _image_store()
-    images.build(store, "tiny", "tiny")
+    _ensure_image(store, "tiny")
     return store
 
 
 @pytest.fixture(scope="session")
 def debian_images(tiny_images):
-    from capsule import images
-
-    images.build(tiny_images, "debian", "debian")
+    _ensure_image(tiny_images, "debian")
     return tiny_images
 
 

@@ -3,11 +3,13 @@
 - ``build_tiny``: Debian's cloud kernel and a static busybox initramfs; boots in seconds under TCG.
 - ``build_debian``: Debian bookworm with systemd, built by mmdebstrap onto a bare ext4 disk.
 
-Both print ``CAPSULE-GUEST-READY`` (``MARKER``) on the serial console (ttyS0) once they are up.
+Both print ``CAPSULE-GUEST-READY`` (``MARKER``) on the serial console (ttyS0) once they are up, and
+both run the guest agent (``guest-balloon/capsule-agent``, built on demand by ``agent_binary``) under a
+supervisor on the virtio-serial port ``org.capsule.agent.0``; its log never goes to the console.
 """
 
-from .common import MARKER, BuiltImage, ImageBuildError
+from .common import AGENT_PORT, MARKER, BuiltImage, ImageBuildError, agent_binary
 from .debian import build_debian
 from .tiny import build_tiny
 
-__all__ = ["MARKER", "BuiltImage", "ImageBuildError", "build_debian", "build_tiny"]
+__all__ = ["AGENT_PORT", "MARKER", "BuiltImage", "ImageBuildError", "agent_binary", "build_debian", "build_tiny"]

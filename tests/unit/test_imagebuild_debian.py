@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from capsule.imagebuild import MARKER, BuiltImage, build_debian
+from capsule.imagebuild.common import agent_binary
 from capsule.imagebuild.qemuboot import SerialGuest
 
 pytestmark = [
@@ -49,6 +52,8 @@ def test_debian_outputs(debian: BuiltImage) -> None:
     with debian.disk_raw.open("rb") as f:
         f.seek(1024 + 0x38)
         assert f.read(2) == b"\x53\xef", "ext4 superblock magic at the start of the disk (no partition table)"
+    assert debian.info["agent_sha256"] == hashlib.sha256(agent_binary().read_bytes()).hexdigest()
+    assert debian.info["agent_path"] == "/usr/local/sbin/capsule-agent"
     names = sorted(p.name for p in debian.kernel.parent.iterdir())
     assert names == ["disk.raw", "initrd.img", "mmdebstrap.log", "vmlinuz"]
 
@@ -57,6 +62,14 @@ def test_debian_boots_to_marker(debian: BuiltImage, tmp_path: Path) -> None:
     with SerialGuest.boot(debian, snapshot=True, memory_mb=512, log_path=tmp_path / "console.log") as g:
         seconds = g.wait_for_marker(debian.marker, timeout=240)
         assert seconds < 240
+        # the guest agent answers on its virtio-serial port (capsule-ready.service runs after it started)
+        t0 = time.monotonic()
+        reply = g.agent_call("ping", timeout=60)
+        assert reply["ok"] is True, reply
+        assert time.monotonic() - t0 < 30
+        assert reply["result"]["version"] == debian.info["agent_version"]
+        assert reply["result"]["hostname"] == "capsule-guest"
+        first_pid = reply["result"]["pid"]
         g.wait_for_shell(timeout=60)
         assert g.run("id -un") == "root"
         assert g.run("hostname") == "capsule-guest"
@@ -74,3 +87,12 @@ def test_debian_boots_to_marker(debian: BuiltImage, tmp_path: Path) -> None:
         assert g.run("python3 -c 'print(6 * 7)'") == "42"
         g.run("criu --version")
         assert "virtio_balloon" in g.run("lsmod")
+        # the agent: enabled, supervised by systemd, logging to the journal and not to the console
+        assert g.run("systemctl is-enabled capsule-agent.service") == "enabled"
+        assert g.run("systemctl is-active capsule-agent.service") == "active"
+        g.run("systemctl kill --signal=KILL capsule-agent.service")
+        again = g.agent_call("ping", timeout=60)
+        assert again["ok"] is True and again["result"]["pid"] != first_pid
+        assert int(g.run("journalctl -b -o cat -u capsule-agent.service | grep -c ': opened /dev/'")) >= 2
+        # (every agent log line starts with "capsule-agent: "; nothing typed above contains that)
+        assert "capsule-agent: " not in g.output, f"agent log on the serial console:\n{g.tail()}"

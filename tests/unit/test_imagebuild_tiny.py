@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from capsule.imagebuild import MARKER, BuiltImage, build_tiny
+from capsule.imagebuild.common import agent_binary
 from capsule.imagebuild.qemuboot import SerialGuest
 from capsule.imagebuild.tiny import BLOCK_SIZE, DISK_BYTES, PATTERN_BLOCKS, expected_md5, pattern_block
 
@@ -60,6 +64,9 @@ def test_tiny_outputs(tiny: BuiltImage) -> None:
         assert f.read(BLOCK_SIZE) == bytes(BLOCK_SIZE)
     assert "virtio_blk" in tiny.info["modules_loaded"]
     assert tiny.info["kernel_release"].endswith("-cloud-amd64")
+    assert tiny.info["agent_sha256"] == hashlib.sha256(agent_binary().read_bytes()).hexdigest()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", tiny.info["agent_version"])
+    assert tiny.info["agent_path"] == "/sbin/capsule-agent"
     # work files are cleaned up: only the outputs stay
     assert sorted(p.name for p in tiny.kernel.parent.iterdir()) == ["disk.raw", "initramfs.img", "vmlinuz"]
 
@@ -106,3 +113,29 @@ def test_tiny_shell_respawns(guest: SerialGuest, tiny: BuiltImage) -> None:
     guest.send("exit\n")
     guest.wait_for_shell(timeout=20)
     assert guest.run("echo $((6 * 7))") == "42"
+
+
+@needs_tools
+def test_tiny_agent_answers_on_virtio_serial(guest: SerialGuest, tiny: BuiltImage) -> None:
+    guest.wait_for_marker(tiny.marker, timeout=60)
+    t0 = time.monotonic()
+    reply = guest.agent_call("ping", timeout=30)
+    assert reply["ok"] is True, reply
+    assert time.monotonic() - t0 < 10, "the agent should answer within seconds of the marker"
+    ping = reply["result"]
+    assert ping["version"] == tiny.info["agent_version"]
+    assert ping["protocol"] == 1 and ping["hostname"] == "capsule-tiny"
+    assert ping["kernel"] == tiny.info["kernel_release"]
+    first_pid = ping["pid"]
+    # a second connection works too (the agent notices the host going and coming back)
+    assert guest.agent_call("stats")["result"]["MemTotal"] > 100 * 2**20
+    # supervised: killed, busybox init starts it again
+    guest.wait_for_shell(timeout=20)
+    guest.run("kill $(pidof capsule-agent)")
+    again = guest.agent_call("ping", timeout=30)
+    assert again["ok"] is True and again["result"]["pid"] != first_pid
+    # it logs to /run, not to the console the host types into
+    assert int(guest.run("grep -c 'opened /dev/vport' /run/capsule-agent.log")) >= 2
+    assert int(guest.run("grep -c terminated /run/capsule-agent.log")) == 1
+    # (every agent log line starts with "capsule-agent: "; nothing typed above contains that)
+    assert "capsule-agent: " not in guest.output, f"agent log on the serial console:\n{guest.tail()}"

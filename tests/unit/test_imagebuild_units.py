@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import struct
 import subprocess
@@ -10,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from capsule.imagebuild.common import ImageBuildError, cache_dir, run
+from capsule.imagebuild.common import (
+    AGENT_SOURCE_DIR,
+    ImageBuildError,
+    agent_binary,
+    agent_info,
+    cache_dir,
+    is_static_elf,
+    run,
+)
 from capsule.imagebuild.cpio import CpioWriter
 from capsule.imagebuild.kernel import ModuleTree, modinfo, norm_module
 from capsule.imagebuild.tiny import BLOCK_SIZE, PATTERN_BLOCKS, expected_md5, pattern_block, write_tiny_disk
@@ -136,3 +145,78 @@ def test_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cache_dir(work) == tmp_path / "builds" / "cache"
     monkeypatch.setenv("CAPSULE_IMAGE_CACHE", str(tmp_path / "c"))
     assert cache_dir(work) == tmp_path / "c" and (tmp_path / "c").is_dir()
+
+
+needs_cc = pytest.mark.skipif(
+    not (shutil.which("make") and shutil.which("gcc")), reason="needs make and gcc (and libc6-dev)"
+)
+
+
+def _agent_tree(tmp_path: Path) -> Path:
+    d = tmp_path / "guest-balloon"
+    d.mkdir()
+    for name in ("agent.c", "Makefile"):
+        shutil.copy2(AGENT_SOURCE_DIR / name, d / name)
+    return d
+
+
+def test_agent_source_dir_is_the_repos() -> None:
+    assert (AGENT_SOURCE_DIR / "agent.c").is_file() and (AGENT_SOURCE_DIR / "Makefile").is_file()
+
+
+@needs_cc
+def test_agent_binary_builds_when_missing_or_stale(tmp_path: Path) -> None:
+    d = _agent_tree(tmp_path)
+    msgs: list[str] = []
+    binary = agent_binary(msgs.append, source_dir=d)
+    assert binary == d / "capsule-agent" and is_static_elf(binary)
+    assert any("make -C" in m for m in msgs)
+    info = agent_info(binary)
+    assert info["protocol"] == 1 and info["bytes"] == binary.stat().st_size
+    assert info["sha256"] == hashlib.sha256(binary.read_bytes()).hexdigest()
+    # up to date: no build
+    msgs.clear()
+    assert agent_binary(msgs.append, source_dir=d) == binary and msgs == []
+    # agent.c newer than the binary: built again
+    src_mtime = (d / "agent.c").stat().st_mtime
+    os.utime(binary, (src_mtime - 100, src_mtime - 100))
+    assert agent_binary(msgs.append, source_dir=d) == binary and msgs
+    assert binary.stat().st_mtime >= (d / "agent.c").stat().st_mtime
+
+
+def _failing_tree(tmp_path: Path, recipe: str) -> Path:
+    d = tmp_path / "guest-balloon"
+    d.mkdir(parents=True)
+    (d / "agent.c").write_text("int main(void) { return 0; }\n")
+    (d / "Makefile").write_text(f"capsule-agent: agent.c\n\t{recipe}\n")
+    return d
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_agent_build_failure_names_the_debian_package(tmp_path: Path) -> None:
+    d = _failing_tree(tmp_path / "a", "@echo '/usr/bin/ld: cannot find -lc: No such file or directory' >&2; exit 1")
+    with pytest.raises(ImageBuildError, match="libc6-dev") as e:
+        agent_binary(source_dir=d)
+    assert "guest agent" in str(e.value) and "cannot find -lc" in str(e.value)
+    d = _failing_tree(tmp_path / "b", "capsule-no-such-gcc-xyz -o $@ agent.c")
+    with pytest.raises(ImageBuildError, match="make, gcc and the static glibc"):
+        agent_binary(source_dir=d)
+    d = _failing_tree(tmp_path / "c", "@echo 'make: gcc: No such file or directory' >&2; exit 2")
+    with pytest.raises(ImageBuildError, match="gcc is not installed"):
+        agent_binary(source_dir=d)
+
+
+def test_agent_binary_missing_source(tmp_path: Path) -> None:
+    with pytest.raises(ImageBuildError, match="agent.c"):
+        agent_binary(source_dir=tmp_path)
+
+
+def test_agent_binary_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    not_elf = tmp_path / "capsule-agent"
+    not_elf.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("CAPSULE_AGENT_BINARY", str(not_elf))
+    with pytest.raises(ImageBuildError, match="not a static"):
+        agent_binary()
+    monkeypatch.setenv("CAPSULE_AGENT_BINARY", str(tmp_path / "nope"))
+    with pytest.raises(ImageBuildError, match="no such file"):
+        agent_binary()
