@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import table, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
+from capsule.runtime.connection import libvirt_uri  # noqa: E402
 from capsule.runtime.console import ConsoleSession  # noqa: E402
 from capsule.runtime.guestagent import wait_for_agent  # noqa: E402
 from capsule.store import Store  # noqa: E402
@@ -78,6 +80,20 @@ def main() -> None:
             lifecycle.start(a, base, timeout=300)
             wait_for_agent(a.instance_dir(base) / "agent.sock", timeout=120)
             guest(a, base, workload)
+            # the peer: libvirt's own migration stream of the same guest, zstd-compressed (what native
+            # migration with compression sends; taken with `virsh save --image-format zstd`)
+            peer_file = work / f"{wname}.virsh-zstd"
+            virsh = ["virsh", "-q", "-c", libvirt_uri()]
+            subprocess.run([*virsh, "save", a.domain_name(base), str(peer_file), "--image-format", "zstd"],
+                           check=True, capture_output=True)
+            peer_bytes = peer_file.stat().st_size
+            subprocess.run([*virsh, "restore", str(peer_file)], check=True, capture_output=True)
+            peer_file.unlink()
+            results.append({"workload": wname, "case": "libvirt migration stream, zstd",
+                            "hcp_wire_bytes": peer_bytes,
+                            "seconds_until_running_at_384kbit": round(peer_bytes / GOODPUT_BPS, 1)})
+            rows.append([wname, "libvirt stream + zstd (peer)", "", f"{peer_bytes / 2**20:.2f}",
+                         f"{peer_bytes / GOODPUT_BPS:.0f}", ""])
             snap, _ = lifecycle.snapshot(a, base)
             lifecycle.stop(a, base, force=True)
             for case, policy, method, primed in CASES:
