@@ -4,7 +4,13 @@ cache save when a running capsule moves, for two guests:
 - ``desktop``: an idle Debian guest that has used and freed memory (an
   application opened and closed) and holds files in its page cache;
 - ``working-set``: a Debian guest whose process keeps a large working set
-  (the paper's Apache case, where ballooning can hurt).
+  (the paper's Apache case, where ballooning can hurt);
+- ``desktop-no-fpr``: the desktop guest booted without free-page reporting,
+  to see what reporting alone does.
+
+Peer: libvirt's own migration stream of the same guest, zstd-compressed
+(`virsh save --image-format zstd`: the stream native migration with
+compression sends), at the same link's goodput.
 
 For each of none / balloon (agent) / balloon (virtio) / primed / balloon +
 primed: the memory image's non-zero bytes, HCP bytes on the wire to a host
@@ -51,7 +57,7 @@ TOUCH = ("python3 -c \"import glob, time; t = time.monotonic(); "
          "print(round(time.monotonic() - t, 3))\"")
 CASES = [("none", None, "agent", False), ("balloon", "cache", "agent", False),
          ("balloon-virtio", "cache", "virtio", False), ("primed", None, "agent", True),
-         ("balloon+primed", "cache", "agent", True)]
+         ("balloon-primed", "cache", "agent", True)]
 
 
 def guest(store: Store, name: str, cmd: str, timeout: float = 300) -> str:
@@ -74,9 +80,10 @@ def main() -> None:
         images.import_image(src, a, "debian")
         results = []
         rows = []
-        for wname, workload in WORKLOADS.items():
+        for wname, workload, fpr in [(w, cmd, True) for w, cmd in WORKLOADS.items()] + [
+                ("desktop-no-fpr", WORKLOADS["desktop"], False)]:
             base = f"{wname}-base"
-            capsules.create(a, base, "debian", memory=args.memory)
+            capsules.create(a, base, "debian", memory=args.memory, free_page_reporting=fpr)
             lifecycle.start(a, base, timeout=300)
             wait_for_agent(a.instance_dir(base) / "agent.sock", timeout=120)
             guest(a, base, workload)
@@ -96,7 +103,7 @@ def main() -> None:
                          f"{peer_bytes / GOODPUT_BPS:.0f}", ""])
             snap, _ = lifecycle.snapshot(a, base)
             lifecycle.stop(a, base, force=True)
-            for case, policy, method, primed in CASES:
+            for case, policy, method, primed in (CASES if fpr else CASES[:2]):
                 name = f"{wname}-{case}"
                 capsules.derive(a, snap.version.ref, name)
                 lifecycle.start(a, name)

@@ -30,7 +30,8 @@ def resolve(store: Store, ref: str) -> VersionRow:
     return v
 
 
-def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cpus: int = 1) -> VersionRow:
+def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cpus: int = 1,
+           free_page_reporting: bool = True) -> VersionRow:
     """A new capsule whose single disk is the image's root layer (shared, not copied)."""
     check_name(name)
     check_name(image, "image")
@@ -53,6 +54,7 @@ def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cp
             "cmdline": img.cmdline,
             "marker": img.marker,
             "image": img.name,
+            "free_page_reporting": free_page_reporting,
         }
         version = VersionRow(capsule=name, number=1, parent_capsule=None, parent_version=None, memory=None,
                              chains=[[img.root_layer]], config=config, note=f"created from image {image}",

@@ -155,7 +155,8 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 spec = MachineSpec(name=domain, uuid=cap.uuid, memory_mib=cfg["memory_mib"], vcpus=cfg["vcpus"],
                                    accel=accel, kernel=store.file_path(cfg["kernel"]),
                                    initrd=store.file_path(cfg["initrd"]), cmdline=cfg["cmdline"],
-                                   disks=leaves, console_log=log, agent_socket=agent_sock)
+                                   disks=leaves, console_log=log, agent_socket=agent_sock,
+                                   free_page_reporting=cfg.get("free_page_reporting", True))
                 say(f"booting {version.ref} ({accel})")
                 try:
                     connect().createXML(build(spec), 0)

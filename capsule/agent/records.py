@@ -60,6 +60,12 @@ def validate(record: Any) -> dict[str, Any]:
         for key, typ in CONFIG_KEYS.items():
             if not isinstance(config.get(key), typ):
                 raise InvalidName(f"config field {key!r} missing or of the wrong type")
+        optional = {"image": (str, type(None)), "free_page_reporting": (bool,), "balloon": (dict, type(None))}
+        for key in config:
+            if key not in CONFIG_KEYS and key not in optional:
+                raise InvalidName(f"unknown config field {key!r}")
+            if key in optional and not isinstance(config[key], optional[key]):
+                raise InvalidName(f"config field {key!r} has the wrong type")
         check_object_id(config["kernel"], "kernel")
         check_object_id(config["initrd"], "initrd")
         if record.get("uuid") is not None and not isinstance(record["uuid"], str):

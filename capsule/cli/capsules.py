@@ -45,12 +45,15 @@ def create(
     image: Annotated[str, typer.Option("--image", "-i", help="Image whose root layer the capsule starts from.")],
     memory: Annotated[str, typer.Option("--memory", "-m", help="Guest RAM, e.g. 256M or 1G.")] = "512M",
     cpus: Annotated[int, typer.Option("--cpus", help="Virtual CPUs.")] = 1,
+    free_page_reporting: Annotated[bool, typer.Option(
+        "--free-page-reporting/--no-free-page-reporting",
+        help="Let the guest report free pages, which QEMU then drops (they cost nothing to save).")] = True,
     json: JsonOpt = False,
 ) -> None:
     """Create a capsule from an image. The image's root layer is shared, not copied."""
     json_flag(json)
     store = open_store()
-    v = lib.create(store, name, image, memory, cpus)
+    v = lib.create(store, name, image, memory, cpus, free_page_reporting)
     emit(version_dict(store, v), lambda: console.print(f"created [bold]{v.ref}[/] from image {image}"))
 
 

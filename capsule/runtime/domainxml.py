@@ -23,6 +23,7 @@ class MachineSpec:
     disks: list[Path]    # leaf layers, vda, vdb, …
     console_log: Path
     agent_socket: Path
+    free_page_reporting: bool = True
 
 
 def _disk_target(i: int) -> str:
@@ -68,7 +69,8 @@ def build(spec: MachineSpec) -> str:
     channel = ET.SubElement(devices, "channel", type="unix")
     ET.SubElement(channel, "source", mode="bind", path=str(spec.agent_socket))
     ET.SubElement(channel, "target", type="virtio", name=AGENT_CHANNEL)
-    balloon = ET.SubElement(devices, "memballoon", model="virtio", freePageReporting="on")
+    balloon = ET.SubElement(devices, "memballoon", model="virtio",
+                            freePageReporting="on" if spec.free_page_reporting else "off")
     ET.SubElement(balloon, "stats", period="0")
     return ET.tostring(dom, encoding="unicode")
 

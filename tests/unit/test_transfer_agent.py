@@ -247,3 +247,15 @@ def test_manifest_parts_out_of_order_and_early_commit_are_refused(hosts):
     assert r.status_code == 200
     r = httpx.post(f"{agent_b.url}/v1/recv/layer/{layer}/commit", headers=auth)
     assert r.status_code == 409 and "part" in r.json()["detail"]
+
+
+def test_version_records_with_strange_config_are_refused(hosts):
+    a, _b, _agent_a, agent_b = hosts
+    from capsule.agent.records import version_record
+
+    record = version_record(a, a.catalogue.latest_version("cap"))
+    auth = {"Authorization": f"Bearer {agent_b.token}"}
+    for bad in ({"evil": 1}, {"balloon": "x"}, {"free_page_reporting": "yes"}, {"memory_mib": "lots"}):
+        rec = dict(record, config=dict(record["config"], **bad))
+        r = httpx.post(f"{agent_b.url}/v1/versions", json=rec, headers=auth)
+        assert r.status_code == 400, (bad, r.text)
