@@ -112,25 +112,22 @@ class SlowLink:
             self._wait_port_a(local)
         return f"http://127.0.0.1:{self._proxies[port]}"
 
-    def _wait_port_a(self, port: int, timeout: float = 10.0) -> None:
+    def _wait_port(self, host: str, port: int, timeout: float) -> None:
+        """Wait until ``host:port`` accepts connections from inside A."""
         deadline = time.monotonic() + timeout
         probe = ("import socket,sys; s=socket.socket(); s.settimeout(0.5); "
-                 f"sys.exit(s.connect_ex(('127.0.0.1', {port})))")
+                 f"sys.exit(s.connect_ex(('{host}', {port})))")
         while time.monotonic() < deadline:
             if self.exec_a([sys.executable, "-c", probe], capture_output=True).returncode == 0:
                 return
             time.sleep(0.1)
-        raise RuntimeError(f"port {port} in {self.ns_a} did not open")
+        raise RuntimeError(f"{host}:{port} did not open (seen from {self.ns_a})")
+
+    def _wait_port_a(self, port: int, timeout: float = 10.0) -> None:
+        self._wait_port("127.0.0.1", port, timeout)
 
     def wait_port_b(self, port: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        probe = ("import socket,sys; s=socket.socket(); s.settimeout(0.5); "
-                 f"sys.exit(s.connect_ex(('{self.ip_b}', {port})))")
-        while time.monotonic() < deadline:
-            if self.exec_a([sys.executable, "-c", probe], capture_output=True).returncode == 0:
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.ip_b}:{port} did not open")
+        self._wait_port(self.ip_b, port, timeout)
 
 
 def free_port() -> int:
