@@ -116,9 +116,9 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
         domain = store.domain_name(name)
         if lookup_domain(domain) is not None:
             raise Conflict(f"a libvirt domain named {domain} already exists; remove it with virsh first")
+        _check_objects(store, version)
         decision = accel_for(store)
         inst_dir, log, agent_sock = _instance_files(store, name)
-        _check_objects(store, version)
         leaves: list[Path] = []
         try:
             for chain in version.chains:
@@ -145,6 +145,8 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 except libvirt.libvirtError as exc:
                     raise RuntimeFailure(f"restoring {version.ref} failed: {exc.get_error_message()}") from exc
                 accel = "kvm" if 'type="kvm"' in xml or "type='kvm'" in xml else "tcg"
+                if forked:
+                    mem.unlink(missing_ok=True)  # QEMU has read it; the sealed original stays
                 if version.config.get("balloon"):
                     say("giving the guest its memory back")
                     balloon_mod.give_back(agent_sock, lookup_domain(domain), version.config["balloon"])
