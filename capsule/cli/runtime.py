@@ -18,8 +18,9 @@ BalloonOpt = Annotated[bool, typer.Option("--balloon", help="Zero the guest's sp
                                                             "memory image, less to move. Needs the guest agent.")]
 PolicyOpt = Annotated[str, typer.Option("--balloon-policy", help="none | cache (drop clean page cache) | "
                                                                  "aggressive (also dentries/inodes, compaction).")]
-MethodOpt = Annotated[str, typer.Option("--balloon-method", help="agent (in-guest balloon) | virtio "
-                                                                 "(host virtio-balloon).")]
+MethodOpt = Annotated[str, typer.Option("--balloon-method", help="virtio (host virtio-balloon down to what the "
+                                                                 "guest uses; the default, measured best) | agent "
+                                                                 "(in-guest balloon).")]
 
 
 def _seal_dict(r: lifecycle.SealResult) -> dict:
@@ -75,7 +76,7 @@ def start(
 
 def suspend(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
-    balloon: BalloonOpt = False, balloon_policy: PolicyOpt = "cache", balloon_method: MethodOpt = "agent",
+    balloon: BalloonOpt = False, balloon_policy: PolicyOpt = "cache", balloon_method: MethodOpt = "virtio",
     json: JsonOpt = False,
 ) -> None:
     """Save the running capsule (sparse memory image), seal its leaves, record a new active version."""
@@ -89,7 +90,7 @@ def suspend(
 
 def snapshot(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
-    balloon: BalloonOpt = False, balloon_policy: PolicyOpt = "cache", balloon_method: MethodOpt = "agent",
+    balloon: BalloonOpt = False, balloon_policy: PolicyOpt = "cache", balloon_method: MethodOpt = "virtio",
     json: JsonOpt = False,
 ) -> None:
     """Record a new active version; the guest keeps running on a new leaf."""

@@ -44,7 +44,7 @@ def test_tiny_balloon_shrinks_the_memory_image(store):
     plain = lifecycle.suspend(store, "tb")
     lifecycle.start(store, "tb")
     run(store, "tb", "dd if=/dev/zero bs=1M count=100 2>/dev/null | tr '\\000' 'Z' > /tmp/fill; rm /tmp/fill")
-    ballooned = lifecycle.suspend(store, "tb", balloon="cache")
+    ballooned = lifecycle.suspend(store, "tb", balloon="cache", balloon_method="agent")
     assert ballooned.balloon is not None and not ballooned.balloon.skipped
     assert ballooned.balloon.held_bytes > 100 << 20
     saved = plain.memory.stored_bytes - ballooned.memory.stored_bytes
@@ -57,6 +57,28 @@ def test_tiny_balloon_shrinks_the_memory_image(store):
 
     with GuestAgent(_agent_sock(store, "tb")) as agent:
         assert agent.status()["held_bytes"] == 0
+
+
+def test_virtio_balloon_shrinks_and_gives_back(store):
+    capsules.create(store, "tv", "tiny", memory="256M")
+    lifecycle.start(store, "tv")
+    wait_for_agent(_agent_sock(store, "tv"), timeout=60)
+    run(store, "tv", "dd if=/dev/zero bs=1M count=100 2>/dev/null | tr '\\000' 'Z' > /tmp/fill; rm /tmp/fill")
+    sealed = lifecycle.suspend(store, "tv", balloon="cache", balloon_method="virtio")
+    assert sealed.balloon is not None and not sealed.balloon.skipped, sealed.balloon
+    assert sealed.balloon.held_bytes > 100 << 20
+    assert sealed.memory.stored_bytes < 100 << 20
+    lifecycle.start(store, "tv")
+    from capsule.runtime.connection import lookup_domain
+
+    dom = lookup_domain(store.domain_name("tv"))
+    # the balloon is deflated again (to within the driver's rounding)
+    deadline = time.monotonic() + 20
+    while dom.maxMemory() - dom.info()[2] > 8 << 10 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert dom.maxMemory() - dom.info()[2] <= 8 << 10
+    total_kib = int(run(store, "tv", "grep MemTotal /proc/meminfo").split()[1])
+    assert total_kib > 200 * 1024
 
 
 @pytest.mark.slow
