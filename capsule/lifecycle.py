@@ -14,7 +14,7 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
-from capsule import qemuimg
+from capsule import demand, qemuimg
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import CapsuleError, Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
@@ -80,6 +80,10 @@ def _check_objects(store: Store, version: VersionRow) -> None:
     for chain in version.chains:
         for lid in chain:
             path = store.layer_path(lid)
+            if demand.is_remote(store, lid):
+                if not demand.remote_manifest_path(store, lid).exists():
+                    raise IntegrityError(f"remote layer {lid[:12]} of {version.ref} has no manifest here")
+                continue
             if not path.exists():
                 raise IntegrityError(f"layer {lid[:12]} of {version.ref} is missing from the store")
             try:
@@ -98,7 +102,7 @@ def _check_objects(store: Store, version: VersionRow) -> None:
             raise IntegrityError(f"{version.ref} will not be restored: {exc}") from exc
 
 
-def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TIMEOUT,
+def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TIMEOUT, prefetch: bool = False,
           say: Say = _quiet) -> StartResult:
     """Boot an inactive version or restore an active one, on fresh leaves."""
     with store.lock():
@@ -121,9 +125,15 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
         inst_dir, log, agent_sock = _instance_files(store, name)
         leaves: list[Path] = []
         try:
-            for chain in version.chains:
+            servers = demand.start_servers(store, inst_dir, version.chains, prefetch)
+            if servers:
+                say("disk server started: remote blocks are fetched as the guest reads them")
+            for i, chain in enumerate(version.chains):
                 leaf = store.new_leaf_path()
-                qemuimg.create_leaf(leaf, store.layer_path(chain[-1]))
+                if i in servers:
+                    demand.create_leaf_over(leaf, servers[i])
+                else:
+                    qemuimg.create_leaf(leaf, store.layer_path(chain[-1]))
                 leaves.append(leaf)
             t0 = time.monotonic()
             forked = False
@@ -176,6 +186,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                     dom.destroy()
             for leaf in leaves:
                 leaf.unlink(missing_ok=True)
+            demand.stop_servers(inst_dir)
             raise
     seconds = time.monotonic() - t0
     if mode == "boot" and wait:
@@ -204,6 +215,8 @@ def _seal_leaves(store: Store, inst: InstanceRow, say: Say,
     done: list[LayerRow] = [] if sealed is None else sealed
     for leaf_s, chain in zip(inst.leaves, inst.chains, strict=True):
         leaf = Path(leaf_s)
+        if demand.chain_needs_server(store, chain):
+            demand.repoint_leaf(leaf, chain[-1])
         say(f"sealing {leaf.name}")
         row = store.seal_layer(leaf, chain[-1])
         done.append(row)
@@ -288,6 +301,7 @@ def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | 
             if balloon_info:
                 balloon_mod.give_back(agent_sock, lookup_domain(inst.domain), balloon_info)
             raise
+        demand.stop_servers(Path(inst.dir))
         shutil.rmtree(inst.dir, ignore_errors=True)
         return SealResult(version, layers, memory, save_seconds, time.monotonic() - t1, ballooned)
 
@@ -364,6 +378,7 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
                     dom.destroy()
         t1 = time.monotonic()
         chains, layers = _seal_leaves(store, inst, say)
+        demand.stop_servers(Path(inst.dir))
         if layers:
             version: VersionRow | None = _record(store, inst, chains, layers, None, "stopped")
         else:

@@ -38,6 +38,12 @@ def create_leaf(path: Path, backing: Path) -> None:
          f"creating leaf layer {path.name}")
 
 
+def create_leaf_on(path: Path, backing: str, backing_format: str) -> None:
+    """A new empty leaf over any backing QEMU understands (e.g. a ``json:`` NBD export)."""
+    _run(["create", "-q", "-f", "qcow2", "-o", LAYER_OPTIONS, "-b", backing, "-F", backing_format, str(path)],
+         f"creating leaf layer {path.name}")
+
+
 def convert_raw_to_layer(raw: Path, out: Path) -> None:
     """A root layer from a raw disk image (zero areas stay unallocated)."""
     _run(["convert", "-q", "-f", "raw", "-O", "qcow2", "-o", LAYER_OPTIONS, str(raw), str(out)],
@@ -51,10 +57,11 @@ def info(path: Path) -> dict[str, Any]:
 
 def check(path: Path) -> dict[str, Any]:
     """``qemu-img check``; raises IntegrityError if the image is corrupt."""
-    proc = subprocess.run(
-        ["qemu-img", "check", "-U", "--output=json", "-f", "qcow2", str(path)],
-        capture_output=True, text=True, check=False,
-    )
+    # this file only: a layer's parent may live on another host (a demand-paged chain)
+    target = "json:" + json.dumps({"driver": "qcow2", "file": {"driver": "file", "filename": str(path.absolute())},
+                                   "backing": None})
+    proc = subprocess.run(["qemu-img", "check", "-U", "--output=json", target],
+                          capture_output=True, text=True, check=False)
     try:
         result = json.loads(proc.stdout) if proc.stdout.strip() else {}
     except ValueError:

@@ -318,3 +318,57 @@ def push(store: Store, ref: str, url: str, token: str, opts: Options | None = No
         report.wire_bytes = client.wire_bytes
     report.seconds = time.monotonic() - t0
     return report
+
+
+# -- demand-paged run ---------------------------------------------------------------------------------
+
+@dataclass
+class RunReport:
+    transfer: TransferReport
+    start: Any                 # lifecycle.StartResult
+    remote_layers: list[str]
+
+
+def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False, wait: bool = True,
+        opts: Options | None = None, progress: Progress | None = None,
+        say: Callable[[str], None] = lambda _m: None) -> RunReport:
+    """Start ``NAME[@V]`` of the agent at ``url`` here without copying its disks: the memory image,
+    kernel and initrd come first (HCP, eagerly: §4.1 explains why memory is not demand-paged), the
+    disk layers this host lacks only as manifests; their blocks are fetched as the guest reads them."""
+    from capsule import demand, lifecycle
+
+    opts = opts or Options()
+    progress = progress or Progress()
+    r = parse_ref(ref)
+    t0 = time.monotonic()
+    with AgentClient(url, token) as client:
+        record = client.get_json(f"/v1/capsules/{r.name}/versions/{r.version or 'latest'}")
+        try:
+            validate(record)
+        except Exception as exc:
+            raise TransferFailed(f"the agent at {url} sent a malformed version record: {exc}") from exc
+        report = TransferReport("run", f"{record['capsule']}@{record['number']}", url)
+        layers, files = objects_of(record)
+        for fid, role in files:
+            if has_object(store, "file", fid):
+                report.skipped.append(fid)
+            else:
+                report.objects.append(_pull_object(store, client, "file", fid, role, opts, progress))
+        remote: list[str] = []
+        for lid in layers:
+            if has_object(store, "layer", lid) or demand.is_remote(store, lid):
+                report.skipped.append(lid)
+                continue
+            say(f"manifest of layer {lid[:12]}")
+            expect, _head = _fetch_expectation(client, "layer", lid, 32)
+            try:
+                manifest = expect.manifest_from(lambda i, e=expect: (e.record(i) or (False, b""))[1])
+            except ManifestMismatch as exc:
+                raise TransferFailed(f"from {url}: {exc}") from exc
+            demand.add_remote_layer(store, manifest, url, token)
+            remote.append(lid)
+        _row, report.recorded = record_version(store, record)
+        report.wire_bytes = client.wire_bytes
+    report.seconds = time.monotonic() - t0
+    started = lifecycle.start(store, report.version, prefetch=prefetch, wait=wait, say=say)
+    return RunReport(report, started, remote)

@@ -14,8 +14,8 @@ client does not check block content: the caller verifies every block against its
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +74,6 @@ class HcpSource:
         self.compress = compress
         self.level = level
         self._token = read_token(self.token_file)
-        self._lock = threading.Lock()
         # Minimal headers: on a 384 kbit/s link every byte of every request counts.
         self._client = httpx.Client(
             base_url=self.url,
@@ -131,10 +130,8 @@ class HcpSource:
                     return ReadResult(blocks, wire, attempts)
                 if resp.status_code == 401 and not reauthed:
                     reauthed = True  # the token may have been rotated: read the file again, once
-                    try:
+                    with contextlib.suppress(SourceError):
                         self._token = read_token(self.token_file)
-                    except SourceError:
-                        pass
                     continue
                 detail = _detail(resp)
                 if resp.status_code not in _TRANSIENT_STATUS:
@@ -144,11 +141,11 @@ class HcpSource:
             now = time.monotonic()
             if attempts == 1:
                 log.warning("%s: %s; retrying for up to %.1f s", what, last_error, self.retry_seconds)
-            if now + delay > deadline:
+            if now >= deadline:
                 raise SourceUnavailable(
                     f"{what} is unreachable or failing: {len(indices)} block(s) from block {indices[0]} could not "
                     f"be fetched within {self.retry_seconds:g} s ({attempts} attempts; last error: {last_error})")
-            time.sleep(delay)
+            time.sleep(min(delay, deadline - now))
             delay = min(delay * 2, self.max_delay)
 
 

@@ -84,8 +84,10 @@ def record_version(store: Store, record: dict[str, Any]) -> tuple[VersionRow, bo
 
     validate(record)
     layers, files = objects_of(record)
+    from capsule.demand import is_remote
+
     for lid in layers:
-        if not has_object(store, "layer", lid):
+        if not has_object(store, "layer", lid) and not is_remote(store, lid):
             raise NotFound(f"layer {lid[:12]} of {record['capsule']}@{record['number']} has not arrived")
     for fid, role in files:
         if not has_object(store, "file", fid):

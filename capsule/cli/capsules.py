@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from capsule import capsules as lib
-from capsule import hierarchy
+from capsule import demand, hierarchy
 from capsule.catalogue import VersionRow
 from capsule.cli.common import console, emit, json_flag, open_store, progress, short
 from capsule.doctor import doctor as run_doctor
@@ -29,8 +29,16 @@ def version_dict(store: Store, v: VersionRow) -> dict[str, Any]:
     layers = []
     for chain in v.chains:
         rows = [cat.layer(lid) for lid in chain]
-        layers.append([{"id": lid, "stored_bytes": r.stored_bytes if r else None,
-                        "file_bytes": r.file_size if r else None} for lid, r in zip(chain, rows, strict=True)])
+        disk = []
+        for lid, r in zip(chain, rows, strict=True):
+            entry: dict[str, Any] = {"id": lid, "stored_bytes": r.stored_bytes if r else None,
+                                     "file_bytes": r.file_size if r else None}
+            if demand.is_remote(store, lid):
+                present, total = demand.layer_progress(store, lid)
+                entry["remote"] = {"url": demand.remote_info(store, lid)["url"], "blocks_local": present,
+                                   "blocks": total}
+            disk.append(entry)
+        layers.append(disk)
     return {
         "ref": v.ref, "capsule": v.capsule, "version": v.number, "active": v.active,
         "parent": f"{v.parent_capsule}@{v.parent_version}" if v.parent_capsule else None,
@@ -114,8 +122,13 @@ def show(
             console.print(f"  memory    {short(m['id'])}  {human(m['size'])} logical, "
                           f"{human(m['allocated'])} allocated, {human(m['stored_bytes'])} non-zero")
         for i, disk in enumerate(data["disks"]):
-            chain = " → ".join(f"{short(x['id'])} ({human(x['stored_bytes'] or 0)})" for x in disk)
+            chain = " → ".join(
+                f"{short(x['id'])} (remote, {x['remote']['blocks_local']}/{x['remote']['blocks']} blocks here)"
+                if "remote" in x else f"{short(x['id'])} ({human(x['stored_bytes'] or 0)})" for x in disk)
             console.print(f"  disk {i}    {chain}")
+        remote = {x["remote"]["url"] for disk in data["disks"] for x in disk if "remote" in x}
+        console.print(f"  depends   on {', '.join(sorted(remote))} (`capsule localize` once all blocks are here)"
+                      if remote else "  depends   on no other host")
         console.print(f"  versions  {', '.join('@' + str(n) for n in data['versions'])}")
 
     emit(data, human_view)

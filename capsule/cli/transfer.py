@@ -175,4 +175,39 @@ def register(app: typer.Typer) -> None:
     app.command()(push)
     app.command()(pull)
     app.command()(serve)
+    app.command()(run)
+    app.command()(localize)
     app.add_typer(cache_app, name="cache", help="This host's persistent hash cache.")
+
+
+def run(
+    name: Annotated[str, typer.Argument(help="NAME or NAME@V on the other host.")],
+    source: Annotated[str, typer.Option("--from", help="The agent that holds it, e.g. http://work:7070.")],
+    prefetch: Annotated[bool, typer.Option("--prefetch", help="Pull every remaining disk block in the "
+                                                              "background, so the capsule stops depending "
+                                                              "on the source host.")] = False,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until a booting guest is up.")] = True,
+    token_file: TokenOpt = None, json: JsonOpt = False,
+) -> None:
+    """Start a capsule of another host here at once: memory first, disk blocks as the guest reads them (§4.3)."""
+    json_flag(json)
+    store = open_store()
+    from capsule.cli.common import progress as spinner
+
+    with spinner(f"running {name} from {source}") as say:
+        r = transfer.run(store, source, name, read_token(token_file), prefetch=prefetch, wait=wait, say=say)
+    data = {"transfer": r.transfer.as_dict(), "remote_layers": r.remote_layers, "mode": r.start.mode,
+            "domain": r.start.domain, "seconds": round(r.start.seconds, 3)}
+    emit(data, lambda: console.print(
+        f"{'restored' if r.start.mode == 'restore' else 'booted'} [bold]{r.start.version.ref}[/] from {source}: "
+        f"{human(r.transfer.wire_bytes)} moved first, {len(r.remote_layers)} layer(s) paged in on demand"))
+
+
+def localize(json: JsonOpt = False) -> None:
+    """Make every remote layer whose blocks have all arrived an ordinary local layer."""
+    json_flag(json)
+    from capsule import demand
+
+    store = open_store()
+    done = demand.localize(store)
+    emit({"localized": done}, lambda: console.print(f"{len(done)} layer(s) now local"))

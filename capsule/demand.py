@@ -1,0 +1,205 @@
+"""Demand-paged capsule disks (§4.3) from the capsule side.
+
+A version may name layers this host does not hold: *remote layers*, known by
+their manifest (fetched before start, ``remote/<id>.manifest``) and the agent
+they come from. Starting such a version starts a disk server (nbdkit,
+``diskserver/``) that exports the flattened chain read-only; the instance's
+private leaf uses that export as its backing. Blocks of remote layers are
+fetched when the guest reads them, into shadows shared by every capsule that
+uses the layer (``shadows/``). Once every block of a remote layer is local,
+``localize`` turns it into an ordinary sealed layer and the version no longer
+depends on the source host."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from capsule import qemuimg
+from capsule.errors import IntegrityError, NotFound
+from capsule.fsutil import disk_usage, install_readonly
+from capsule.store import Store
+from diskserver import ChainSpec, DiskServer, LayerSpec, RemoteSpec, RetrySpec
+from diskserver.chain import ReadaheadSpec
+from hashcache.manifest import Manifest, manifest_of_layer
+from hashcache.qcow2_writer import write_layer
+from hashcache.shadow import Shadow
+
+
+def remote_dir(store: Store) -> Path:
+    d = store.home / "remote"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def shadow_dir(store: Store) -> Path:
+    d = store.home / "shadows"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def remote_info_path(store: Store, layer_id: str) -> Path:
+    return remote_dir(store) / f"{layer_id}.json"
+
+
+def remote_manifest_path(store: Store, layer_id: str) -> Path:
+    return remote_dir(store) / f"{layer_id}.manifest"
+
+
+def is_remote(store: Store, layer_id: str) -> bool:
+    return remote_info_path(store, layer_id).exists() and not store.layer_path(layer_id).exists()
+
+
+def token_file_for(store: Store, url: str, token: str) -> Path:
+    """The token for ``url``, kept 0600 beside the remote manifests (the disk server reads it)."""
+    path = remote_dir(store) / f"token-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+    if not path.exists() or path.read_text().strip() != token:
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+def add_remote_layer(store: Store, manifest: Manifest, url: str, token: str) -> None:
+    """Remember a layer held by the agent at ``url``, by its (verified) manifest."""
+    lid = manifest.digest
+    if not remote_manifest_path(store, lid).exists():
+        manifest.write(remote_manifest_path(store, lid))
+    info = {"id": lid, "parent": manifest.parent, "url": url, "token_file": str(token_file_for(store, url, token)),
+            "virtual_size": manifest.size, "added": time.time()}
+    tmp = remote_info_path(store, lid).with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, remote_info_path(store, lid))
+
+
+def remote_info(store: Store, layer_id: str) -> dict[str, Any]:
+    try:
+        return json.loads(remote_info_path(store, layer_id).read_text())
+    except (OSError, ValueError) as exc:
+        raise NotFound(f"layer {layer_id[:12]} is neither here nor known as a remote layer") from exc
+
+
+def chain_needs_server(store: Store, chain: list[str]) -> bool:
+    return any(is_remote(store, lid) for lid in chain)
+
+
+def chain_spec(store: Store, chain: list[str], name: str, prefetch: bool = False) -> ChainSpec:
+    layers = []
+    for lid in chain:
+        if is_remote(store, lid):
+            info = remote_info(store, lid)
+            layers.append(LayerSpec(id=lid, manifest_path=str(remote_manifest_path(store, lid)),
+                                    remote=RemoteSpec(url=info["url"], token_file=info["token_file"])))
+        else:
+            layers.append(LayerSpec(id=lid, manifest_path=str(store.layer_manifest_path(lid)),
+                                    local_path=str(store.layer_path(lid))))
+    return ChainSpec(layers=tuple(layers), shadow_dir=str(shadow_dir(store)), hash_cache=str(store.cache_path),
+                     readahead=ReadaheadSpec(), retry=RetrySpec(seconds=float(os.environ.get(
+                         "CAPSULE_SOURCE_RETRY_SECONDS", "10"))), prefetch=prefetch, name=name)
+
+
+def server_for(inst_dir: Path, disk: int) -> DiskServer:
+    return DiskServer.attach(inst_dir / f"disk{disk}.spec.json", inst_dir / f"disk{disk}.nbd",
+                             inst_dir / f"disk{disk}.diskserver.log")
+
+
+def start_servers(store: Store, inst_dir: Path, chains: list[list[str]], prefetch: bool) -> dict[int, DiskServer]:
+    """A disk server for every disk whose chain has a remote layer (outlives the calling process)."""
+    servers: dict[int, DiskServer] = {}
+    try:
+        for i, chain in enumerate(chains):
+            if not chain_needs_server(store, chain):
+                continue
+            spec = chain_spec(store, chain, f"{inst_dir.name}-disk{i}", prefetch=prefetch)
+            spec_path = inst_dir / f"disk{i}.spec.json"
+            spec.save(spec_path)
+            server = DiskServer(spec_path, inst_dir / f"disk{i}.nbd", inst_dir / f"disk{i}.diskserver.log")
+            servers[i] = server.start()
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    return servers
+
+
+def stop_servers(inst_dir: Path) -> None:
+    for spec in sorted(inst_dir.glob("disk*.spec.json")):
+        i = int(spec.name[4:].split(".")[0])
+        with contextlib.suppress(Exception):
+            server_for(inst_dir, i).stop()
+
+
+def create_leaf_over(leaf: Path, server: DiskServer) -> None:
+    qemuimg.create_leaf_on(leaf, server.qemu_backing(), "raw")
+
+
+def repoint_leaf(leaf: Path, parent_id: str) -> None:
+    """Before sealing a leaf that stood on a disk server: name its real parent layer in its header."""
+    qemuimg.rebase_unsafe(leaf, leaf.parent / f"{parent_id}.qcow2")
+
+
+def stats(inst_dir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for spec in sorted(inst_dir.glob("disk*.spec.json")):
+        with contextlib.suppress(Exception):
+            s = ChainSpec.load(spec)
+            out[spec.name.split(".")[0]] = json.loads(s.resolved_stats_path.read_text())
+    return out
+
+
+# -- becoming local ---------------------------------------------------------------------------------
+
+def layer_progress(store: Store, layer_id: str) -> tuple[int, int]:
+    """(blocks present, data blocks) of a remote layer's shadow."""
+    m = Manifest.read(remote_manifest_path(store, layer_id))
+    data = [i for i, z, _h in m.records() if not z]
+    base = shadow_dir(store) / layer_id
+    if not base.with_name(base.name + ".bitmap").exists():
+        return 0, len(data)
+    with Shadow(base, m.block_count) as sh:
+        return len(data) - len(sh.missing(data)), len(data)
+
+
+def localize(store: Store) -> list[str]:
+    """Turn every remote layer whose shadow is complete into a sealed local layer (verified against
+    its manifest). Returns the layers localized."""
+    from capsule.catalogue import LayerRow
+
+    done = []
+    for info_path in sorted(remote_dir(store).glob("*.json")):
+        lid = info_path.stem
+        if store.layer_path(lid).exists():
+            info_path.unlink(missing_ok=True)
+            continue
+        present, total = layer_progress(store, lid)
+        if present < total:
+            continue
+        m = Manifest.read(remote_manifest_path(store, lid))
+        if m.parent and not store.layer_path(m.parent).exists():
+            continue  # its parent first (the next call gets it)
+        with store.lock():
+            tmp = store.new_leaf_path()
+            try:
+                with Shadow(shadow_dir(store) / lid, m.block_count) as sh:
+                    write_layer(tmp, virtual_size=m.size, backing=f"{m.parent}.qcow2" if m.parent else None,
+                                records=((i, z) for i, z, _h in m.records()), read_block=sh.read)
+                if manifest_of_layer(tmp, m.parent).digest != lid:
+                    raise IntegrityError(f"layer {lid[:12]}: its shadow does not match its manifest")
+                m.write(store.layer_manifest_path(lid))
+                size = disk_usage(tmp)
+                install_readonly(tmp, store.layer_path(lid))
+            finally:
+                tmp.unlink(missing_ok=True)
+            with store.catalogue.transaction():
+                store.catalogue.add_layer(LayerRow(lid, m.parent, m.size, size, m.stored_bytes, len(m), time.time()))
+            info_path.unlink(missing_ok=True)
+            store.index_object(store.layer_path(lid), m)
+            done.append(lid)
+    return done + (localize(store) if done else [])

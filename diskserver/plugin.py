@@ -1,0 +1,218 @@
+"""nbdkit Python plugin: export a flattened layer chain read-only (the demand-paging disk server, §4.3).
+
+Run as::
+
+    nbdkit --foreground --readonly --unix SOCKET python /REPO/diskserver/plugin.py spec=CHAIN.json \
+        [site_packages=DIR] [prefetch=true|false]
+
+nbdkit embeds the system's ``python3`` (Debian's 3.11), not the project's virtualenv, so before importing
+any project code this file puts on ``sys.path``:
+
+* the project root (the parent of this file's directory), for ``diskserver`` and ``hashcache``;
+* the virtualenv's site-packages, for ``blake3``, ``zstandard``, ``httpx``: the ``site_packages=``
+  parameter if given, else ``$CAPSULE_SITE_PACKAGES``, else ``<repo>/.venv/lib/pythonX.Y/site-packages``.
+  It must have been built for the same Python minor version (same ABI); a mismatch is refused with a
+  clear message.
+
+The chain is opened in ``after_fork`` (after nbdkit has daemonised, if it does, so that no thread or
+SQLite handle crosses a fork); nbdkit exits with the error if it cannot be opened. Errors of ``pread``
+are logged to stderr (nbdkit's log) and reported to the client as EIO (EINVAL for bad ranges).
+Thread model: parallel — reads of local blocks run concurrently; misses are coordinated by the chain.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import site
+import sys
+import threading
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+_PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _add_site_packages(path: str, origin: str) -> None:
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise RuntimeError(f"diskserver plugin: site-packages {path} (from {origin}) does not exist")
+    parts = path.split(os.sep)
+    versions = [p for p in parts if p.startswith("python3.")]
+    if versions and versions[-1] != _PYVER:
+        raise RuntimeError(
+            f"diskserver plugin: site-packages {path} (from {origin}) is for {versions[-1]}, but nbdkit embeds "
+            f"{_PYVER}; create the virtualenv with the system's {_PYVER}")
+    if path not in sys.path:
+        site.addsitedir(path)  # also processes .pth files (editable installs)
+        sys.path.remove(path)
+        sys.path.insert(1, path)
+
+
+def _setup_paths() -> None:
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    env = os.environ.get("CAPSULE_SITE_PACKAGES")
+    if env:
+        _add_site_packages(env, "$CAPSULE_SITE_PACKAGES")
+        return
+    default = os.path.join(_ROOT, ".venv", "lib", _PYVER, "site-packages")
+    if os.path.isdir(default):
+        _add_site_packages(default, "the project's .venv")
+
+
+_setup_paths()
+
+import nbdkit  # noqa: E402  (provided by nbdkit's python plugin)
+
+API_VERSION = 2
+
+_spec_path: str | None = None
+_prefetch_override: bool | None = None
+_chain = None  # diskserver.chain.Chain once opened
+_prefetch_stop = threading.Event()
+_prefetch_thread: threading.Thread | None = None
+log = logging.getLogger("diskserver")
+
+
+def _setup_logging() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s diskserver[%(process)d] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def _bool(key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{key}={value!r}: expected true or false")
+
+
+def config(key: str, value: str) -> None:
+    global _spec_path, _prefetch_override
+    if key == "spec":
+        _spec_path = os.path.abspath(value)
+    elif key == "site_packages":
+        _add_site_packages(value, "site_packages=")
+    elif key == "prefetch":
+        _prefetch_override = _bool(key, value)
+    else:
+        raise ValueError(f"diskserver plugin: unknown parameter {key}={value!r} (known: spec, site_packages, prefetch)")
+
+
+def config_complete() -> None:
+    _setup_logging()
+    if _spec_path is None:
+        raise ValueError("diskserver plugin: spec=CHAIN.json is required")
+    from diskserver.chain import ChainSpec
+
+    ChainSpec.load(_spec_path)  # fail at startup on a malformed spec
+
+
+def thread_model() -> int:
+    return nbdkit.THREAD_MODEL_PARALLEL
+
+
+def after_fork() -> None:
+    global _chain, _prefetch_thread
+    from diskserver.chain import Chain, ChainSpec
+
+    spec = ChainSpec.load(_spec_path)  # type: ignore[arg-type]
+    try:
+        _chain = Chain.open(spec)
+    except Exception as exc:
+        log.error("cannot open the chain of %s: %s", _spec_path, exc)
+        raise
+    log.info("serving %s: %d layer(s), %d bytes, %d remote byte(s) still to fetch", _spec_path, len(spec.layers),
+             _chain.size, _chain.stats()["remaining_bytes"])
+    prefetch = spec.prefetch if _prefetch_override is None else _prefetch_override
+    if prefetch:
+        _prefetch_thread = threading.Thread(target=_run_prefetch, args=(_chain,), name="diskserver-prefetch",
+                                            daemon=True)
+        _prefetch_thread.start()
+
+
+def _run_prefetch(chain) -> None:  # noqa: ANN001
+    try:
+        n = chain.prefetch(stop_event=_prefetch_stop)
+        if not _prefetch_stop.is_set():
+            chain.write_stats()
+            log.info("prefetch finished: %d block(s) obtained; complete=%s", n, chain.complete())
+    except Exception as exc:  # noqa: BLE001
+        log.error("prefetch stopped: %s", exc)
+
+
+def cleanup() -> None:
+    _prefetch_stop.set()
+    if _prefetch_thread is not None:
+        _prefetch_thread.join(30)
+    if _chain is not None:
+        _chain.close()
+
+
+def open(readonly: bool):  # noqa: A001, ANN201 - nbdkit's required name
+    if _chain is None:
+        nbdkit.set_error(errno.EIO)
+        raise RuntimeError("diskserver plugin: the chain is not open")
+    return _chain
+
+
+def get_size(h) -> int:  # noqa: ANN001
+    return h.size
+
+
+def can_write(h) -> bool:  # noqa: ANN001
+    return False
+
+
+def can_multi_conn(h) -> bool:  # noqa: ANN001
+    return True
+
+
+def can_extents(h) -> bool:  # noqa: ANN001
+    return True
+
+
+def can_cache(h) -> int:  # noqa: ANN001
+    return nbdkit.CACHE_NATIVE
+
+
+def is_rotational(h) -> bool:  # noqa: ANN001
+    return False
+
+
+def _fail(what: str, exc: Exception) -> None:
+    code = errno.EINVAL if isinstance(exc, ValueError) else errno.EIO
+    log.error("%s failed: %s", what, exc)
+    nbdkit.set_error(code)
+
+
+def pread(h, buf, offset: int, flags: int) -> None:  # noqa: ANN001
+    try:
+        h.read_into(offset, buf)
+    except Exception as exc:
+        _fail(f"read of {len(buf)} bytes at offset {offset}", exc)
+        raise
+
+
+def cache(h, count: int, offset: int, flags: int) -> None:  # noqa: ANN001
+    try:
+        h.cache(offset, count)
+    except Exception as exc:
+        _fail(f"cache of {count} bytes at offset {offset}", exc)
+        raise
+
+
+def extents(h, count: int, offset: int, flags: int):  # noqa: ANN001, ANN201
+    zero = nbdkit.EXTENT_HOLE | nbdkit.EXTENT_ZERO
+    try:
+        return [(o, n, zero if z else 0) for o, n, z in h.extents(offset, count)]
+    except Exception as exc:
+        _fail(f"extents of {count} bytes at offset {offset}", exc)
+        raise

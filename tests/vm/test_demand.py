@@ -1,0 +1,78 @@
+"""Demand-paged runs (§4.3): a capsule starts on a host that holds none of
+its disk layers; blocks come as the guest reads them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from capsule import capsules, demand, lifecycle, transfer
+from capsule.verify import verify
+from tests.conftest import Agent, make_store
+from tests.vm.helpers import disk_digest, run, write_blocks
+
+pytestmark = pytest.mark.vm
+
+
+def _fetched(store, name: str) -> int:
+    stats = json.loads((demand.shadow_dir(store) / f"{name}-disk0.stats.json").read_text())
+    return stats["source_bytes"]
+
+
+@pytest.fixture
+def a_and_b(tmp_path, tiny_images):
+    a = make_store(tmp_path / "a", tiny_images, "tiny")
+    b = make_store(tmp_path / "b", tiny_images)  # holds nothing of the capsule
+    agent = Agent(a.home, tmp_path / "a.token")
+    yield a, b, agent
+    agent.stop()
+
+
+def test_run_from_another_host_reads_the_same_disk(a_and_b):
+    a, b, agent = a_and_b
+    capsules.create(a, "cap", "tiny", memory="256M")
+    lifecycle.start(a, "cap")
+    write_blocks(a, "cap", 100, 8)
+    digest = disk_digest(a, "cap")
+    lifecycle.stop(a, "cap", force=True)
+
+    r = transfer.run(b, agent.url, "cap", agent.token)
+    assert r.start.mode == "boot" and len(r.remote_layers) == 2
+    assert all(o.role in ("kernel", "initrd") for o in r.transfer.objects)  # no disk layer was copied
+    assert disk_digest(b, "cap") == digest
+    run(b, "cap", "dd if=/dev/urandom of=/dev/vda bs=4096 seek=3000 count=4 conv=notrunc 2>/dev/null; sync")
+    stopped = lifecycle.stop(b, "cap", force=True)
+    assert stopped.version is not None  # the guest's writes became a local layer over the remote chain
+    fetched = _fetched(b, "cap")
+    assert 0 < fetched <= 1.1 * 2048 * 4096
+    # a second boot fetches nothing: the shadows keep what came
+    lifecycle.start(b, "cap")
+    assert disk_digest(b, "cap", blocks=2048) != "" and run(b, "cap", "echo ok") == "ok"
+    lifecycle.stop(b, "cap", force=True)
+    assert _fetched(b, "cap") == 0
+    assert verify(b).ok
+
+
+def test_primed_cache_fetches_nothing_and_prefetch_frees_the_source(a_and_b, tmp_path):
+    a, b, agent = a_and_b
+    capsules.create(a, "cap", "tiny", memory="256M")
+    root = a.catalogue.latest_version("cap").chains[0][0]
+    elsewhere = tmp_path / "other-disks"
+    elsewhere.mkdir()
+    shutil.copyfile(a.layer_path(root), elsewhere / "similar.qcow2")
+    b.hash_cache().prime_paths([elsewhere])
+    transfer.run(b, agent.url, "cap", agent.token, prefetch=True)
+    digest = disk_digest(b, "cap")
+    lifecycle.stop(b, "cap", force=True)
+    assert _fetched(b, "cap") == 0  # every block came from the primed cache
+    # everything is local now: the source can go
+    assert demand.layer_progress(b, root)[0] == demand.layer_progress(b, root)[1]
+    agent.stop()
+    assert demand.localize(b) == [root]
+    assert not demand.is_remote(b, root)
+    lifecycle.start(b, "cap")
+    assert disk_digest(b, "cap") == digest
+    lifecycle.stop(b, "cap", force=True)
+    assert verify(b).ok
