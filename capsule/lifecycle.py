@@ -14,7 +14,7 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
-from capsule import demand, qemuimg
+from capsule import demand, qemuimg, watch
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import CapsuleError, Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
@@ -174,6 +174,10 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                     connect().createXML(build(spec), 0)
                 except libvirt.libvirtError as exc:
                     raise RuntimeFailure(f"booting {version.ref} failed: {exc.get_error_message()}") from exc
+            if servers:
+                urls = sorted({demand.remote_info(store, lid)["url"] for chain in version.chains for lid in chain
+                               if demand.is_remote(store, lid)})
+                watch.spawn(domain, urls, inst_dir / "watch.log")
             inst = InstanceRow(capsule=name, version=version.number, domain=domain,
                                leaves=[str(p) for p in leaves], chains=version.chains, accel=accel,
                                dir=str(inst_dir), started=time.time())

@@ -95,14 +95,14 @@ def free_port() -> int:
 class Agent:
     """``capsule serve`` for one store, in its own process."""
 
-    def __init__(self, home: Path, token_file: Path) -> None:
+    def __init__(self, home: Path, token_file: Path, port: int | None = None) -> None:
         import subprocess
         import sys
         import time
 
         import httpx
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = home
         self.token_file = token_file

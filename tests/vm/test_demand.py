@@ -76,3 +76,41 @@ def test_primed_cache_fetches_nothing_and_prefetch_frees_the_source(a_and_b, tmp
     assert disk_digest(b, "cap") == digest
     lifecycle.stop(b, "cap", force=True)
     assert verify(b).ok
+
+
+def test_source_gone_pauses_the_guest_and_its_return_resumes_it(a_and_b, monkeypatch):
+    import time
+
+    import libvirt
+
+    from capsule.runtime.connection import lookup_domain
+
+    a, b, agent = a_and_b
+    monkeypatch.setenv("CAPSULE_SOURCE_RETRY_SECONDS", "2")
+    capsules.create(a, "cap", "tiny", memory="256M")
+    transfer.run(b, agent.url, "cap", agent.token)
+    run(b, "cap", "dd if=/dev/vda of=/dev/null bs=4096 count=16 2>/dev/null")  # some blocks are here
+    agent.stop()  # the source host goes away
+    from tests.vm.helpers import guest
+
+    session = guest(b, "cap")
+    session.send("dd if=/dev/vda of=/dev/null bs=4096 skip=512 count=64 2>/dev/null; echo READ-DONE\n")
+    dom = lookup_domain(b.domain_name("cap"))
+    deadline = time.monotonic() + 60
+    while dom.state()[0] != libvirt.VIR_DOMAIN_PAUSED and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert dom.state() == [libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_IOERROR]
+    time.sleep(2)
+    assert dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED  # it waits: no error reached the guest
+    back = Agent(a.home, agent.token_file, port=agent.port)  # the source returns
+    try:
+        deadline = time.monotonic() + 60
+        while b"READ-DONE" not in session.buffer and time.monotonic() < deadline:
+            session._recv(0.5)
+        assert b"READ-DONE" in session.buffer
+        assert dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+        assert "I/O error" not in run(b, "cap", "dmesg | tail -5")
+    finally:
+        session.close()
+        lifecycle.stop(b, "cap", force=True)
+        back.stop()
