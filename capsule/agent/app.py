@@ -341,4 +341,31 @@ def create_app(home: Path, token: str) -> FastAPI:
         row, created = await asyncio.to_thread(record_version, store, record)
         return {"version": row.ref, "created": created}
 
+    # -- running (the destination side of `capsule migrate`) ---------------------------------------
+    @app.post("/v1/capsules/{name}/start", dependencies=deps)
+    async def start_capsule(name: str, version: int | None = None, timeout: float = 180.0) -> dict[str, Any]:
+        from capsule import lifecycle
+
+        check_name(name)
+        ref = name if version is None else f"{name}@{version}"
+        r = await asyncio.to_thread(lifecycle.start, store, ref, timeout=min(max(timeout, 1.0), 900.0))
+        return {"version": r.version.ref, "mode": r.mode, "domain": r.domain, "seconds": r.seconds}
+
+    @app.post("/v1/run", dependencies=deps)
+    async def run_from(request: Request) -> dict[str, Any]:
+        """Start here a capsule of another host, its disks paged in on demand."""
+        from capsule import transfer
+
+        try:
+            req = await request.json()
+            source, token, ref = req["source"], req["token"], req["ref"]
+            prefetch = bool(req.get("prefetch", False))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidName(f"malformed run request: {exc}") from exc
+        if not isinstance(source, str) or not source.startswith(("http://", "https://")) or not isinstance(token, str):
+            raise InvalidName("run needs a source agent URL and its token")
+        r = await asyncio.to_thread(transfer.run, store, source, str(ref), token, prefetch=prefetch)
+        return {"version": r.start.version.ref, "mode": r.start.mode, "domain": r.start.domain,
+                "seconds": r.start.seconds, "moved_bytes": r.transfer.wire_bytes, "remote_layers": r.remote_layers}
+
     return app
