@@ -1043,7 +1043,8 @@ class Chain:
             by_hash: dict[bytes, list[int]] = {}
             for j in rest:
                 by_hash.setdefault(hashes[j], []).append(j)
-            unique = sorted(ix[0] for ix in by_hash.values())
+            # one block per distinct hash; an asked-for one when there is one
+            unique = sorted(min(ix, key=lambda j: (j not in wanted, j)) for ix in by_hash.values())
             # Asked-for blocks first, so a failure of a read-ahead batch cannot hold them up.
             first = [j for j in unique if j in wanted]
             later = [j for j in unique if j not in wanted]
@@ -1069,9 +1070,10 @@ class Chain:
                         continue
                     out[j] = d
                     fetched.append(j)
-                    for k in by_hash[h][1:]:
-                        out[k] = d
-                        dedup += 1
+                    for k in by_hash[h]:
+                        if k != j:
+                            out[k] = d
+                            dedup += 1
                 if bad:
                     self._count(verify_failures=len(bad))
                     url = layer.source.url

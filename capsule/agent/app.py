@@ -64,6 +64,7 @@ from hashcache.hcp import (
     pack_blocks,
     unpack_blocks,
 )
+from hashcache.manifest import Manifest
 from hashcache.shadow import Shadow
 
 MAX_MANIFEST_UPLOAD = 512 << 20
@@ -91,6 +92,23 @@ def create_app(home: Path, token: str) -> FastAPI:
     app = FastAPI(title="Capsule host agent", version=capsule_version, docs_url=None, redoc_url=None)
     store = Store.open(home)
     readers = ReaderCache(store)
+    manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+    manifests_lock = threading.Lock()
+
+    def manifest_of(kind: str, oid: str) -> Manifest:
+        """Sealed objects never change: their manifests are read (and checked) once."""
+        key = (kind, oid)
+        with manifests_lock:
+            m = manifests.get(key)
+            if m is not None:
+                manifests.move_to_end(key)
+                return m
+        m = object_manifest(store, kind, oid)
+        with manifests_lock:
+            manifests[key] = m
+            while len(manifests) > 64:
+                manifests.popitem(last=False)
+        return m
     expected = f"Bearer {token}".encode()
 
     def auth(request: Request) -> None:
@@ -147,7 +165,7 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     @app.get("/v1/objects/{kind}/{oid}", dependencies=deps)
     def lookup(kind: str, oid: str) -> dict[str, Any]:
-        m = object_manifest(store, kind, oid)
+        m = manifest_of(kind, oid)
         head = header_of(m)
         if kind == "file":
             row = store.catalogue.file(oid)
@@ -156,7 +174,7 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     @app.get("/v1/objects/{kind}/{oid}/records", dependencies=deps)
     def records(kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS, hash_len: int = 32) -> Response:
-        m = object_manifest(store, kind, oid)
+        m = manifest_of(kind, oid)
         if start < 0 or count < 0 or count > MAX_RECORDS or hash_len not in (PREFIX_SIZE, 32):
             raise InvalidName(f"bad record range start={start} count={count} hash_len={hash_len}")
         n = min(count, max(0, len(m) - start))
@@ -166,7 +184,7 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     @app.post("/v1/objects/{kind}/{oid}/read", dependencies=deps)
     async def read(kind: str, oid: str, request: Request, level: int = 3, compress: bool = True) -> Response:
-        m = object_manifest(store, kind, oid)
+        m = manifest_of(kind, oid)
         indices = decode_indices(await body(request, 1 << 20), m.block_count)
         if not 1 <= level <= 19:
             raise InvalidName("zstd level must be 1..19")
