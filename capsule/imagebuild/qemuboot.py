@@ -248,27 +248,37 @@ class SerialGuest:
         """One request to the guest agent over its virtio-serial port; returns the whole reply object.
 
         Connects to the port's socket, sends a bare newline (PROTOCOL.md: it ends any partial line
-        an earlier host left) and the request, and waits for the reply line with the same id. Right
-        after boot the agent may not run yet: the request waits in the port until it does.
+        an earlier host left) and the request, and waits for the reply line with the same id. Bytes
+        sent while no agent has the port open may be lost (right after boot, or while a killed agent
+        is being restarted), so an unanswered request is sent again on a new connection every 5 s.
         """
         if self.agent_sock_path is None:
             raise GuestError("this guest was started without the agent port (agent_port=False)")
-        self._seq += 1
-        rid = self._seq
+        deadline = time.monotonic() + timeout
+        while True:
+            self._seq += 1
+            attempt_end = min(deadline, time.monotonic() + 5.0)
+            reply = self._agent_attempt(cmd, args, self._seq, attempt_end)
+            if reply is not None:
+                return reply
+            if time.monotonic() >= deadline:
+                raise GuestError(f"the guest agent did not answer {cmd!r} within {timeout:.0f} s")
+
+    def _agent_attempt(self, cmd: str, args: dict | None, rid: int, until: float) -> dict | None:
         req: dict = {"id": rid, "cmd": cmd}
         if args is not None:
             req["args"] = args
-        deadline = time.monotonic() + timeout
         buf = b""
+        assert self.agent_sock_path is not None
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(max(0.1, timeout))
+            s.settimeout(max(0.1, until - time.monotonic()))
             s.connect(self.agent_sock_path)
             s.sendall(b"\n" + json.dumps(req).encode() + b"\n")
             while True:
                 while b"\n" not in buf:
-                    left = deadline - time.monotonic()
+                    left = until - time.monotonic()
                     if left <= 0:
-                        raise GuestError(f"the guest agent did not answer {cmd!r} within {timeout:.0f} s")
+                        return None
                     s.settimeout(left)
                     try:
                         chunk = s.recv(1 << 16)

@@ -116,7 +116,9 @@ def test_silent_agent_times_out(tmp_path):
 
 def test_garbage_and_wrong_ids_are_skipped(tmp_path):
     def behaviour(conn):
-        conn.recv(1024)
+        got = b""
+        while b"ping" not in got:
+            got += conn.recv(1024)
         conn.sendall(b"not json\n\n[1,2]\n" + b'{"id": 999, "ok": true, "result": {}}\n'
                      + b'{"id": 1, "ok": true, "result": {"version": "x"}}\n')
         time.sleep(1)
@@ -128,7 +130,9 @@ def test_garbage_and_wrong_ids_are_skipped(tmp_path):
 
 def test_oversized_line_is_refused(tmp_path):
     def behaviour(conn):
-        conn.recv(1024)
+        got = b""
+        while b"ping" not in got:
+            got += conn.recv(1024)
         chunk = b"x" * (1 << 20)
         try:
             for _ in range(40):
@@ -143,7 +147,9 @@ def test_oversized_line_is_refused(tmp_path):
 
 def test_error_reply_and_closed_channel(tmp_path):
     def behaviour(conn):
-        conn.recv(1024)
+        got = b""
+        while b"ping" not in got:  # the host first sends a bare newline, then the request
+            got += conn.recv(1024)
         conn.sendall(b'{"id": 1, "ok": false, "error": "nope"}\n')
 
     path = _fake_agent(tmp_path, behaviour)
