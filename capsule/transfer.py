@@ -200,19 +200,24 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                         stats.fetched_bytes, client.wire_bytes - wire0, time.monotonic() - t0)
 
 
+def _fetch_record(client: AgentClient, ref: str) -> dict[str, Any]:
+    """The version record of ``NAME[@V]`` at the agent, checked (it comes from another host)."""
+    r = parse_ref(ref)
+    record = client.get_json(f"/v1/capsules/{r.name}/versions/{r.version or 'latest'}")
+    try:
+        return validate(record)
+    except Exception as exc:
+        raise TransferFailed(f"the agent at {client.url} sent a malformed version record: {exc}") from exc
+
+
 def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = None,
          progress: Progress | None = None) -> TransferReport:
     """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store``."""
     opts = opts or Options()
     progress = progress or Progress()
-    r = parse_ref(ref)
     t0 = time.monotonic()
     with AgentClient(url, token) as client:
-        record = client.get_json(f"/v1/capsules/{r.name}/versions/{r.version or 'latest'}")
-        try:
-            validate(record)
-        except Exception as exc:
-            raise TransferFailed(f"the agent at {url} sent a malformed version record: {exc}") from exc
+        record = _fetch_record(client, ref)
         report = TransferReport("pull", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
         for kind, oid, role in [("layer", lid, "layer") for lid in layers] + [("file", f, ro) for f, ro in files]:
@@ -339,14 +344,9 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
 
     opts = opts or Options()
     progress = progress or Progress()
-    r = parse_ref(ref)
     t0 = time.monotonic()
     with AgentClient(url, token) as client:
-        record = client.get_json(f"/v1/capsules/{r.name}/versions/{r.version or 'latest'}")
-        try:
-            validate(record)
-        except Exception as exc:
-            raise TransferFailed(f"the agent at {url} sent a malformed version record: {exc}") from exc
+        record = _fetch_record(client, ref)
         report = TransferReport("run", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
         for fid, role in files:
