@@ -21,13 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from capsule import qemuimg
-from capsule.errors import IntegrityError, NotFound
-from capsule.fsutil import disk_usage, install_readonly
+from capsule.errors import NotFound
 from capsule.store import Store
 from diskserver import ChainSpec, DiskServer, LayerSpec, RemoteSpec, RetrySpec
 from diskserver.chain import ReadaheadSpec
-from hashcache.manifest import Manifest, manifest_of_layer
-from hashcache.qcow2_writer import write_layer
+from hashcache.manifest import Manifest
 from hashcache.shadow import Shadow
 
 
@@ -168,9 +166,9 @@ def layer_progress(store: Store, layer_id: str) -> tuple[int, int]:
 
 
 def localize(store: Store) -> list[str]:
-    """Turn every remote layer whose shadow is complete into a sealed local layer (verified against
-    its manifest). Returns the layers localized."""
-    from capsule.catalogue import LayerRow
+    """Turn every remote layer whose shadow is complete into a sealed local layer (rebuilt from the
+    shadow and verified against its manifest, like a received layer). Returns the layers localized."""
+    from capsule.objectio import install_received
 
     done = []
     for info_path in sorted(remote_dir(store).glob("*.json")):
@@ -183,23 +181,13 @@ def localize(store: Store) -> list[str]:
             continue
         m = Manifest.read(remote_manifest_path(store, lid))
         if m.parent and not store.layer_path(m.parent).exists():
-            continue  # its parent first (the next call gets it)
-        with store.lock():
-            tmp = store.new_leaf_path()
-            try:
-                with Shadow(shadow_dir(store) / lid, m.block_count) as sh:
-                    write_layer(tmp, virtual_size=m.size, backing=f"{m.parent}.qcow2" if m.parent else None,
-                                records=((i, z) for i, z, _h in m.records()), read_block=sh.read)
-                if manifest_of_layer(tmp, m.parent).digest != lid:
-                    raise IntegrityError(f"layer {lid[:12]}: its shadow does not match its manifest")
-                m.write(store.layer_manifest_path(lid))
-                size = disk_usage(tmp)
-                install_readonly(tmp, store.layer_path(lid))
-            finally:
-                tmp.unlink(missing_ok=True)
-            with store.catalogue.transaction():
-                store.catalogue.add_layer(LayerRow(lid, m.parent, m.size, size, m.stored_bytes, len(m), time.time()))
-            info_path.unlink(missing_ok=True)
-            store.index_object(store.layer_path(lid), m)
-            done.append(lid)
+            continue  # its parent first (the next round gets it)
+        shadow = Shadow(shadow_dir(store) / lid, m.block_count)
+        try:
+            install_received(store, "layer", m, shadow)  # removes the shadow once the layer is in place
+        finally:
+            shadow.close()
+        info_path.unlink(missing_ok=True)
+        store.index_object(store.layer_path(lid), m)
+        done.append(lid)
     return done + (localize(store) if done else [])
