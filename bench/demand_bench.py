@@ -6,10 +6,14 @@ boot, in the same run, on loopback agents. Also the disk server's own
 figures (diskserver/bench_micro.py: cached throughput vs nbdkit's file
 plugin, per-miss latency, read amplification).
 
-Not yet here (next step): the same over the shaped 100 Mbit/s and 384 kbit/s
-links, and the QEMU copy-on-read over NBD / plain remote NBD peers.
+With ``--rate-kbit N [--rtt-ms M]`` the source agent runs in network
+namespace B and host B's commands in namespace A, joined by a link shaped
+with tbf and a delaying proxy (bench/netlink.py); 100000 is the LAN.
 
-    .venv/bin/python bench/demand_bench.py
+Not yet here (next step): the 384 kbit/s run of every case, and the QEMU
+copy-on-read over NBD / plain remote NBD peers.
+
+    .venv/bin/python bench/demand_bench.py [--rate-kbit 100000 --rtt-ms 1]
 """
 
 from __future__ import annotations
@@ -36,7 +40,18 @@ def fetched(store: Store, name: str) -> int:
     return json.loads((demand.shadow_dir(store) / f"{name}-disk0.stats.json").read_text())["source_bytes"]
 
 
+CLI = [sys.executable, "-m", "capsule.cli.main"]
+
+
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate-kbit", type=int, default=0, help="shape the link (0: plain loopback)")
+    ap.add_argument("--rtt-ms", type=float, default=1.0)
+    args = ap.parse_args()
+    if args.rate_kbit:
+        return shaped(args.rate_kbit, args.rtt_ms)
     work = Path(tempfile.mkdtemp(prefix="capsule-b3-"))
     stores: list[Store] = []
     agent = None
@@ -96,6 +111,74 @@ def main() -> None:
     finally:
         if agent:
             agent.stop()
+        for s in stores:
+            _destroy_domains(s)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def shaped(rate_kbit: int, rtt_ms: float) -> None:
+    """The same cases with the source behind a shaped link; host B's commands run in namespace A."""
+    from bench.netlink import SlowLink
+
+    work = Path(tempfile.mkdtemp(prefix="capsule-b3-link-"))
+    stores: list[Store] = []
+    try:
+        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+        images.build(src, "debian", "debian")
+        a = Store.open(work / "a")
+        stores.append(a)
+        images.import_image(src, a, "debian")
+        capsules.create(a, "deb", "debian", memory="512M")
+        root = a.catalogue.image("debian").root_layer
+        a.close()
+        rows, results = [], []
+        with SlowLink(rate_kbit=rate_kbit, rtt_ms=rtt_ms) as link:
+            link.spawn_b([*CLI, "--home", str(work / "a"), "serve", "--listen", f"{link.ip_b}:7070", "--token-file",
+                          str(work / "a.token")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            link.wait_port_b(7070)
+            url = link.url_b(7070)
+            env = dict(os.environ, CAPSULE_TOKEN=(work / "a.token").read_text().strip(), PYTHONPATH=str(ROOT))
+
+            def cli(home: Path, *argv: str) -> tuple[float, dict]:
+                t = time.monotonic()
+                r = link.exec_a([*CLI, "--home", str(home), *argv, "--json"], capture_output=True, text=True,
+                                env=env, timeout=3600)
+                if r.returncode != 0:
+                    raise SystemExit(f"{argv}: {r.stderr}")
+                return time.monotonic() - t, json.loads(r.stdout)
+
+            def record(case: str, seconds: float, moved: int) -> None:
+                results.append({"case": case, "seconds_to_marker": round(seconds, 2), "bytes_moved": moved})
+                rows.append([case, f"{seconds:.1f}", f"{moved / 2**20:.1f}"])
+
+            hb = work / "b-copy"
+            t1, pulled = cli(hb, "pull", url, "deb")
+            t2, _ = cli(hb, "start", "deb")
+            record("copy first", t1 + t2, pulled["wire_bytes"])
+            cli(hb, "stop", "deb", "--force")
+            for case, primed in (("demand, cold", False), ("demand, primed cache", True)):
+                hb = work / f"b-{'primed' if primed else 'cold'}"
+                if primed:
+                    (work / "other").mkdir(exist_ok=True)
+                    shutil.copyfile(work / "a" / "layers" / f"{root}.qcow2", work / "other" / "similar.qcow2")
+                    b = Store.open(hb)
+                    b.hash_cache().prime_paths([work / "other"])
+                    b.close()
+                seconds, out = cli(hb, "run", "deb", "--from", url)
+                cli(hb, "stop", "deb", "--timeout", "120")
+                b = Store.open(hb)
+                stores.append(b)
+                record(case, seconds, out["transfer"]["wire_bytes"] + fetched(b, "deb"))
+                if not primed:
+                    seconds, _ = cli(hb, "start", "deb")
+                    cli(hb, "stop", "deb", "--timeout", "120")
+                    record("second boot (demand)", seconds, fetched(b, "deb"))
+        path = write_result(f"demand_b3_{rate_kbit}kbit", {"rate_kbit": rate_kbit, "rtt_ms": rtt_ms,
+                                                            "results": results})
+        table(f"B3: boot a remote Debian capsule over {rate_kbit} kbit/s, {rtt_ms:g} ms RTT",
+              ["case", "s to marker", "MiB moved"], rows)
+        print(f"→ {path}")
+    finally:
         for s in stores:
             _destroy_domains(s)
         shutil.rmtree(work, ignore_errors=True)
