@@ -37,7 +37,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
 from array import array
@@ -52,6 +51,7 @@ from blake3 import blake3
 
 from diskserver.errors import BlockMismatch, DiskServerError, SourceError, SpecError
 from diskserver.source import HcpSource
+from hashcache.atomic import write_atomic
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.cache import HashCache
 from hashcache.errors import HashcacheError
@@ -342,24 +342,7 @@ class ChainSpec:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file, fsync, rename)."""
-        _write_atomic(Path(path), self.to_json().encode() + b"\n", durable=True)
-
-
-def _write_atomic(path: Path, data: bytes, durable: bool) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        write_atomic(Path(path), self.to_json().encode() + b"\n", durable=True)
 
 
 # -- the chain ---------------------------------------------------------------------------------------
@@ -780,7 +763,7 @@ class Chain:
         """Write the stats JSON file now (atomically); returns its path."""
         path = self.spec.resolved_stats_path
         version = self._stats_version
-        _write_atomic(path, json.dumps(self.stats(), sort_keys=True).encode() + b"\n", durable=False)
+        write_atomic(path, json.dumps(self.stats(), sort_keys=True).encode() + b"\n", durable=False)
         self._stats_written = version
         return path
 

@@ -23,7 +23,6 @@ On disk: ``b"CAPSULE-MANIFEST\\n"``, u32 LE header length, header JSON (canonica
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -31,7 +30,6 @@ import re
 import stat
 import struct
 import sys
-import tempfile
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
@@ -41,6 +39,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from hashcache.atomic import write_atomic
 from hashcache.blocks import ALGORITHM, BLOCK_SIZE, HASH_SIZE, NULL_HASH, ZERO_BLOCK, scan_blocks
 from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
 from hashcache.qcow2 import ZERO, Qcow2Image
@@ -304,26 +303,7 @@ class Manifest:
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write atomically: a temp file in the same directory, fsync, rename, fsync the directory."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        data = self.to_bytes()
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; manifests are not secret
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(path, self.to_bytes())
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Manifest:
