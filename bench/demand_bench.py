@@ -43,6 +43,16 @@ def fetched(store: Store, name: str) -> int:
 CLI = [sys.executable, "-m", "capsule.cli.main"]
 
 
+def _source(work: Path) -> tuple[Store, Store, str]:
+    """(the test image store, host A holding a Debian capsule "deb", its root layer id)."""
+    src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+    images.build(src, "debian", "debian")
+    a = Store.open(work / "a")
+    images.import_image(src, a, "debian")
+    capsules.create(a, "deb", "debian", memory="512M")
+    return src, a, a.catalogue.image("debian").root_layer
+
+
 def main() -> None:
     import argparse
 
@@ -56,13 +66,8 @@ def main() -> None:
     stores: list[Store] = []
     agent = None
     try:
-        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
-        images.build(src, "debian", "debian")
-        a = Store.open(work / "a")
+        _src, a, root = _source(work)
         stores.append(a)
-        images.import_image(src, a, "debian")
-        capsules.create(a, "deb", "debian", memory="512M")
-        root = a.catalogue.image("debian").root_layer
         root_bytes = a.catalogue.layer(root).stored_bytes
         agent = Agent(a.home, work / "a.token")
         rows, results = [], []
@@ -123,13 +128,8 @@ def shaped(rate_kbit: int, rtt_ms: float) -> None:
     work = Path(tempfile.mkdtemp(prefix="capsule-b3-link-"))
     stores: list[Store] = []
     try:
-        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
-        images.build(src, "debian", "debian")
-        a = Store.open(work / "a")
+        _src, a, root = _source(work)
         stores.append(a)
-        images.import_image(src, a, "debian")
-        capsules.create(a, "deb", "debian", memory="512M")
-        root = a.catalogue.image("debian").root_layer
         a.close()
         rows, results = [], []
         with SlowLink(rate_kbit=rate_kbit, rtt_ms=rtt_ms) as link:
