@@ -200,7 +200,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     # -- receiving ------------------------------------------------------------
     # Open receivers are a cache (rebuilt from the shadow and manifest on disk
     # whenever missing), so the protocol itself keeps no per-client state.
-    receivers: OrderedDict[tuple[str, str], tuple[Shadow, Receiver]] = OrderedDict()
+    receivers: OrderedDict[tuple[str, str], tuple[Shadow, Receiver, tuple[bool, int]]] = OrderedDict()
     receivers_lock = threading.Lock()
 
     def drop_receiver(kind: str, oid: str) -> None:
@@ -209,23 +209,39 @@ def create_app(home: Path, token: str) -> FastAPI:
         if entry:
             entry[0].close()
 
+    def manifest_state(kind: str, oid: str) -> tuple[bool, int]:
+        """What of the manifest is on disk: whole, or how many parts (a part may land at any time)."""
+        return expect_path(kind, oid).exists(), len(part_paths(kind, oid))
+
     def get_receiver(kind: str, oid: str) -> Receiver:
+        """The cached receiver of an object, brought up to date with the manifest parts on disk (a
+        block of a part can arrive right after that part was planned)."""
+        state = manifest_state(kind, oid)
         with receivers_lock:
             entry = receivers.get((kind, oid))
             if entry:
                 receivers.move_to_end((kind, oid))
-                return entry[1]
+        if entry:
+            shadow, receiver, seen = entry
+            if seen != state:
+                receiver.update(recv_manifest(kind, oid))
+                with receivers_lock:
+                    if (kind, oid) in receivers:
+                        receivers[(kind, oid)] = (shadow, receiver, state)
+            return receiver
         m = recv_manifest(kind, oid)
         shadow = open_shadow(store, kind, m)
         receiver = Receiver(m, shadow, f"{kind} {oid[:12]}")
         with receivers_lock:
-            if (kind, oid) in receivers:
-                shadow.close()
-                return receivers[(kind, oid)][1]
-            receivers[(kind, oid)] = (shadow, receiver)
-            while len(receivers) > 8:
-                _, (old, _r) = receivers.popitem(last=False)
-                old.close()
+            raced = (kind, oid) in receivers
+            if not raced:
+                receivers[(kind, oid)] = (shadow, receiver, state)
+                while len(receivers) > 8:
+                    _, (old, _r, _s) = receivers.popitem(last=False)
+                    old.close()
+        if raced:  # another request cached one first: use that (outside the lock)
+            shadow.close()
+            return get_receiver(kind, oid)
         return receiver
 
     def expect_path(kind: str, oid: str) -> Path:
@@ -290,10 +306,6 @@ def create_app(home: Path, token: str) -> FastAPI:
                 os.replace(tmp, final)
                 for p in part_paths(kind, oid):
                     p.unlink()
-            with receivers_lock:
-                entry = receivers.get((kind, oid))
-            if entry:  # blocks of earlier parts may be arriving: let their receiver know this part too
-                entry[1].update(recv_manifest(kind, oid))
             with open_shadow(store, kind, m) as shadow:
                 cache = store.hash_cache() if hash else None
                 needed = Receiver(m, shadow, f"{kind} {oid[:12]}", cache, dedupe=hash).plan()
