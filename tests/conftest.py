@@ -106,10 +106,14 @@ class Agent:
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = home
         self.token_file = token_file
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen",
-             f"127.0.0.1:{self.port}", "--token-file", str(token_file)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        # The agent's log goes to a file (a pipe nobody reads would stall it once full); stop()
+        # prints it, so a failing test shows the agent's side too.
+        self.log_path = token_file.with_suffix(".log")
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen",
+                 f"127.0.0.1:{self.port}", "--token-file", str(token_file)],
+                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -120,13 +124,15 @@ class Agent:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"agent did not start: {err}")
+                raise RuntimeError(f"agent did not start: {self.log()}")
             time.sleep(0.1)
 
     @property
     def token(self) -> str:
         return self.token_file.read_text().strip()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
         import signal
@@ -137,6 +143,8 @@ class Agent:
                 self.proc.wait(10)
             except Exception:  # noqa: BLE001
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        if text := self.log().strip():
+            print(f"--- agent {self.url} log ---\n{text}")
 
 
 @pytest.fixture

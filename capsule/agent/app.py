@@ -202,6 +202,9 @@ def create_app(home: Path, token: str) -> FastAPI:
     # whenever missing), so the protocol itself keeps no per-client state.
     receivers: OrderedDict[tuple[str, str], tuple[Shadow, Receiver, tuple[bool, int]]] = OrderedDict()
     receivers_lock = threading.Lock()
+    # Manifest parts become one whole manifest file while blocks requests read them:
+    # both sides hold this lock, so a reader never meets a part that was just folded away.
+    manifest_files_lock = threading.Lock()
 
     def drop_receiver(kind: str, oid: str) -> None:
         with receivers_lock:
@@ -211,7 +214,8 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     def manifest_state(kind: str, oid: str) -> tuple[bool, int]:
         """What of the manifest is on disk: whole, or how many parts (a part may land at any time)."""
-        return expect_path(kind, oid).exists(), len(part_paths(kind, oid))
+        with manifest_files_lock:
+            return expect_path(kind, oid).exists(), len(part_paths(kind, oid))
 
     def get_receiver(kind: str, oid: str) -> Receiver:
         """The cached receiver of an object, brought up to date with the manifest parts on disk (a
@@ -254,12 +258,14 @@ def create_app(home: Path, token: str) -> FastAPI:
     def recv_manifest(kind: str, oid: str) -> Expectation:
         """The whole manifest once every part has arrived; before that, the parts so far."""
         path = expect_path(kind, oid)
-        if path.exists():
-            return Expectation.from_bytes(path.read_bytes(), oid)
-        parts = part_paths(kind, oid)
-        if not parts:
-            raise NotFound(f"no transfer of {kind} {oid[:12]} has begun here")
-        return Expectation.concat([Expectation.from_bytes(p.read_bytes(), oid) for p in parts])
+        with manifest_files_lock:
+            if path.exists():
+                return Expectation.from_bytes(path.read_bytes(), oid)
+            parts = part_paths(kind, oid)
+            if not parts:
+                raise NotFound(f"no transfer of {kind} {oid[:12]} has begun here")
+            raw = [p.read_bytes() for p in parts]
+        return Expectation.concat([Expectation.from_bytes(r, oid) for r in raw])
 
     @app.post("/v1/recv/{kind}/{oid}/begin", dependencies=deps)
     async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True, part: int = 0,
@@ -290,22 +296,24 @@ def create_app(home: Path, token: str) -> FastAPI:
         def work() -> bytes:
             (store.home / "recv").mkdir(exist_ok=True)
             final = expect_path(kind, oid)
-            if part == 0:  # a new transfer (the shadow, with its verified blocks, stays)
-                final.unlink(missing_ok=True)
-                for p in part_paths(kind, oid):
-                    p.unlink()
-            elif len(part_paths(kind, oid)) != part:
-                raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
-            target = final if parts == 1 else final.with_suffix(f".part{part}")
-            tmp = target.with_suffix(".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
-            if parts > 1 and part == parts - 1:
-                whole = recv_manifest(kind, oid)
-                tmp.write_bytes(whole.to_bytes())
-                os.replace(tmp, final)
-                for p in part_paths(kind, oid):
-                    p.unlink()
+            with manifest_files_lock:
+                if part == 0:  # a new transfer (the shadow, with its verified blocks, stays)
+                    final.unlink(missing_ok=True)
+                    for p in part_paths(kind, oid):
+                        p.unlink()
+                elif len(part_paths(kind, oid)) != part:
+                    raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
+                target = final if parts == 1 else final.with_suffix(f".part{part}")
+                tmp = target.with_suffix(".tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, target)
+                if parts > 1 and part == parts - 1:
+                    whole = Expectation.concat([Expectation.from_bytes(p.read_bytes(), oid)
+                                                for p in part_paths(kind, oid)])
+                    tmp.write_bytes(whole.to_bytes())
+                    os.replace(tmp, final)
+                    for p in part_paths(kind, oid):
+                        p.unlink()
             with open_shadow(store, kind, m) as shadow:
                 cache = store.hash_cache() if hash else None
                 needed = Receiver(m, shadow, f"{kind} {oid[:12]}", cache, dedupe=hash).plan()
