@@ -8,16 +8,19 @@ plugin, per-miss latency, read amplification).
 
 With ``--rate-kbit N [--rtt-ms M]`` the source agent runs in network
 namespace B and host B's commands in namespace A, joined by a link shaped
-with tbf and a delaying proxy (bench/netlink.py); 100000 is the LAN.
-
-Not yet here (next step): the 384 kbit/s run of every case, and the QEMU
-copy-on-read over NBD / plain remote NBD peers.
+with tbf and a delaying proxy (bench/netlink.py); 100000 is the LAN, 384
+with 20 ms the paper's DSL. Shaped runs add the peers (bench/nbd_peers.py:
+plain remote NBD, and QEMU copy-on-read over NBD) and count bytes on the
+link itself; results are written after every case, and a case that does not
+reach the marker within ``--case-timeout`` is reported as such.
 
     .venv/bin/python bench/demand_bench.py [--rate-kbit 100000 --rtt-ms 1]
+    .venv/bin/python bench/demand_bench.py --rate-kbit 384 --rtt-ms 20 --case-timeout 1800
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import RESULTS, table, write_result  # noqa: E402
 from capsule import capsules, demand, images, lifecycle, transfer  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from tests.conftest import Agent, _destroy_domains  # noqa: E402
@@ -59,9 +62,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate-kbit", type=int, default=0, help="shape the link (0: plain loopback)")
     ap.add_argument("--rtt-ms", type=float, default=1.0)
+    ap.add_argument("--case-timeout", type=float, default=3600.0,
+                    help="seconds a case may take to reach the boot marker (shaped runs)")
     args = ap.parse_args()
     if args.rate_kbit:
-        return shaped(args.rate_kbit, args.rtt_ms)
+        return shaped(args.rate_kbit, args.rtt_ms, args.case_timeout)
     work = Path(tempfile.mkdtemp(prefix="capsule-b3-"))
     stores: list[Store] = []
     agent = None
@@ -121,16 +126,22 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def shaped(rate_kbit: int, rtt_ms: float) -> None:
-    """The same cases with the source behind a shaped link; host B's commands run in namespace A."""
+class CaseFailed(RuntimeError):
+    """A command of one case failed (the bench goes on with the next case)."""
+
+
+def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
+    """The same cases with the source behind a shaped link, host B's commands in namespace A, and the
+    plain-NBD peers; bytes are counted on the link itself (both directions, headers included)."""
+    from bench.nbd_peers import NbdPeers
     from bench.netlink import SlowLink
 
     work = Path(tempfile.mkdtemp(prefix="capsule-b3-link-"))
     stores: list[Store] = []
+    name = f"demand_b3_{rate_kbit}kbit"
     try:
         _src, a, root = _source(work)
         stores.append(a)
-        a.close()
         rows, results = [], []
         with SlowLink(rate_kbit=rate_kbit, rtt_ms=rtt_ms) as link:
             link.spawn_b([*CLI, "--home", str(work / "a"), "serve", "--listen", f"{link.ip_b}:7070", "--token-file",
@@ -138,24 +149,39 @@ def shaped(rate_kbit: int, rtt_ms: float) -> None:
             link.wait_port_b(7070)
             url = link.url_b(7070)
             env = dict(os.environ, CAPSULE_TOKEN=(work / "a.token").read_text().strip(), PYTHONPATH=str(ROOT))
+            wait = ["--timeout", str(case_timeout)]
 
-            def cli(home: Path, *argv: str) -> tuple[float, dict]:
-                t = time.monotonic()
+            def cli(home: Path, *argv: str) -> dict:
                 r = link.exec_a([*CLI, "--home", str(home), *argv, "--json"], capture_output=True, text=True,
-                                env=env, timeout=3600)
+                                env=env, timeout=case_timeout + 600)
                 if r.returncode != 0:
-                    raise SystemExit(f"{argv}: {r.stderr}")
-                return time.monotonic() - t, json.loads(r.stdout)
+                    raise CaseFailed(f"{' '.join(argv)}: {r.stderr.strip()[-600:]}")
+                return json.loads(r.stdout)
 
-            def record(case: str, seconds: float, moved: int) -> None:
-                results.append({"case": case, "seconds_to_marker": round(seconds, 2), "bytes_moved": moved})
-                rows.append([case, f"{seconds:.1f}", f"{moved / 2**20:.1f}"])
+            def record(case: str, seconds: float | None, moved: int) -> None:
+                results.append({"case": case, "seconds_to_marker": None if seconds is None else round(seconds, 2),
+                                "bytes_moved": moved})
+                rows.append([case, f"{seconds:.1f}" if seconds is not None else f"> {case_timeout:.0f}",
+                             f"{moved / 2**20:.1f}"])
+                write_result(name, {"rate_kbit": rate_kbit, "rtt_ms": rtt_ms, "bytes": "on the link, both ways",
+                                    "results": results})
+
+            def timed(fn, *argv: str) -> tuple[float | None, int]:  # noqa: ANN001
+                """Seconds (None: failed or over the timeout, said on stderr) and bytes on the link."""
+                before, t = link.wire_bytes(), time.monotonic()
+                try:
+                    fn(*argv)
+                    seconds: float | None = time.monotonic() - t
+                except (CaseFailed, subprocess.TimeoutExpired) as exc:
+                    print(f"case failed: {exc}", file=sys.stderr)
+                    seconds = None
+                return seconds, link.wire_bytes() - before
 
             hb = work / "b-copy"
-            t1, pulled = cli(hb, "pull", url, "deb")
-            t2, _ = cli(hb, "start", "deb")
-            record("copy first", t1 + t2, pulled["wire_bytes"])
-            cli(hb, "stop", "deb", "--force")
+            seconds, moved = timed(lambda: (cli(hb, "pull", url, "deb"), cli(hb, "start", "deb", *wait)))
+            record("copy first", seconds, moved)
+            with contextlib.suppress(CaseFailed):
+                cli(hb, "stop", "deb", "--force")
             for case, primed in (("demand, cold", False), ("demand, primed cache", True)):
                 hb = work / f"b-{'primed' if primed else 'cold'}"
                 if primed:
@@ -164,20 +190,22 @@ def shaped(rate_kbit: int, rtt_ms: float) -> None:
                     b = Store.open(hb)
                     b.hash_cache().prime_paths([work / "other"])
                     b.close()
-                seconds, out = cli(hb, "run", "deb", "--from", url)
-                cli(hb, "stop", "deb", "--timeout", "120")
-                b = Store.open(hb)
-                stores.append(b)
-                record(case, seconds, out["transfer"]["wire_bytes"] + fetched(b, "deb"))
-                if not primed:
-                    seconds, _ = cli(hb, "start", "deb")
+                seconds, moved = timed(cli, hb, "run", "deb", "--from", url, *wait)
+                with contextlib.suppress(CaseFailed):
                     cli(hb, "stop", "deb", "--timeout", "120")
-                    record("second boot (demand)", seconds, fetched(b, "deb"))
-        path = write_result(f"demand_b3_{rate_kbit}kbit", {"rate_kbit": rate_kbit, "rtt_ms": rtt_ms,
-                                                            "results": results})
+                record(case, seconds, moved)
+                if not primed and seconds is not None:
+                    seconds, moved = timed(cli, hb, "start", "deb", *wait)
+                    with contextlib.suppress(CaseFailed):
+                        cli(hb, "stop", "deb", "--timeout", "120")
+                    record("second boot (demand)", seconds, moved)
+            peers = NbdPeers(link, a, "deb", work)
+            for case, cor in (("plain NBD, no cache", False), ("QEMU copy-on-read over NBD", True)):
+                seconds, moved = peers.boot(case, cor, case_timeout)
+                record(case, seconds, moved)
         table(f"B3: boot a remote Debian capsule over {rate_kbit} kbit/s, {rtt_ms:g} ms RTT",
-              ["case", "s to marker", "MiB moved"], rows)
-        print(f"→ {path}")
+              ["case", "s to marker", "MiB on the link"], rows)
+        print(f"→ {RESULTS / (name + '.json')}")
     finally:
         for s in stores:
             _destroy_domains(s)

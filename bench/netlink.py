@@ -15,6 +15,7 @@ LAN = 100 Mbit/s, 1 ms RTT.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -101,8 +102,8 @@ class SlowLink:
     def spawn_b(self, cmd: list[str], **kw) -> subprocess.Popen[bytes]:  # noqa: ANN003
         return self.spawn(self.ns_b, cmd, **kw)
 
-    def url_b(self, port: int) -> str:
-        """An http URL, valid inside A, for B's ``port`` through the delaying proxy."""
+    def proxy_b(self, port: int) -> int:
+        """A port on 127.0.0.1 inside A that reaches B's ``port`` through the delaying proxy."""
         if port not in self._proxies:
             local = 20000 + len(self._proxies)
             self.spawn_a([sys.executable, str(HERE / "delayproxy.py"), "--listen", f"127.0.0.1:{local}",
@@ -110,7 +111,18 @@ class SlowLink:
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._proxies[port] = local
             self._wait_port_a(local)
-        return f"http://127.0.0.1:{self._proxies[port]}"
+        return self._proxies[port]
+
+    def url_b(self, port: int) -> str:
+        """An http URL, valid inside A, for B's ``port`` through the delaying proxy."""
+        return f"http://127.0.0.1:{self.proxy_b(port)}"
+
+    def wire_bytes(self) -> int:
+        """Bytes that have crossed the link so far, both directions, Ethernet/IP/TCP headers included."""
+        out = subprocess.run(["ip", "-n", self.ns_a, "-j", "-s", "link", "show", "dev", self.veth_a],
+                             check=True, capture_output=True, text=True).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
 
     def _wait_port(self, host: str, port: int, timeout: float) -> None:
         """Wait until ``host:port`` accepts connections from inside A."""
