@@ -335,7 +335,7 @@ class RunReport:
 
 
 def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False, wait: bool = True,
-        opts: Options | None = None, progress: Progress | None = None,
+        timeout: float = 180.0, opts: Options | None = None, progress: Progress | None = None,
         say: Callable[[str], None] = lambda _m: None) -> RunReport:
     """Start ``NAME[@V]`` of the agent at ``url`` here without copying its disks: the memory image,
     kernel and initrd come first (HCP, eagerly: §4.1 explains why memory is not demand-paged), the
@@ -370,5 +370,5 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
         _row, report.recorded = record_version(store, record)
         report.wire_bytes = client.wire_bytes
     report.seconds = time.monotonic() - t0
-    started = lifecycle.start(store, report.version, prefetch=prefetch, wait=wait, say=say)
+    started = lifecycle.start(store, report.version, prefetch=prefetch, wait=wait, timeout=timeout, say=say)
     return RunReport(report, started, remote)

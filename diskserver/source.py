@@ -1,6 +1,7 @@
 """A tiny HCP client for the disk server: READ blocks of one layer from its source host's agent.
 
-Only the one call demand paging needs (§4.3, §4.4.3)::
+Only the one call demand paging needs (§4.3, §4.4.3), READ, over the agent's block stream (a WebSocket
+per thread, diskserver/stream.py) or, from an agent without one, over HTTP::
 
     POST {url}/v1/objects/layer/{id}/read?level=L&compress=true|false
          Authorization: Bearer TOKEN
@@ -21,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from websockets.exceptions import WebSocketException
 
 from diskserver.errors import SourceError, SourceUnavailable
+from diskserver.stream import BlockStream, StreamRefused, StreamUnsupported
 from hashcache.errors import HashcacheError
 from hashcache.hcp import MAX_BATCH, encode_indices, unpack_blocks
 
@@ -62,6 +65,7 @@ class HcpSource:
         request_timeout: float = 30.0,
         compress: bool = True,
         level: int = 1,
+        stream: bool = True,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise SourceError(f"source URL {url!r} must start with http:// or https://")
@@ -81,8 +85,11 @@ class HcpSource:
             timeout=httpx.Timeout(request_timeout, connect=min(5.0, request_timeout)),
             limits=httpx.Limits(max_connections=16, max_keepalive_connections=16),
         )
+        self._stream: BlockStream | None = BlockStream(self.url, request_timeout) if stream else None
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._client.close()
 
     def __repr__(self) -> str:
@@ -97,47 +104,39 @@ class HcpSource:
             return ReadResult([], 0, 0)
         if len(indices) > MAX_BATCH:
             raise ValueError(f"at most {MAX_BATCH} blocks per READ, not {len(indices)}")
-        body = encode_indices(indices)
-        path = f"/v1/objects/layer/{layer_id}/read"
-        params = {"level": str(self.level), "compress": "true" if self.compress else "false"}
         what = f"layer {layer_id[:12]}: source {self.url}"
         start = time.monotonic()
         deadline = start + self.retry_seconds
         delay = self.initial_delay
         attempts = 0
         reauthed = False
-        last_error = ""
         while True:
             attempts += 1
-            remaining = deadline - time.monotonic()
-            timeout = max(0.5, min(self.request_timeout, remaining))
+            timeout = max(0.5, min(self.request_timeout, deadline - time.monotonic()))
             try:
-                resp = self._client.post(path, params=params, content=body, headers=self._auth(),
-                                         timeout=httpx.Timeout(timeout, connect=min(5.0, timeout)))
-            except httpx.TransportError as exc:
-                last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            else:
-                if resp.status_code == 200:
-                    wire = _wire_bytes(resp, len(body))
-                    try:
-                        blocks = unpack_blocks(resp.content, len(indices), compressed=self.compress)
-                    except HashcacheError as exc:
-                        raise SourceError(f"{what} sent a malformed answer for {len(indices)} block(s) from "
-                                          f"block {indices[0]}: {exc}") from exc
-                    if attempts > 1:
-                        log.warning("%s is answering again (after %d attempts, %.1f s)", what, attempts,
-                                    time.monotonic() - start)
-                    return ReadResult(blocks, wire, attempts)
-                if resp.status_code == 401 and not reauthed:
+                payload, wire = self._read_once(layer_id, indices, timeout)
+            except _Refused as exc:
+                if exc.status == 401 and not reauthed:
                     reauthed = True  # the token may have been rotated: read the file again, once
                     with contextlib.suppress(SourceError):
                         self._token = read_token(self.token_file)
                     continue
-                detail = _detail(resp)
-                if resp.status_code not in _TRANSIENT_STATUS:
+                if exc.status not in _TRANSIENT_STATUS:
                     raise SourceError(f"{what} refused to send {len(indices)} block(s) from block {indices[0]}: "
-                                      f"HTTP {resp.status_code}: {detail}")
-                last_error = f"HTTP {resp.status_code}: {detail}"
+                                      f"HTTP {exc.status}: {exc.detail}") from None
+                last_error = f"HTTP {exc.status}: {exc.detail}"
+            except _Transient as exc:
+                last_error = str(exc)
+            else:
+                try:
+                    blocks = unpack_blocks(payload, len(indices), compressed=self.compress)
+                except HashcacheError as exc:
+                    raise SourceError(f"{what} sent a malformed answer for {len(indices)} block(s) from "
+                                      f"block {indices[0]}: {exc}") from exc
+                if attempts > 1:
+                    log.warning("%s is answering again (after %d attempts, %.1f s)", what, attempts,
+                                time.monotonic() - start)
+                return ReadResult(blocks, wire, attempts)
             now = time.monotonic()
             if attempts == 1:
                 log.warning("%s: %s; retrying for up to %.1f s", what, last_error, self.retry_seconds)
@@ -147,6 +146,44 @@ class HcpSource:
                     f"be fetched within {self.retry_seconds:g} s ({attempts} attempts; last error: {last_error})")
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 2, self.max_delay)
+
+    def _read_once(self, layer_id: str, indices: list[int], timeout: float) -> tuple[bytes, int]:
+        """One READ: over the block stream while the agent has one, else over HTTP. (payload, wire bytes)."""
+        if self._stream is not None:
+            try:
+                return self._stream.read(self._token, "layer", layer_id, indices,
+                                         self.level if self.compress else 0, timeout)
+            except StreamUnsupported:
+                log.info("source %s has no block stream: READs go over HTTP", self.url)
+                self._stream = None
+            except StreamRefused as exc:
+                raise _Refused(exc.status, exc.detail) from None
+            except HashcacheError as exc:
+                raise SourceError(f"layer {layer_id[:12]}: source {self.url} sent a malformed stream reply: "
+                                  f"{exc}") from exc
+            except (OSError, TimeoutError, WebSocketException) as exc:
+                raise _Transient(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+        body = encode_indices(indices)
+        params = {"level": str(self.level), "compress": "true" if self.compress else "false"}
+        try:
+            resp = self._client.post(f"/v1/objects/layer/{layer_id}/read", params=params, content=body,
+                                     headers=self._auth(), timeout=httpx.Timeout(timeout, connect=min(5.0, timeout)))
+        except httpx.TransportError as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+        if resp.status_code != 200:
+            raise _Refused(resp.status_code, _detail(resp))
+        return resp.content, _wire_bytes(resp, len(body))
+
+
+class _Transient(Exception):
+    """Connection refused or reset, a timeout: worth another try."""
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -6,6 +6,8 @@ HCP calls (stateless, §4.4.3)::
     GET  /v1/objects/{kind}/{id}                 LOOKUP: manifest header (+ role of a file object)
     GET  /v1/objects/{kind}/{id}/records         READ-HASH: ?start=&count= raw records, zstd
     POST /v1/objects/{kind}/{id}/read            READ: body = varint block indices → zstd blocks
+    WS   /v1/objects/stream                      READ, many per connection (demand paging's misses;
+                                                 wire format in hashcache/hcp.py)
 
 Receiving (push) — state lives in the object's shadow on disk, not in memory::
 
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import zstandard
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from capsule import __version__ as capsule_version
@@ -59,7 +61,9 @@ from hashcache.hcp import (
     Receiver,
     compact_records,
     decode_indices,
+    decode_stream_read,
     encode_indices,
+    encode_stream_error,
     header_of,
     pack_blocks,
     unpack_blocks,
@@ -196,6 +200,47 @@ def create_app(home: Path, token: str) -> FastAPI:
         payload = await asyncio.to_thread(work)
         return Response(payload, media_type="application/octet-stream",
                         headers={"X-Capsule-Blocks": str(len(indices))})
+
+    @app.websocket("/v1/objects/stream")
+    async def stream(ws: WebSocket) -> None:
+        """READ requests over one WebSocket. A refusal is a reply, and the connection stays usable."""
+        if not hmac.compare_digest(ws.headers.get("authorization", "").encode(), expected):
+            # a 401 like every other call (a plain close before accept would be a 403, which is also
+            # what any server without this route answers: clients take that for "no stream here")
+            if "websocket.http.response" in ws.scope.get("extensions", {}):
+                await ws.send_denial_response(JSONResponse({"detail": "missing or wrong bearer token"},
+                                                           status_code=401))
+            else:
+                await ws.close(code=1008)
+            return
+        await ws.accept()
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    return
+                if msg.get("bytes") is None:
+                    await ws.close(code=1003, reason="binary messages only")
+                    return
+                try:
+                    reply = b"\x00" + await stream_read(msg["bytes"])
+                except (CapsuleError, HashcacheError) as exc:
+                    reply = encode_stream_error(str(exc), type(exc).__name__, _status(exc))
+                await ws.send_bytes(reply)
+        except WebSocketDisconnect:
+            return
+
+    async def stream_read(msg: bytes) -> bytes:
+        kind, oid, level, raw = decode_stream_read(msg)
+        check_object_id(oid)
+        m = manifest_of(kind, oid)
+        indices = decode_indices(raw, m.block_count)
+
+        def work() -> bytes:
+            return pack_blocks(readers.get(kind, oid).read(indices), level=level or 1, compress=level > 0)
+
+        # a miss's few blocks come from the page cache in microseconds: a thread hop would cost more
+        return work() if len(indices) <= 16 else await asyncio.to_thread(work)
 
     # -- receiving ------------------------------------------------------------
     # Open receivers are a cache (rebuilt from the shadow and manifest on disk

@@ -188,6 +188,8 @@ def run(
                                                               "background, so the capsule stops depending "
                                                               "on the source host.")] = False,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until a booting guest is up.")] = True,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest (a boot over a slow "
+                                                             "link reads its disk at the link's speed).")] = 180.0,
     token_file: TokenOpt = None, json: JsonOpt = False,
 ) -> None:
     """Start a capsule of another host here at once: memory first, disk blocks as the guest reads them (§4.3)."""
@@ -196,7 +198,8 @@ def run(
     from capsule.cli.common import progress as spinner
 
     with spinner(f"running {name} from {source}") as say:
-        r = transfer.run(store, source, name, read_token(token_file), prefetch=prefetch, wait=wait, say=say)
+        r = transfer.run(store, source, name, read_token(token_file), prefetch=prefetch, wait=wait, timeout=timeout,
+                          say=say)
     data = {"transfer": r.transfer.as_dict(), "remote_layers": r.remote_layers, "mode": r.start.mode,
             "domain": r.start.domain, "seconds": round(r.start.seconds, 3)}
     emit(data, lambda: console.print(
