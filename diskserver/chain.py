@@ -869,14 +869,23 @@ class Chain:
 
     def _read_remote(self, pieces: list[tuple[_Layer, int, int, memoryview]], end: int, window: int) -> None:
         misses: dict[int, list[int]] = {}
+        got: dict[int, dict[int, bytes]] = {}
         for layer, b, e, _v in pieces:
             if not layer.all_present(b, e):
                 absent = [j for j in range(b, e) if not layer.has(j)]
                 self._refresh_presence(layer, absent)
                 absent = [j for j in absent if not layer.has(j)]
+                if absent and layer.pending:
+                    # fetched but not yet persisted: a hit served from memory, not a miss (a miss would
+                    # also wait for a read-ahead request of its own)
+                    with self._lock:
+                        pending = layer.pending
+                        held = {j: pending[j] for j in absent if j in pending}
+                    if held:
+                        got.setdefault(layer.pos, {}).update(held)
+                        absent = [j for j in absent if j not in held]
                 if absent:
                     misses.setdefault(layer.pos, []).extend(absent)
-        got: dict[int, dict[int, bytes]] = {}
         if misses:
             t0 = time.monotonic_ns()
             with self._lock:
@@ -885,7 +894,7 @@ class Chain:
                 for pos, want in misses.items():
                     layer = self.layers[pos]
                     extra = self._readahead(layer, end, window) if window else []
-                    got[pos] = self._obtain(layer, want, extra, prefetch=False, need_data=True)
+                    got.setdefault(pos, {}).update(self._obtain(layer, want, extra, prefetch=False, need_data=True))
             finally:
                 with self._lock:
                     self._fg_busy -= 1

@@ -1,4 +1,4 @@
-"""READ over the agent's block stream: one WebSocket per thread, many small requests on each.
+"""READ over the agent's block stream: a pool of WebSocket connections, many small requests on each.
 
 A demand-paging miss is a READ of a few blocks that the guest waits on. Over HTTP each costs ~0.5 ms of
 request handling at each end and ~300 bytes of headers; over a WebSocket a message costs tens of

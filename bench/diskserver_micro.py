@@ -1,0 +1,48 @@
+"""The disk server's micro figures (diskserver/bench_micro.py), kept in bench/results/diskserver_micro.json:
+cached throughput vs nbdkit's file plugin on the same data (goal >= 0.7x), per-miss latency on loopback
+(goal <= 200 us), read amplification of random 4 KiB reads (goal <= 1.1x).
+
+    .venv/bin/python bench/diskserver_micro.py [--size-mib 128] [--misses 400]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import table, write_result  # noqa: E402
+from diskserver import bench_micro  # noqa: E402
+
+
+def main() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench_micro.main(sys.argv[1:])
+    result = json.loads(out.getvalue())
+    path = write_result("diskserver_micro", result)
+    tp, lat = result.get("throughput", {}), result.get("latency", {})
+    rows = [[f"cached reads, {what}", tp.get("diskserver", {}).get(key), tp.get("file_plugin", {}).get(key),
+             tp.get(f"ratio_{key.removesuffix('_MBps')}")]
+            for what, key in (("1 MiB x4 in flight", "qemu_img_bench_MBps"),
+                              ("64 KiB x4 in flight", "qemu_img_bench_64k_MBps"),
+                              ("qemu-img convert", "qemu_img_convert_MBps"))]
+    table("Disk server: cached throughput (MB/s)", ["reads", "disk server", "nbdkit file", "ratio (goal >= 0.7)"],
+          rows)
+    if "write_behind" in lat:
+        wb = lat["write_behind"]
+        table("Disk server: misses on loopback", ["figure", "value"], [
+            ["miss, median (goal <= 200 us)", f"{wb['miss']['median_us']} us"],
+            ["hit, median", f"{wb['hit']['median_us']} us"],
+            ["bare READ of one block (the agent's share)", f"{lat['hcp_read_1_block']['median_us']} us"],
+            ["read amplification (goal <= 1.1)", wb["read_amplification"]]])
+    print(f"→ {path}")
+
+
+if __name__ == "__main__":
+    main()
