@@ -233,7 +233,9 @@ def create_app(home: Path, token: str) -> FastAPI:
     async def stream_read(msg: bytes) -> bytes:
         kind, oid, level, raw = decode_stream_read(msg)
         check_object_id(oid)
-        m = manifest_of(kind, oid)
+        m = manifests.get((kind, oid))  # read from disk (in a thread) only the first time
+        if m is None:
+            m = await asyncio.to_thread(manifest_of, kind, oid)
         indices = decode_indices(raw, m.block_count)
 
         def work() -> bytes:
