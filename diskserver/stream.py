@@ -12,11 +12,17 @@ WebSockets), and lets ``OSError``/``websockets`` errors through as transient: th
 
 from __future__ import annotations
 
+import collections
+import socket
+import ssl
 import threading
 from dataclasses import dataclass
 
+from websockets.client import ClientProtocol
 from websockets.exceptions import InvalidStatus
-from websockets.sync.client import ClientConnection, connect
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Response
+from websockets.uri import parse_uri
 
 from hashcache.hcp import decode_stream_reply, encode_stream_read
 
@@ -36,6 +42,75 @@ class StreamRefused(Exception):
         return f"HTTP {self.status}: {self.detail}"
 
 
+class _Connection:
+    """One WebSocket on a plain socket, driven entirely by the calling thread (websockets' sans-I/O
+    protocol): no reader thread to hand each reply over, which costs a GIL round trip per READ."""
+
+    def __init__(self, ws_url: str, token: str, timeout: float) -> None:
+        uri = parse_uri(ws_url)
+        sock = socket.create_connection((uri.host, uri.port), timeout=min(5.0, timeout))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if uri.secure:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=uri.host)
+            self.sock = sock
+            self.proto = ClientProtocol(uri, max_size=64 << 20)
+            self._events: collections.deque[object] = collections.deque()
+            request = self.proto.connect()
+            request.headers["Authorization"] = f"Bearer {token}"
+            request.headers["User-Agent"] = "capsule-diskserver"
+            self.proto.send_request(request)
+            self._flush()
+            while True:
+                event = self._next_event(timeout)
+                if isinstance(event, Response):
+                    break
+            if self.proto.handshake_exc is not None:
+                raise self.proto.handshake_exc
+        except BaseException:
+            sock.close()
+            raise
+
+    def _flush(self) -> None:
+        for chunk in self.proto.data_to_send():
+            if chunk:
+                self.sock.sendall(chunk)
+
+    def _next_event(self, timeout: float) -> object:
+        self.sock.settimeout(timeout)
+        while not self._events:
+            data = self.sock.recv(1 << 20)
+            if data:
+                self.proto.receive_data(data)
+            else:
+                self.proto.receive_eof()
+            self._flush()  # e.g. the pong to a ping
+            self._events.extend(self.proto.events_received())
+            if not data and not self._events:
+                raise ConnectionError("the agent closed the block stream")
+        return self._events.popleft()
+
+    def exchange(self, message: bytes, timeout: float) -> bytes:
+        """Send one binary message and return the binary reply."""
+        self.proto.send_binary(message)
+        self._flush()
+        parts: list[bytes] = []
+        while True:
+            frame = self._next_event(timeout)
+            if not isinstance(frame, Frame) or frame.opcode in (Opcode.PING, Opcode.PONG):
+                continue
+            if frame.opcode == Opcode.CLOSE:
+                raise ConnectionError("the agent closed the block stream")
+            if frame.opcode == Opcode.TEXT:
+                raise StreamRefused(502, "a text message on the block stream")
+            parts.append(frame.data)
+            if frame.fin:
+                return b"".join(parts)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class BlockStream:
     """A pool of WebSocket connections to one agent's ``/v1/objects/stream``: a READ takes an idle one
     (or opens one), and gives it back once answered. (Not thread-local: nbdkit's Python plugin gives a
@@ -47,20 +122,17 @@ class BlockStream:
             "/v1/objects/stream"
         self.timeout = timeout
         self.max_idle = max_idle
-        self._idle: list[ClientConnection] = []
+        self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def _take(self, token: str, timeout: float) -> tuple[ClientConnection, int]:
+    def _take(self, token: str, timeout: float) -> tuple[_Connection, int]:
         """An idle connection, or a new one; and the bytes opening it cost."""
         with self._lock:
             if self._idle:
                 return self._idle.pop(), 0
         try:
-            conn = connect(self.ws_url, additional_headers={"Authorization": f"Bearer {token}"},
-                           compression=None, user_agent_header="capsule-diskserver", proxy=None,
-                           open_timeout=min(5.0, timeout), close_timeout=1, max_size=64 << 20,
-                           ping_interval=None, legacy=True)
+            conn = _Connection(self.ws_url, token, timeout)
         except InvalidStatus as exc:
             status = exc.response.status_code
             if status == 401:
@@ -71,7 +143,7 @@ class BlockStream:
             raise StreamUnsupported(f"{self.ws_url}: no block stream here (HTTP {status})") from exc
         return conn, 400  # the upgrade request and answer, about
 
-    def _give_back(self, conn: ClientConnection) -> None:
+    def _give_back(self, conn: _Connection) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self.max_idle:
                 self._idle.append(conn)
@@ -84,14 +156,10 @@ class BlockStream:
         request = encode_stream_read(kind, oid, indices, level)
         conn, opening = self._take(token, timeout)
         try:
-            conn.send(request)
-            reply = conn.recv(timeout=timeout)
+            reply = conn.exchange(request, timeout)
         except BaseException:
             conn.close()  # a half-answered connection cannot be reused
             raise
-        if isinstance(reply, str):
-            conn.close()
-            raise StreamRefused(502, "a text message on the block stream")
         self._give_back(conn)
         payload, err = decode_stream_reply(reply)
         wire = opening + len(request) + len(reply) + 2 * _FRAME
