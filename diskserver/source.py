@@ -85,7 +85,7 @@ class HcpSource:
             timeout=httpx.Timeout(request_timeout, connect=min(5.0, request_timeout)),
             limits=httpx.Limits(max_connections=16, max_keepalive_connections=16),
         )
-        self._stream: BlockStream | None = BlockStream(self.url, request_timeout) if stream else None
+        self._stream: BlockStream | None = BlockStream(self.url) if stream else None
 
     def close(self) -> None:
         if self._stream is not None:

@@ -116,11 +116,10 @@ class BlockStream:
     (or opens one), and gives it back once answered. (Not thread-local: nbdkit's Python plugin gives a
     worker thread a fresh Python thread state per call, which would open a connection per READ.)"""
 
-    def __init__(self, url: str, timeout: float, max_idle: int = 16) -> None:
+    def __init__(self, url: str, max_idle: int = 16) -> None:
         base = url.rstrip("/")
         self.ws_url = ("wss://" + base[8:] if base.startswith("https://") else "ws://" + base[7:]) + \
             "/v1/objects/stream"
-        self.timeout = timeout
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()

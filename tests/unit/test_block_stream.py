@@ -64,7 +64,7 @@ def test_stream_sends_the_same_verified_blocks_as_http(host_a):
 def test_sequential_reads_reuse_one_connection_and_threads_share_a_pool(host_a):
     agent, token_file, layer, manifest = host_a
     want = _data_blocks(manifest, 64)
-    stream = BlockStream(agent.url, timeout=10)
+    stream = BlockStream(agent.url)
     token = token_file.read_text().strip()
     opened = [stream.read(token, "layer", layer, [i], 1, 10)[1] >= 400 for i in want[:20]]
     assert opened == [True] + [False] * 19  # only the first READ paid for the handshake
@@ -94,7 +94,7 @@ def test_wrong_token_is_refused_at_once_not_retried(host_a, tmp_path):
     bad = tmp_path / "bad.token"
     bad.write_text("x" * 32)
     with pytest.raises(StreamRefused) as exc:
-        BlockStream(agent.url, timeout=5).read("x" * 32, "layer", layer, [0], 1, 5)
+        BlockStream(agent.url).read("x" * 32, "layer", layer, [0], 1, 5)
     assert exc.value.status == 401
     src = HcpSource(agent.url, bad, retry_seconds=30)
     with pytest.raises(SourceError, match="HTTP 401"):
