@@ -434,6 +434,9 @@ class _Layer:
         return True
 
 
+_PERSIST_LINGER = 0.02  # seconds the persister gathers fetched blocks before writing them
+
+
 def _record_keys(m: Manifest) -> array[int]:
     keys = array("Q")
     if keys.itemsize == 8 and sys.byteorder == "little":
@@ -495,6 +498,7 @@ class Chain:
         self._fg_last = 0.0
         self._ra_ends: deque[int] = deque(maxlen=8)
         self._ra_window = 0
+        self._flushing = 0  # threads waiting in flush()
         self._last_error: str | None = None
         self._opened_at = time.time()
         self.write_behind = spec.write_behind and background
@@ -1141,6 +1145,12 @@ class Chain:
                     self._cv.wait()
                 if not self._queue:
                     return
+                # Linger a moment so that one wake-up persists a burst of misses: waking (and taking
+                # the GIL) once per miss made every miss pay for the previous one's persisting.
+                until = time.monotonic() + _PERSIST_LINGER
+                while (self._pending_total < self.spec.max_pending_blocks // 2 and not self._flushing
+                       and not self._stopping.is_set() and (left := until - time.monotonic()) > 0):
+                    self._cv.wait(left)
                 work = self._queue
                 self._queue = []
                 self._persisting += 1
@@ -1170,13 +1180,18 @@ class Chain:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._persisting:
-                if not any(t.is_alive() for t in self._threads):
-                    return False
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left if left is not None else 1.0)
+            self._flushing += 1  # the persister stops lingering
+            self._cv.notify_all()
+            try:
+                while self._queue or self._persisting:
+                    if not any(t.is_alive() for t in self._threads):
+                        return False
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cv.wait(left if left is not None else 1.0)
+            finally:
+                self._flushing -= 1
         return True
 
     # -- extents and cache requests ----------------------------------------------------------------
