@@ -43,6 +43,9 @@ bench: setup
 	$(PY) bench/hashcache_micro.py
 	$(PY) bench/suspend_resume.py
 	$(PY) bench/hcp_bench.py
+	$(PY) bench/balloon_bench.py
+	$(PY) bench/diskserver_micro.py
+	$(PY) bench/demand_bench.py --rate-kbit 100000 --rtt-ms 1
 
 clean-venv:
 	rm -rf $(VENV)
