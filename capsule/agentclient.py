@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,11 @@ def read_token(token_file: Path | None) -> str:
     return token
 
 
+_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0)
+# a connection that stalled or broke (a refused connection or an unknown host fails at once)
+_STALLED = (httpx.TimeoutException, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 class AgentClient:
     def __init__(self, url: str, token: str, timeout: float = 120.0) -> None:
         if not url.startswith(("http://", "https://")):
@@ -50,7 +56,7 @@ class AgentClient:
         self._client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}",
                                                                 "User-Agent": "capsule", "Accept": "*/*",
                                                                 "Accept-Encoding": "identity"},
-                                    timeout=httpx.Timeout(timeout, connect=10.0),
+                                    timeout=httpx.Timeout(timeout, connect=30.0),
                                     limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
         self._lock = threading.Lock()
         self.wire_bytes = 0
@@ -73,15 +79,25 @@ class AgentClient:
         return n
 
     def request(self, method: str, path: str, *, content: bytes | None = None, json_body: Any = None,
-                params: dict[str, Any] | None = None) -> httpx.Response:
-        try:
-            if json_body is not None:
-                content = json.dumps(json_body).encode()
-            resp = self._client.request(method, path, content=content, params=params,
-                                        headers={"Content-Type": "application/json"} if json_body is not None
-                                        else None)
-        except httpx.TransportError as exc:
-            raise Unreachable(f"cannot reach the agent at {self.url}: {exc}") from exc
+                params: dict[str, Any] | None = None, idempotent: bool | None = None) -> httpx.Response:
+        """One call. An idempotent one (GETs, unless told otherwise) whose connection stalls or breaks — a
+        timeout or a reset: on a congested slow link TCP can stall a connection for minutes — is tried
+        again with back-off (1, 2, 4, 8, 16 s) before :class:`Unreachable`."""
+        if json_body is not None:
+            content = json.dumps(json_body).encode()
+        retries = len(_RETRY_DELAYS) if (method == "GET" if idempotent is None else idempotent) else 0
+        for attempt in range(retries + 1):
+            try:
+                resp = self._client.request(method, path, content=content, params=params,
+                                            headers={"Content-Type": "application/json"} if json_body is not None
+                                            else None)
+                break
+            except httpx.TransportError as exc:
+                if attempt == retries or not isinstance(exc, _STALLED):
+                    tries = f" ({attempt + 1} attempts)" if attempt else ""
+                    raise Unreachable(f"cannot reach the agent at {self.url}{tries}: {str(exc) or type(exc).__name__}"
+                                      ) from exc
+                time.sleep(_RETRY_DELAYS[attempt])
         self._count(resp.request, resp)
         if resp.status_code >= 400:
             try:

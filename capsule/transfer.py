@@ -174,7 +174,8 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
         def fetch(batch: list[int]) -> None:
             resp = client.request("POST", f"/v1/objects/{kind}/{oid}/read", content=encode_indices(batch),
-                                  params={"level": opts.level, "compress": str(opts.compress).lower()})
+                                  params={"level": opts.level, "compress": str(opts.compress).lower()},
+                                  idempotent=True)
             try:
                 blocks = unpack_blocks(resp.content, len(batch), compressed=opts.compress)
                 receiver.accept(batch, blocks, on_progress=progress.advance)
@@ -252,7 +253,7 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
         idx = encode_indices(batch)
         payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
         client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=struct.pack("<I", len(idx)) + idx + payload,
-                       params={"compress": str(opts.compress).lower()})
+                       params={"compress": str(opts.compress).lower()}, idempotent=True)  # verified blocks
         stats.add(fetched_bytes=len(batch) * BLOCK_SIZE, requests=1)
         progress.advance(len(batch) * BLOCK_SIZE)
         progress.wire(client.wire_bytes)

@@ -37,5 +37,7 @@ def serve(home: Path, listen: str, token_file: Path) -> None:
     host, port = parse_listen(listen)
     app = create_app(home, ensure_token(token_file))
     uvicorn.run(app, host=host, port=port, log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
-                access_log=False,
-                server_header=False, date_header=False)
+                access_log=False, server_header=False, date_header=False,
+                # keep idle connections well past a batch's round trip on a slow link: reopening one
+                # there means a SYN that may wait behind a full queue
+                timeout_keep_alive=75)
