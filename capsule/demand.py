@@ -25,6 +25,7 @@ from capsule.errors import NotFound
 from capsule.store import Store
 from diskserver import ChainSpec, DiskServer, LayerSpec, RemoteSpec, RetrySpec
 from diskserver.chain import ReadaheadSpec
+from hashcache.atomic import write_atomic
 from hashcache.manifest import Manifest
 from hashcache.shadow import Shadow
 
@@ -57,11 +58,7 @@ def token_file_for(store: Store, url: str, token: str) -> Path:
     """The token for ``url``, kept 0600 beside the remote manifests (the disk server reads it)."""
     path = remote_dir(store) / f"token-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
     if not path.exists() or path.read_text().strip() != token:
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, (token + "\n").encode(), durable=False, mode=0o600)
     return path
 
 
@@ -72,9 +69,7 @@ def add_remote_layer(store: Store, manifest: Manifest, url: str, token: str) -> 
         manifest.write(remote_manifest_path(store, lid))
     info = {"id": lid, "parent": manifest.parent, "url": url, "token_file": str(token_file_for(store, url, token)),
             "virtual_size": manifest.size, "added": time.time()}
-    tmp = remote_info_path(store, lid).with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, remote_info_path(store, lid))
+    write_atomic(remote_info_path(store, lid), json.dumps(info).encode(), durable=False)
 
 
 def remote_info(store: Store, layer_id: str) -> dict[str, Any]:

@@ -211,6 +211,16 @@ def _fetch_record(client: AgentClient, ref: str) -> dict[str, Any]:
         raise TransferFailed(f"the agent at {client.url} sent a malformed version record: {exc}") from exc
 
 
+def _pull_missing(store: Store, client: AgentClient, report: TransferReport, items: list[tuple[str, str, str]],
+                  opts: Options, progress: Progress) -> None:
+    """Pull each (kind, id, role) this store lacks; the rest are recorded as skipped."""
+    for kind, oid, role in items:
+        if has_object(store, kind, oid):
+            report.skipped.append(oid)
+        else:
+            report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress))
+
+
 def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = None,
          progress: Progress | None = None) -> TransferReport:
     """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store``."""
@@ -221,11 +231,8 @@ def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = No
         record = _fetch_record(client, ref)
         report = TransferReport("pull", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
-        for kind, oid, role in [("layer", lid, "layer") for lid in layers] + [("file", f, ro) for f, ro in files]:
-            if has_object(store, kind, oid):
-                report.skipped.append(oid)
-                continue
-            report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress))
+        _pull_missing(store, client, report, [("layer", lid, "layer") for lid in layers]
+                      + [("file", f, ro) for f, ro in files], opts, progress)
         _row, report.recorded = record_version(store, record)
         report.wire_bytes = client.wire_bytes
     report.seconds = time.monotonic() - t0
@@ -350,11 +357,7 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
         record = _fetch_record(client, ref)
         report = TransferReport("run", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
-        for fid, role in files:
-            if has_object(store, "file", fid):
-                report.skipped.append(fid)
-            else:
-                report.objects.append(_pull_object(store, client, "file", fid, role, opts, progress))
+        _pull_missing(store, client, report, [("file", f, ro) for f, ro in files], opts, progress)
         remote: list[str] = []
         for lid in layers:
             if has_object(store, "layer", lid) or demand.is_remote(store, lid):

@@ -7,16 +7,16 @@ import os
 import tempfile
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> None:
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = True, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix. With
-    ``durable`` the data and the rename are fsynced too. The file is 0644 (mkstemp makes 0600)."""
+    ``durable`` the data and the rename are fsynced too. The file gets ``mode`` (0644 unless told)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
+            os.fchmod(f.fileno(), mode)
             f.write(data)
             if durable:
                 f.flush()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import os
 import struct
 import threading
 from collections import OrderedDict
@@ -52,6 +51,7 @@ from capsule.objectio import (
     open_shadow,
 )
 from capsule.store import Store
+from hashcache.atomic import write_atomic
 from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
 from hashcache.hcp import (
     MAX_BATCH,
@@ -99,17 +99,22 @@ def create_app(home: Path, token: str) -> FastAPI:
     manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
     manifests_lock = threading.Lock()
 
-    def manifest_of(kind: str, oid: str) -> Manifest:
-        """Sealed objects never change: their manifests are read (and checked) once."""
+    def cached_manifest(kind: str, oid: str) -> Manifest | None:
         key = (kind, oid)
         with manifests_lock:
             m = manifests.get(key)
             if m is not None:
                 manifests.move_to_end(key)
-                return m
+            return m
+
+    def manifest_of(kind: str, oid: str) -> Manifest:
+        """Sealed objects never change: their manifests are read (and checked) once."""
+        m = cached_manifest(kind, oid)
+        if m is not None:
+            return m
         m = object_manifest(store, kind, oid)
         with manifests_lock:
-            manifests[key] = m
+            manifests[(kind, oid)] = m
             while len(manifests) > 64:
                 manifests.popitem(last=False)
         return m
@@ -233,7 +238,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     async def stream_read(msg: bytes) -> bytes:
         kind, oid, level, raw = decode_stream_read(msg)
         check_object_id(oid)
-        m = manifests.get((kind, oid))  # read from disk (in a thread) only the first time
+        m = cached_manifest(kind, oid)  # read from disk (in a thread) only the first time
         if m is None:
             m = await asyncio.to_thread(manifest_of, kind, oid)
         indices = decode_indices(raw, m.block_count)
@@ -351,14 +356,11 @@ def create_app(home: Path, token: str) -> FastAPI:
                 elif len(part_paths(kind, oid)) != part:
                     raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
                 target = final if parts == 1 else final.with_suffix(f".part{part}")
-                tmp = target.with_suffix(".tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, target)
+                write_atomic(target, data, durable=False)
                 if parts > 1 and part == parts - 1:
                     whole = Expectation.concat([Expectation.from_bytes(p.read_bytes(), oid)
                                                 for p in part_paths(kind, oid)])
-                    tmp.write_bytes(whole.to_bytes())
-                    os.replace(tmp, final)
+                    write_atomic(final, whole.to_bytes(), durable=False)
                     for p in part_paths(kind, oid):
                         p.unlink()
             with open_shadow(store, kind, m) as shadow:

@@ -21,6 +21,7 @@ from capsule.errors import CapsuleError
 from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import wait_for_marker
 from capsule.runtime.domainxml import MachineSpec, build
+from hashcache.atomic import write_atomic
 
 PROBE_TIMEOUT = 20.0
 
@@ -93,8 +94,5 @@ def decide(cache: Path, probe_image: tuple[Path, Path, str, str] | None, refresh
         return decision  # not cached: probe once the image exists
     ok, why = probe_kvm(*probe_image)
     decision = AccelDecision("kvm" if ok else "tcg", why, boot, time.time())
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(decision)))
-    os.replace(tmp, cache)
+    write_atomic(cache, json.dumps(asdict(decision)).encode(), durable=False)
     return decision
