@@ -67,6 +67,7 @@ _SHIFT = 12
 assert 1 << _SHIFT == BLOCK_SIZE
 _MASK = BLOCK_SIZE - 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")  # ASCII only: \w would take any script's letters
 _ZEROS = memoryview(bytes(4 << 20))
 _FF = b"\xff" * 4096
 
@@ -205,8 +206,9 @@ class ChainSpec:
             raise SpecError("max_pending_blocks must be a positive integer")
         if not isinstance(self.stats_interval, int | float) or self.stats_interval <= 0:
             raise SpecError("stats_interval must be a positive number")
-        if self.name is not None and (not isinstance(self.name, str) or not re.fullmatch(r"[\w.-]{1,100}", self.name)):
-            raise SpecError(f"name {self.name!r} must be 1-100 letters, digits, '.', '_' or '-'")
+        if self.name is not None and (not isinstance(self.name, str) or not _NAME.fullmatch(self.name)):
+            raise SpecError(f"name {self.name!r} must be 1-100 ASCII letters, digits, '.', '_' or '-', "
+                            "starting with a letter, digit or '_'")
 
     # -- derived -----------------------------------------------------------------------------------
 

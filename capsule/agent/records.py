@@ -7,7 +7,7 @@ from typing import Any
 
 from capsule.catalogue import CapsuleRow, VersionRow
 from capsule.errors import Conflict, InvalidName, NotFound
-from capsule.names import check_name, check_object_id
+from capsule.names import check_name, check_object_id, check_uuid
 from capsule.store import Store
 
 CONFIG_KEYS = {"memory_mib": int, "vcpus": int, "kernel": str, "initrd": str, "cmdline": str, "marker": str}
@@ -68,10 +68,18 @@ def validate(record: Any) -> dict[str, Any]:
                 raise InvalidName(f"config field {key!r} has the wrong type")
         check_object_id(config["kernel"], "kernel")
         check_object_id(config["initrd"], "initrd")
-        if record.get("uuid") is not None and not isinstance(record["uuid"], str):
-            raise InvalidName("bad uuid")
+        if record.get("uuid") is not None:
+            check_uuid(record["uuid"], "capsule uuid")
+        if record.get("image") is not None:
+            check_name(record["image"], "image")
+        if config.get("image") is not None:
+            check_name(config["image"], "image")
         if record.get("parent_capsule") is not None:
             check_name(record["parent_capsule"])
+        parent_version = record.get("parent_version")
+        if parent_version is not None and (not isinstance(parent_version, int) or isinstance(parent_version, bool)
+                                           or not 0 < parent_version < 10**9):
+            raise InvalidName(f"bad parent version {parent_version!r}")
     except (KeyError, TypeError) as exc:
         raise InvalidName(f"malformed version record ({exc})") from exc
     return record

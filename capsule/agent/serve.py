@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 
 from capsule.errors import InvalidName
+from capsule.names import check_host
 
 
 def ensure_token(token_file: Path) -> str:
@@ -24,9 +26,11 @@ def ensure_token(token_file: Path) -> str:
 
 def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: str.isdigit() also takes other scripts' digits ('١') and superscripts ('²')
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
         raise InvalidName(f"--listen {listen!r}: expected HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return check_host(host or "127.0.0.1", f"--listen host in {listen!r}"), int(port)
 
 
 def serve(home: Path, listen: str, token_file: Path) -> None:
