@@ -11,8 +11,29 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import check_tiers, no_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_HOME = Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images"))
+
+
+def pytest_collection_modifyitems(config, items):
+    check_tiers(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    yield from no_processes(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    yield from no_processes(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield from no_processes(item)
 
 
 def _image_store():

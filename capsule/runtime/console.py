@@ -106,12 +106,16 @@ class ConsoleSession:
         self.buffer += data
         return bool(data)
 
-    def send(self, text: str) -> None:
+    def send(self, text: str, timeout: float = 30.0) -> None:
         payload = text.encode()
+        deadline = time.monotonic() + timeout
         while payload:
             try:
                 n = os.write(self.fd, payload)
             except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise GuestTimeout(f"the guest's console took no input for {timeout:.0f}s "
+                                       f"({len(payload)} bytes still to send)") from None
                 time.sleep(0.01)
                 continue
             payload = payload[n:]

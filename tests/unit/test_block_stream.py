@@ -18,7 +18,7 @@ from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.hcp import decode_indices, decode_stream_reply, encode_stream_read, pack_blocks
 from tests.conftest import Agent, make_store
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tools
 
 
 @pytest.fixture

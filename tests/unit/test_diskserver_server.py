@@ -27,7 +27,7 @@ from hashcache.shadow import Shadow
 from tests.unit import test_diskserver_chain as chain_tests
 from tests.unit.test_diskserver_chain import block_of_source, host_b, make_child, raw_of, remote_spec
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tools
 
 ROOT = Path(__file__).resolve().parents[2]
 

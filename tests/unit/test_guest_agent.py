@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tools
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_DIR = ROOT / "guest-balloon"

@@ -15,7 +15,7 @@ from hashcache.errors import CorruptImageError, HashcacheError, UnsupportedImage
 from hashcache.qcow2 import DATA, ZERO, BlockRun, Qcow2Image
 
 pytestmark = [
-    pytest.mark.unit,
+    pytest.mark.tools,
     pytest.mark.skipif(
         shutil.which("qemu-img") is None or shutil.which("qemu-io") is None,
         reason="needs qemu-img and qemu-io",

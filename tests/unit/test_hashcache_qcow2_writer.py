@@ -24,7 +24,7 @@ from hashcache.qcow2_writer import (
 )
 
 pytestmark = [
-    pytest.mark.unit,
+    pytest.mark.tools,
     pytest.mark.skipif(
         shutil.which("qemu-img") is None or shutil.which("qemu-io") is None,
         reason="needs qemu-img and qemu-io",

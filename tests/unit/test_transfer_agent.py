@@ -19,7 +19,7 @@ from capsule.errors import AuthFailed, TransferFailed
 from capsule.objectio import BlockReader, has_object
 from tests.conftest import Agent, make_store
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tools
 
 
 @pytest.fixture

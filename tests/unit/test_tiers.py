@@ -1,0 +1,67 @@
+"""The tier checks themselves: a test without exactly one tier, or a unit test that needs images,
+stops collection; a unit test cannot start a process; unit tests get the short timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiers import UNIT_TIMEOUT, ProcessStarted, check_tiers, no_processes
+
+pytestmark = pytest.mark.unit
+
+
+class FakeItem:
+    def __init__(self, *marks: str, fixtures: tuple[str, ...] = ()) -> None:
+        self.nodeid = f"tests/x.py::test_{'_'.join(marks) or 'none'}"
+        self.marks = {m: getattr(pytest.mark, m) for m in marks}
+        self.fixturenames = fixtures
+
+    def get_closest_marker(self, name):
+        mark = self.marks.get(name)
+        return None if mark is None else mark.mark
+
+    def add_marker(self, mark):
+        self.marks[mark.name] = mark
+
+
+@pytest.mark.parametrize(("marks", "fixtures", "needle"), [
+    ((), (), "has none"),
+    (("unit", "vm"), (), "has unit, vm"),
+    (("slow",), (), "has none"),
+    (("unit",), ("tmp_path", "tiny_images"), "uses the image fixture(s) tiny_images"),
+    (("unit",), ("two_hosts",), "mark it tools or vm"),
+])
+def test_wrong_tiers_stop_collection(marks, fixtures, needle):
+    with pytest.raises(pytest.UsageError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        check_tiers([FakeItem(*marks, fixtures=fixtures)])
+
+
+def test_good_tiers_pass_and_unit_tests_get_the_short_timeout():
+    unit, vm, slow_vm = FakeItem("unit"), FakeItem("vm", fixtures=("store",)), FakeItem("vm", "slow")
+    check_tiers([unit, vm, slow_vm, FakeItem("tools", fixtures=("tiny_images",)), FakeItem("hosts")])
+    assert unit.get_closest_marker("timeout").args == (UNIT_TIMEOUT,)
+    assert vm.get_closest_marker("timeout") is None
+
+
+def test_a_unit_test_cannot_start_a_process():
+    # this test is itself a unit test, so the guard is already on: a process cannot start here
+    with pytest.raises(ProcessStarted, match="mark the test `tools`"):
+        subprocess.run([sys.executable, "-c", "pass"])
+    with pytest.raises(ProcessStarted):
+        os.fork()
+    with pytest.raises(ProcessStarted):
+        os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], os.environ)
+
+
+def test_the_guard_puts_everything_back():
+    before = (os.fork, os.posix_spawn, subprocess._fork_exec)
+    for tier in ("unit", "tools"):
+        guard = no_processes(FakeItem(tier))
+        next(guard)
+        with pytest.raises(StopIteration):
+            next(guard)
+        assert (os.fork, os.posix_spawn, subprocess._fork_exec) == before
