@@ -3,7 +3,7 @@ Debian capsule on host B and report the time to the boot marker and the
 bytes that crossed, for copy-first (pull, then boot) vs demand paging cold vs
 demand paging with B's hash cache primed with a similar disk vs a second
 boot, in the same run, on loopback agents. Also the disk server's own
-figures (diskserver/bench_micro.py: cached throughput vs nbdkit's file
+figures (bench/diskserver_measure.py: cached throughput vs nbdkit's file
 plugin, per-miss latency, read amplification).
 
 With ``--rate-kbit N [--rtt-ms M]`` the source agent runs in network
@@ -122,7 +122,7 @@ def main() -> None:
                 seconds = time.monotonic() - t
                 lifecycle.stop(b, "deb", timeout=120)
                 record("second boot (demand)", seconds, fetched(b, "deb"))
-        micro = subprocess.run([sys.executable, str(ROOT / "diskserver" / "bench_micro.py")], capture_output=True,
+        micro = subprocess.run([sys.executable, str(ROOT / "bench" / "diskserver_measure.py")], capture_output=True,
                                text=True, timeout=900)
         try:
             micro_json = json.loads(micro.stdout)

@@ -1,4 +1,4 @@
-"""The disk server's micro figures (diskserver/bench_micro.py), kept in bench/results/diskserver_micro.json:
+"""The disk server's micro figures (bench/diskserver_measure.py), kept in bench/results/diskserver_micro.json:
 cached throughput vs nbdkit's file plugin on the same data (goal >= 0.7x), per-miss latency on loopback
 (goal <= 200 us), read amplification of random 4 KiB reads (goal <= 1.1x).
 
@@ -16,14 +16,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import diskserver_measure  # noqa: E402
 from bench.common import table, write_result  # noqa: E402
-from diskserver import bench_micro  # noqa: E402
 
 
 def main() -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        bench_micro.main(sys.argv[1:])
+        diskserver_measure.main(sys.argv[1:])
     result = json.loads(out.getvalue())
     path = write_result("diskserver_micro", result)
     tp, lat = result.get("throughput", {}), result.get("latency", {})

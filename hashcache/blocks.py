@@ -15,7 +15,7 @@ Throughput, one core (Python 3.11, blake3 1.0.11, x86-64 with AVX2, data in cach
 
 The loops are list comprehensions over memoryview slices with the bound methods hoisted into locals:
 the cheapest per-block path pure Python offers (``map`` chains and ``bytes`` slices measured no
-better). ``python -m hashcache.bench`` reproduces the numbers.
+better). ``bench/hashing.py`` reproduces the numbers.
 """
 
 from __future__ import annotations

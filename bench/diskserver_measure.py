@@ -14,7 +14,8 @@
 3. **Read amplification** of those random 4 KiB reads: bytes fetched from the source / bytes read.
    Goal: <= 1.1.
 
-Run: ``.venv/bin/python -m diskserver.bench_micro [--size-mib 128] [--misses 400] [--skip-latency]``.
+Run: ``.venv/bin/python bench/diskserver_measure.py [--size-mib 128] [--misses 400] [--skip-latency]``
+(``bench/diskserver_micro.py`` runs it, prints tables and keeps the JSON).
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diskserver.chain import Chain, ChainSpec, LayerSpec, ReadaheadSpec, RemoteSpec, RetrySpec
-from diskserver.nbdclient import NbdClient, probe
-from diskserver.server import DiskServer
-from diskserver.source import HcpSource
-from hashcache.blocks import BLOCK_SIZE
-from hashcache.manifest import Manifest, manifest_of_layer
-from hashcache.qcow2 import DATA, Qcow2Image
-from hashcache.shadow import Shadow
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diskserver.chain import Chain, ChainSpec, LayerSpec, ReadaheadSpec, RemoteSpec, RetrySpec  # noqa: E402
+from diskserver.nbdclient import NbdClient, probe  # noqa: E402
+from diskserver.server import DiskServer  # noqa: E402
+from diskserver.source import HcpSource  # noqa: E402
+from hashcache.blocks import BLOCK_SIZE  # noqa: E402
+from hashcache.manifest import Manifest, manifest_of_layer  # noqa: E402
+from hashcache.qcow2 import DATA, Qcow2Image  # noqa: E402
+from hashcache.shadow import Shadow  # noqa: E402
 
 
 def _run(cmd: list[str]) -> float:

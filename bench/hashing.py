@@ -1,4 +1,4 @@
-"""Measure hashing throughput on one core: ``python -m hashcache.bench [MiB]``.
+"""Measure hashing throughput on one core: ``.venv/bin/python bench/hashing.py [MiB]``.
 
 Prints MB/s for hash_blocks and scan_blocks on in-memory buffers and for manifest_of_file on a
 random file of the given size (default 256 MiB) in the page cache.
@@ -11,9 +11,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from hashcache.blocks import hash_blocks, scan_blocks
-from hashcache.manifest import manifest_of_file
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hashcache.blocks import hash_blocks, scan_blocks  # noqa: E402
+from hashcache.manifest import manifest_of_file  # noqa: E402
 
 
 def _best(fn: Callable[[], object], nbytes: int, repeat: int = 5) -> float:
