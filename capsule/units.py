@@ -11,7 +11,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 def parse_size(text: str) -> int:
     """'512M', '1G', '256MiB', '1048576' → bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    # re.ASCII: \d alone also takes other scripts' digits ('١٢٨M' would be 128M)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text), re.ASCII)
     if not m:
         raise InvalidName(f"invalid size {text!r}: use e.g. 512M or 2G")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -19,7 +20,7 @@ def parse_size(text: str) -> int:
 
 def parse_memory_mib(text: str) -> int:
     size = parse_size(text)
-    if size < 1 << 20 and re.fullmatch(r"\s*\d+\s*", str(text)):
+    if size < 1 << 20 and re.fullmatch(r"\s*\d+\s*", str(text), re.ASCII):
         size <<= 20  # a bare number means MiB
     mib = size >> 20
     if mib < 64 or mib > 1 << 20:

@@ -16,6 +16,7 @@ from capsule.agent.records import validate
 from capsule.agent.serve import parse_listen
 from capsule.errors import InvalidName
 from capsule.names import VersionRef, check_host, check_name, check_object_id, check_uuid, parse_ref
+from capsule.units import parse_size
 from diskserver.chain import ChainSpec, LayerSpec
 from diskserver.errors import SpecError
 from hashcache.errors import ManifestError
@@ -314,3 +315,25 @@ def test_listen_defaults_and_brackets():
     assert parse_listen(":7070") == ("127.0.0.1", 7070)
     assert parse_listen("[::1]:7070") == ("::1", 7070)
     assert parse_listen("0.0.0.0:80") == ("0.0.0.0", 80)
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+
+SIZE_DOC = re.compile(r"[ \t\n\r\f\v]*[0-9]+(\.[0-9]+)?[ \t\n\r\f\v]*[kKmMgGtT]?(i?[bB])?[ \t\n\r\f\v]*")
+
+
+@fuzz
+@given(st.text(max_size=20))
+def test_accepted_sizes_are_ascii_numbers_with_a_unit(text):
+    try:
+        n = parse_size(text)
+    except InvalidName:
+        assert not SIZE_DOC.fullmatch(text)
+        return
+    assert SIZE_DOC.fullmatch(text) and n >= 0
+
+
+@pytest.mark.parametrize("text", ["\u0661\u0662\u0668M", "\uff11G", "1\u00a0G", "12\u0668"])
+def test_sizes_in_other_scripts_are_refused(text):
+    with pytest.raises(InvalidName):
+        parse_size(text)
