@@ -26,6 +26,7 @@ from hashcache.blocks import BLOCK_SIZE
 from hashcache.shadow import Shadow
 from tests.unit import test_diskserver_chain as chain_tests
 from tests.unit.test_diskserver_chain import block_of_source, host_b, make_child, raw_of, remote_spec
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.tools
 
@@ -64,14 +65,12 @@ def convert(uri: str, out: Path) -> bytes:
 
 def stats_after(server: DiskServer, requests: int, timeout: float = 10.0) -> dict:
     """The server's stats file once it accounts for at least ``requests`` reads."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def current() -> dict | None:
         s = server.stats()
-        if s is not None and s["pid"] == server.pid and s["requests"] >= requests:
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"stats never reached {requests} requests: {s}")
-        time.sleep(0.05)
+        return s if s is not None and s["pid"] == server.pid and s["requests"] >= requests else None
+
+    return wait_until(current, timeout,
+                      lambda: f"the server's stats to count {requests} requests (last: {server.stats()})")
 
 
 def test_qemu_reads_the_flattened_chain(source, sockdir):
@@ -202,14 +201,15 @@ def test_killed_server_leaves_only_correct_blocks_and_resumes(source, sockdir):
     reader = threading.Thread(target=read_all)
     reader.start()
     nblocks = source.manifest.block_count
-    deadline = time.monotonic() + 60
+
+    def some_persisted() -> bool:
+        if not (b / "shadows" / f"{source.layer}.bitmap").exists():
+            return False
+        with Shadow(b / "shadows" / source.layer, nblocks) as sh:
+            return sh.present_count() > 100
+
     try:
-        while time.monotonic() < deadline:
-            if (b / "shadows" / f"{source.layer}.bitmap").exists():
-                with Shadow(b / "shadows" / source.layer, nblocks) as sh:
-                    if sh.present_count() > 100:
-                        break
-            time.sleep(0.01)
+        wait_until(some_persisted, 60, "100 blocks persisted in the shadow", interval=0.01)
         server.kill()  # SIGKILL: no clean-up, fetches in flight and blocks not yet persisted are lost
     finally:
         stop.set()
@@ -255,13 +255,8 @@ def test_prefetch_command_then_the_source_can_go(source, sockdir):
 def test_background_prefetch_inside_the_server(source, sockdir):
     b = host_b(source)
     with serve(remote_spec(source, b, prefetch=True, prefetch_batch_blocks=64), b, sockdir) as server:
-        deadline = time.monotonic() + 60
-        while True:
-            s = server.stats()
-            if s and s["complete"]:
-                break
-            assert time.monotonic() < deadline, s
-            time.sleep(0.1)
+        s = wait_until(lambda: (st := server.stats()) and st["complete"] and st, 60, "the prefetch to complete",
+                       interval=0.1)
         assert s["prefetch_blocks"] == len(source.data_blocks())
         source.agent.stop()
         assert convert(server.uri, b / "out.raw") == source.ref
@@ -305,10 +300,12 @@ def test_plugin_finds_the_virtualenv_by_itself(source, sockdir):
                                  "python", str(PLUGIN), f"spec={b / 'disk.json'}"], env=env, stdout=log, stderr=log,
                                 cwd="/")
     try:
-        deadline = time.monotonic() + 30
-        while not (sock.exists() and probe(str(sock))):
-            assert proc.poll() is None and time.monotonic() < deadline, (b / "plain.log").read_text()
-            time.sleep(0.05)
+
+        def answering() -> bool:
+            assert proc.poll() is None, (b / "plain.log").read_text()
+            return sock.exists() and probe(str(sock))
+
+        wait_until(answering, 30, f"nbdkit to answer on {sock}")
         i = source.data_blocks()[7]
         with NbdClient(str(sock)) as nbd:
             assert nbd.size == len(source.ref)

@@ -65,3 +65,12 @@ def test_the_guard_puts_everything_back():
         with pytest.raises(StopIteration):
             next(guard)
         assert (os.fork, os.posix_spawn, subprocess._fork_exec) == before
+
+
+def test_wait_until_returns_the_value_or_fails_with_what_it_waited_for():
+    from tests.wait import wait_until
+
+    calls = []
+    assert wait_until(lambda: calls.append(1) or (len(calls) >= 3 and "ready"), 5, "three calls", interval=0) == "ready"
+    with pytest.raises(AssertionError, match=r"timed out after 0.05 s waiting for the moon \(seen 0\)"):
+        wait_until(lambda: False, 0.05, lambda: "the moon (seen 0)", interval=0.01)
