@@ -79,22 +79,22 @@ class Store:
         for sub in SUBDIRS:
             make_private_dir(home / sub)
         meta_path = home / "store.json"
-        with lock_for(home).hold(purpose="opening the store"):
-            if meta_path.exists():
-                try:
-                    meta = json.loads(meta_path.read_text())
-                    store_id = meta["id"]
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise IntegrityError(f"{meta_path} is unreadable ({exc}); the store cannot be used") from exc
-            else:
-                store_id = secrets.token_hex(4)
-                meta = {"id": store_id, "format": STORE_FORMAT, "created": time.time()}
-                write_atomic(meta_path, json.dumps(meta).encode(), mode=PRIVATE_FILE_MODE)
-            catalogue_path = home / "catalogue.sqlite"
-            new_catalogue = not catalogue_path.exists()
-            catalogue = Catalogue(catalogue_path)
-            if new_catalogue:
-                os.chmod(catalogue_path, PRIVATE_FILE_MODE)
+        if not meta_path.exists():
+            with lock_for(home).hold(purpose="creating the store"):  # two first opens make one id
+                if not meta_path.exists():
+                    meta = {"id": secrets.token_hex(4), "format": STORE_FORMAT, "created": time.time()}
+                    write_atomic(meta_path, json.dumps(meta).encode(), mode=PRIVATE_FILE_MODE)
+        try:
+            store_id = json.loads(meta_path.read_text())["id"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"{meta_path} is unreadable ({exc}); the store cannot be used") from exc
+        catalogue_path = home / "catalogue.sqlite"
+        new_catalogue = not catalogue_path.exists()
+        catalogue = Catalogue(catalogue_path)
+        if new_catalogue:
+            for suffix in ("", "-wal", "-shm"):
+                with suppress(FileNotFoundError):
+                    os.chmod(f"{catalogue_path}{suffix}", PRIVATE_FILE_MODE)
         return cls(home, store_id, catalogue)
 
     def close(self) -> None:

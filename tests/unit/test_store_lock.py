@@ -204,3 +204,26 @@ def test_threads_and_processes_contend_and_no_update_is_lost(store, tmp_path):
         assert p.wait(60) == 0
     assert int(counter.read_text()) == 2 * 40 + 4 * 30
     assert lock_for(store.home).depth == 0
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_opening_a_store_does_not_wait_for_its_lock(store, monkeypatch):
+    held, go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with store.lock(purpose="a long suspend"):
+            held.set()
+            go.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        monkeypatch.setenv("CAPSULE_LOCK_TIMEOUT", "0.2")
+        other = Store.open(store.home)          # `capsule ls` while the agent suspends
+        assert other.id == store.id
+        other.close()
+    finally:
+        go.set()
+        t.join(10)
