@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,6 @@ class StoreLock:
         self.path = path
         self._mutex = threading.Lock()
         self._local = threading.local()
-        self._fd: int | None = None
 
     @property
     def depth(self) -> int:
@@ -91,14 +90,13 @@ class StoreLock:
                 self._flock(fd, deadline, timeout)
                 try:
                     self._write_holder(fd, purpose)
-                    self._fd = fd
                     self._local.depth = 1
                     try:
                         yield
                     finally:
                         self._local.depth = 0
-                        self._fd = None
-                        os.ftruncate(fd, 0)
+                        with suppress(OSError):
+                            os.ftruncate(fd, 0)
                 finally:
                     fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
@@ -123,15 +121,28 @@ class StoreLock:
         t = threading.current_thread()
         record = {"host": socket.gethostname(), "pid": os.getpid(), "thread": t.name, "thread_id": t.ident,
                   "command": " ".join(sys.argv[:3])[:200], "purpose": purpose, "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        with suppress(OSError):  # only a help for the curious: a full disk must not stop gc and rm
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
 
     def holder(self) -> dict[str, Any] | None:
-        """Who holds the lock now, as recorded in the lock file (None when nobody does)."""
+        """Who holds the lock now, as recorded in the lock file (None when nobody does: a record
+        left by a holder that was killed is stale, since the kernel dropped its lock)."""
         try:
-            text = self.path.read_text()
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass                                  # held: the record is current
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return None
+            text = os.pread(fd, 4096, 0).decode(errors="replace")
+        finally:
+            os.close(fd)
         try:
             record = json.loads(text) if text.strip() else None
         except ValueError:

@@ -162,10 +162,13 @@ def test_a_wait_for_another_process_times_out_too(store, monkeypatch):
         with pytest.raises(LockTimeout, match="pid 4242 on elsewhere"), store.lock():
             pass
         assert time.monotonic() - t0 < 5
+        assert store.lock_holder()["pid"] == 4242
     finally:
-        os.close(fd)
+        os.close(fd)                        # the holder dies: its record stays in the file …
+    assert "4242" in (store.home / ".lock").read_text()
+    assert store.lock_holder() is None      # … but is known to be stale
     with store.lock(timeout=1):             # the kernel dropped the lock with its holder's descriptor
-        pass
+        assert store.lock_holder()["pid"] == os.getpid()
 
 
 WORKER = """
