@@ -1,5 +1,7 @@
 """The host's SQLite catalogue: images, layers, file objects (memory images,
-kernels, initrds), capsules, versions and running instances.
+kernels, initrds), capsules, versions and running instances, and the objects
+received for a version that is not recorded yet (*pending*: gc keeps them for a
+while, see ``hierarchy.gc``).
 
 Every change that must be atomic goes through ``Catalogue.transaction()``."""
 
@@ -64,6 +66,12 @@ CREATE TABLE IF NOT EXISTS versions(
     note TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
     PRIMARY KEY(capsule, number)
+);
+CREATE TABLE IF NOT EXISTS pending(
+    kind TEXT NOT NULL,
+    id TEXT NOT NULL,
+    added REAL NOT NULL,
+    PRIMARY KEY(kind, id)
 );
 CREATE TABLE IF NOT EXISTS instances(
     capsule TEXT PRIMARY KEY REFERENCES capsules(name),
@@ -150,6 +158,13 @@ class VersionRow:
         if self.memory:
             ids.add(self.memory)
         return ids
+
+
+@dataclass
+class PendingRow:
+    kind: str       # "layer" | "file"
+    id: str
+    added: float
 
 
 @dataclass
@@ -326,6 +341,16 @@ class Catalogue:
 
     def delete_version(self, capsule: str, number: int) -> None:
         self._exec("DELETE FROM versions WHERE capsule=? AND number=?", (capsule, number))
+
+    # -- pending objects (received, not yet in a recorded version) ------------
+    def add_pending(self, kind: str, oid: str, added: float | None = None) -> None:
+        self._exec("INSERT OR REPLACE INTO pending VALUES(?,?,?)", (kind, oid, time.time() if added is None else added))
+
+    def pending(self) -> list[PendingRow]:
+        return [PendingRow(**dict(r)) for r in self._exec("SELECT * FROM pending ORDER BY added")]
+
+    def drop_pending(self, kind: str, oid: str) -> None:
+        self._exec("DELETE FROM pending WHERE kind=? AND id=?", (kind, oid))
 
     # -- instances ----------------------------------------------------------
     def add_instance(self, row: InstanceRow) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from capsule import qemuimg
 from capsule.errors import NotFound
 from capsule.store import Store
+from capsule.storemodes import OBJECT_MODE
 from diskserver import ChainSpec, DiskServer, LayerSpec, RemoteSpec, RetrySpec
 from diskserver.chain import ReadaheadSpec
 from hashcache.atomic import write_atomic
@@ -66,7 +67,7 @@ def add_remote_layer(store: Store, manifest: Manifest, url: str, token: str) -> 
     """Remember a layer held by the agent at ``url``, by its (verified) manifest."""
     lid = manifest.digest
     if not remote_manifest_path(store, lid).exists():
-        manifest.write(remote_manifest_path(store, lid))
+        manifest.write(remote_manifest_path(store, lid), mode=OBJECT_MODE)
     info = {"id": lid, "parent": manifest.parent, "url": url, "token_file": str(token_file_for(store, url, token)),
             "virtual_size": manifest.size, "added": time.time()}
     write_atomic(remote_info_path(store, lid), json.dumps(info).encode(), durable=False)

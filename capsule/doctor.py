@@ -12,6 +12,8 @@ from typing import Any
 from capsule.errors import CapsuleError
 from capsule.runtime.connection import connect, libvirt_uri
 from capsule.store import Store
+from capsule.storelock import describe_holder
+from capsule.storemodes import check_modes
 
 
 @dataclass
@@ -57,6 +59,15 @@ def _at_least(text: str | None, minimum: tuple[int, ...]) -> bool:
     return found >= minimum
 
 
+def _modes_check(store: Store) -> Check:
+    problems = check_modes(store)
+    if not problems:
+        return Check("store modes", True, "directories 0700, memory images 0400, other objects 0440")
+    shown = "; ".join(f"{p.path} is {p.mode:04o} (want {p.expected:04o})" for p in problems[:3])
+    more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return Check("store modes", False, f"{shown}{more} — run `capsule verify --fix-modes` to repair")
+
+
 def doctor(store: Store | None, probe: bool = True, reprobe: bool = False) -> DoctorReport:
     report = DoctorReport()
     tools = [
@@ -88,6 +99,10 @@ def doctor(store: Store | None, probe: bool = True, reprobe: bool = False) -> Do
         report.checks.append(Check("libvirt", False, str(exc)))
     if store is not None:
         report.checks.append(Check("store", True, f"{store.home} (id {store.id})"))
+        report.checks.append(_modes_check(store))
+        holder = store.lock_holder()
+        report.checks.append(Check("store lock", True, "free" if holder is None
+                                   else f"held by {describe_holder(holder)}"))
         if probe and all(c.ok for c in report.checks if c.name == "libvirt"):
             from capsule.lifecycle import accel_for
 

@@ -28,18 +28,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def install_readonly(src: Path, dst: Path) -> bool:
-    """Fsync ``src``, make it read-only and rename it to ``dst`` (same file
-    system). Returns False (and removes ``src``) when ``dst`` already exists:
-    objects are named by their digest, so an existing one is identical."""
+def install_readonly(src: Path, dst: Path, mode: int) -> bool:
+    """Fsync ``src``, give it ``mode`` (read-only: see storemodes.py) and rename it to
+    ``dst`` (same file system). Returns False (and removes ``src``) when ``dst`` already
+    exists: objects are named by their digest, so an existing one is identical."""
+    if mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"a sealed object is never writable (mode {mode:04o})")
     if dst.exists():
         src.unlink()
         return False
     fsync_path(src)
-    os.chmod(src, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    os.chmod(src, mode)
     os.rename(src, dst)
     fsync_dir(dst.parent)
     return True
+
+
+def make_private_dir(path: Path, mode: int = 0o700) -> None:
+    """Create directory ``path`` (its parent must exist) with ``mode`` whatever the umask;
+    an existing directory is left as it is (``capsule verify`` reports a wrong mode)."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        return
+    os.chmod(path, mode)  # mkdir's mode is filtered through the umask
 
 
 def remove_readonly(path: Path) -> None:

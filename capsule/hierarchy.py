@@ -8,6 +8,7 @@ instance, uses them, and ``gc`` removes them."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -22,8 +23,10 @@ from capsule.errors import Conflict, NotFound, RuntimeFailure
 from capsule.fsutil import disk_usage, remove_readonly
 from capsule.names import parse_ref
 from capsule.store import Store
+from capsule.storemodes import LEAF_MODE
 
 Say = Callable[[str], None]
+DEFAULT_PENDING_MAX_AGE = 24 * 3600.0
 
 
 def _copy_layer(store: Store, layer_id: str) -> Any:
@@ -33,7 +36,7 @@ def _copy_layer(store: Store, layer_id: str) -> Any:
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise RuntimeFailure(f"copying layer {layer_id[:12]}: {proc.stderr.strip()}")
-    tmp.chmod(0o644)
+    tmp.chmod(LEAF_MODE)
     return tmp
 
 
@@ -161,6 +164,8 @@ class GcResult:
     files: list[str] = field(default_factory=list)
     leaves: list[str] = field(default_factory=list)
     freed_bytes: int = 0
+    pending: list[str] = field(default_factory=list)          # received, not yet recorded: kept
+    pending_expired: list[str] = field(default_factory=list)  # received and never recorded: no longer kept
 
 
 @dataclass
@@ -208,11 +213,13 @@ def rm(store: Store, ref: str, *, promote_dependants: bool = False, say: Say = l
         return RmResult([v.ref for v in victims], promoted, gc(store))
 
 
-def referenced(store: Store) -> tuple[set[str], set[str]]:
-    """(layer ids, file ids) that something references, with all ancestors."""
+def referenced(store: Store, also_layers: Collection[str] = (), also_files: Collection[str] = ()
+               ) -> tuple[set[str], set[str]]:
+    """(layer ids, file ids) that something references — images, versions,
+    instances, and ``also_*`` (pending objects) — with all ancestors."""
     cat = store.catalogue
-    layers: set[str] = set()
-    files: set[str] = set()
+    layers: set[str] = set(also_layers)
+    files: set[str] = set(also_files)
     for img in cat.images():
         layers.add(img.root_layer)
         files.update((img.kernel, img.initrd))
@@ -230,14 +237,65 @@ def referenced(store: Store) -> tuple[set[str], set[str]]:
     return layers, files
 
 
-def gc(store: Store, *, dry_run: bool = False) -> GcResult:
-    """Remove layers and file objects nothing references, leaves of instances
-    that no longer exist, and stale temporary files."""
-    with store.lock():
+def pending_max_age() -> float:
+    """How long gc keeps a received object no recorded version uses yet (CAPSULE_PENDING_MAX_AGE, seconds)."""
+    try:
+        return float(os.environ.get("CAPSULE_PENDING_MAX_AGE", DEFAULT_PENDING_MAX_AGE))
+    except ValueError:
+        return DEFAULT_PENDING_MAX_AGE
+
+
+def drop_pending(store: Store, ids: Collection[str] | None = None) -> list[str]:
+    """Stop protecting received objects (``ids``, or all) that no version was recorded for:
+    the next gc removes them unless something else references them. Returns the ids dropped."""
+    with store.lock(purpose="dropping pending objects"):
         cat = store.catalogue
-        keep_layers, keep_files = referenced(store)
+        dropped = [p for p in cat.pending() if ids is None or p.id in ids]
+        with cat.transaction():
+            for p in dropped:
+                cat.drop_pending(p.kind, p.id)
+        return [p.id for p in dropped]
+
+
+def _sort_pending(store: Store, max_age: float, dry_run: bool, used: tuple[set[str], set[str]]
+                  ) -> tuple[set[str], set[str], list[str]]:
+    """(pending layers to keep, pending files to keep, ids whose protection ran out). Entries that
+    ran out, whose object is gone, or that something ``used`` holds now leave the pending set
+    (unless ``dry_run``)."""
+    cat = store.catalogue
+    now = time.time()
+    layers: set[str] = set()
+    files: set[str] = set()
+    expired: list[str] = []
+    stale = []
+    for p in cat.pending():
+        present = (cat.layer(p.id) if p.kind == "layer" else cat.file(p.id)) is not None
+        held = p.id in (used[0] if p.kind == "layer" else used[1])
+        if not present or held or now - p.added >= max_age:
+            stale.append(p)
+            if present and not held:
+                expired.append(p.id)
+        else:
+            (layers if p.kind == "layer" else files).add(p.id)
+    if stale and not dry_run:
+        with cat.transaction():
+            for p in stale:
+                cat.drop_pending(p.kind, p.id)
+    return layers, files, expired
+
+
+def gc(store: Store, *, dry_run: bool = False, max_pending_age: float | None = None) -> GcResult:
+    """Remove layers and file objects nothing references, leaves of instances
+    that no longer exist, and stale temporary files. Objects received for a
+    version that is not recorded yet (pending) are kept for ``max_pending_age``
+    seconds (default ``pending_max_age()``, 24 h), with their ancestors."""
+    with store.lock(purpose="gc"):
+        cat = store.catalogue
+        age = pending_max_age() if max_pending_age is None else max_pending_age
+        pending_layers, pending_files, expired = _sort_pending(store, age, dry_run, referenced(store))
+        keep_layers, keep_files = referenced(store, pending_layers, pending_files)
+        result = GcResult(pending=sorted(pending_layers | pending_files), pending_expired=expired)
         live_leaves = {leaf for inst in cat.instances() for leaf in inst.leaves}
-        result = GcResult()
         doomed_layers = [row.id for row in cat.layers() if row.id not in keep_layers]
         doomed_files = [row.id for row in cat.files() if row.id not in keep_files]
         known_layers = {row.id for row in cat.layers()}

@@ -15,6 +15,7 @@ from capsule.errors import AlreadyExists, CapsuleError, InvalidName, RuntimeFail
 from capsule.imagebuild import BuiltImage, ImageBuildError, build_debian, build_tiny
 from capsule.names import check_name
 from capsule.store import Store
+from capsule.storemodes import OBJECT_MODE
 
 KINDS = ("tiny", "debian")
 Say = Callable[[str], None]
@@ -103,7 +104,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, tmp)
     except OSError:
         shutil.copyfile(src, tmp)
-        tmp.chmod(0o444)
+    tmp.chmod(OBJECT_MODE)  # a hard link shares its mode with the source store's object
     os.rename(tmp, dst)
 
 

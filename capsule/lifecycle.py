@@ -18,7 +18,7 @@ from capsule import demand, qemuimg, watch
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import CapsuleError, Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
-from capsule.fsutil import is_enospc
+from capsule.fsutil import is_enospc, make_private_dir
 from capsule.runtime import saveimage
 from capsule.runtime.accel import AccelDecision, decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
@@ -70,7 +70,7 @@ def _instance_files(store: Store, capsule: str) -> tuple[Path, Path, Path]:
     d = store.instance_dir(capsule)
     if d.exists():
         shutil.rmtree(d)
-    d.mkdir(parents=True)
+    make_private_dir(d)
     return d, d / "console.log", d / "agent.sock"
 
 

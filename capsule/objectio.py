@@ -14,6 +14,7 @@ from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
 from capsule.fsutil import disk_usage, install_readonly, translating_enospc
 from capsule.names import check_object_id
 from capsule.store import Store
+from capsule.storemodes import OBJECT_MODE, file_mode
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import HashcacheError
 from hashcache.hcp import Expectation
@@ -143,7 +144,8 @@ def open_shadow(store: Store, kind: str, manifest: Manifest | Expectation) -> Sh
 def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow, role: str = "memory"
                      ) -> LayerRow | FileRow:
     """Turn a complete shadow into a sealed object of this store, verified
-    against the manifest (its digest is the object's name), and record it."""
+    against the manifest (its digest is the object's name), and record it —
+    as *pending*, so gc keeps it until a version that uses it is recorded."""
     oid = manifest.digest
     with store.lock(), translating_enospc(f"installing {kind} {oid[:12]}"):
         if kind == "layer":
@@ -158,9 +160,9 @@ def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow
                 if got.digest != oid:
                     raise IntegrityError(f"layer {oid[:12]}: the rebuilt layer does not match its manifest")
                 if not store.layer_manifest_path(oid).exists():
-                    manifest.write(store.layer_manifest_path(oid))
+                    manifest.write(store.layer_manifest_path(oid), mode=OBJECT_MODE)
                 file_size = disk_usage(tmp)
-                install_readonly(tmp, store.layer_path(oid))
+                install_readonly(tmp, store.layer_path(oid), OBJECT_MODE)
             except HashcacheError as exc:
                 raise IntegrityError(f"layer {oid[:12]}: {exc}") from exc
             finally:
@@ -169,6 +171,7 @@ def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow
                                                manifest.stored_bytes, len(manifest), time.time())
             with store.catalogue.transaction():
                 store.catalogue.add_layer(row)
+                store.catalogue.add_pending(kind, oid)
         else:
             if role not in FILE_ROLES:
                 raise InvalidName(f"unknown file role {role!r}")
@@ -179,11 +182,12 @@ def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow
             if got.digest != oid:
                 raise IntegrityError(f"{role} {oid[:12]}: the received file does not match its manifest")
             if not store.file_manifest_path(oid).exists():
-                manifest.write(store.file_manifest_path(oid))
+                manifest.write(store.file_manifest_path(oid), mode=OBJECT_MODE)
             allocated = disk_usage(data_path)
-            install_readonly(data_path, store.file_path(oid))
+            install_readonly(data_path, store.file_path(oid), file_mode(role))
             row = FileRow(oid, role, manifest.size, allocated, manifest.stored_bytes, time.time())
             with store.catalogue.transaction():
                 store.catalogue.add_file(row)
+                store.catalogue.add_pending(kind, oid)
         shadow.remove()
         return row

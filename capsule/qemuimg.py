@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from capsule.errors import EnvironmentProblem, IntegrityError, RuntimeFailure, StorageFull
 from capsule.fsutil import is_enospc
+from capsule.storemodes import LEAF_MODE
 
 LAYER_OPTIONS = "cluster_size=131072,extended_l2=on"
 
@@ -36,18 +38,21 @@ def create_leaf(path: Path, backing: Path) -> None:
     ref = backing.name if backing.parent == path.parent else str(backing)
     _run(["create", "-q", "-f", "qcow2", "-o", LAYER_OPTIONS, "-b", ref, "-F", "qcow2", str(path)],
          f"creating leaf layer {path.name}")
+    os.chmod(path, LEAF_MODE)
 
 
 def create_leaf_on(path: Path, backing: str, backing_format: str) -> None:
     """A new empty leaf over any backing QEMU understands (e.g. a ``json:`` NBD export)."""
     _run(["create", "-q", "-f", "qcow2", "-o", LAYER_OPTIONS, "-b", backing, "-F", backing_format, str(path)],
          f"creating leaf layer {path.name}")
+    os.chmod(path, LEAF_MODE)
 
 
 def convert_raw_to_layer(raw: Path, out: Path) -> None:
     """A root layer from a raw disk image (zero areas stay unallocated)."""
     _run(["convert", "-q", "-f", "raw", "-O", "qcow2", "-o", LAYER_OPTIONS, str(raw), str(out)],
          f"converting {raw.name} to a qcow2 layer")
+    os.chmod(out, LEAF_MODE)
 
 
 def info(path: Path) -> dict[str, Any]:

@@ -12,6 +12,10 @@ Layout (all under ``home``)::
     files/<id>.manifest
     instances/<capsule>/       console log and scratch of a running instance
     tmp/                       temporary files, renamed into place when complete
+    recv/, remote/, shadows/   objects being received; remote layers of demand-paged disks
+
+Modes (storemodes.py): the store and its directories 0700, memory images 0400,
+other sealed objects and manifests 0440, whatever the umask.
 
 Sealed layers reference their parent by the relative file name
 ``<parent-id>.qcow2``, so a layer file is the same on every host.
@@ -19,20 +23,23 @@ Sealed layers reference their parent by the relative file name
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import AbstractContextManager, suppress
 from pathlib import Path
+from typing import Any
 
 from capsule.catalogue import Catalogue, FileRow, LayerRow
 from capsule.errors import IntegrityError, NotFound, SealedObjectError
-from capsule.fsutil import disk_usage, install_readonly, translating_enospc
+from capsule.fsutil import disk_usage, install_readonly, make_private_dir, translating_enospc
 from capsule.names import check_object_id
+from capsule.storelock import lock_for
+from capsule.storemodes import OBJECT_MODE, PRIVATE_FILE_MODE, SUBDIRS, file_mode
+from hashcache.atomic import write_atomic
 from hashcache.cache import HashCache
 from hashcache.errors import HashcacheError
 from hashcache.manifest import Manifest, manifest_of_file, manifest_of_layer
@@ -66,22 +73,29 @@ class Store:
     @classmethod
     def open(cls, home: Path | None = None) -> Store:
         home = (home or default_home()).absolute()
-        home.mkdir(parents=True, exist_ok=True)
-        for sub in ("layers", "files", "instances", "tmp"):
-            (home / sub).mkdir(exist_ok=True)
+        if not home.exists():
+            home.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dir(home)
+        for sub in SUBDIRS:
+            make_private_dir(home / sub)
         meta_path = home / "store.json"
-        if meta_path.exists():
-            try:
-                meta = json.loads(meta_path.read_text())
-                store_id = meta["id"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise IntegrityError(f"{meta_path} is unreadable ({exc}); the store cannot be used") from exc
-        else:
-            store_id = secrets.token_hex(4)
-            tmp = meta_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"id": store_id, "format": STORE_FORMAT, "created": time.time()}))
-            os.rename(tmp, meta_path)
-        return cls(home, store_id, Catalogue(home / "catalogue.sqlite"))
+        if not meta_path.exists():
+            with lock_for(home).hold(purpose="creating the store"):  # two first opens make one id
+                if not meta_path.exists():
+                    meta = {"id": secrets.token_hex(4), "format": STORE_FORMAT, "created": time.time()}
+                    write_atomic(meta_path, json.dumps(meta).encode(), mode=PRIVATE_FILE_MODE)
+        try:
+            store_id = json.loads(meta_path.read_text())["id"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"{meta_path} is unreadable ({exc}); the store cannot be used") from exc
+        catalogue_path = home / "catalogue.sqlite"
+        new_catalogue = not catalogue_path.exists()
+        catalogue = Catalogue(catalogue_path)
+        if new_catalogue:
+            for suffix in ("", "-wal", "-shm"):
+                with suppress(FileNotFoundError):
+                    os.chmod(f"{catalogue_path}{suffix}", PRIVATE_FILE_MODE)
+        return cls(home, store_id, catalogue)
 
     def close(self) -> None:
         if self._cache is not None:
@@ -112,27 +126,15 @@ class Store:
             self.hash_cache().insert_file(path, manifest)
 
     # -- locking ------------------------------------------------------------
-    @contextmanager
-    def lock(self) -> Iterator[None]:
-        """Exclusive lock for changes to the store (re-entrant per process)."""
-        if getattr(self, "_lock_depth", 0):
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-            return
-        fd = os.open(self.home / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self._lock_depth = 1
-            try:
-                yield
-            finally:
-                self._lock_depth = 0
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+    def lock(self, timeout: float | None = -1.0, purpose: str = "") -> AbstractContextManager[None]:
+        """Exclusive lock for changes to the store, across threads and processes; re-entrant
+        per thread (see storelock.py). ``timeout`` in seconds, None: forever, default:
+        CAPSULE_LOCK_TIMEOUT; a timeout raises ``LockTimeout`` naming the holder."""
+        return lock_for(self.home).hold(timeout, purpose)
+
+    def lock_holder(self) -> dict[str, Any] | None:
+        """Who holds this store's lock now (host, pid, thread, command, since), or None."""
+        return lock_for(self.home).holder()
 
     # -- paths ----------------------------------------------------------------
     def layer_path(self, layer_id: str) -> Path:
@@ -203,9 +205,9 @@ class Store:
             layer_id = manifest.digest
             manifest_path = self.layer_manifest_path(layer_id)
             if not manifest_path.exists():
-                manifest.write(manifest_path)
+                manifest.write(manifest_path, mode=OBJECT_MODE)
             file_size = disk_usage(leaf)
-            install_readonly(leaf, self.layer_path(layer_id))
+            install_readonly(leaf, self.layer_path(layer_id), OBJECT_MODE)
         self.index_object(self.layer_path(layer_id), manifest)
         return LayerRow(
             id=layer_id,
@@ -225,10 +227,10 @@ class Store:
             file_id = manifest.digest
             manifest_path = self.file_manifest_path(file_id)
             if not manifest_path.exists():
-                manifest.write(manifest_path)
+                manifest.write(manifest_path, mode=OBJECT_MODE)
             size = path.stat().st_size
             allocated = disk_usage(path)
-            install_readonly(path, self.file_path(file_id))
+            install_readonly(path, self.file_path(file_id), file_mode(role))
         self.index_object(self.file_path(file_id), manifest)
         return FileRow(
             id=file_id,

@@ -1,5 +1,6 @@
 """``capsule verify``: re-check every sealed layer and file object against
-its manifest, and every layer with ``qemu-img check``."""
+its manifest, every layer with ``qemu-img check``, and the modes of the
+store's directories and files (storemodes.py); ``fix_modes`` repairs those."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from dataclasses import dataclass, field
 from capsule import qemuimg
 from capsule.errors import CapsuleError
 from capsule.store import Store
+from capsule.storemodes import check_modes, fix_modes
 from hashcache.errors import HashcacheError
 from hashcache.manifest import verify_file, verify_layer
 
 
 @dataclass
 class Problem:
-    kind: str        # "layer" | "memory" | "kernel" | "initrd"
+    kind: str        # "layer" | "memory" | "kernel" | "initrd" | "mode"
     id: str
     error: str
 
@@ -25,14 +27,21 @@ class VerifyReport:
     checked_layers: int = 0
     checked_files: int = 0
     problems: list[Problem] = field(default_factory=list)
+    fixed_modes: list[str] = field(default_factory=list)     # paths whose mode was repaired
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def verify(store: Store, progress: Callable[[str], None] = lambda _m: None) -> VerifyReport:
+def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, repair_modes: bool = False
+           ) -> VerifyReport:
     report = VerifyReport()
+    progress("file modes")
+    if repair_modes:
+        report.fixed_modes = [str(p.path) for p in fix_modes(store)]
+    for p in check_modes(store):
+        report.problems.append(Problem("mode", str(p.path), p.describe()))
     cat = store.catalogue
     for row in cat.layers():
         progress(f"layer {row.id[:12]}")

@@ -301,9 +301,9 @@ class Manifest:
             )
         return manifest
 
-    def write(self, path: str | os.PathLike[str]) -> None:
+    def write(self, path: str | os.PathLike[str], mode: int = 0o644) -> None:
         """Write atomically: a temp file in the same directory, fsync, rename, fsync the directory."""
-        write_atomic(path, self.to_bytes())
+        write_atomic(path, self.to_bytes(), mode=mode)
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Manifest:

@@ -86,26 +86,28 @@ def validate(record: Any) -> dict[str, Any]:
 
 
 def record_version(store: Store, record: dict[str, Any]) -> tuple[VersionRow, bool]:
-    """Record a received version (all its objects must be here already).
-    Returns (row, created); an identical existing version is not an error."""
+    """Record a received version (all its objects must be here already) and
+    release its objects from the pending set. Returns (row, created); an
+    identical existing version is not an error. The objects are checked under
+    the store lock, so gc cannot remove one between the check and the record."""
+    from capsule.demand import is_remote
     from capsule.objectio import has_object
 
     validate(record)
     layers, files = objects_of(record)
-    from capsule.demand import is_remote
-
-    for lid in layers:
-        if not has_object(store, "layer", lid) and not is_remote(store, lid):
-            raise NotFound(f"layer {lid[:12]} of {record['capsule']}@{record['number']} has not arrived")
-    for fid, role in files:
-        if not has_object(store, "file", fid):
-            raise NotFound(f"{role} {fid[:12]} of {record['capsule']}@{record['number']} has not arrived")
     name, number = record["capsule"], record["number"]
-    with store.lock():
+    with store.lock(purpose=f"recording {name}@{number}"):
+        for lid in layers:
+            if not has_object(store, "layer", lid) and not is_remote(store, lid):
+                raise NotFound(f"layer {lid[:12]} of {name}@{number} has not arrived")
+        for fid, role in files:
+            if not has_object(store, "file", fid):
+                raise NotFound(f"{role} {fid[:12]} of {name}@{number} has not arrived")
         cat = store.catalogue
         existing = cat.version(name, number)
         if existing is not None:
             if existing.chains == record["chains"] and existing.memory == record.get("memory"):
+                _release_pending(store, layers, files)
                 return existing, False
             raise Conflict(f"{name}@{number} already exists here with other content")
         row = VersionRow(capsule=name, number=number, parent_capsule=record.get("parent_capsule"),
@@ -119,4 +121,14 @@ def record_version(store: Store, record: dict[str, Any]) -> tuple[VersionRow, bo
                 cat.add_capsule(CapsuleRow(name, record.get("uuid") or str(uuidlib.uuid4()), record.get("image"),
                                            record.get("parent_capsule"), record.get("parent_version"), time.time()))
             cat.add_version(row)
+            _release_pending(store, layers, files)
         return row, True
+
+
+def _release_pending(store: Store, layers: list[str], files: list[tuple[str, str]]) -> None:
+    """A recorded version now holds these objects: gc keeps them without the pending set."""
+    with store.catalogue.transaction():
+        for lid in layers:
+            store.catalogue.drop_pending("layer", lid)
+        for fid, _role in files:
+            store.catalogue.drop_pending("file", fid)

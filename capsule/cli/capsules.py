@@ -195,27 +195,41 @@ def rm(
 
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Only say what would go.")] = False,
+    drop_pending: Annotated[bool, typer.Option(
+        "--drop-pending", help="Also collect objects received for versions that were never recorded "
+                               "(kept 24 h otherwise; CAPSULE_PENDING_MAX_AGE).")] = False,
     json: JsonOpt = False,
 ) -> None:
     """Remove layers, memory images and leaves that nothing references."""
     json_flag(json)
     store = open_store()
-    r = hierarchy.gc(store, dry_run=dry_run)
+    r = hierarchy.gc(store, dry_run=dry_run, max_pending_age=0.0 if drop_pending else None)
     verb = "would free" if dry_run else "freed"
+    kept = f"; kept {len(r.pending)} received object(s) awaiting their version" if r.pending else ""
     emit(asdict(r), lambda: console.print(f"{len(r.layers)} layer(s), {len(r.files)} file object(s), "
-                                          f"{len(r.leaves)} stale leaf/leaves: {verb} {human(r.freed_bytes)}"))
+                                          f"{len(r.leaves)} stale leaf/leaves: {verb} {human(r.freed_bytes)}"
+                                          + kept))
 
 
-def verify(json: JsonOpt = False) -> None:
-    """Re-hash every sealed layer and memory image against its manifest digest; qemu-img check each layer."""
+def verify(
+    fix_modes: Annotated[bool, typer.Option("--fix-modes", help="Set store directories and objects to "
+                                                                "their modes (0700, 0400, 0440) first.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Re-hash every sealed layer and memory image against its manifest digest; qemu-img check each layer;
+    check the modes of the store's directories and files."""
     json_flag(json)
     store = open_store()
     with progress("verifying") as say:
-        report = run_verify(store, say)
+        report = run_verify(store, say, repair_modes=fix_modes)
     data = {"ok": report.ok, "layers": report.checked_layers, "files": report.checked_files,
             "problems": [asdict(p) for p in report.problems]}
+    if fix_modes:
+        data["fixed_modes"] = report.fixed_modes
 
     def human_view() -> None:
+        for path in report.fixed_modes:
+            console.print(f"[yellow]fixed mode[/] {path}")
         for p in report.problems:
             console.print(f"[red]BAD[/] {p.kind} {p.id}: {p.error}")
         console.print(f"checked {report.checked_layers} layer(s) and {report.checked_files} file object(s): "

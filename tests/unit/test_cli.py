@@ -52,3 +52,34 @@ def test_json_output(tmp_path):
     assert json.loads(r.stdout)["freed_bytes"] == 0
     r = capsule(tmp_path, "verify", "--json")
     assert json.loads(r.stdout) == {"ok": True, "layers": 0, "files": 0, "problems": []}
+
+
+def test_verify_names_loose_modes_and_fix_modes_repairs_them(tmp_path):
+    home = tmp_path / "store"
+    assert capsule(home, "ls").returncode == 0          # creates the store
+    os.chmod(home / "files", 0o755)
+    r = capsule(home, "verify", "--json")
+    assert r.returncode == 6
+    [problem] = json.loads(r.stdout)["problems"]
+    assert problem["kind"] == "mode" and problem["id"] == str(home / "files") and "0700" in problem["error"]
+    r = capsule(home, "verify", "--fix-modes", "--json")
+    assert r.returncode == 0, r.stdout
+    assert json.loads(r.stdout)["fixed_modes"] == [str(home / "files")]
+    assert os.stat(home / "files").st_mode & 0o777 == 0o700
+
+
+def test_gc_drop_pending_collects_abandoned_received_objects(tmp_path):
+    from capsule.store import Store
+    from tests.unit.received import receive_file
+
+    home = tmp_path / "store"
+    work = tmp_path / "w"
+    work.mkdir()
+    store = Store.open(home)
+    fid = receive_file(store, work, 7, "kernel")
+    store.close()
+    r = capsule(home, "--json", "gc")
+    assert json.loads(r.stdout)["pending"] == [fid] and json.loads(r.stdout)["files"] == []
+    r = capsule(home, "--json", "gc", "--drop-pending")
+    assert json.loads(r.stdout)["files"] == [fid]
+    assert not (home / "files" / fid).exists()

@@ -4,6 +4,7 @@ a full disk during suspend. Each gets a clear error and changes nothing."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 
 import pytest
@@ -25,12 +26,15 @@ def _snapshot_state(store):
 
 
 def _flip(path, offset):
+    """Flip one byte of a sealed object, leaving its mode as it was (verify checks modes too)."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
     os.chmod(path, 0o644)
     with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+    os.chmod(path, mode)
 
 
 def _child_layer(store, name):
@@ -57,9 +61,11 @@ def test_tampered_layer_is_named_by_verify(store):
 def test_corrupt_qcow2_refused_at_start_and_named_by_verify(store):
     layer = _child_layer(store, "q")
     path = store.layer_path(layer)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
     os.chmod(path, 0o644)
     with open(path, "r+b") as f:
         f.write(b"\x00" * 64)  # destroy the header
+    os.chmod(path, mode)
     before = _snapshot_state(store)
     with pytest.raises(IntegrityError, match=layer[:12]):
         lifecycle.start(store, "q")
