@@ -30,6 +30,19 @@ UNIT_TIMEOUT = 60.0
 IMAGE_FIXTURES = frozenset({"tiny_images", "debian_images", "store", "debian_store", "two_hosts"})
 
 
+def _image_fixtures_used(item: pytest.Item) -> set[str]:
+    """The image fixtures ``item`` really uses: a module may define its own ``store`` fixture (a bare
+    store in tmp_path), which is not the shared conftest fixture of the same name."""
+    used = set()
+    info = getattr(item, "_fixtureinfo", None)
+    for name in IMAGE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        defs = info.name2fixturedefs.get(name) if info is not None else None
+        closest = defs[-1] if defs else None
+        if closest is None or getattr(closest.func, "__module__", "") == "tests.conftest":
+            used.add(name)
+    return used
+
+
 def tier_of(item: pytest.Item) -> list[str]:
     return [t for t in TIERS if item.get_closest_marker(t) is not None]
 
@@ -45,7 +58,7 @@ def check_tiers(items: list[pytest.Item]) -> None:
             problems.append(f"{item.nodeid}: needs exactly one tier marker of {', '.join(TIERS)} (has {got})")
             continue
         if tiers == ["unit"]:
-            images = IMAGE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+            images = _image_fixtures_used(item)
             if images:
                 problems.append(f"{item.nodeid}: marked unit but uses the image fixture(s) "
                                 f"{', '.join(sorted(images))}: mark it tools or vm")

@@ -185,6 +185,7 @@ for _ in range(int(sys.argv[3])):
 """
 
 
+@pytest.mark.tools
 @pytest.mark.timeout(120)
 def test_threads_and_processes_contend_and_no_update_is_lost(store, tmp_path):
     counter = tmp_path / "counter"
