@@ -17,7 +17,9 @@ answers what the CLI prints under ``--json`` (``capsule.views``); this module ho
     POST   /api/capsules/{name}/derive      {child, version}
     POST   /api/capsules/{name}/rm          {version, promote}
 
-Installed into the agent by :func:`install` (one call in ``create_app``)."""
+Installed into the agent by :func:`install` (one call in ``create_app``). New ``/api`` routes go into
+:func:`api_router`, before its catch-all (which answers 401 to a caller without a session, and 404 to one
+with a session, for any other ``/api`` path)."""
 
 from __future__ import annotations
 

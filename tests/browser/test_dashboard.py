@@ -80,6 +80,15 @@ def test_sign_in_see_both_hosts_start_a_capsule_and_lose_a_peer(two_hosts, brows
     expect(peer.locator(".error")).to_contain_text("cannot reach")
     expect(local.locator(".badge")).to_have_attribute("data-state", "running")
 
+    # suspend it from the page: a new active version with its memory image, listed with its size
+    local.locator('button[data-action="suspend"]').click()
+    expect(local.locator(".badge")).to_have_attribute("data-state", "suspended", timeout=120_000)
+    v = a.catalogue.latest_version("desk-a")
+    assert (v.number, v.active) == (2, True)
+    expect(local).to_contain_text("@2")
+    expect(local).to_contain_text("with memory")
+    expect(local.locator('button[data-action="start"]')).to_be_visible()
+
 
 def test_refusals_are_shown_and_sign_out_ends_the_session(two_hosts, browser):
     from playwright.sync_api import expect
