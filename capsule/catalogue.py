@@ -370,6 +370,20 @@ class Catalogue:
     def delete_instance(self, capsule: str) -> None:
         self._exec("DELETE FROM instances WHERE capsule=?", (capsule,))
 
+    # -- tables owned by other modules (capsule/hosts.py: peers) ---------------
+    def ensure_table(self, ddl: str) -> None:
+        """Create a module's own table once per open catalogue (one ``CREATE TABLE IF NOT EXISTS``
+        statement; safe inside a transaction)."""
+        with self._rlock:
+            done = self.__dict__.setdefault("_ensured", set())
+            if ddl not in done:
+                self.db.execute(ddl)
+                done.add(ddl)
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        """One statement for a module that owns its table; rows as ``sqlite3.Row``."""
+        return self._exec(sql, args)
+
 
 class _Rows(list):
     """Fetched rows, usable like the cursor they came from."""

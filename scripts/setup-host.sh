@@ -57,7 +57,7 @@ pkg_ok() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok i
 install_packages() {
   local base=(mmdebstrap zstd e2fsprogs busybox-static cpio python3-venv python3-dev libc6-dev
               pkg-config gcc make iproute2 rsync socat dnsmasq-base
-              ovmf kmod ca-certificates)
+              ovmf kmod ca-certificates chromium)
   local bpo=(qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-daemon libvirt-clients
              libvirt-dev nbdkit nbdkit-plugin-python)
   local missing_base=() missing_bpo=()

@@ -37,6 +37,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response, WebSocke
 from fastapi.responses import JSONResponse
 
 from capsule import __version__ as capsule_version
+from capsule.agent import dashboard
 from capsule.agent.records import record_version, version_record
 from capsule.capsules import resolve
 from capsule.errors import AlreadyExists, CapsuleError, Conflict, IntegrityError, InvalidName, NotFound, StorageFull
@@ -455,4 +456,5 @@ def create_app(home: Path, token: str) -> FastAPI:
         return {"version": r.start.version.ref, "mode": r.start.mode, "domain": r.start.domain,
                 "seconds": r.start.seconds, "moved_bytes": r.transfer.wire_bytes, "remote_layers": r.remote_layers}
 
+    dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     return app

@@ -12,40 +12,14 @@ from rich.table import Table
 from rich.tree import Tree
 
 from capsule import capsules as lib
-from capsule import demand, hierarchy
-from capsule.catalogue import VersionRow
+from capsule import hierarchy
 from capsule.cli.common import console, emit, json_flag, open_store, progress, short
 from capsule.doctor import doctor as run_doctor
-from capsule.store import Store
 from capsule.units import human
 from capsule.verify import verify as run_verify
+from capsule.views import depends_on, rm_dict, state_dict, version_dict
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
-
-
-def version_dict(store: Store, v: VersionRow) -> dict[str, Any]:
-    cat = store.catalogue
-    mem = cat.file(v.memory) if v.memory else None
-    layers = []
-    for chain in v.chains:
-        rows = [cat.layer(lid) for lid in chain]
-        disk = []
-        for lid, r in zip(chain, rows, strict=True):
-            entry: dict[str, Any] = {"id": lid, "stored_bytes": r.stored_bytes if r else None,
-                                     "file_bytes": r.file_size if r else None}
-            if demand.is_remote(store, lid):
-                present, total = demand.layer_progress(store, lid)
-                entry["remote"] = {"url": demand.remote_info(store, lid)["url"], "blocks_local": present,
-                                   "blocks": total}
-            disk.append(entry)
-        layers.append(disk)
-    return {
-        "ref": v.ref, "capsule": v.capsule, "version": v.number, "active": v.active,
-        "parent": f"{v.parent_capsule}@{v.parent_version}" if v.parent_capsule else None,
-        "memory": {"id": v.memory, "size": mem.size, "allocated": mem.allocated,
-                   "stored_bytes": mem.stored_bytes} if mem else None,
-        "disks": layers, "config": v.config, "note": v.note, "created": v.created,
-    }
 
 
 def create(
@@ -82,9 +56,7 @@ def ls(json: JsonOpt = False) -> None:
     json_flag(json)
     store = open_store()
     states = lib.list_states(store)
-    data = [{"name": s.name, "state": s.state, "latest": s.latest.number, "active": s.latest.active,
-             "versions": len(store.catalogue.versions(s.name)),
-             "domain": s.instance.domain if s.instance else None} for s in states]
+    data = [state_dict(store, s) for s in states]
 
     def show() -> None:
         t = Table("capsule", "state", "latest", "versions", "memory image", "layers")
@@ -126,8 +98,8 @@ def show(
                 f"{short(x['id'])} (remote, {x['remote']['blocks_local']}/{x['remote']['blocks']} blocks here)"
                 if "remote" in x else f"{short(x['id'])} ({human(x['stored_bytes'] or 0)})" for x in disk)
             console.print(f"  disk {i}    {chain}")
-        remote = {x["remote"]["url"] for disk in data["disks"] for x in disk if "remote" in x}
-        console.print(f"  depends   on {', '.join(sorted(remote))} (`capsule localize` once all blocks are here)"
+        remote = depends_on(data)
+        console.print(f"  depends   on {', '.join(remote)} (`capsule localize` once all blocks are here)"
                       if remote else "  depends   on no other host")
         console.print(f"  versions  {', '.join('@' + str(n) for n in data['versions'])}")
 
@@ -188,7 +160,7 @@ def rm(
     store = open_store()
     with progress("removing") as say:
         r = hierarchy.rm(store, ref, promote_dependants=promote_dependants, say=say)
-    emit({"removed": r.removed, "promoted_layers": r.promoted, "gc": asdict(r.gc)},
+    emit(rm_dict(r),
          lambda: console.print(f"removed {', '.join(r.removed)}; {r.promoted} dependant layer(s) promoted; "
                                f"freed {human(r.gc.freed_bytes)}"))
 

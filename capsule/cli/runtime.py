@@ -12,6 +12,7 @@ from capsule.cli.common import console, emit, json_flag, open_store, progress, s
 from capsule.errors import NotFound
 from capsule.runtime.connection import libvirt_uri
 from capsule.units import human
+from capsule.views import seal_dict, start_dict
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 BalloonOpt = Annotated[bool, typer.Option("--balloon", help="Zero the guest's spare memory first (§4.1): smaller "
@@ -21,23 +22,6 @@ PolicyOpt = Annotated[str, typer.Option("--balloon-policy", help="none | cache (
 MethodOpt = Annotated[str, typer.Option("--balloon-method", help="virtio (host virtio-balloon down to what the "
                                                                  "guest uses; the default, measured best) | agent "
                                                                  "(in-guest balloon).")]
-
-
-def _seal_dict(r: lifecycle.SealResult) -> dict:
-    return {
-        "version": r.version.ref if r.version else None,
-        "memory": {"id": r.memory.id, "size": r.memory.size, "allocated": r.memory.allocated,
-                   "stored_bytes": r.memory.stored_bytes} if r.memory else None,
-        "layers": [{"id": x.id, "stored_bytes": x.stored_bytes, "file_bytes": x.file_size} for x in r.layers],
-        "balloon": r.balloon.as_dict() if r.balloon else None,
-        "save_seconds": round(r.save_seconds, 3),
-        "seal_seconds": round(r.seal_seconds, 3),
-    }
-
-
-def _start_dict(r: lifecycle.StartResult) -> dict:
-    return {"version": r.version.ref, "domain": r.domain, "mode": r.mode, "accel": r.accel,
-            "seconds": round(r.seconds, 3), "forked_memory": r.forked_memory}
 
 
 def _print_seal(r: lifecycle.SealResult, verb: str) -> None:
@@ -70,7 +54,7 @@ def start(
     with progress(f"starting {ref}") as say:
         r = lifecycle.start(store, ref, wait=wait, timeout=timeout, say=say)
     verb = "restored" if r.mode == "restore" else ("booted" if wait else "booting")
-    emit(_start_dict(r), lambda: console.print(
+    emit(start_dict(r), lambda: console.print(
         f"{verb} [bold]{r.version.ref}[/] as domain {r.domain} ({r.accel}) in {r.seconds:.2f}s"))
 
 
@@ -85,7 +69,7 @@ def suspend(
     with progress(f"suspending {name}") as say:
         r = lifecycle.suspend(store, name, balloon=balloon_policy if balloon else None,
                               balloon_method=balloon_method, say=say)
-    emit(_seal_dict(r), lambda: _print_seal(r, "suspended"))
+    emit(seal_dict(r), lambda: _print_seal(r, "suspended"))
 
 
 def snapshot(
@@ -99,7 +83,7 @@ def snapshot(
     with progress(f"snapshotting {name}") as say:
         sealed, resumed = lifecycle.snapshot(store, name, balloon=balloon_policy if balloon else None,
                                              balloon_method=balloon_method, say=say)
-    data = _seal_dict(sealed) | {"resumed": _start_dict(resumed)}
+    data = seal_dict(sealed) | {"resumed": start_dict(resumed)}
     emit(data, lambda: (_print_seal(sealed, "snapshot"),
                         console.print(f"  running again after {resumed.seconds:.2f}s")))
 
@@ -115,7 +99,7 @@ def stop(
     store = open_store()
     with progress(f"stopping {name}") as say:
         r = lifecycle.stop(store, name, timeout=timeout, force=force, say=say)
-    emit(_seal_dict(r), lambda: _print_seal(r, "stopped"))
+    emit(seal_dict(r), lambda: _print_seal(r, "stopped"))
 
 
 def console_cmd(

@@ -1,0 +1,150 @@
+"""The dashboard API's request and response bodies (they document the API on the OpenAPI page, and a
+peer's answers are checked against them)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class SignIn(BaseModel):
+    token: str = Field(max_length=512, description="The host's agent token (its token file's contents).")
+
+
+class SessionOut(BaseModel):
+    store_id: str = Field(description="This host's store id.")
+    csrf: str | None = Field(description="Send as the X-CSRF-Token header with every POST/DELETE "
+                                         "(None for a bearer-token caller, which needs none).")
+    expires_in: float | None = Field(description="Seconds until the session ends unless used.")
+
+
+class RemoteOut(BaseModel):
+    url: str
+    blocks_local: int | None = None
+    blocks: int | None = None
+
+
+class LayerOut(BaseModel):
+    id: str
+    stored_bytes: int | None
+    file_bytes: int | None
+    remote: RemoteOut | None = None
+
+
+class MemoryOut(BaseModel):
+    id: str
+    size: int
+    allocated: int
+    stored_bytes: int
+
+
+class DependsOn(BaseModel):
+    url: str = Field(description="The agent this version still reads disk blocks from.")
+    host: str | None = Field(description="That agent's name among this host's peers, if it is one.")
+
+
+class VersionOut(BaseModel):
+    ref: str
+    capsule: str
+    version: int
+    active: bool = Field(description="Has a memory image (restores) rather than booting.")
+    parent: str | None
+    memory: MemoryOut | None
+    disks: list[list[LayerOut]] = Field(description="Per disk, the chain of layers from root to top.")
+    config: dict[str, Any]
+    note: str
+    created: float
+
+
+class VersionDetail(VersionOut):
+    depends_on: list[DependsOn]
+    disk_bytes: int = Field(description="Data bytes of all layers of the version's chains.")
+
+
+class CapsuleOut(BaseModel):
+    name: str
+    state: Literal["running", "suspended", "stopped", "crashed"]
+    latest: int
+    active: bool
+    domain: str | None
+    version_count: int
+    versions: list[VersionDetail]
+
+
+class HostOut(BaseModel):
+    name: str
+    url: str
+    store_id: str
+    reachable: bool
+    error: str | None = Field(description="Why the host is unreachable (or its answer unusable).")
+    seconds: float = Field(description="How long the host took to answer.")
+    capsules: list[CapsuleOut] | None = Field(description="None when the host is unreachable.")
+
+
+class StartIn(BaseModel):
+    version: int | None = Field(default=None, ge=1, description="Start this version (default: latest).")
+    wait: bool = Field(default=True, description="Wait until a booting guest is up.")
+    timeout: float = Field(default=180.0, ge=1.0, le=900.0)
+
+
+class StartOut(BaseModel):
+    version: str
+    domain: str
+    mode: Literal["boot", "restore"]
+    accel: str
+    seconds: float
+    forked_memory: bool
+
+
+class SealIn(BaseModel):
+    balloon: bool = Field(default=False, description="Zero the guest's spare memory first (§4.1).")
+    balloon_policy: Literal["none", "cache", "aggressive"] = "cache"
+    balloon_method: Literal["virtio", "agent"] = "virtio"
+
+
+class StopIn(BaseModel):
+    timeout: float = Field(default=30.0, ge=0.0, le=600.0, description="Seconds to wait for a clean shutdown.")
+    force: bool = Field(default=False, description="Power off at once.")
+
+
+class LayerSize(BaseModel):
+    id: str
+    stored_bytes: int
+    file_bytes: int
+
+
+class SealOut(BaseModel):
+    version: str | None = Field(description="The new version (None: nothing changed).")
+    memory: MemoryOut | None
+    layers: list[LayerSize]
+    balloon: dict[str, Any] | None
+    save_seconds: float
+    seal_seconds: float
+
+
+class SnapshotOut(SealOut):
+    resumed: StartOut
+
+
+class DeriveIn(BaseModel):
+    child: str = Field(description="Name of the new child capsule.")
+    version: int | None = Field(default=None, ge=1, description="Derive from this version (default: latest).")
+
+
+class RmIn(BaseModel):
+    version: int | None = Field(default=None, ge=1, description="Remove only this version.")
+    promote: bool = Field(default=False, description="Fold removed layers into versions that build on them.")
+
+
+class GcOut(BaseModel):
+    layers: list[str]
+    files: list[str]
+    leaves: list[str]
+    freed_bytes: int
+
+
+class RmOut(BaseModel):
+    removed: list[str]
+    promoted_layers: int
+    gc: GcOut

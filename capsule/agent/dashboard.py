@@ -1,0 +1,196 @@
+"""The dashboard: its JSON API under ``/api/`` and the page (``web/``) at ``/``.
+
+Every ``/api`` call needs a session (sign in with the host's token: ``POST /api/session``) or the token as
+a bearer token; without one the answer is 401 and nothing else. Each action is the library call the
+CLI makes (``capsule.lifecycle``, ``capsule.capsules``, ``capsule.hierarchy``, ``capsule.hosts``) and
+answers what the CLI prints under ``--json`` (``capsule.views``); this module holds no logic of its own.
+
+    POST   /api/session                     sign in {"token"} → cookie + CSRF token
+    GET    /api/session                     who is signed in (and the CSRF token again)
+    DELETE /api/session                     sign out
+    GET    /api/capsules                    this host's capsules: state, versions, sizes, depends-on
+    GET    /api/hosts                       the peers, each with its capsules or why it is unreachable
+    POST   /api/capsules/{name}/start       {version, wait, timeout}
+    POST   /api/capsules/{name}/suspend     {balloon, balloon_policy, balloon_method}
+    POST   /api/capsules/{name}/snapshot    same
+    POST   /api/capsules/{name}/stop        {timeout, force}
+    POST   /api/capsules/{name}/derive      {child, version}
+    POST   /api/capsules/{name}/rm          {version, promote}
+
+Installed into the agent by :func:`install` (one call in ``create_app``). New ``/api`` routes go into
+:func:`api_router`, before its catch-all (which answers 401 to a caller without a session, and 404 to one
+with a session, for any other ``/api`` path)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from capsule import capsules, hierarchy, hosts, lifecycle, views
+from capsule.agent.apimodels import (
+    CapsuleOut,
+    DeriveIn,
+    HostOut,
+    RmIn,
+    RmOut,
+    SealIn,
+    SealOut,
+    SessionOut,
+    SignIn,
+    SnapshotOut,
+    StartIn,
+    StartOut,
+    StopIn,
+    VersionOut,
+)
+from capsule.agent.sessions import Caller, Sessions, check_same_origin, unauthorized
+from capsule.names import check_name
+from capsule.store import Store
+
+PEER_TIMEOUT = 3.0
+# the page's own files; CAPSULE_WEB_DIR points elsewhere (an installed copy)
+WEB_DIR = Path(os.environ.get("CAPSULE_WEB_DIR", Path(__file__).resolve().parents[2] / "web"))
+# the page loads only its own scripts and styles, talks only to its own agent, is never framed
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+                               "frame-ancestors 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def install(app: FastAPI, store: Store, token: str) -> None:
+    """Add the dashboard to an agent app: the API, the page at ``/`` and its files under ``/web/``."""
+    sessions = Sessions(token, store.id)
+    app.state.sessions = sessions
+    app.include_router(api_router(store, sessions))
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(WEB_DIR / "index.html", headers=PAGE_HEADERS)
+
+    if WEB_DIR.is_dir():
+        app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
+
+
+def api_router(store: Store, sessions: Sessions) -> APIRouter:
+    def caller(request: Request, response: Response) -> Caller:
+        response.headers["Cache-Control"] = "no-store"
+        request.state.caller = sessions.authenticate(request)
+        return request.state.caller
+
+    signed_in = [Depends(caller)]
+    public = APIRouter(prefix="/api", tags=["dashboard"])
+    router = APIRouter(prefix="/api", tags=["dashboard"], dependencies=signed_in)
+
+    def session_out(c: Caller) -> SessionOut:
+        if c.session is None:
+            return SessionOut(store_id=store.id, csrf=None, expires_in=None)
+        return SessionOut(store_id=store.id, csrf=c.session.csrf, expires_in=sessions.expires_in(c.session))
+
+    # -- sign-in ---------------------------------------------------------------------------------------
+    @public.post("/session", response_model=SessionOut, summary="Sign in with the host's token")
+    def sign_in(body: SignIn, request: Request, response: Response) -> SessionOut:
+        response.headers["Cache-Control"] = "no-store"
+        check_same_origin(request)
+        if not sessions.check_token(body.token):
+            raise unauthorized()
+        s = sessions.create()
+        response.set_cookie(sessions.cookie, s.sid, max_age=int(sessions.lifetime), path="/", httponly=True,
+                            samesite="strict", secure=request.url.scheme == "https")
+        return session_out(Caller(s))
+
+    @router.get("/session", response_model=SessionOut, summary="The current session")
+    def session(request: Request) -> SessionOut:
+        return session_out(request.state.caller)
+
+    @router.delete("/session", status_code=204, summary="Sign out")
+    def sign_out(request: Request) -> Response:
+        c: Caller = request.state.caller
+        if c.session is not None:
+            sessions.end(c.session)
+        response = Response(status_code=204)
+        response.delete_cookie(sessions.cookie, path="/", httponly=True, samesite="strict",
+                               secure=request.url.scheme == "https")
+        return response
+
+    # -- what is where ---------------------------------------------------------------------------------
+    @router.get("/capsules", response_model=list[CapsuleOut], summary="This host's capsules")
+    async def capsule_list() -> list[dict[str, Any]]:
+        def work() -> list[dict[str, Any]]:
+            return views.overview(store, hosts.name_for_url(hosts.peers(store)))
+
+        return await asyncio.to_thread(work)
+
+    @router.get("/hosts", response_model=list[HostOut], summary="The peers and their capsules")
+    async def host_list() -> list[dict[str, Any]]:
+        """Every peer is asked at once for its ``/api/capsules``; one that does not answer within a few
+        seconds, or answers something unusable, is marked unreachable with the reason."""
+        statuses = await asyncio.to_thread(hosts.ask_all, store, "/api/capsules", timeout=PEER_TIMEOUT)
+        out = []
+        for st in statuses:
+            row = st.as_dict() | {"capsules": None}
+            if st.reachable:
+                try:
+                    row["capsules"] = [CapsuleOut.model_validate(c) for c in st.answer]
+                except (ValueError, TypeError) as exc:
+                    row |= {"reachable": False, "error": f"unusable answer from the host: {str(exc)[:200]}"}
+            out.append(row)
+        return out
+
+    # -- actions: one library call each ----------------------------------------------------------------
+    @router.post("/capsules/{name}/start", response_model=StartOut, summary="Boot or restore a capsule")
+    async def start(name: str, body: StartIn) -> dict[str, Any]:
+        ref = check_name(name) if body.version is None else f"{check_name(name)}@{body.version}"
+        r = await asyncio.to_thread(lifecycle.start, store, ref, wait=body.wait, timeout=body.timeout)
+        return views.start_dict(r)
+
+    @router.post("/capsules/{name}/suspend", response_model=SealOut, summary="Suspend a running capsule")
+    async def suspend(name: str, body: SealIn) -> dict[str, Any]:
+        r = await asyncio.to_thread(lifecycle.suspend, store, check_name(name), balloon=_policy(body),
+                                    balloon_method=body.balloon_method)
+        return views.seal_dict(r)
+
+    @router.post("/capsules/{name}/snapshot", response_model=SnapshotOut, summary="Snapshot a running capsule")
+    async def snapshot(name: str, body: SealIn) -> dict[str, Any]:
+        sealed, resumed = await asyncio.to_thread(lifecycle.snapshot, store, check_name(name),
+                                                  balloon=_policy(body), balloon_method=body.balloon_method)
+        return views.seal_dict(sealed) | {"resumed": views.start_dict(resumed)}
+
+    @router.post("/capsules/{name}/stop", response_model=SealOut, summary="Shut a capsule down")
+    async def stop(name: str, body: StopIn) -> dict[str, Any]:
+        r = await asyncio.to_thread(lifecycle.stop, store, check_name(name), timeout=body.timeout, force=body.force)
+        return views.seal_dict(r)
+
+    @router.post("/capsules/{name}/derive", response_model=VersionOut, summary="Derive a child capsule")
+    async def derive(name: str, body: DeriveIn) -> dict[str, Any]:
+        ref = check_name(name) if body.version is None else f"{check_name(name)}@{body.version}"
+        v = await asyncio.to_thread(capsules.derive, store, ref, body.child)
+        return views.version_dict(store, v, progress=False)
+
+    @router.post("/capsules/{name}/rm", response_model=RmOut, summary="Remove a capsule or one version")
+    async def rm(name: str, body: RmIn) -> dict[str, Any]:
+        ref = check_name(name) if body.version is None else f"{check_name(name)}@{body.version}"
+        r = await asyncio.to_thread(hierarchy.rm, store, ref, promote_dependants=body.promote)
+        return views.rm_dict(r)
+
+    # a route that does not exist under /api is a 401 too for a caller without a session
+    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    def unknown(rest: str) -> None:
+        raise HTTPException(status_code=404, detail=f"no API call /api/{rest}")
+
+    outer = APIRouter()
+    outer.include_router(public)
+    outer.include_router(router)
+    return outer
+
+
+def _policy(body: SealIn) -> str | None:
+    return body.balloon_policy if body.balloon else None

@@ -1,0 +1,82 @@
+"""CLI verbs for the peers this host knows: host add, host ls, host rm."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from capsule import hosts as lib
+from capsule.agentclient import read_token
+from capsule.cli.common import console, emit, json_flag, open_store
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+app = typer.Typer(help="The other hosts this one knows (its peers): the dashboard shows their capsules too.",
+                  no_args_is_help=True)
+
+
+@app.command()
+def add(
+    name: Annotated[str, typer.Argument(help="A short name for the host, e.g. home or office.")],
+    url: Annotated[str, typer.Argument(help="Its agent: http://HOST:PORT (see `capsule serve`).")],
+    token_file: Annotated[Path | None, typer.Option("--token-file", help="File holding that agent's token "
+                                                                         "(default: CAPSULE_TOKEN).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the host to answer.")]
+    = lib.ADD_TIMEOUT,
+    json: JsonOpt = False,
+) -> None:
+    """Know another host: its agent must answer with the token; its store id is recorded."""
+    json_flag(json)
+    store = open_store()
+    peer = lib.add(store, name, url, read_token(token_file), timeout=timeout)
+    emit(peer.as_dict(), lambda: console.print(f"added host [bold]{peer.name}[/] at {peer.url} "
+                                               f"(store {peer.store_id})"))
+
+
+@app.command("ls")
+def ls(
+    offline: Annotated[bool, typer.Option("--offline", help="Do not ask the hosts whether they answer.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for all hosts together.")]
+    = lib.ASK_TIMEOUT,
+    json: JsonOpt = False,
+) -> None:
+    """List the known hosts and whether each answers now (all asked at once)."""
+    json_flag(json)
+    store = open_store()
+    if offline:
+        rows = [p.as_dict() | {"reachable": None, "error": None} for p in lib.peers(store)]
+    else:
+        rows = [s.as_dict() for s in lib.ask_all(store, timeout=timeout)]
+
+    def human_view() -> None:
+        if not rows:
+            console.print("no hosts yet: `capsule host add NAME http://HOST:PORT --token-file FILE`")
+            return
+        t = Table("host", "url", "store", "added", "answers")
+        for r in rows:
+            answers = ("-" if r["reachable"] is None else "[green]yes[/]" if r["reachable"]
+                       else f"[red]no[/]: {r['error']}")
+            t.add_row(r["name"], r["url"], r["store_id"], time.strftime("%Y-%m-%d %H:%M", time.localtime(r["added"])),
+                      answers)
+        console.print(t)
+
+    emit(rows, human_view)
+
+
+@app.command("rm")
+def rm(
+    name: Annotated[str, typer.Argument(help="The host to forget.")],
+    json: JsonOpt = False,
+) -> None:
+    """Forget a host (nothing on it changes)."""
+    json_flag(json)
+    peer = lib.remove(open_store(), name)
+    emit({"removed": peer.name}, lambda: console.print(f"forgot host [bold]{peer.name}[/] ({peer.url})"))
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="host", help="The other hosts this one knows: add, ls, rm.")

@@ -1,0 +1,198 @@
+"""The peers a host knows (``capsule host add NAME URL``): other hosts' agents, each with its token and
+the store id it answered with when it was added. Kept in the catalogue, in a table of its own.
+
+Asking peers is concurrent and bounded by one deadline: a peer that does not answer in time is marked
+unreachable and the others are still reported."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from capsule.agentclient import AgentClient
+from capsule.catalogue import Catalogue
+from capsule.errors import AlreadyExists, CapsuleError, Conflict, InvalidName, NotFound, TransferFailed
+from capsule.names import check_name
+from capsule.store import Store
+
+SCHEMA = """CREATE TABLE IF NOT EXISTS peers(
+    name TEXT PRIMARY KEY,
+    url TEXT NOT NULL UNIQUE,
+    token TEXT NOT NULL,
+    store_id TEXT NOT NULL,
+    added REAL NOT NULL
+)"""
+ADD_TIMEOUT = 10.0
+ASK_TIMEOUT = 3.0
+_STORE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    url: str
+    store_id: str
+    added: float
+    token: str = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything but the token."""
+        return {"name": self.name, "url": self.url, "store_id": self.store_id, "added": self.added}
+
+
+@dataclass
+class PeerStatus:
+    peer: Peer
+    reachable: bool
+    error: str | None = None
+    answer: Any = None          # what the peer answered (see ask_all)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.peer.as_dict() | {"reachable": self.reachable, "error": self.error,
+                                      "seconds": round(self.seconds, 3)}
+
+
+def _table(cat: Catalogue) -> Catalogue:
+    """The catalogue, with the peers table created on first use (CREATE TABLE IF NOT EXISTS)."""
+    cat.ensure_table(SCHEMA)
+    return cat
+
+
+def check_url(url: str) -> str:
+    """An agent's base URL: http(s)://HOST[:PORT], nothing else (no user, path, query or fragment)."""
+    if not isinstance(url, str) or len(url) > 300 or any(c.isspace() or ord(c) < 32 for c in url):
+        raise InvalidName(f"invalid agent URL {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidName(f"invalid agent URL {url!r}: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidName(f"invalid agent URL {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    if parts.username or parts.password or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise InvalidName(f"invalid agent URL {url!r}: give only scheme, host and port (the token is given "
+                          "with --token-file)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
+
+
+def _info(url: str, token: str, timeout: float) -> dict[str, Any]:
+    with AgentClient(url, token, timeout=timeout) as client:
+        info = client.request("GET", "/v1/info", idempotent=False).json()
+    if not isinstance(info, dict) or not isinstance(info.get("store_id"), str) \
+            or not _STORE_ID_RE.match(info["store_id"]):
+        raise TransferFailed(f"the agent at {url} answered /v1/info without a valid store id")
+    return info
+
+
+def _row(r: Any) -> Peer:
+    return Peer(name=r["name"], url=r["url"], store_id=r["store_id"], added=r["added"], token=r["token"])
+
+
+def peers(store: Store) -> list[Peer]:
+    """The known peers, by name (no network)."""
+    return [_row(r) for r in _table(store.catalogue).query("SELECT * FROM peers ORDER BY name")]
+
+
+def get(store: Store, name: str) -> Peer:
+    check_name(name, "host")
+    rows = _table(store.catalogue).query("SELECT * FROM peers WHERE name=?", (name,))
+    if not rows:
+        raise NotFound(f"no host named {name!r} (see `capsule host ls`)")
+    return _row(rows[0])
+
+
+def add(store: Store, name: str, url: str, token: str, *, timeout: float = ADD_TIMEOUT) -> Peer:
+    """Know the agent at ``url`` as ``name``: it must answer ``/v1/info`` with ``token`` (its store id is
+    recorded), and be neither this host nor a host already known."""
+    check_name(name, "host")
+    url = check_url(url)
+    if not token or len(token) < 16 or any(c.isspace() for c in token):
+        raise InvalidName("the peer's token must be at least 16 characters with no spaces "
+                          "(the contents of its agent's token file)")
+    known = peers(store)
+    if any(p.name == name for p in known):
+        raise AlreadyExists(f"a host named {name!r} is already known (`capsule host rm {name}` first)")
+    if same := next((p for p in known if p.url == url), None):
+        raise AlreadyExists(f"{url} is already known as host {same.name!r}")
+    info = _info(url, token, timeout)
+    if info["store_id"] == store.id:
+        raise Conflict(f"{url} is this host's own agent (store {store.id})")
+    if same := next((p for p in known if p.store_id == info["store_id"]), None):
+        raise AlreadyExists(f"{url} serves store {info['store_id']}, already known as host {same.name!r}")
+    peer = Peer(name, url, info["store_id"], time.time(), token)
+    cat = _table(store.catalogue)
+    with store.lock(), cat.transaction():
+        if cat.query("SELECT 1 FROM peers WHERE name=? OR url=?", (name, url)):
+            raise AlreadyExists(f"a host named {name!r} or at {url} was added meanwhile")
+        cat.query("INSERT INTO peers VALUES(?,?,?,?,?)", (peer.name, peer.url, peer.token, peer.store_id,
+                                                          peer.added))
+    return peer
+
+
+def remove(store: Store, name: str) -> Peer:
+    """Forget a peer. Layers demand-paged from it keep their own record of its URL and token."""
+    peer = get(store, name)
+    cat = _table(store.catalogue)
+    with store.lock(), cat.transaction():
+        cat.query("DELETE FROM peers WHERE name=?", (name,))
+    return peer
+
+
+def name_for_url(known: list[Peer]) -> Callable[[str], str | None]:
+    """A lookup from an agent URL to the name of the peer at that URL (None if it is none of them)."""
+    by_url = {p.url: p.name for p in known}
+
+    def lookup(url: str) -> str | None:
+        try:
+            return by_url.get(check_url(url))
+        except InvalidName:
+            return None
+
+    return lookup
+
+
+def ask_all(store: Store, path: str = "/v1/info", *, timeout: float = ASK_TIMEOUT) -> list[PeerStatus]:
+    """GET ``path`` from every peer at once, all within ``timeout`` seconds. A peer that refuses, fails,
+    answers as another store (for ``/v1/info``) or is still silent at the deadline is unreachable, with
+    the reason; its call is abandoned (its thread ends at the client's own timeout)."""
+    known = peers(store)
+    if not known:
+        return []
+    started = time.monotonic()
+
+    def one(peer: Peer) -> Any:
+        with AgentClient(peer.url, peer.token, timeout=timeout) as client:
+            answer = client.request("GET", path, idempotent=False).json()
+        if path == "/v1/info" and (not isinstance(answer, dict) or answer.get("store_id") != peer.store_id):
+            raise TransferFailed(f"{peer.url} now answers as another store, not {peer.store_id}: "
+                                 f"`capsule host rm {peer.name}` and add it again if that is intended")
+        return answer
+
+    pool = ThreadPoolExecutor(max_workers=min(16, len(known)), thread_name_prefix="capsule-peer")
+    try:
+        futures = {pool.submit(one, p): p for p in known}
+        wait(futures, timeout=timeout)
+        out = []
+        for fut, peer in futures.items():
+            seconds = time.monotonic() - started
+            if not fut.done():
+                fut.cancel()
+                out.append(PeerStatus(peer, False, f"no answer within {timeout:g}s", seconds=seconds))
+                continue
+            try:
+                out.append(PeerStatus(peer, True, answer=fut.result(), seconds=seconds))
+            except (CapsuleError, ValueError) as exc:
+                reason = str(exc) if isinstance(exc, CapsuleError) else f"malformed answer: {exc}"
+                out.append(PeerStatus(peer, False, reason, seconds=seconds))
+            except Exception as exc:  # noqa: BLE001 - one peer's failure never hides the others
+                out.append(PeerStatus(peer, False, f"{type(exc).__name__}: {exc}", seconds=seconds))
+        return out
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)

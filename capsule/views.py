@@ -1,0 +1,95 @@
+"""Capsules and versions as plain data: what the CLI prints under ``--json`` and what the dashboard's API
+returns. One place builds these dicts, so a script sees the same fields from either."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from capsule import demand
+from capsule.capsules import CapsuleState, list_states
+from capsule.catalogue import VersionRow
+from capsule.hierarchy import RmResult
+from capsule.lifecycle import SealResult, StartResult
+from capsule.store import Store
+
+
+def version_dict(store: Store, v: VersionRow, *, progress: bool = True) -> dict[str, Any]:
+    """A version: its disks' layer chains (with sizes; remote layers with their source and, when
+    ``progress``, how many of their blocks are here — that reads the layer's manifest), memory image,
+    config and parent."""
+    cat = store.catalogue
+    mem = cat.file(v.memory) if v.memory else None
+    layers = []
+    for chain in v.chains:
+        rows = [cat.layer(lid) for lid in chain]
+        disk = []
+        for lid, r in zip(chain, rows, strict=True):
+            entry: dict[str, Any] = {"id": lid, "stored_bytes": r.stored_bytes if r else None,
+                                     "file_bytes": r.file_size if r else None}
+            if demand.is_remote(store, lid):
+                entry["remote"] = {"url": demand.remote_info(store, lid)["url"]}
+                if progress:
+                    present, total = demand.layer_progress(store, lid)
+                    entry["remote"] |= {"blocks_local": present, "blocks": total}
+            disk.append(entry)
+        layers.append(disk)
+    return {
+        "ref": v.ref, "capsule": v.capsule, "version": v.number, "active": v.active,
+        "parent": f"{v.parent_capsule}@{v.parent_version}" if v.parent_capsule else None,
+        "memory": {"id": v.memory, "size": mem.size, "allocated": mem.allocated,
+                   "stored_bytes": mem.stored_bytes} if mem else None,
+        "disks": layers, "config": v.config, "note": v.note, "created": v.created,
+    }
+
+
+def depends_on(version: dict[str, Any]) -> list[str]:
+    """The agents (URLs) a version built by :func:`version_dict` still reads blocks from."""
+    return sorted({x["remote"]["url"] for disk in version["disks"] for x in disk if "remote" in x})
+
+
+def seal_dict(r: SealResult) -> dict[str, Any]:
+    """What suspend, snapshot and stop made: the new version, its memory image and layers."""
+    return {
+        "version": r.version.ref if r.version else None,
+        "memory": {"id": r.memory.id, "size": r.memory.size, "allocated": r.memory.allocated,
+                   "stored_bytes": r.memory.stored_bytes} if r.memory else None,
+        "layers": [{"id": x.id, "stored_bytes": x.stored_bytes, "file_bytes": x.file_size} for x in r.layers],
+        "balloon": r.balloon.as_dict() if r.balloon else None,
+        "save_seconds": round(r.save_seconds, 3),
+        "seal_seconds": round(r.seal_seconds, 3),
+    }
+
+
+def start_dict(r: StartResult) -> dict[str, Any]:
+    """How a start went: version, domain, boot or restore, accelerator, seconds."""
+    return {"version": r.version.ref, "domain": r.domain, "mode": r.mode, "accel": r.accel,
+            "seconds": round(r.seconds, 3), "forked_memory": r.forked_memory}
+
+
+def rm_dict(r: RmResult) -> dict[str, Any]:
+    """What ``rm`` removed, promoted and collected."""
+    return {"removed": r.removed, "promoted_layers": r.promoted, "gc": asdict(r.gc)}
+
+
+def state_dict(store: Store, s: CapsuleState) -> dict[str, Any]:
+    """One line of ``capsule ls``."""
+    return {"name": s.name, "state": s.state, "latest": s.latest.number, "active": s.latest.active,
+            "versions": len(store.catalogue.versions(s.name)),
+            "domain": s.instance.domain if s.instance else None}
+
+
+def overview(store: Store, host_of: Callable[[str], str | None] = lambda _url: None) -> list[dict[str, Any]]:
+    """Every capsule of the store with all its versions: state, sizes, and the hosts each version still
+    depends on (``host_of`` names a URL's peer, when it is one). What the dashboard shows."""
+    out = []
+    for s in list_states(store):
+        versions = []
+        for v in store.catalogue.versions(s.name):
+            d = version_dict(store, v, progress=False)
+            d["depends_on"] = [{"url": url, "host": host_of(url)} for url in depends_on(d)]
+            d["disk_bytes"] = sum(x["stored_bytes"] or 0 for disk in d["disks"] for x in disk)
+            versions.append(d)
+        out.append(state_dict(store, s) | {"versions": versions, "version_count": len(versions)})
+    return out

@@ -1,0 +1,68 @@
+// The dashboard's only way to the host: the JSON API under /api/ (the same calls a script makes).
+// Every state-changing call carries the session's CSRF token in the X-CSRF-Token header.
+
+let csrf = null;
+
+export class ApiError extends Error {
+  constructor(status, detail) {
+    super(detail);
+    this.status = status;
+  }
+}
+
+async function call(method, path, body) {
+  const headers = { Accept: "application/json" };
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  if (method !== "GET" && csrf) headers["X-CSRF-Token"] = csrf;
+  let resp;
+  try {
+    resp = await fetch(`/api/${path}`, {
+      method, headers, credentials: "same-origin", cache: "no-store",
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+  } catch (err) {
+    throw new ApiError(0, `cannot reach this host's agent (${err.message})`);
+  }
+  if (resp.status === 204) return null;
+  let data = null;
+  try {
+    data = await resp.json();
+  } catch {
+    data = null;
+  }
+  if (!resp.ok) throw new ApiError(resp.status, describe(resp.status, data));
+  return data;
+}
+
+function describe(status, data) {
+  const detail = data && data.detail;
+  if (typeof detail === "string") return detail;
+  if (Array.isArray(detail)) {  // a request the API's schema refused
+    return detail.map((d) => `${(d.loc || []).slice(1).join(".") || "request"}: ${d.msg}`).join("; ");
+  }
+  return `the host answered ${status}`;
+}
+
+export async function signIn(token) {
+  const s = await call("POST", "session", { token });
+  csrf = s.csrf;
+  return s;
+}
+
+export async function currentSession() {
+  const s = await call("GET", "session");
+  csrf = s.csrf;
+  return s;
+}
+
+export async function signOut() {
+  try {
+    await call("DELETE", "session");
+  } finally {
+    csrf = null;
+  }
+}
+
+export const capsules = () => call("GET", "capsules");
+export const peers = () => call("GET", "hosts");
+export const action = (name, verb, body = {}) => call("POST", `capsules/${encodeURIComponent(name)}/${verb}`, body);
