@@ -37,7 +37,6 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response, WebSocke
 from fastapi.responses import JSONResponse
 
 from capsule import __version__ as capsule_version
-from capsule.agent.records import record_version, version_record
 from capsule.capsules import resolve
 from capsule.errors import AlreadyExists, CapsuleError, Conflict, IntegrityError, InvalidName, NotFound, StorageFull
 from capsule.names import check_name, check_object_id
@@ -50,6 +49,7 @@ from capsule.objectio import (
     object_path,
     open_shadow,
 )
+from capsule.records import record_version, version_record
 from capsule.store import Store
 from hashcache.atomic import write_atomic
 from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
