@@ -37,11 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import table, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
+from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
 from capsule.runtime.console import ConsoleSession  # noqa: E402
 from capsule.runtime.guestagent import wait_for_agent  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from tests.conftest import Agent, _destroy_domains  # noqa: E402
+from tests.conftest import _destroy_domains  # noqa: E402
 
 GOODPUT_BPS = 370_000 / 8     # 384 kbit/s tbf measured at 370 kbit/s of TCP goodput (bench/netlink.py)
 WORKLOADS = {
@@ -70,7 +71,7 @@ def main() -> None:
     ap.add_argument("--memory", default="512M")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="capsule-b2-"))
-    agents: list[Agent] = []
+    agents: list[AgentProcess] = []
     stores: list[Store] = []
     try:
         src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
@@ -115,7 +116,7 @@ def main() -> None:
                 if primed:  # the receiver's cache knows its own copy of the guest's disk
                     b.hash_cache().prime_paths([b.layer_path(b.catalogue.image("debian").root_layer)])
                 b.close()
-                agent = Agent(b.home, work / f"b-{name}.token")
+                agent = AgentProcess(b.home, work / f"b-{name}.token")
                 agents.append(agent)
                 push = transfer.push(a, sealed.version.ref, agent.url, agent.token)
                 agent.stop()

@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, table, write_result  # noqa: E402
 from capsule import capsules, demand, images, lifecycle, transfer  # noqa: E402
+from capsule.agent.launch import AgentProcess, serve_command  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from tests.conftest import Agent, _destroy_domains  # noqa: E402
+from tests.conftest import _destroy_domains  # noqa: E402
 
 
 def fetched(store: Store, name: str) -> int:
@@ -88,7 +89,7 @@ def main() -> None:
         _src, a, root = _source(work)
         stores.append(a)
         root_bytes = a.catalogue.layer(root).stored_bytes
-        agent = Agent(a.home, work / "a.token")
+        agent = AgentProcess(a.home, work / "a.token")
         rows, results = [], []
 
         def record(case: str, seconds: float, moved: int) -> None:
@@ -158,8 +159,8 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
         stores.append(a)
         rows, results = [], []
         with SlowLink(rate_kbit=rate_kbit, rtt_ms=rtt_ms) as link:
-            link.spawn_b([*CLI, "--home", str(work / "a"), "serve", "--listen", f"{link.ip_b}:7070", "--token-file",
-                          str(work / "a.token")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            link.spawn_b(serve_command(work / "a", f"{link.ip_b}:7070", work / "a.token"), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
             link.wait_port_b(7070)
             url = link.url_b(7070)
             env = dict(os.environ, CAPSULE_TOKEN=(work / "a.token").read_text().strip(), PYTHONPATH=str(ROOT))

@@ -33,9 +33,9 @@ import zstandard  # noqa: E402
 from bench.common import table, write_result  # noqa: E402
 from bench.netlink import SlowLink  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
+from capsule.agent.launch import AgentProcess, serve_command  # noqa: E402
 from capsule.runtime.console import ConsoleSession  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from tests.conftest import Agent  # noqa: E402
 
 CAPSULE = [sys.executable, "-m", "capsule.cli.main"]
 
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="capsule-hcp-bench-"))
-    agents: list[Agent] = []
+    agents: list[AgentProcess] = []
     try:
         src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
         images.build(src, "tiny", "tiny")
@@ -126,7 +126,7 @@ def main() -> None:
         guest(a, "seq 1 2500000 > /tmp/seq; dd if=/dev/urandom of=/tmp/rand bs=1M count=16 2>/dev/null")
         guest(a, "dd if=/tmp/seq of=/dev/vda bs=4096 seek=2000 count=1024 conv=notrunc 2>/dev/null; sync")
         v2 = lifecycle.suspend(a, "bench")
-        agents = [Agent(s.home, work / f"{n}.token") for n, s in (("b", b), ("c", c), ("d", d))]
+        agents = [AgentProcess(s.home, work / f"{n}.token") for n, s in (("b", b), ("c", c), ("d", d))]
         agent_b, agent_c, agent_d = agents
         transfer.push(a, v2.version.ref, agent_b.url, agent_b.token)
 
@@ -138,7 +138,7 @@ def main() -> None:
         d.hash_cache().prime_paths([work / "unrelated-copy.img"])
         d.close()
         agent_d.stop()
-        agent_d = Agent(d.home, work / "d.token")
+        agent_d = AgentProcess(d.home, work / "d.token")
         agents.append(agent_d)
         known = transfer.push(a, v2.version.ref, agent_d.url, agent_d.token)
         mem_known = next(o for o in known.objects if o.role == "memory")
@@ -167,8 +167,7 @@ def main() -> None:
         agents = []
         with SlowLink(rate_kbit=args.rate_kbit, rtt_ms=args.rtt_ms) as link:
             port = 7070
-            link.spawn_b([*CAPSULE, "--home", str(b.home), "serve", "--listen", f"{link.ip_b}:{port}",
-                          "--token-file", str(work / "b.token")], stdout=subprocess.DEVNULL,
+            link.spawn_b(serve_command(b.home, f"{link.ip_b}:{port}", work / "b.token"), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
             link.wait_port_b(port)
             url = link.url_b(port)

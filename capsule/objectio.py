@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import OrderedDict
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from capsule.catalogue import FileRow, LayerRow
 from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
+from capsule.exchange.leases import LeaseCache
 from capsule.fsutil import disk_usage, install_readonly, translating_enospc
 from capsule.names import check_object_id
 from capsule.store import Store
@@ -64,10 +65,13 @@ class BlockReader:
         self._lock = threading.Lock()
         self._img = Qcow2Image(self.path) if kind == "layer" else None
         self._fd_data = os.open(self.path, os.O_RDONLY)
+        self._closed = False
 
     def read(self, indices: list[int]) -> list[bytes]:
         """The blocks at ``indices``; blocks adjacent in the file are read with one pread."""
         with self._lock:
+            if self._closed:
+                raise Conflict(f"the reader of {self.path.name} was closed")
             places: list[int | None] = []
             for i in indices:
                 if self._img is not None:
@@ -99,34 +103,36 @@ class BlockReader:
             return out
 
     def close(self) -> None:
-        if self._img is not None:
-            self._img.close()
-        os.close(self._fd_data)
+        """Close the files (once; a read running in another thread finishes first)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._img is not None:
+                self._img.close()
+            os.close(self._fd_data)
+
+    def __enter__(self) -> BlockReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class ReaderCache:
-    """A small LRU of open BlockReaders (sealed objects never change)."""
+    """Open BlockReaders of one store (sealed objects never change), shared by threads:
+    ``with readers.lease(kind, oid) as reader:``. A reader is closed only once nobody reads through it."""
 
     def __init__(self, store: Store, size: int = 32) -> None:
         self.store = store
-        self.size = size
-        self._lock = threading.Lock()
-        self._readers: OrderedDict[tuple[str, str], BlockReader] = OrderedDict()
+        self._cache: LeaseCache[tuple[str, str], BlockReader] = LeaseCache(
+            lambda key: BlockReader(store, *key), BlockReader.close, size)
 
-    def get(self, kind: str, oid: str) -> BlockReader:
-        key = (kind, oid)
-        with self._lock:
-            reader = self._readers.get(key)
-            if reader is not None:
-                self._readers.move_to_end(key)
-                return reader
-        reader = BlockReader(self.store, kind, oid)
-        with self._lock:
-            self._readers[key] = reader
-            while len(self._readers) > self.size:
-                _, old = self._readers.popitem(last=False)
-                old.close()
-        return reader
+    def lease(self, kind: str, oid: str) -> AbstractContextManager[BlockReader]:
+        return self._cache.lease((kind, oid))
+
+    def close(self) -> None:
+        self._cache.close()
 
 
 # -- receiving ------------------------------------------------------------------

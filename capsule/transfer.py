@@ -18,12 +18,12 @@ from typing import Any
 
 import zstandard
 
-from capsule.agent.records import objects_of, record_version, validate, version_record
 from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
 from capsule.errors import TransferFailed
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
+from capsule.records import objects_of, record_version, validate, version_record
 from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import ManifestMismatch

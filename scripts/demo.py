@@ -10,19 +10,14 @@ blocks as the guest reads them. It prints what each step cost."""
 
 from __future__ import annotations
 
-import os
-import secrets
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
 from capsule import capsules, hierarchy, images, lifecycle, transfer
+from capsule.agent.launch import AgentProcess
 from capsule.errors import CapsuleError
 from capsule.migrate import migrate
 from capsule.runtime.console import ConsoleSession
@@ -50,32 +45,6 @@ def fresh(store: Store) -> None:
         hierarchy.rm(store, NAME, promote_dependants=True)
 
 
-def start_agent(home: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token_file = home / "agent.token"
-    if not token_file.exists():
-        home.mkdir(parents=True, exist_ok=True)
-        token_file.write_text(secrets.token_urlsafe(32))
-        token_file.chmod(0o600)
-    token = token_file.read_text().strip()
-    proc = subprocess.Popen([sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen",
-                             f"127.0.0.1:{port}", "--token-file", str(token_file)], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/v1/info", headers={"Authorization": f"Bearer {token}"}).status_code == 200:
-                return proc, url, token
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("the agent of host B did not start")
-
-
 def main() -> int:
     a = Store.open()
     b_home = a.home.parent / (a.home.name + "-host-b")
@@ -87,13 +56,12 @@ def main() -> int:
     step(f"image tiny {'built' if built else 'already built'} in {time.monotonic() - t:.1f}s")
     for s in (a, b):
         fresh(s)
-    b_agents: list[subprocess.Popen[bytes]] = []
-    a_agents: list[subprocess.Popen[bytes]] = []
+    agents: list[AgentProcess] = []
     try:
-        proc_b, url_b, token_b = start_agent(b.home)
-        b_agents.append(proc_b)
-        proc_a, url_a, token_a = start_agent(a.home)
-        a_agents.append(proc_a)
+        agents.append(AgentProcess(b.home, b.home / "agent.token", log_path=b.home / "agent.log"))
+        url_b, token_b = agents[-1].url, agents[-1].token
+        agents.append(AgentProcess(a.home, a.home / "agent.token", log_path=a.home / "agent.log"))
+        url_a, token_a = agents[-1].url, agents[-1].token
 
         capsules.create(a, NAME, "tiny", memory="256M")
         boot = lifecycle.start(a, NAME)
@@ -155,9 +123,8 @@ def main() -> int:
         out.print("[green]demo OK[/]" if ok else "[red]the counter did not continue[/]")
         return 0 if ok else 1
     finally:
-        for p in b_agents + a_agents:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
+        for agent in agents:
+            agent.stop()
         for s in (a, b):
             inst = s.catalogue.instance(NAME)
             if inst is not None:

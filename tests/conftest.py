@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from capsule.agent.launch import AgentProcess, free_port  # noqa: F401 - free_port: for tests
 from tests.tiers import check_tiers, no_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,65 +106,12 @@ def debian_store(tmp_path, debian_images) -> Iterator:
     s.close()
 
 
-def free_port() -> int:
-    import socket
+class Agent(AgentProcess):
+    """``capsule serve`` for one store, in its own process (capsule/agent/launch.py). stop() prints the
+    agent's log, so a failing test shows the agent's side too."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Agent:
-    """``capsule serve`` for one store, in its own process."""
-
-    def __init__(self, home: Path, token_file: Path, port: int | None = None) -> None:
-        import subprocess
-        import sys
-        import time
-
-        import httpx
-
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.home = home
-        self.token_file = token_file
-        # The agent's log goes to a file (a pipe nobody reads would stall it once full); stop()
-        # prints it, so a failing test shows the agent's side too.
-        self.log_path = token_file.with_suffix(".log")
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen",
-                 f"127.0.0.1:{self.port}", "--token-file", str(token_file)],
-                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if token_file.exists():
-                    r = httpx.get(f"{self.url}/v1/info", headers={"Authorization": f"Bearer {self.token}"})
-                    if r.status_code == 200:
-                        break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"agent did not start: {self.log()}")
-            time.sleep(0.1)
-
-    @property
-    def token(self) -> str:
-        return self.token_file.read_text().strip()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except Exception:  # noqa: BLE001
-                os.killpg(self.proc.pid, signal.SIGKILL)
+    def stop(self, timeout: float = 10.0) -> None:
+        super().stop(timeout)
         if text := self.log().strip():
             print(f"--- agent {self.url} log ---\n{text}")
 

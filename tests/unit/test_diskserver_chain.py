@@ -11,7 +11,6 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
@@ -35,8 +34,7 @@ class PortAgent(Agent):
     """``capsule serve`` on a chosen port (so a test can stop the source and start it again)."""
 
     def __init__(self, home: Path, token_file: Path, port: int) -> None:
-        with mock.patch("tests.conftest.free_port", return_value=port):
-            super().__init__(home, token_file)
+        super().__init__(home, token_file, port)
 
 
 @dataclass

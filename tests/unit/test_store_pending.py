@@ -10,9 +10,9 @@ import time
 import pytest
 
 from capsule import hierarchy
-from capsule.agent.records import record_version
 from capsule.errors import NotFound
 from capsule.objectio import has_object
+from capsule.records import record_version
 from capsule.store import Store
 from tests.unit.received import receive_file, receive_layer, record_of
 

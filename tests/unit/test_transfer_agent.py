@@ -251,7 +251,7 @@ def test_manifest_parts_out_of_order_and_early_commit_are_refused(hosts):
 
 def test_version_records_with_strange_config_are_refused(hosts):
     a, _b, _agent_a, agent_b = hosts
-    from capsule.agent.records import version_record
+    from capsule.records import version_record
 
     record = version_record(a, a.catalogue.latest_version("cap"))
     auth = {"Authorization": f"Bearer {agent_b.token}"}

@@ -1,0 +1,244 @@
+"""Receiving pushed objects (HCP §4.4.3 with the roles reversed), without HTTP.
+
+Per object the sender calls ``begin`` once per part of the manifest (sent in parts so that planning
+one overlaps the upload of the next and of the blocks already asked for), ``accept`` per batch of
+blocks, and ``commit``. All state lives on disk under ``recv/``: the manifest (or its parts so far) and
+the object's shadow (its verified blocks). Open receivers are only a cache rebuilt from those files,
+so a receive interrupted anywhere (the sender gone, this process killed) resumes where it stopped."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import zstandard
+
+from capsule.errors import Conflict, InvalidName, NotFound
+from capsule.exchange.leases import LeaseCache
+from capsule.names import check_object_id
+from capsule.objectio import check_kind, has_object, install_received, object_path, open_shadow
+from capsule.store import Store
+from hashcache.atomic import write_atomic
+from hashcache.errors import ManifestMismatch
+from hashcache.hcp import (
+    MAX_BATCH,
+    Expectation,
+    ProtocolError,
+    Receiver,
+    decode_indices,
+    encode_indices,
+    unpack_blocks,
+)
+from hashcache.shadow import Shadow
+
+MAX_MANIFEST_UPLOAD = 512 << 20
+MAX_BLOCKS_UPLOAD = MAX_BATCH * 4096 + (1 << 20)
+MAX_PARTS = 4096
+
+
+# -- the wire format of the receiving calls -------------------------------------------------------------
+
+def decode_manifest_upload(raw: bytes) -> bytes:
+    """A manifest part as uploaded (zstd)."""
+    try:
+        return zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_MANIFEST_UPLOAD)
+    except zstandard.ZstdError as exc:
+        raise ProtocolError(f"bad zstd manifest: {exc}") from exc
+
+
+def encode_plan(needed: list[int]) -> bytes:
+    """The indices still needed, as answered to ``begin`` (zstd of varints)."""
+    return zstandard.ZstdCompressor(level=3).compress(encode_indices(needed))
+
+
+def split_blocks_upload(raw: bytes) -> tuple[bytes, bytes]:
+    """A block upload (u32 n, n bytes of varint indices, packed blocks) → (indices, blocks)."""
+    if len(raw) < 4:
+        raise ProtocolError("truncated block upload")
+    (n,) = struct.unpack_from("<I", raw)
+    if n > len(raw) - 4:
+        raise ProtocolError("truncated block upload")
+    return raw[4:4 + n], raw[4 + n:]
+
+
+# -- the receiving side ----------------------------------------------------------------------------------
+
+class _Incoming:
+    """An open receiver of one object and the manifest state it knows."""
+
+    def __init__(self, shadow: Shadow, receiver: Receiver, seen: tuple[bool, int]) -> None:
+        self.shadow = shadow
+        self.receiver = receiver
+        self.seen = seen
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        self.shadow.close()
+
+
+class Inbox:
+    """The receiving side of push for one store, shared by request threads."""
+
+    def __init__(self, store: Store, cache_size: int = 8) -> None:
+        self.store = store
+        self._receivers: LeaseCache[tuple[str, str], _Incoming] = LeaseCache(self._open, _Incoming.close,
+                                                                              cache_size)
+        # Manifest parts become one whole manifest file while block uploads read them: both sides hold
+        # this lock, so a reader never meets a part that was just folded away.
+        self._manifest_files = threading.Lock()
+
+    def close(self) -> None:
+        self._receivers.close()
+
+    # -- the three calls ---------------------------------------------------------------------------------
+
+    def begin(self, kind: str, oid: str, manifest_part: bytes, *, part: int = 0, parts: int = 1,
+              hash: bool = True) -> list[int] | None:
+        """Part ``part`` of ``parts`` of the manifest of ``kind`` ``oid`` (an Expectation's bytes).
+        Returns the data blocks of this part still needed (not in the shadow of an interrupted receive,
+        not in the hash cache when ``hash``, one per distinct hash), or None if the object is here."""
+        check_kind(kind)
+        check_object_id(oid)
+        if not 0 <= part < parts <= MAX_PARTS:
+            raise InvalidName(f"bad manifest part {part} of {parts}")
+        m = Expectation.from_bytes(manifest_part, oid)
+        if m.header["kind"] != kind:
+            raise ProtocolError(f"{kind} {oid[:12]}: the uploaded manifest is of a {m.header['kind']}")
+        if has_object(self.store, kind, oid):
+            return None
+        parent = m.header.get("parent")
+        if kind == "layer" and parent and not has_object(self.store, "layer", parent):
+            raise Conflict(f"layer {oid[:12]} needs its parent {parent[:12]} first")
+        if part == 0:
+            self._receivers.drop((kind, oid))
+        (self.store.home / "recv").mkdir(exist_ok=True)
+        final = self._expect_path(kind, oid)
+        with self._manifest_files:
+            if part == 0:  # a new transfer (the shadow, with its verified blocks, stays)
+                final.unlink(missing_ok=True)
+                for p in self._part_paths(kind, oid):
+                    p.unlink()
+            elif len(self._part_paths(kind, oid)) != part:
+                raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
+            target = final if parts == 1 else final.with_suffix(f".part{part}")
+            write_atomic(target, manifest_part, durable=False)
+            if parts > 1 and part == parts - 1:
+                whole = Expectation.concat([Expectation.from_bytes(p.read_bytes(), oid)
+                                            for p in self._part_paths(kind, oid)])
+                write_atomic(final, whole.to_bytes(), durable=False)
+                for p in self._part_paths(kind, oid):
+                    p.unlink()
+        with open_shadow(self.store, kind, m) as shadow:
+            cache = self.store.hash_cache() if hash else None
+            return Receiver(m, shadow, self._name(kind, oid), cache, dedupe=hash).plan()
+
+    def accept(self, kind: str, oid: str, indices: list[int], blocks: list[bytes]) -> int:
+        """Keep blocks of a begun receive, each checked against its manifest hash. A wrong block raises
+        ManifestMismatch naming the object and the block (the blocks before it are kept)."""
+        with self._lease(kind, oid) as incoming:
+            incoming.receiver.accept(indices, blocks)
+        return len(indices)
+
+    def accept_upload(self, kind: str, oid: str, raw: bytes, compressed: bool = True) -> int:
+        """``accept`` for a block upload as it travels (see ``split_blocks_upload``)."""
+        raw_indices, payload = split_blocks_upload(raw)
+        with self._lease(kind, oid) as incoming:
+            indices = decode_indices(raw_indices, incoming.receiver.manifest.block_count)
+            incoming.receiver.accept(indices, unpack_blocks(payload, len(indices), compressed=compressed))
+        return len(indices)
+
+    def commit(self, kind: str, oid: str, role: str = "memory") -> bool:
+        """Verify the complete object against its digest, install and record it. Returns False if it
+        was here already. A digest mismatch throws the received blocks away (the sender starts over)."""
+        check_kind(kind)
+        check_object_id(oid)
+        if has_object(self.store, kind, oid):
+            return False
+        if not self._expect_path(kind, oid).exists():
+            raise Conflict(f"{kind} {oid[:12]}: not every part of its manifest has arrived")
+        m = self._manifest(kind, oid)
+        self._receivers.drop((kind, oid))
+        shadow = open_shadow(self.store, kind, m)
+        try:
+            receiver = Receiver(m, shadow, self._name(kind, oid))
+            if not receiver.complete():
+                raise Conflict(f"{kind} {oid[:12]} is not complete yet")
+            try:
+                manifest = receiver.finish()
+            except ManifestMismatch:
+                shadow.remove()  # the sender's data was wrong somewhere: start over
+                self._expect_path(kind, oid).unlink(missing_ok=True)
+                raise
+            install_received(self.store, kind, manifest, shadow, role=role)
+        finally:
+            shadow.close()
+        self.store.index_object(object_path(self.store, kind, oid), manifest)
+        self._expect_path(kind, oid).unlink(missing_ok=True)
+        return True
+
+    # -- open receivers ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _lease(self, kind: str, oid: str) -> Iterator[_Incoming]:
+        """The object's open receiver, up to date with the manifest on disk, held while in use."""
+        check_kind(kind)
+        check_object_id(oid)
+        with self._receivers.lease((kind, oid)) as incoming:
+            self._refresh(kind, oid, incoming)
+            yield incoming
+
+    def _open(self, key: tuple[str, str]) -> _Incoming:
+        kind, oid = key
+        state = self._manifest_state(kind, oid)  # before reading: a part landing meanwhile is seen next time
+        m = self._manifest(kind, oid)
+        shadow = open_shadow(self.store, kind, m)
+        try:
+            return _Incoming(shadow, Receiver(m, shadow, self._name(kind, oid)), state)
+        except BaseException:
+            shadow.close()
+            raise
+
+    def _refresh(self, kind: str, oid: str, incoming: _Incoming) -> None:
+        """Bring a cached receiver up to date with the manifest parts on disk (a block of a part can
+        arrive right after that part was planned)."""
+        state = self._manifest_state(kind, oid)
+        if state == incoming.seen:
+            return
+        with incoming.lock:
+            if state != incoming.seen:
+                incoming.receiver.update(self._manifest(kind, oid))
+                incoming.seen = state
+
+    # -- the manifest on disk ------------------------------------------------------------------------------
+
+    def _expect_path(self, kind: str, oid: str) -> Path:
+        return self.store.home / "recv" / f"{check_kind(kind)}-{check_object_id(oid)}.expect"
+
+    def _part_paths(self, kind: str, oid: str) -> list[Path]:
+        base = self._expect_path(kind, oid)
+        return sorted(base.parent.glob(base.stem + ".part*"), key=lambda p: int(p.suffix[5:]))
+
+    def _manifest_state(self, kind: str, oid: str) -> tuple[bool, int]:
+        """What of the manifest is on disk: whole, or how many parts (a part may land at any time)."""
+        with self._manifest_files:
+            return self._expect_path(kind, oid).exists(), len(self._part_paths(kind, oid))
+
+    def _manifest(self, kind: str, oid: str) -> Expectation:
+        """The whole manifest once every part has arrived; before that, the parts so far."""
+        path = self._expect_path(kind, oid)
+        with self._manifest_files:
+            if path.exists():
+                return Expectation.from_bytes(path.read_bytes(), oid)
+            parts = self._part_paths(kind, oid)
+            if not parts:
+                raise NotFound(f"no transfer of {kind} {oid[:12]} has begun here")
+            raw = [p.read_bytes() for p in parts]
+        return Expectation.concat([Expectation.from_bytes(r, oid) for r in raw])
+
+    @staticmethod
+    def _name(kind: str, oid: str) -> str:
+        return f"{kind} {oid[:12]}"
+

@@ -1,0 +1,45 @@
+"""A peer's requests to run a capsule on this host (the destination side of ``capsule migrate`` and
+of ``capsule run --from`` driven from elsewhere), checked before anything starts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from capsule.errors import InvalidName
+from capsule.names import check_name
+from capsule.store import Store
+
+if TYPE_CHECKING:
+    from capsule.lifecycle import StartResult
+    from capsule.transfer import RunReport
+
+MAX_START_TIMEOUT = 900.0
+
+
+def start(store: Store, name: str, version: int | None = None, timeout: float = 180.0) -> StartResult:
+    """Start ``name`` (its latest version, or ``version``) here; the wait is clamped to 1 s … 15 min."""
+    from capsule import lifecycle
+
+    check_name(name)
+    ref = name if version is None else f"{name}@{version}"
+    return lifecycle.start(store, ref, timeout=min(max(timeout, 1.0), MAX_START_TIMEOUT))
+
+
+def parse_run_request(req: Any) -> tuple[str, str, str, bool]:
+    """(source agent URL, its token, NAME[@V], prefetch) of a run request, or InvalidName."""
+    try:
+        source, token, ref = req["source"], req["token"], req["ref"]
+        prefetch = bool(req.get("prefetch", False))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidName(f"malformed run request: {exc}") from exc
+    if not isinstance(source, str) or not source.startswith(("http://", "https://")) or not isinstance(token, str):
+        raise InvalidName("run needs a source agent URL and its token")
+    return source, token, str(ref), prefetch
+
+
+def run_from(store: Store, req: Any) -> RunReport:
+    """Start here a capsule of another host, its disks paged in on demand (``transfer.run``)."""
+    from capsule import transfer
+
+    source, token, ref, prefetch = parse_run_request(req)
+    return transfer.run(store, source, ref, token, prefetch=prefetch)

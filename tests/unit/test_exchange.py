@@ -1,0 +1,368 @@
+"""Serving and receiving objects without HTTP (capsule/exchange/): push's receiving side driven
+directly on a store (manifest parts, an interrupted receive that resumes, a wrong block refused), and
+the leased caches shared by many threads (nothing closed under a user, no file descriptor leaked)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from capsule.errors import Conflict, InvalidName, NotFound
+from capsule.exchange.leases import LeaseCache
+from capsule.exchange.receiving import Inbox, split_blocks_upload
+from capsule.exchange.serving import ObjectServer, missing
+from capsule.objectio import BlockReader, ReaderCache, has_object
+from capsule.store import Store
+from hashcache.blocks import BLOCK_SIZE
+from hashcache.errors import ManifestMismatch
+from hashcache.hcp import PREFIX_SIZE, Expectation, ProtocolError, encode_indices, pack_blocks
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def _small_hash_cache(monkeypatch):
+    monkeypatch.setenv("CAPSULE_HASHCACHE_SIZE", str(1 << 20))
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _file_object(store: Store, seed: int, nblocks: int = 300) -> tuple[str, bytes]:
+    """A sealed memory image of ``nblocks`` blocks: random ones, zero ones and repeats."""
+    rnd = random.Random(seed)
+    blocks = []
+    for i in range(nblocks):
+        if i % 7 == 3:
+            blocks.append(bytes(BLOCK_SIZE))
+        elif i % 11 == 5 and blocks:
+            blocks.append(blocks[0])  # a repeat: travels once
+        else:
+            blocks.append(rnd.randbytes(BLOCK_SIZE))
+    data = b"".join(blocks)
+    tmp = store.temp_path(".img")
+    tmp.write_bytes(data)
+    row = store.seal_file(tmp, "memory")
+    with store.catalogue.transaction():
+        store.catalogue.add_file(row)
+    return row.id, data
+
+
+@pytest.fixture
+def two_stores(tmp_path):
+    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _parts(store: Store, oid: str, records: int = 64) -> list[bytes]:
+    m = store.file_manifest(oid)
+    return [Expectation.part_of(m, s, records, PREFIX_SIZE).to_bytes() for s in range(0, max(1, len(m)), records)]
+
+
+def _begin_all(inbox: Inbox, src: Store, oid: str) -> list[int]:
+    parts = _parts(src, oid)
+    needed: list[int] = []
+    for k, part in enumerate(parts):
+        got = inbox.begin("file", oid, part, part=k, parts=len(parts))
+        assert got is not None
+        needed += got
+    return needed
+
+
+# -- receiving ----------------------------------------------------------------------------------------------
+
+def test_receive_in_parts_then_commit_installs_the_object(two_stores):
+    a, b = two_stores
+    oid, data = _file_object(a, 1)
+    inbox = Inbox(b)
+    needed = _begin_all(inbox, a, oid)
+    assert len(_parts(a, oid)) > 1
+    data_blocks = {i for i in range(300) if i % 7 != 3}
+    assert set(needed) < data_blocks  # zero blocks never travel, a repeat travels once
+    with BlockReader(a, "file", oid) as reader:
+        for k in range(0, len(needed), 50):
+            batch = needed[k:k + 50]
+            assert inbox.accept("file", oid, batch, reader.read(batch)) == len(batch)
+    assert inbox.commit("file", oid, "memory") is True
+    assert has_object(b, "file", oid)
+    assert b.file_path(oid).read_bytes() == data
+    assert inbox.commit("file", oid, "memory") is False  # already here
+    assert inbox.begin("file", oid, _parts(a, oid)[0], part=0, parts=len(_parts(a, oid))) is None
+    assert not list((b.home / "recv").glob(f"file-{oid}*"))  # nothing left behind
+    inbox.close()
+
+
+def test_interrupted_receive_resumes_with_what_arrived(two_stores):
+    a, b = two_stores
+    oid, data = _file_object(a, 2)
+    inbox = Inbox(b)
+    needed = _begin_all(inbox, a, oid)
+    first, rest = needed[: len(needed) // 2], needed[len(needed) // 2:]
+    with BlockReader(a, "file", oid) as reader:
+        inbox.accept("file", oid, first, reader.read(first))
+        inbox.close()  # the agent goes away mid-transfer
+        again = Inbox(b)
+        with pytest.raises(Conflict, match="not complete"):
+            again.commit("file", oid)
+        resumed = _begin_all(again, a, oid)  # the sender starts over: only what is missing is asked for
+        assert resumed and set(resumed) <= set(rest)
+        # the rest, less the repeats of blocks that arrived (copied locally as they did)
+        assert all(i % 11 == 5 for i in set(rest) - set(resumed))
+        again.accept("file", oid, resumed, reader.read(resumed))
+    assert again.commit("file", oid) is True
+    assert b.file_path(oid).read_bytes() == data
+    again.close()
+
+
+def test_a_wrong_block_is_refused_naming_object_and_block(two_stores):
+    a, b = two_stores
+    oid, _data = _file_object(a, 3)
+    inbox = Inbox(b)
+    needed = _begin_all(inbox, a, oid)
+    batch = needed[:4]
+    with BlockReader(a, "file", oid) as reader:
+        blocks = reader.read(batch)
+    blocks[2] = bytes(reversed(blocks[2]))
+    with pytest.raises(ManifestMismatch) as exc:
+        inbox.accept("file", oid, batch, blocks)
+    assert oid[:12] in str(exc.value) and f"block {batch[2]}" in str(exc.value)
+    # the two blocks before it were right and are kept; the bad one is asked for again
+    again = _begin_all(Inbox(b), a, oid)
+    assert needed[2] in again and needed[0] not in again and needed[1] not in again
+    assert set(again) <= set(needed[2:])
+    inbox.close()
+
+
+def test_receiving_refuses_bad_input(two_stores):
+    a, b = two_stores
+    oid, _ = _file_object(a, 4)
+    inbox = Inbox(b)
+    part = _parts(a, oid)[0]
+    with pytest.raises(NotFound, match="no transfer"):
+        inbox.accept("file", oid, [0], [bytes(BLOCK_SIZE)])
+    with pytest.raises(InvalidName):
+        inbox.begin("file", "../" + oid[3:], part)
+    with pytest.raises(InvalidName):
+        inbox.begin("disk", oid, part)
+    with pytest.raises(InvalidName, match="part"):
+        inbox.begin("file", oid, part, part=3, parts=2)
+    with pytest.raises(ProtocolError, match="of a file"):
+        inbox.begin("layer", oid, part)
+    with pytest.raises(Conflict, match="before the parts before it"):
+        inbox.begin("file", oid, part, part=2, parts=5)
+    with pytest.raises(ProtocolError, match="truncated"):
+        inbox.accept_upload("file", oid, b"\x09\x00\x00\x00abc")
+    with pytest.raises(Conflict, match="not every part"):
+        inbox.commit("file", oid)
+    assert missing(b, [oid], [oid]) == {"layers": [oid], "files": [oid]}
+    with pytest.raises(InvalidName):
+        missing(b, 5, [])
+    inbox.close()
+
+
+def test_block_upload_as_it_travels(two_stores):
+    a, b = two_stores
+    oid, data = _file_object(a, 5, nblocks=40)
+    inbox = Inbox(b)
+    needed = _begin_all(inbox, a, oid)
+    with BlockReader(a, "file", oid) as reader:
+        idx = encode_indices(needed)
+        raw = len(idx).to_bytes(4, "little") + idx + pack_blocks(reader.read(needed))
+    assert split_blocks_upload(raw)[0] == idx
+    assert inbox.accept_upload("file", oid, raw) == len(needed)
+    assert inbox.commit("file", oid)
+    assert b.file_path(oid).read_bytes() == data
+    inbox.close()
+
+
+# -- leases -------------------------------------------------------------------------------------------------
+
+class _Thing:
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.closed = 0
+
+
+def test_a_leased_entry_is_closed_by_its_last_holder_not_by_eviction():
+    closed: list[int] = []
+
+    def close(t: _Thing) -> None:
+        t.closed += 1
+        closed.append(t.key)
+
+    cache: LeaseCache[int, _Thing] = LeaseCache(_Thing, close, size=1)
+    with cache.lease(1) as one:
+        with cache.lease(2):  # evicts 1, which is in use
+            assert not one.closed
+        assert closed == []
+        with cache.lease(3):  # evicts 2, idle: closed at once
+            assert closed == [2]
+        assert not one.closed
+    assert one.closed == 1 and closed == [2, 1]
+    with cache.lease(3) as three, cache.lease(3) as again:
+        assert three is again
+        cache.drop(3)
+        assert not three.closed
+    assert three.closed == 1
+    cache.close()
+    assert sorted(closed) == [1, 2, 3]
+
+
+def test_two_threads_missing_at_once_leave_one_entry_and_close_the_other():
+    opened: list[_Thing] = []
+    barrier = threading.Barrier(2)
+
+    def open_(key: int) -> _Thing:
+        barrier.wait(timeout=10)  # both threads are past the miss before either inserts
+        t = _Thing(key)
+        opened.append(t)
+        return t
+
+    cache: LeaseCache[int, _Thing] = LeaseCache(open_, lambda t: setattr(t, "closed", t.closed + 1), size=4)
+    got: list[_Thing] = []
+
+    def use() -> None:
+        with cache.lease(7) as t:
+            got.append(t)
+
+    threads = [threading.Thread(target=use) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(opened) == 2 and len(cache) == 1
+    assert got[0] is got[1]  # both used the cached one
+    assert sorted(t.closed for t in opened) == [0, 1]  # the other was closed, not leaked
+    cache.close()
+    assert all(t.closed == 1 for t in opened)
+
+
+# -- many threads through small caches ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_many_threads_read_through_a_small_reader_cache(tmp_path, size):
+    store = Store.open(tmp_path / "s")
+    objects = [_file_object(store, 10 + k, nblocks=64) for k in range(5)]
+    server = ObjectServer(store, readers=size)
+    for oid, _ in objects:
+        server.manifest("file", oid)
+    before = _fds()
+    errors: list[BaseException] = []
+    reads = [0]
+
+    def work(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            for _ in range(150):
+                oid, data = rnd.choice(objects)
+                indices = sorted(rnd.sample(range(64), rnd.randint(1, 6)))
+                with server.readers.lease("file", oid) as reader:
+                    blocks = reader.read(indices)
+                assert blocks == [data[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE] for i in indices]
+                packed = server.read("file", oid, indices, level=1, compress=False)
+                assert packed == pack_blocks(blocks, compress=False)
+                reads[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert reads[0] == 12 * 150
+    server.close()
+    assert _fds() == before  # every reader closed, none leaked
+    store.close()
+
+
+def test_many_threads_receive_through_a_one_entry_receiver_cache(two_stores):
+    a, b = two_stores
+    objects = [_file_object(a, 20 + k, nblocks=120) for k in range(3)]
+    inbox = Inbox(b, cache_size=1)
+    plans = {oid: _begin_all(inbox, a, oid) for oid, _ in objects}
+    readers = {oid: BlockReader(a, "file", oid) for oid, _ in objects}
+    jobs = [(oid, plans[oid][k:k + 3]) for oid in plans for k in range(0, len(plans[oid]), 3)]
+    random.Random(1).shuffle(jobs)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    before = _fds()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                oid, batch = jobs.pop()
+            try:
+                inbox.accept("file", oid, batch, readers[oid].read(batch))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    inbox.close()
+    assert _fds() == before  # every shadow closed, none leaked
+    for oid, data in objects:
+        readers[oid].close()
+        assert Inbox(b).commit("file", oid)
+        assert b.file_path(oid).read_bytes() == data
+
+
+def test_a_closed_reader_refuses_reads_instead_of_reading_another_file(tmp_path):
+    store = Store.open(tmp_path / "s")
+    oid, _ = _file_object(store, 30, nblocks=4)
+    cache = ReaderCache(store, size=1)
+    with cache.lease("file", oid) as reader:
+        pass
+    reader.close()
+    reader.close()  # twice is fine
+    with pytest.raises(Conflict, match="closed"):
+        reader.read([0])
+    cache.close()
+    store.close()
+
+
+def _imports(module: str) -> set[str]:
+    """Every project module ``module`` imports, directly or not (lazy imports inside functions too)."""
+    import ast
+    import importlib.util
+
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(Path(spec.origin).read_text())):
+            found = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for dep in found:
+                if dep.split(".")[0] in ("capsule", "hashcache", "diskserver", "fastapi", "starlette", "uvicorn"):
+                    todo.append(dep)
+    return seen
+
+
+@pytest.mark.parametrize("module", ["capsule.exchange.receiving", "capsule.exchange.serving", "capsule.transfer"])
+def test_the_library_and_the_client_do_not_import_the_agent(module):
+    server = ("capsule.agent", "fastapi", "starlette", "uvicorn")
+    bad = sorted(m for m in _imports(module) if any(m == s or m.startswith(s + ".") for s in server))
+    assert bad == []
