@@ -34,12 +34,14 @@ from typing import Any
 
 import zstandard
 from fastapi import Depends, FastAPI, HTTPException, Request, Response, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
 from capsule.agent.records import record_version, version_record
 from capsule.capsules import resolve
-from capsule.errors import AlreadyExists, CapsuleError, Conflict, IntegrityError, InvalidName, NotFound, StorageFull
+from capsule.errors import AuthFailed, Conflict, Error, Internal, InvalidName, NotFound
 from capsule.names import check_name, check_object_id
 from capsule.objectio import (
     ReaderCache,
@@ -52,7 +54,7 @@ from capsule.objectio import (
 )
 from capsule.store import Store
 from hashcache.atomic import write_atomic
-from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
+from hashcache.errors import ManifestMismatch, error_class
 from hashcache.hcp import (
     MAX_BATCH,
     PREFIX_SIZE,
@@ -77,17 +79,12 @@ MAX_RECORDS = 1 << 20
 
 
 def _status(exc: Exception) -> int:
-    if isinstance(exc, InvalidName | ProtocolError | ManifestError):
-        return 400
-    if isinstance(exc, NotFound):
-        return 404
-    if isinstance(exc, AlreadyExists | Conflict):
-        return 409
-    if isinstance(exc, ManifestMismatch | IntegrityError):
-        return 422
-    if isinstance(exc, StorageFull):
-        return 507
-    return 500
+    """The HTTP status of an error: each class carries its own (see :mod:`hashcache.errors`)."""
+    return exc.http_status if isinstance(exc, Error) else 500
+
+
+def _error_reply(exc: Error, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.to_wire(), status_code=exc.http_status, headers=headers)
 
 
 def create_app(home: Path, token: str) -> FastAPI:
@@ -123,13 +120,33 @@ def create_app(home: Path, token: str) -> FastAPI:
     def auth(request: Request) -> None:
         got = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(got, expected):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise AuthFailed("missing or wrong bearer token")
 
-    @app.exception_handler(CapsuleError)
-    @app.exception_handler(HashcacheError)
+    # One mapping from errors to answers: {"error": code, "detail": message, ...fields}, the class's status.
+    @app.exception_handler(Error)
     async def _errors(_request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=_status(exc))
+        assert isinstance(exc, Error)
+        return _error_reply(exc, {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthFailed) else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_errors(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        cls = error_class(None, exc.status_code)
+        body = {"error": cls.code, "detail": str(exc.detail)}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', '')}"
+                             for e in exc.errors())
+        return _error_reply(InvalidName(f"malformed request: {problems}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        # (the server logs the traceback: this handler runs in its error middleware, which re-raises)
+        return _error_reply(Internal(f"the agent failed unexpectedly ({type(exc).__name__}: {exc}); "
+                                     "its log has the details — please report this"))
 
     async def body(request: Request, limit: int) -> bytes:
         chunks = []
@@ -229,8 +246,8 @@ def create_app(home: Path, token: str) -> FastAPI:
                     return
                 try:
                     reply = b"\x00" + await stream_read(msg["bytes"])
-                except (CapsuleError, HashcacheError) as exc:
-                    reply = encode_stream_error(str(exc), type(exc).__name__, _status(exc))
+                except Error as exc:
+                    reply = encode_stream_error(str(exc), exc.code, exc.http_status)
                 await ws.send_bytes(reply)
         except WebSocketDisconnect:
             return
