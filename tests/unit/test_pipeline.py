@@ -73,3 +73,53 @@ def test_an_error_in_the_caller_stops_the_batches_too():
             pipe.submit(b)
         raise KeyError("the next manifest part failed")
     assert len(ran) < 30
+
+
+class _FailBegin:
+    """A transport wrapper: the manifest part ``part`` is refused (500); counts block uploads."""
+
+    def __init__(self, inner, part: int) -> None:
+        self.inner, self.url, self.part = inner, inner.url, part
+        self.block_uploads = 0
+        self.lock = threading.Lock()
+
+    def call(self, call):
+        from hashcache.transport import Reply
+
+        if call.path.endswith("/begin") and str((call.params or {}).get("part")) == str(self.part):
+            return Reply(500, b'{"error": "internal", "detail": "the receiver fell over"}')
+        if call.path.endswith("/blocks"):
+            with self.lock:
+                self.block_uploads += 1
+        return self.inner.call(call)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_push_that_fails_does_not_send_the_queued_batches(tmp_path, monkeypatch):
+    """Old code: the part loop's ThreadPoolExecutor waited for every queued batch when a later manifest
+    part failed, so all of them were still sent."""
+    from capsule import transfer
+    from capsule.agentclient import AgentClient
+    from capsule.errors import Internal
+    from capsule.store import Store
+    from hashcache.transport.memory import in_process
+    from tests.unit.transport_fixtures import TOKEN, agent_app
+
+    monkeypatch.setattr(transfer, "PART_RECORDS", 128)  # a small object in several manifest parts
+    src = Store.open(tmp_path / "src")
+    path = src.temp_path("-obj")
+    path.write_bytes(b"".join((i + 1).to_bytes(4, "little") * 1024 for i in range(300)))
+    row = src.seal_file(path, "kernel")
+    with src.catalogue.transaction():
+        src.catalogue.add_file(row)
+    with agent_app(tmp_path / "dst") as dst:
+        wrapper = _FailBegin(in_process(dst.app, TOKEN, stream=False), part=1)
+        client = AgentClient("http://dst.example", TOKEN, transport=wrapper)
+        opts = transfer.Options(batch=1, inflight=4)
+        with pytest.raises(Internal, match="the receiver fell over"):
+            transfer._push_object(src, client, "file", row.id, "kernel", opts, transfer.Progress())
+        client.close()
+    assert wrapper.block_uploads < 40, wrapper.block_uploads  # part 0 asked for 128 blocks, one per batch
+    src.close()
