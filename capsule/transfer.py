@@ -40,6 +40,7 @@ from hashcache.hcp import (
     unpack_blocks,
 )
 from hashcache.shadow import Shadow
+from hashcache.transport import Transport
 
 PART_RECORDS = 8192            # manifest records per part when pushing
 
@@ -208,12 +209,13 @@ def _pull_missing(store: Store, client: AgentClient, report: TransferReport, ite
 
 
 def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = None,
-         progress: Progress | None = None) -> TransferReport:
-    """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store``."""
+         progress: Progress | None = None, *, transport: Transport | None = None) -> TransferReport:
+    """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store`` (over ``transport`` if given, e.g. an
+    in-process one)."""
     opts = opts or Options()
     progress = progress or Progress()
     t0 = time.monotonic()
-    with AgentClient(url, token) as client:
+    with AgentClient(url, token, transport=transport) as client:
         record = _fetch_record(client, ref)
         report = TransferReport("pull", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
@@ -282,8 +284,8 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,
-         progress: Progress | None = None) -> TransferReport:
-    """Send ``NAME[@V]`` from ``store`` to the agent at ``url``."""
+         progress: Progress | None = None, *, transport: Transport | None = None) -> TransferReport:
+    """Send ``NAME[@V]`` from ``store`` to the agent at ``url`` (over ``transport`` if given)."""
     opts = opts or Options()
     progress = progress or Progress()
     t0 = time.monotonic()
@@ -291,7 +293,7 @@ def push(store: Store, ref: str, url: str, token: str, opts: Options | None = No
     record = version_record(store, version)
     report = TransferReport("push", version.ref, url)
     layers, files = objects_of(record)
-    with AgentClient(url, token) as client:
+    with AgentClient(url, token, transport=transport) as client:
         missing = client.post_json("/v1/objects/missing", {"layers": layers, "files": [f for f, _ in files]})
         lacking = set(missing.get("layers", [])) | set(missing.get("files", []))
         for kind, oid, role in [("layer", lid, "layer") for lid in layers] + [("file", f, ro) for f, ro in files]:

@@ -230,8 +230,7 @@ def create_app(home: Path, token: str) -> FastAPI:
             # a 401 like every other call (a plain close before accept would be a 403, which is also
             # what any server without this route answers: clients take that for "no stream here")
             if "websocket.http.response" in ws.scope.get("extensions", {}):
-                await ws.send_denial_response(JSONResponse({"detail": "missing or wrong bearer token"},
-                                                           status_code=401))
+                await ws.send_denial_response(_error_reply(AuthFailed("missing or wrong bearer token")))
             else:
                 await ws.close(code=1008)
             return
