@@ -8,7 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from capsule.errors import InvalidName
-from hashcache.transport import Call, Counting, HttpTransport, Reply, Retrying, RetryPolicy, Transport, check
+from hashcache.transport import (
+    Call,
+    Counting,
+    HttpTransport,
+    RateLimited,
+    Reply,
+    Retrying,
+    RetryPolicy,
+    Transport,
+    check,
+)
 from hashcache.transport import read_token as _read_token
 
 # A connection that stalls or breaks is tried again after 1, 2, 4, 8, 16 s (on a congested slow link
@@ -22,14 +32,17 @@ def read_token(token_file: Path | None) -> str:
 
 
 class AgentClient:
-    """Calls to one agent. ``transport`` replaces HTTP over TCP (e.g. an in-process one in tests)."""
+    """Calls to one agent: its transport (HTTP over TCP unless ``transport`` is given, e.g. an in-process
+    one), optionally rate-limited, with retry of idempotent calls, and byte counting (``wire_bytes``)."""
 
     def __init__(self, url: str, token: str, timeout: float = 120.0, *, transport: Transport | None = None,
-                 retry: RetryPolicy = RETRY) -> None:
+                 retry: RetryPolicy = RETRY, rate: float | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise InvalidName(f"agent URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
-        base = transport or HttpTransport(self.url, token, timeout=timeout, connect_timeout=30.0)
+        base: Transport = transport or HttpTransport(self.url, token, timeout=timeout, connect_timeout=30.0)
+        if rate is not None:  # bytes per second of request and answer bodies
+            base = RateLimited(base, rate)
         self._counter = Counting(Retrying(base, retry))
 
     @property

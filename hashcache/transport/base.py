@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hashcache.errors import AuthFailed, Error, from_wire
-from hashcache.hcp import encode_indices
+from hashcache.hcp import ProtocolError, encode_indices
 
 TOKEN_ENV = "CAPSULE_TOKEN"
 
@@ -62,7 +62,11 @@ class Reply:
         return self.status < 400
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        """The body as JSON; a peer's malformed JSON is a :class:`~hashcache.hcp.ProtocolError`."""
+        try:
+            return json.loads(self.content)
+        except ValueError as exc:
+            raise ProtocolError(f"the agent answered HTTP {self.status} with malformed JSON: {exc}") from None
 
 
 class Transport(Protocol):
@@ -79,7 +83,7 @@ def error_of(reply: Reply, who: str) -> Error:
     """The typed error an error reply describes, its message prefixed with ``who`` said it."""
     try:
         body: Any = reply.json()
-    except ValueError:
+    except ProtocolError:
         body = {"detail": reply.content[:300].decode("utf-8", "replace") or f"HTTP {reply.status}"}
     if not isinstance(body, dict):
         body = {"detail": str(body)[:300]}

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hashcache.errors import Unreachable
+from hashcache.errors import InvalidInput, Unreachable
 from hashcache.transport.base import Call, Reply, TokenSource, Transport, error_of
 
 log = logging.getLogger("hashcache.transport")
@@ -121,7 +121,7 @@ class RateLimited:
     def __init__(self, inner: Transport, bytes_per_second: float, burst: float | None = None,
                  sleep=time.sleep) -> None:  # noqa: ANN001
         if bytes_per_second <= 0:
-            raise ValueError("bytes_per_second must be > 0")
+            raise InvalidInput(f"a rate limit must be above 0 bytes per second, not {bytes_per_second}")
         self.inner = inner
         self.url = inner.url
         self.rate = float(bytes_per_second)
