@@ -205,3 +205,26 @@ def test_errors_survive_pickling():
         assert type(back) is cls and str(back) == str(exc)
         assert all(getattr(back, f) == getattr(exc, f) for f in cls.fields)
 
+
+
+def test_a_peer_answering_garbage_is_a_protocol_error_not_a_traceback():
+    from fastapi.responses import Response
+
+    from hashcache.hcp import ProtocolError
+
+    app = FastAPI()
+
+    @app.get("/v1/info")
+    def info() -> Response:
+        return Response(b"<html>not json</html>", media_type="text/html")
+
+    @app.get("/v1/broken")
+    def broken() -> Response:
+        return Response(b"<html>proxy error</html>", status_code=502, media_type="text/html")
+
+    with AgentClient("http://odd.example", TOKEN, transport=in_process(app, TOKEN, stream=False)) as client:
+        with pytest.raises(ProtocolError, match="malformed JSON"):
+            client.get_json("/v1/info")
+        with pytest.raises(Error, match="agent http://odd.example: <html>proxy error") as exc:
+            client.get_json("/v1/broken")
+        assert exc.value.exit_code == 13  # a peer that sent something wrong
