@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
+MAX_DETAIL = 4000  # characters of a peer's message kept (a hostile peer could send megabytes)
+
 _REGISTRY: dict[str, type[Error]] = {}
 _BY_NAME: dict[str, type[Error]] = {}
 _BY_STATUS: dict[int, type[Error]] = {}
@@ -91,7 +93,7 @@ def from_wire(body: Any, status: int, prefix: str = "") -> Error:
     if not isinstance(body, dict):
         body = {"detail": str(body)}
     cls = error_class(body.get("error"), status)
-    detail = str(body.get("detail", "") or f"HTTP {status}")
+    detail = str(body.get("detail", "") or f"HTTP {status}")[:MAX_DETAIL]
     message = prefix + detail
     kwargs = {f: body.get(f) for f in cls.fields}
     try:
