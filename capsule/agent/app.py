@@ -78,12 +78,9 @@ MAX_BLOCKS_UPLOAD = MAX_BATCH * 4096 + (1 << 20)
 MAX_RECORDS = 1 << 20
 
 
-def _status(exc: Exception) -> int:
-    """The HTTP status of an error: each class carries its own (see :mod:`hashcache.errors`)."""
-    return exc.http_status if isinstance(exc, Error) else 500
-
-
 def _error_reply(exc: Error, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one mapping from an error to an answer: its class's status; ``{"error": code, "detail":
+    message, ...fields}`` (see :mod:`hashcache.errors`)."""
     return JSONResponse(exc.to_wire(), status_code=exc.http_status, headers=headers)
 
 
