@@ -12,7 +12,6 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ from capsule.capsules import resolve
 from capsule.errors import TransferFailed
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
+from capsule.pipeline import Pipeline, run_batches
 from capsule.records import objects_of, record_version, validate, version_record
 from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE, hash_block
@@ -40,6 +40,7 @@ from hashcache.hcp import (
     unpack_blocks,
 )
 from hashcache.shadow import Shadow
+from hashcache.transport import Transport
 
 PART_RECORDS = 8192            # manifest records per part when pushing
 
@@ -101,20 +102,6 @@ class Progress:
     def advance(self, n: int) -> None: ...
 
     def wire(self, total_wire: int) -> None: ...
-
-
-def _run_batches(batches: list[list[int]], inflight: int, work: Callable[[list[int]], None]) -> None:
-    if not batches:
-        return
-    with ThreadPoolExecutor(max_workers=max(1, inflight)) as pool:
-        pending = {pool.submit(work, b) for b in batches}
-        done, not_done = wait(pending, return_when=FIRST_EXCEPTION)
-        for f in done:
-            exc = f.exception()
-            if exc is not None:
-                for g in not_done:
-                    g.cancel()
-                raise exc
 
 
 def _batches(indices: list[int], size: int) -> list[list[int]]:
@@ -184,7 +171,7 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
             stats.add(requests=1)
             progress.wire(client.wire_bytes)
 
-        _run_batches(_batches(needed, opts.batch), opts.inflight, fetch)
+        run_batches(_batches(needed, opts.batch), opts.inflight, fetch)
         if not receiver.complete():
             raise TransferFailed(f"{name}: blocks are still missing after the transfer")
         try:
@@ -222,12 +209,13 @@ def _pull_missing(store: Store, client: AgentClient, report: TransferReport, ite
 
 
 def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = None,
-         progress: Progress | None = None) -> TransferReport:
-    """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store``."""
+         progress: Progress | None = None, *, transport: Transport | None = None) -> TransferReport:
+    """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store`` (over ``transport`` if given, e.g. an
+    in-process one)."""
     opts = opts or Options()
     progress = progress or Progress()
     t0 = time.monotonic()
-    with AgentClient(url, token) as client:
+    with AgentClient(url, token, transport=transport) as client:
         record = _fetch_record(client, ref)
         report = TransferReport("pull", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
@@ -267,8 +255,7 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
     needed_total = 0
     try:
-        with ThreadPoolExecutor(max_workers=max(1, opts.inflight)) as pool:
-            futures = []
+        with Pipeline(send, opts.inflight) as pipe:
             for k, start in enumerate(starts):
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
                 resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
@@ -285,16 +272,8 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 part_bytes = sum(1 for _i, z, _h in part.records() if not z) * BLOCK_SIZE
                 progress.advance(part_bytes - len(needed) * BLOCK_SIZE)
                 needed_total += len(needed)
-                futures += [pool.submit(send, b) for b in _batches(needed, opts.batch)]
-                failed = [f for f in futures if f.done() and f.exception() is not None]
-                if failed:
-                    raise failed[0].exception()  # type: ignore[misc]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in done:
-                if f.exception() is not None:
-                    for g in futures:
-                        g.cancel()
-                    raise f.exception()  # type: ignore[misc]
+                for batch in _batches(needed, opts.batch):
+                    pipe.submit(batch)
     finally:
         reader.close()
     t_commit = time.monotonic()
@@ -305,8 +284,8 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,
-         progress: Progress | None = None) -> TransferReport:
-    """Send ``NAME[@V]`` from ``store`` to the agent at ``url``."""
+         progress: Progress | None = None, *, transport: Transport | None = None) -> TransferReport:
+    """Send ``NAME[@V]`` from ``store`` to the agent at ``url`` (over ``transport`` if given)."""
     opts = opts or Options()
     progress = progress or Progress()
     t0 = time.monotonic()
@@ -314,7 +293,7 @@ def push(store: Store, ref: str, url: str, token: str, opts: Options | None = No
     record = version_record(store, version)
     report = TransferReport("push", version.ref, url)
     layers, files = objects_of(record)
-    with AgentClient(url, token) as client:
+    with AgentClient(url, token, transport=transport) as client:
         missing = client.post_json("/v1/objects/missing", {"layers": layers, "files": [f for f, _ in files]})
         lacking = set(missing.get("layers", [])) | set(missing.get("files", []))
         for kind, oid, role in [("layer", lid, "layer") for lid in layers] + [("file", f, ro) for f, ro in files]:

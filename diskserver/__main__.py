@@ -18,8 +18,7 @@ import sys
 import time
 
 from diskserver.chain import Chain, ChainSpec
-from diskserver.errors import DiskServerError
-from hashcache.errors import HashcacheError
+from hashcache.errors import Error
 
 
 def _progress_printer(enabled: bool):  # noqa: ANN202
@@ -122,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s diskserver %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (DiskServerError, HashcacheError, ValueError) as exc:
+    except Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ValueError as exc:  # e.g. an offset outside the disk
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,8 @@
-"""A tiny HCP client for the disk server: READ blocks of one layer from its source host's agent.
+"""The disk server's HCP client: READ blocks of one layer from its source host's agent.
 
-Only the one call demand paging needs (§4.3, §4.4.3), READ, over the agent's block stream (a WebSocket
-per thread, diskserver/stream.py) or, from an agent without one, over HTTP::
+Only the one call demand paging needs (§4.3, §4.4.3), READ, over the one agent transport
+(:mod:`hashcache.transport`): the agent's block stream (a pool of WebSockets) or, from an agent
+without one, HTTP::
 
     POST {url}/v1/objects/layer/{id}/read?level=L&compress=true|false
          Authorization: Bearer TOKEN
@@ -9,27 +10,22 @@ per thread, diskserver/stream.py) or, from an agent without one, over HTTP::
 
 Transient failures (connection refused or reset, timeouts, HTTP 5xx/429) are retried with exponential
 back-off until ``retry_seconds`` have passed since the first attempt; then :class:`SourceUnavailable`
-is raised. A refusal (HTTP 4xx) or a malformed answer raises :class:`SourceError` at once. The
-client does not check block content: the caller verifies every block against its manifest hash.
+is raised. A refusal (HTTP 4xx) or a malformed answer raises :class:`SourceError` at once. A 401 is
+tried once more only if the token file changed (a rotated token). The client does not check block
+content: the caller verifies every block against its manifest hash.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-from websockets.exceptions import WebSocketException
-
 from diskserver.errors import SourceError, SourceUnavailable
-from diskserver.stream import BlockStream, StreamRefused, StreamUnsupported
-from hashcache.errors import HashcacheError
-from hashcache.hcp import MAX_BATCH, encode_indices, unpack_blocks
-
-log = logging.getLogger("diskserver")
+from hashcache.errors import AuthFailed, HashcacheError, Unreachable
+from hashcache.hcp import MAX_BATCH, unpack_blocks
+from hashcache.transport import HttpTransport, Retrying, RetryPolicy, StreamTransport, Transport, read_call
+from hashcache.transport.base import TokenSource, error_of
+from hashcache.transport.wrappers import Reauthenticating
 
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504, 507})
 
@@ -43,16 +39,14 @@ class ReadResult:
 
 def read_token(token_file: str | Path) -> str:
     try:
-        token = Path(token_file).read_text().strip()
-    except OSError as exc:
-        raise SourceError(f"cannot read the source token file {token_file}: {exc.strerror or exc}") from exc
-    if not token:
-        raise SourceError(f"the source token file {token_file} is empty")
-    return token
+        return TokenSource.from_file(token_file).value
+    except AuthFailed as exc:
+        raise SourceError(f"source: {exc}") from exc
 
 
 class HcpSource:
-    """One source host (agent URL + token). Thread-safe: many threads may read at once."""
+    """One source host (agent URL + token file). Thread-safe: many threads may read at once.
+    ``transport`` replaces the stream-then-HTTP transport over TCP (e.g. an in-process one)."""
 
     def __init__(
         self,
@@ -66,138 +60,63 @@ class HcpSource:
         compress: bool = True,
         level: int = 1,
         stream: bool = True,
+        transport: Transport | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise SourceError(f"source URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
         self.token_file = Path(token_file)
         self.retry_seconds = retry_seconds
-        self.initial_delay = initial_delay
-        self.max_delay = max_delay
         self.request_timeout = request_timeout
         self.compress = compress
         self.level = level
-        self._token = read_token(self.token_file)
-        # Minimal headers: on a 384 kbit/s link every byte of every request counts.
-        self._client = httpx.Client(
-            base_url=self.url,
-            headers={"User-Agent": "capsule-diskserver", "Accept": "*/*", "Accept-Encoding": "identity"},
-            timeout=httpx.Timeout(request_timeout, connect=min(5.0, request_timeout)),
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=16),
-        )
-        self._stream: BlockStream | None = BlockStream(self.url) if stream else None
+        try:
+            self.token = TokenSource.from_file(self.token_file)
+        except AuthFailed as exc:
+            raise SourceError(f"source {self.url}: {exc}") from exc
+        if transport is None:
+            transport = HttpTransport(self.url, self.token, timeout=request_timeout,
+                                      connect_timeout=min(5.0, request_timeout), max_connections=16,
+                                      user_agent="capsule-diskserver")
+            if stream:
+                transport = StreamTransport(transport, self.token, timeout=request_timeout)
+        self.base = transport
+        policy = RetryPolicy(deadline=retry_seconds, initial_delay=initial_delay, max_delay=max_delay,
+                             retry_refused=True, retry_status=_TRANSIENT_STATUS)
+        self._transport = Retrying(Reauthenticating(transport, self.token), policy)
+
+    @property
+    def stream_active(self) -> bool:
+        """True while READs go over the agent's block stream."""
+        return isinstance(self.base, StreamTransport) and self.base.active
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-        self._client.close()
+        self._transport.close()
 
     def __repr__(self) -> str:
         return f"HcpSource({self.url!r})"
-
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._token}"}
 
     def read_blocks(self, layer_id: str, indices: list[int]) -> ReadResult:
         """The 4 KiB blocks ``indices`` (strictly ascending, at most 1024) of layer ``layer_id``."""
         if not indices:
             return ReadResult([], 0, 0)
         if len(indices) > MAX_BATCH:
-            raise ValueError(f"at most {MAX_BATCH} blocks per READ, not {len(indices)}")
+            raise SourceError(f"at most {MAX_BATCH} blocks per READ, not {len(indices)}")
         what = f"layer {layer_id[:12]}: source {self.url}"
-        start = time.monotonic()
-        deadline = start + self.retry_seconds
-        delay = self.initial_delay
-        attempts = 0
-        reauthed = False
-        while True:
-            attempts += 1
-            timeout = max(0.5, min(self.request_timeout, deadline - time.monotonic()))
-            try:
-                payload, wire = self._read_once(layer_id, indices, timeout)
-            except _Refused as exc:
-                if exc.status == 401 and not reauthed:
-                    reauthed = True  # the token may have been rotated: read the file again, once
-                    with contextlib.suppress(SourceError):
-                        self._token = read_token(self.token_file)
-                    continue
-                if exc.status not in _TRANSIENT_STATUS:
-                    raise SourceError(f"{what} refused to send {len(indices)} block(s) from block {indices[0]}: "
-                                      f"HTTP {exc.status}: {exc.detail}") from None
-                last_error = f"HTTP {exc.status}: {exc.detail}"
-            except _Transient as exc:
-                last_error = str(exc)
-            else:
-                try:
-                    blocks = unpack_blocks(payload, len(indices), compressed=self.compress)
-                except HashcacheError as exc:
-                    raise SourceError(f"{what} sent a malformed answer for {len(indices)} block(s) from "
-                                      f"block {indices[0]}: {exc}") from exc
-                if attempts > 1:
-                    log.warning("%s is answering again (after %d attempts, %.1f s)", what, attempts,
-                                time.monotonic() - start)
-                return ReadResult(blocks, wire, attempts)
-            now = time.monotonic()
-            if attempts == 1:
-                log.warning("%s: %s; retrying for up to %.1f s", what, last_error, self.retry_seconds)
-            if now >= deadline:
-                raise SourceUnavailable(
-                    f"{what} is unreachable or failing: {len(indices)} block(s) from block {indices[0]} could not "
-                    f"be fetched within {self.retry_seconds:g} s ({attempts} attempts; last error: {last_error})")
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 2, self.max_delay)
-
-    def _read_once(self, layer_id: str, indices: list[int], timeout: float) -> tuple[bytes, int]:
-        """One READ: over the block stream while the agent has one, else over HTTP. (payload, wire bytes)."""
-        if self._stream is not None:
-            try:
-                return self._stream.read(self._token, "layer", layer_id, indices,
-                                         self.level if self.compress else 0, timeout)
-            except StreamUnsupported:
-                log.info("source %s has no block stream: READs go over HTTP", self.url)
-                self._stream = None
-            except StreamRefused as exc:
-                raise _Refused(exc.status, exc.detail) from None
-            except HashcacheError as exc:
-                raise SourceError(f"layer {layer_id[:12]}: source {self.url} sent a malformed stream reply: "
-                                  f"{exc}") from exc
-            except (OSError, TimeoutError, WebSocketException) as exc:
-                raise _Transient(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
-        body = encode_indices(indices)
-        params = {"level": str(self.level), "compress": "true" if self.compress else "false"}
+        some = f"{len(indices)} block(s) from block {indices[0]}"
+        call = read_call("layer", layer_id, indices, level=self.level, compress=self.compress)
         try:
-            resp = self._client.post(f"/v1/objects/layer/{layer_id}/read", params=params, content=body,
-                                     headers=self._auth(), timeout=httpx.Timeout(timeout, connect=min(5.0, timeout)))
-        except httpx.TransportError as exc:
-            raise _Transient(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
-        if resp.status_code != 200:
-            raise _Refused(resp.status_code, _detail(resp))
-        return resp.content, _wire_bytes(resp, len(body))
-
-
-class _Transient(Exception):
-    """Connection refused or reset, a timeout: worth another try."""
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(f"HTTP {status}: {detail}")
-        self.status = status
-        self.detail = detail
-
-
-def _detail(resp: httpx.Response) -> str:
-    try:
-        data = resp.json()
-        if isinstance(data, dict) and "detail" in data:
-            return str(data["detail"])[:300]
-    except ValueError:
-        pass
-    return resp.text[:300] or resp.reason_phrase
-
-
-def _wire_bytes(resp: httpx.Response, body_len: int) -> int:
-    req = resp.request
-    head = sum(len(k) + len(v) + 4 for k, v in req.headers.raw) + len(req.url.raw_path) + 16
-    head += sum(len(k) + len(v) + 4 for k, v in resp.headers.raw) + 17
-    return head + body_len + resp.num_bytes_downloaded
+            reply = self._transport.call(call.with_timeout(self.request_timeout))
+        except Unreachable as exc:
+            raise SourceUnavailable(f"{what} is unreachable or failing: {some} could not be fetched within "
+                                    f"{self.retry_seconds:g} s (last error: {exc})") from exc
+        except HashcacheError as exc:  # a malformed stream reply
+            raise SourceError(f"{what} sent a malformed answer for {some}: {exc}") from exc
+        if reply.status != 200:
+            err = error_of(reply, "the agent")
+            raise SourceError(f"{what} refused to send {some}: HTTP {reply.status}: {err}") from err
+        try:
+            blocks = unpack_blocks(reply.content, len(indices), compressed=self.compress)
+        except HashcacheError as exc:
+            raise SourceError(f"{what} sent a malformed answer for {some}: {exc}") from exc
+        return ReadResult(blocks, reply.wire_bytes, reply.attempts)

@@ -42,6 +42,10 @@ LOCAL_BATCH = 4096          # blocks found locally per fdatasync of the shadow
 class ProtocolError(HashcacheError):
     """A peer sent something malformed."""
 
+    code = "protocol_error"
+    exit_code = 13
+    http_status = 400
+
 
 class BlockLookup(Protocol):
     """What a receiver needs from a hash cache: verified data for a hash (or a hash prefix)."""

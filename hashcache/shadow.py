@@ -23,7 +23,9 @@ _HDR = 64
 
 
 class ShadowError(HashcacheError):
-    pass
+    """A shadow file (or its presence bitmap) cannot be opened, read or written."""
+
+    code = "shadow_error"
 
 
 class Shadow:

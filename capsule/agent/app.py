@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
 from capsule.agent import dashboard
-from capsule.errors import AlreadyExists, CapsuleError, Conflict, IntegrityError, InvalidName, NotFound, StorageFull
+from capsule.errors import AuthFailed, Error, Internal, InvalidName
 from capsule.exchange import running
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
@@ -47,22 +49,14 @@ from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, mi
 from capsule.names import check_object_id
 from capsule.records import record_version
 from capsule.store import Store
-from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
-from hashcache.hcp import ProtocolError, decode_stream_read, encode_stream_error
+from hashcache.errors import error_class
+from hashcache.hcp import decode_stream_read, encode_stream_error
 
 
-def _status(exc: Exception) -> int:
-    if isinstance(exc, InvalidName | ProtocolError | ManifestError):
-        return 400
-    if isinstance(exc, NotFound):
-        return 404
-    if isinstance(exc, AlreadyExists | Conflict):
-        return 409
-    if isinstance(exc, ManifestMismatch | IntegrityError):
-        return 422
-    if isinstance(exc, StorageFull):
-        return 507
-    return 500
+def _error_reply(exc: Error, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one mapping from an error to an answer: its class's status; ``{"error": code, "detail":
+    message, ...fields}`` (see :mod:`hashcache.errors`)."""
+    return JSONResponse(exc.to_wire(), status_code=exc.http_status, headers=headers)
 
 
 def create_app(home: Path, token: str) -> FastAPI:
@@ -77,13 +71,33 @@ def create_app(home: Path, token: str) -> FastAPI:
     def auth(request: Request) -> None:
         got = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(got, expected):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise AuthFailed("missing or wrong bearer token")
 
-    @app.exception_handler(CapsuleError)
-    @app.exception_handler(HashcacheError)
+    # One mapping from errors to answers: {"error": code, "detail": message, ...fields}, the class's status.
+    @app.exception_handler(Error)
     async def _errors(_request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=_status(exc))
+        assert isinstance(exc, Error)
+        return _error_reply(exc, {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthFailed) else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_errors(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        cls = error_class(None, exc.status_code)
+        body = {"error": cls.code, "detail": str(exc.detail)}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', '')}"
+                             for e in exc.errors())
+        return _error_reply(InvalidName(f"malformed request: {problems}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        # (the server logs the traceback: this handler runs in its error middleware, which re-raises)
+        return _error_reply(Internal(f"the agent failed unexpectedly ({type(exc).__name__}: {exc}); "
+                                     "its log has the details — please report this"))
 
     async def body(request: Request, limit: int) -> bytes:
         chunks = []
@@ -145,8 +159,7 @@ def create_app(home: Path, token: str) -> FastAPI:
             # a 401 like every other call (a plain close before accept would be a 403, which is also
             # what any server without this route answers: clients take that for "no stream here")
             if "websocket.http.response" in ws.scope.get("extensions", {}):
-                await ws.send_denial_response(JSONResponse({"detail": "missing or wrong bearer token"},
-                                                           status_code=401))
+                await ws.send_denial_response(_error_reply(AuthFailed("missing or wrong bearer token")))
             else:
                 await ws.close(code=1008)
             return
@@ -161,8 +174,8 @@ def create_app(home: Path, token: str) -> FastAPI:
                     return
                 try:
                     reply = b"\x00" + await stream_read(msg["bytes"])
-                except (CapsuleError, HashcacheError) as exc:
-                    reply = encode_stream_error(str(exc), type(exc).__name__, _status(exc))
+                except Error as exc:
+                    reply = encode_stream_error(str(exc), exc.code, exc.http_status)
                 await ws.send_bytes(reply)
         except WebSocketDisconnect:
             return

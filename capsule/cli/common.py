@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from capsule.store import Store
+from hashcache.errors import Error, Internal
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -57,3 +59,25 @@ def json_flag(value: bool) -> None:
     """Commands accept --json after their name too."""
     if value:
         OPTIONS.json = True
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The one mapping from an error to the CLI's exit code (each error class carries its own)."""
+    if isinstance(exc, Error):
+        return exc.exit_code
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return Internal.exit_code
+
+
+def report(exc: BaseException) -> int:
+    """Print what went wrong — one line for our errors, never a traceback — and return the exit code."""
+    if isinstance(exc, KeyboardInterrupt):
+        err_console.print("[yellow]interrupted[/]")
+    elif isinstance(exc, Error):
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+    else:
+        err_console.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))}\n"
+                          "This is a bug in capsule: please report it, with the command you ran "
+                          "(set CAPSULE_DEBUG=1 to see the traceback).")
+    return exit_code_for(exc)

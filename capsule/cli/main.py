@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from capsule.cli import capsules, hosts, images, runtime, transfer
-from capsule.cli.common import OPTIONS, err_console
-from capsule.errors import CapsuleError
-from hashcache.errors import HashcacheError
+from capsule.cli.common import OPTIONS, report
 
 app = typer.Typer(
     help="Capsule: name, version, run and move whole virtual computers.\n\n"
@@ -45,15 +45,12 @@ app.add_typer(images.app, name="image", help="Build and list guest images.")
 def main() -> None:
     try:
         app()
-    except CapsuleError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
-        sys.exit(exc.exit_code)
-    except HashcacheError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
-        sys.exit(6)
-    except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]")
-        sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
+        if os.environ.get("CAPSULE_DEBUG") and not isinstance(exc, KeyboardInterrupt):
+            traceback.print_exc()
+        sys.exit(report(exc))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hashcache.errors import Error
+
 MARKER = "CAPSULE-GUEST-READY"
 """Line a Capsule guest prints on its serial console once it is up."""
 
@@ -29,8 +31,11 @@ AGENT_PORT = "org.capsule.agent.0"
 """The virtio-serial port name the guest agent listens on."""
 
 
-class ImageBuildError(Exception):
+class ImageBuildError(Error):
     """An image build failed; the message says which step and shows the tail of the tool's output."""
+
+    code = "image_build_failed"
+    exit_code = 7
 
 
 @dataclass

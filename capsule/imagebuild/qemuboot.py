@@ -23,13 +23,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from hashcache.errors import Error
+
 from .common import AGENT_PORT, BuiltImage
 
 _ANSI = re.compile(rb"\x1b(\[[0-9;?]*[A-Za-z]|[()][A-Za-z0-9]|[A-Za-z])")
 
 
-class GuestError(Exception):
+class GuestError(Error):
     """The guest did not do what was expected; the message has the tail of its console."""
+
+    code = "image_guest_error"
+    exit_code = 7
 
 
 class SerialGuest:

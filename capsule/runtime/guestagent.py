@@ -24,13 +24,17 @@ CONNECT_TIMEOUT = 2.0
 class AgentUnavailable(CapsuleError):
     """No guest agent answered (none installed, not started yet, or misbehaving)."""
 
+    code = "guest_agent_unavailable"
     exit_code = 14
+    http_status = 503
 
 
 class AgentError(CapsuleError):
     """The guest agent answered with an error."""
 
+    code = "guest_agent_error"
     exit_code = 14
+    http_status = 502
 
 
 class GuestAgent:

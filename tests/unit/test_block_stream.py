@@ -13,9 +13,9 @@ from websockets.sync.client import connect
 
 from diskserver.errors import SourceError
 from diskserver.source import HcpSource
-from diskserver.stream import BlockStream, StreamRefused
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.hcp import decode_indices, decode_stream_reply, encode_stream_read, pack_blocks
+from hashcache.transport.stream import BlockStream, HandshakeRefused, socket_connector
 from tests.conftest import Agent, make_store
 
 pytestmark = pytest.mark.tools
@@ -52,7 +52,7 @@ def test_stream_sends_the_same_verified_blocks_as_http(host_a):
             for i, data in zip(batch, a.blocks, strict=True):
                 assert len(data) == BLOCK_SIZE and hash_block(data) == manifest.hash_of(i)
             assert a.wire_bytes < b.wire_bytes  # no HTTP headers per READ
-        assert over_stream._stream is not None  # it really used the stream
+        assert over_stream.stream_active  # it really used the stream
         uncompressed = HcpSource(agent.url, token_file, compress=False)
         assert uncompressed.read_blocks(layer, want[:3]).blocks == over_http.read_blocks(layer, want[:3]).blocks
         uncompressed.close()
@@ -64,9 +64,9 @@ def test_stream_sends_the_same_verified_blocks_as_http(host_a):
 def test_sequential_reads_reuse_one_connection_and_threads_share_a_pool(host_a):
     agent, token_file, layer, manifest = host_a
     want = _data_blocks(manifest, 64)
-    stream = BlockStream(agent.url)
+    stream = BlockStream(socket_connector(agent.url))
     token = token_file.read_text().strip()
-    opened = [stream.read(token, "layer", layer, [i], 1, 10)[1] >= 400 for i in want[:20]]
+    opened = [stream.exchange(token, encode_stream_read("layer", layer, [i], 1), 10)[1] >= 400 for i in want[:20]]
     assert opened == [True] + [False] * 19  # only the first READ paid for the handshake
 
     errors: list[Exception] = []
@@ -74,7 +74,7 @@ def test_sequential_reads_reuse_one_connection_and_threads_share_a_pool(host_a):
     def worker(part: list[int]) -> None:
         try:
             for i in part:
-                stream.read(token, "layer", layer, [i], 1, 10)
+                stream.exchange(token, encode_stream_read("layer", layer, [i], 1), 10)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -84,17 +84,17 @@ def test_sequential_reads_reuse_one_connection_and_threads_share_a_pool(host_a):
     for t in threads:
         t.join()
     assert not errors
-    assert 1 <= len(stream._idle) <= 4
+    assert 1 <= stream.idle() <= 4
     stream.close()
-    assert stream._idle == []
+    assert stream.idle() == 0
 
 
 def test_wrong_token_is_refused_at_once_not_retried(host_a, tmp_path):
     agent, _token_file, layer, manifest = host_a
     bad = tmp_path / "bad.token"
     bad.write_text("x" * 32)
-    with pytest.raises(StreamRefused) as exc:
-        BlockStream(agent.url).read("x" * 32, "layer", layer, [0], 1, 5)
+    with pytest.raises(HandshakeRefused) as exc:
+        BlockStream(socket_connector(agent.url)).exchange("x" * 32, encode_stream_read("layer", layer, [0], 1), 5)
     assert exc.value.status == 401
     src = HcpSource(agent.url, bad, retry_seconds=30)
     with pytest.raises(SourceError, match="HTTP 401"):
@@ -166,7 +166,7 @@ def test_an_agent_without_the_stream_is_read_over_http(tmp_path):
     try:
         r = src.read_blocks("cd" * 32, [3, 9])
         assert r.blocks == [b"\x03" * BLOCK_SIZE, b"\x09" * BLOCK_SIZE]
-        assert src._stream is None  # it will not try again
+        assert not src.stream_active  # it will not try again
         assert src.read_blocks("cd" * 32, [4]).blocks == [b"\x04" * BLOCK_SIZE]
     finally:
         src.close()

@@ -77,7 +77,7 @@ ROUTES = [("GET", "/api/capsules"), ("GET", "/api/hosts"), ("GET", "/api/session
 def _assert_bare_401(r) -> None:
     assert r.status_code == 401
     assert SECRET not in r.text and "img" not in r.text
-    assert r.json() == {"detail": "sign in first (or send the host's token as a bearer token)"}
+    assert r.json() == {"error": "auth_failed", "detail": "sign in first (or send the host's token as a bearer token)"}
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)
@@ -91,7 +91,7 @@ def test_wrong_token_does_not_sign_in(client):
     r = client.post("/api/session", json={"token": TOKEN[:-1] + "X"})
     assert r.status_code == 401 and "set-cookie" not in r.headers
     assert client.get("/api/capsules").status_code == 401
-    assert client.post("/api/session", json={}).status_code == 422
+    assert client.post("/api/session", json={}).status_code == 400
 
 
 def test_sign_in_cookie_and_session(client, app):
@@ -180,8 +180,8 @@ def test_refusals_are_http_errors(client):
         ("/api/capsules/ghost/start", {}, 404, "no capsule named 'ghost'"),
         (f"/api/capsules/{SECRET}/suspend", {}, 409, "is not running"),
         (f"/api/capsules/{SECRET}/snapshot", {"balloon": True}, 409, "is not running"),
-        (f"/api/capsules/{SECRET}/start", {"version": 0}, 422, "greater than or equal to 1"),
-        (f"/api/capsules/{SECRET}/suspend", {"balloon_policy": "rm -rf"}, 422, "balloon_policy"),
+        (f"/api/capsules/{SECRET}/start", {"version": 0}, 400, "greater than or equal to 1"),
+        (f"/api/capsules/{SECRET}/suspend", {"balloon_policy": "rm -rf"}, 400, "balloon_policy"),
         (f"/api/capsules/{SECRET}/rm", {"version": 3}, 404, "has no version 3"),
         ("/api/capsules/bad%20name/rm", {}, 400, "invalid capsule name"),
     ]
