@@ -138,9 +138,6 @@ def _may_run_there(step: str, exc: BaseException) -> bool:
 def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str, exc: BaseException,
                pushed: transfer.TransferReport | None, tally: _Tally, say: Callable[[str], None]) -> MigrationFailed:
     ref = version.ref
-    reached = _reached(store, version, to, token)
-    reached.sent_bytes = pushed.wire_bytes if pushed else tally.wire_bytes
-    reached.recorded = reached.recorded or bool(pushed and pushed.recorded)
     what = {"push": f"pushing {ref} to {to}", "start": f"starting {ref} at {to}",
             "run": f"starting {ref} at {to} (disks on demand from here)"}[step]
     lines = [f"migrating {version.capsule} failed while {what}: {exc or type(exc).__name__}",
@@ -149,7 +146,7 @@ def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str
     if _may_run_there(step, exc):
         lines.append(f"it was NOT started again here: {to} may have started it before the connection broke. "
                      f"Check there; if it does not run, `capsule start {ref}` here")
-    else:
+    else:  # first the guest, then the questions
         say(f"starting {ref} here again")
         try:
             lifecycle.start(store, ref, wait=False)
@@ -157,6 +154,10 @@ def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str
             lines.append(f"the guest runs here again from {ref}")
         except CapsuleError as again:
             lines.append(f"starting it again here failed too ({again}); `capsule start {ref}` retries")
+    # an interrupt is re-raised as it is: do not keep the user waiting on the other host
+    reached = _reached(store, version, to, token) if isinstance(exc, Exception) else Reached(known=False)
+    reached.sent_bytes = pushed.wire_bytes if pushed else tally.wire_bytes
+    reached.recorded = reached.recorded or bool(pushed and pushed.recorded)
     lines.append(reached.describe(ref))
     return MigrationFailed("; ".join(lines), version=ref, step=step, restored=restored, reached=reached, cause=exc)
 
