@@ -1,9 +1,11 @@
 """Restoring memory images with this host's own machine: a crafted image is refused before anything is made,
-and a suspend whose sealing fails brings the guest back from its saved image."""
+a suspend whose sealing fails brings the guest back from its saved image, and a restored guest's console
+answers even if the save cut a line in half."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import xml.etree.ElementTree as ET
 
@@ -13,6 +15,7 @@ from capsule import capsules, lifecycle
 from capsule.errors import IntegrityError, StorageFull
 from capsule.runtime import saveimage
 from capsule.runtime.connection import lookup_domain
+from capsule.runtime.console import ConsoleSession
 from tests.vm.helpers import COUNTER, count, run, wait_count_above
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]
@@ -70,3 +73,16 @@ def test_seal_failure_after_the_save_restores_the_guest(store, monkeypatch):
     after = count(store, "s")
     assert before <= after < before + 30
     assert wait_count_above(store, "s", after) > after
+
+
+def test_console_recovers_a_shell_left_inside_an_open_quote(store):
+    """A guest saved while its shell had read half a line (the rest is lost with the old pty) is left inside
+    an open quote; the next console session must still get a shell."""
+    capsules.create(store, "q", "tiny", memory="256M")
+    lifecycle.start(store, "q")
+    run(store, "q", COUNTER)
+    session = ConsoleSession(store.domain_name("q"))
+    session.send("echo 'half a line\n")   # the shell now waits for the closing quote
+    session.drain(1.0)
+    os.close(session.fd)                    # gone without its closing line, like a pty lost in a save
+    assert count(store, "q") > 0
