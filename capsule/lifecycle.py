@@ -14,7 +14,7 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
-from capsule import demand, qemuimg, watch
+from capsule import demand, memimage, qemuimg, watch
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import CapsuleError, Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
@@ -23,7 +23,7 @@ from capsule.runtime import saveimage
 from capsule.runtime.accel import AccelDecision, decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import log_size, wait_for_marker
-from capsule.runtime.domainxml import MachineSpec, build, patch_for_restore
+from capsule.runtime.domainxml import build
 from capsule.store import Store
 from hashcache.errors import HashcacheError
 from hashcache.manifest import verify_file
@@ -121,6 +121,9 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
         if lookup_domain(domain) is not None:
             raise Conflict(f"a libvirt domain named {domain} already exists; remove it with virsh first")
         _check_objects(store, version)
+        if version.memory:  # refuse an image this host would not restore before anything is made
+            memimage.check(store, version.config, store.file_path(version.memory), name=domain, uuid=cap.uuid,
+                           disks=len(version.chains), instance_dir=store.instance_dir(name))
         decision = accel_for(store)
         inst_dir, log, agent_sock = _instance_files(store, name)
         leaves: list[Path] = []
@@ -140,35 +143,17 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
             if version.memory:
                 mode = "restore"
                 say(f"restoring {version.ref} from its memory image")
-                mem = store.file_path(version.memory)
-                header = saveimage.read_header(mem)
-                if saveimage.identity(header.domain_xml) != (domain, cap.uuid):
-                    fork = inst_dir / "memory.save"
-                    saveimage.fork(mem, fork, name=domain, uuid=cap.uuid)
-                    mem, forked = fork, True
-                    header = saveimage.read_header(mem)
-                xml = patch_for_restore(header.domain_xml, name=domain, uuid=cap.uuid, disks=leaves,
-                                        console_log=log, agent_socket=agent_sock)
-                try:
-                    connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(mem),
-                                             libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)
-                except libvirt.libvirtError as exc:
-                    raise RuntimeFailure(f"restoring {version.ref} failed: {exc.get_error_message()}") from exc
-                accel = "kvm" if 'type="kvm"' in xml or "type='kvm'" in xml else "tcg"
-                if forked:
-                    mem.unlink(missing_ok=True)  # QEMU has read it; the sealed original stays
+                restored = memimage.restore(store, version.ref, version.config, store.file_path(version.memory),
+                                            name=domain, uuid=cap.uuid, disks=leaves, instance_dir=inst_dir)
+                accel, forked = restored.accel, restored.forked
                 if version.config.get("balloon"):
                     say("giving the guest its memory back")
                     balloon_mod.give_back(agent_sock, lookup_domain(domain), version.config["balloon"])
             else:
                 mode = "boot"
                 accel = decision.accel
-                cfg = version.config
-                spec = MachineSpec(name=domain, uuid=cap.uuid, memory_mib=cfg["memory_mib"], vcpus=cfg["vcpus"],
-                                   accel=accel, kernel=store.file_path(cfg["kernel"]),
-                                   initrd=store.file_path(cfg["initrd"]), cmdline=cfg["cmdline"],
-                                   disks=leaves, console_log=log, agent_socket=agent_sock,
-                                   free_page_reporting=cfg.get("free_page_reporting", True))
+                spec = memimage.machine_spec(store, version.config, name=domain, uuid=cap.uuid, accel=accel,
+                                             disks=leaves, console_log=log, agent_socket=agent_sock)
                 say(f"booting {version.ref} ({accel})")
                 try:
                     connect().createXML(build(spec), 0)
@@ -329,11 +314,11 @@ def _resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | Non
             disks.append(leaf)
         header = saveimage.read_header(image)
         name, uuid = saveimage.identity(header.domain_xml)
-        xml = patch_for_restore(header.domain_xml, name=name, uuid=uuid, disks=disks,
-                                console_log=Path(inst.dir) / "console.log",
-                                agent_socket=Path(inst.dir) / "agent.sock")
-        connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(image),
-                                 libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)
+        base = store.catalogue.version(inst.capsule, inst.version)
+        if base is None:
+            return
+        memimage.restore(store, f"{inst.capsule}@{inst.version}", base.config, image, name=name, uuid=uuid,
+                         disks=disks, instance_dir=Path(inst.dir))
         if [str(d) for d in disks] != inst.leaves:
             chains = [[*c, sealed[i].id] if str(disks[i]) != inst.leaves[i] else c
                       for i, c in enumerate(inst.chains)]

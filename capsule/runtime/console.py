@@ -73,7 +73,9 @@ class ConsoleSession:
         ready = f"__CAPS_READY_{tag}__".encode()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.send(f"\nstty -echo; PS1=''; echo __CAPS_RE''ADY_{tag}__\n")
+            # ^C first: a line half-read when the guest was saved (the rest of it lost with the old pty) may
+            # have left the shell inside an open quote, where every later line would be swallowed
+            self.send(f"\x03\nstty -echo; PS1=''; echo __CAPS_RE''ADY_{tag}__\n")
             until = time.monotonic() + 2.0
             while time.monotonic() < until:
                 if ready in self.buffer:

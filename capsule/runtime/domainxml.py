@@ -1,5 +1,6 @@
-"""libvirt domain XML for a capsule instance, and patching the XML embedded
-in a memory image so it restores onto a fresh leaf layer."""
+"""libvirt domain XML for a capsule instance: this host's template, used to
+boot and (with what a memory image's saved state requires, see
+``restorexml``) to restore."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class MachineSpec:
     console_log: Path
     agent_socket: Path
     free_page_reporting: bool = True
+    emulator: str | None = None   # None: libvirt's default
 
 
 def _disk_target(i: int) -> str:
@@ -54,6 +56,8 @@ def build(spec: MachineSpec) -> str:
     ET.SubElement(dom, "on_reboot").text = "restart"
     ET.SubElement(dom, "on_crash").text = "destroy"
     devices = ET.SubElement(dom, "devices")
+    if spec.emulator:
+        ET.SubElement(devices, "emulator").text = spec.emulator
     for i, disk in enumerate(spec.disks):
         d = ET.SubElement(devices, "disk", type="file", device="disk")
         ET.SubElement(d, "driver", name="qemu", type="qcow2", cache="writeback",
@@ -73,39 +77,3 @@ def build(spec: MachineSpec) -> str:
                             freePageReporting="on" if spec.free_page_reporting else "off")
     ET.SubElement(balloon, "stats", period="0")
     return ET.tostring(dom, encoding="unicode")
-
-
-def patch_for_restore(saved_xml: str, *, name: str, uuid: str, disks: list[Path], console_log: Path,
-                      agent_socket: Path) -> str:
-    """Point the XML saved inside a memory image at this instance's leaves,
-    console log and agent socket, under this capsule's domain name and uuid."""
-    dom = ET.fromstring(saved_xml)
-    _set_text(dom, "name", name)
-    _set_text(dom, "uuid", uuid)
-    disk_els = [d for d in dom.findall("./devices/disk") if d.get("device") == "disk"]
-    if len(disk_els) != len(disks):
-        raise ValueError(f"memory image has {len(disk_els)} disks, the version has {len(disks)}")
-    for el, path in zip(disk_els, disks, strict=True):
-        src = el.find("source")
-        if src is None:
-            src = ET.SubElement(el, "source")
-        src.attrib.clear()
-        src.set("file", str(path))
-        for child in list(el):
-            if child.tag == "backingStore":
-                el.remove(child)
-    for log in dom.findall("./devices/serial/log"):
-        log.set("file", str(console_log))
-    for ch in dom.findall("./devices/channel"):
-        tgt = ch.find("target")
-        src = ch.find("source")
-        if tgt is not None and tgt.get("name") == AGENT_CHANNEL and src is not None:
-            src.set("path", str(agent_socket))
-    return ET.tostring(dom, encoding="unicode")
-
-
-def _set_text(root: ET.Element, tag: str, text: str) -> None:
-    el = root.find(tag)
-    if el is None:
-        el = ET.SubElement(root, tag)
-    el.text = text

@@ -20,6 +20,7 @@ import os
 import struct
 import subprocess
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,20 +77,30 @@ def identity(xml: str) -> tuple[str, str]:
 def fork(src: Path, dst: Path, *, name: str, uuid: str) -> None:
     """Copy ``src`` to ``dst`` (reflink or sparse) with the embedded domain XML
     renamed to ``name``/``uuid``. ``src`` is never modified."""
+
+    def rename(root: ET.Element) -> None:
+        for tag, value in (("name", name), ("uuid", uuid)):
+            el = root.find(tag)
+            if el is None:
+                raise IntegrityError(f"memory image {src.name}: domain XML has no <{tag}>")
+            el.text = value
+
+    rewrite(src, dst, rename)
+
+
+def rewrite(src: Path, dst: Path, edit: Callable[[ET.Element], None]) -> None:
+    """Copy ``src`` to ``dst`` (reflink or sparse) with ``edit`` applied to the
+    embedded domain XML. ``src`` is never modified."""
     header = read_header(src)
     root = ET.fromstring(header.domain_xml)
-    for tag, value in (("name", name), ("uuid", uuid)):
-        el = root.find(tag)
-        if el is None:
-            raise IntegrityError(f"memory image {src.name}: domain XML has no <{tag}>")
-        el.text = value
+    edit(root)
     new_xml = ET.tostring(root, encoding="unicode").encode()
     data = new_xml + b"\0"
     cookie_offset = len(data) if header.cookie_offset else 0
     if header.cookie_offset:
         data += header.cookie + b"\0"
     if len(data) > header.data_len:
-        raise RuntimeFailure(f"memory image {src.name}: renamed domain XML does not fit its header")
+        raise RuntimeFailure(f"memory image {src.name}: the edited domain XML does not fit its header")
     data += b"\0" * (header.data_len - len(data))
     proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(src), str(dst)],
                           capture_output=True, text=True, check=False)

@@ -23,8 +23,10 @@ from tests.unit.transport_fixtures import TOKEN, agent_app
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 MODULES = ("hashcache.errors", "hashcache.hcp", "hashcache.shadow", "hashcache.cache", "diskserver.errors",
-           "capsule.errors", "capsule.runtime.guestagent", "capsule.imagebuild.common", "capsule.imagebuild.qemuboot")
-SAMPLE_FIELDS = {"object_name": "layer 0123456789ab", "block": 7, "layer_id": "cd" * 32}
+           "capsule.errors", "capsule.runtime.guestagent", "capsule.imagebuild.common", "capsule.imagebuild.qemuboot",
+           "capsule.migrate")
+SAMPLE_FIELDS = {"object_name": "layer 0123456789ab", "block": 7, "layer_id": "cd" * 32, "version": "vm@4",
+                 "step": "push", "restored": True}
 
 
 def _ours() -> list[type[Error]]:

@@ -56,3 +56,24 @@ def test_child_after_parent_sends_only_new_objects(two_hosts):
     assert again.objects == [] and again.wire_bytes < 20_000
     lifecycle.start(b, "child")
     assert disk_digest(b, "child", blocks=1024) == digest
+
+
+@pytest.mark.timeout(300)
+def test_restore_on_destination_after_the_source_store_is_gone(two_hosts):
+    """The image's XML names A's kernel, initrd and leaves: B restores with its own, so moving A's store away
+    (as on a real second machine, where A's paths do not exist) changes nothing."""
+    a, b, agent_a, agent_b = two_hosts
+    capsules.create(a, "away", "tiny", memory="256M")
+    lifecycle.start(a, "away")
+    run(a, "away", COUNTER)
+    before = wait_count_above(a, "away", 5)
+    lifecycle.suspend(a, "away")
+    transfer.push(a, "away", agent_b.url, agent_b.token)
+    agent_a.stop()
+    a.close()
+    a.home.rename(a.home.with_name("a-moved"))
+    resumed = lifecycle.start(b, "away")
+    assert resumed.mode == "restore"
+    after = count(b, "away")
+    assert before <= after < before + 25
+    assert wait_count_above(b, "away", after) > after
