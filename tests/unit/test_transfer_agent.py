@@ -18,6 +18,7 @@ from capsule import capsules, transfer
 from capsule.errors import AuthFailed, TransferFailed
 from capsule.objectio import BlockReader, has_object
 from tests.conftest import Agent, make_store
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.tools
 
@@ -163,8 +164,7 @@ def test_lying_agent_fails_the_transfer_and_installs_nothing(tmp_path, tiny_imag
                                            log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    wait_until(lambda: server.started, 30, "the in-process agent to start")
     try:
         with pytest.raises(TransferFailed, match=f"block {victim}") as exc:
             transfer.pull(b, f"http://127.0.0.1:{port}", "cap", token)
