@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from capsule.agentclient import AgentClient
 from capsule.catalogue import Catalogue
-from capsule.errors import AlreadyExists, CapsuleError, Conflict, InvalidName, NotFound, TransferFailed
+from capsule.errors import AlreadyExists, Conflict, Error, InvalidName, NotFound, TransferFailed
 from capsule.names import check_name
 from capsule.store import Store
 
@@ -188,8 +188,8 @@ def ask_all(store: Store, path: str = "/v1/info", *, timeout: float = ASK_TIMEOU
                 continue
             try:
                 out.append(PeerStatus(peer, True, answer=fut.result(), seconds=seconds))
-            except (CapsuleError, ValueError) as exc:
-                reason = str(exc) if isinstance(exc, CapsuleError) else f"malformed answer: {exc}"
+            except (Error, ValueError) as exc:
+                reason = str(exc) if isinstance(exc, Error) else f"malformed answer: {exc}"
                 out.append(PeerStatus(peer, False, reason, seconds=seconds))
             except Exception as exc:  # noqa: BLE001 - one peer's failure never hides the others
                 out.append(PeerStatus(peer, False, f"{type(exc).__name__}: {exc}", seconds=seconds))

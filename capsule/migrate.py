@@ -134,8 +134,9 @@ def _may_run_there(step: str, exc: BaseException) -> bool:
     if step == "push":
         return False
     if isinstance(exc, Unreachable):
-        return not isinstance(exc.__cause__, httpx.ConnectError)
-    return not isinstance(exc, CapsuleError)
+        # a refused connection never reached it
+        return not (getattr(exc, "refused", False) or isinstance(exc.__cause__, httpx.ConnectError))
+    return not isinstance(exc, Error)  # a typed error is the agent's answer: it did not start the guest
 
 
 def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str, exc: BaseException,
@@ -155,7 +156,7 @@ def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str
             lifecycle.start(store, ref, wait=False)
             restored = True
             lines.append(f"the guest runs here again from {ref}")
-        except CapsuleError as again:
+        except Error as again:
             lines.append(f"starting it again here failed too ({again}); `capsule start {ref}` retries")
     # an interrupt is re-raised as it is: do not keep the user waiting on the other host
     reached = _reached(store, version, to, token) if isinstance(exc, Exception) else Reached(known=False)
@@ -175,9 +176,9 @@ def _reached(store: Store, version: VersionRow, to: str, token: str) -> Reached:
             recorded = True
             try:
                 client.get_json(f"/v1/capsules/{version.capsule}/versions/{version.number}")
-            except CapsuleError:
+            except Error:
                 recorded = False
-    except (CapsuleError, httpx.HTTPError, ValueError, AttributeError, TypeError):
+    except (Error, httpx.HTTPError, ValueError, AttributeError, TypeError):
         return Reached(known=False)
     ids = layers + files
     return Reached(present=[x for x in ids if x not in lacking], missing=[x for x in ids if x in lacking],

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from capsule import capsules, hierarchy, images, lifecycle, transfer
 from capsule.agent.launch import AgentProcess
-from capsule.errors import CapsuleError
+from capsule.errors import Error
 from capsule.migrate import migrate
 from capsule.runtime.console import ConsoleSession
 from capsule.store import Store
@@ -134,6 +134,6 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except CapsuleError as exc:
+    except Error as exc:
         out.print(f"[red]demo failed:[/] {exc}")
         sys.exit(1)
