@@ -11,8 +11,10 @@ from typing import Any
 
 from capsule import hosts, transfer
 from capsule.agentclient import AgentClient
-from capsule.errors import TransferFailed
+from capsule.catalogue import VersionRow
+from capsule.errors import Error, TransferFailed
 from capsule.fleet.members import Member
+from capsule.records import version_record
 from capsule.store import Store
 
 ASK_TIMEOUT = 5.0
@@ -63,6 +65,25 @@ def survey(store: Store, members: list[Member], timeout: float = ASK_TIMEOUT) ->
                 view.reachable, view.error, view.error_code = False, str(exc), exc.code
         views[view.host] = view
     return views
+
+
+def other_content(store: Store, version: VersionRow, claimants: list[Member]) -> dict[str, str]:
+    """Of the hosts that list ``version``'s number, those whose record differs from ours (another
+    capsule of the same name, or a version made there): host → why. A host that cannot be asked is
+    taken at its word (the transfer will tell)."""
+    ours = version_record(store, version)
+    out = {}
+    for m in claimants:
+        try:
+            with AgentClient(m.peer.url, m.peer.token, timeout=ASK_TIMEOUT) as client:
+                theirs = client.get_json(f"/v1/capsules/{version.capsule}/versions/{version.number}")
+        except Error:
+            continue
+        if not isinstance(theirs, dict) or theirs.get("chains") != ours["chains"] \
+                or theirs.get("memory") != ours["memory"]:
+            out[m.name] = (f"{version.ref} already exists on {m.name} with other content: nothing sent "
+                           f"(remove it there, or roll out another version)")
+    return out
 
 
 class _Progress(transfer.Progress):

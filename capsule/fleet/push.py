@@ -15,7 +15,7 @@ from typing import Any
 from capsule import transfer
 from capsule.capsules import resolve
 from capsule.catalogue import Catalogue
-from capsule.errors import AuthFailed, InvalidName, NotFound, PeerError
+from capsule.errors import AuthFailed, Conflict, InvalidName, NotFound, PeerError
 from capsule.fleet import hostops, members
 from capsule.fleet.fanout import ORIGIN
 from capsule.fleet.plan import Plan, plan_stages
@@ -99,10 +99,14 @@ def push(store: Store, ref: str, opts: PushOptions,
     members.seen(store, {h: v.answered_at for h, v in views.items() if v.answered_at})
     by_name = {m.name: m for m in chosen}
     offline = {h: v.error or "no answer" for h, v in views.items() if not v.reachable}
-    already = {h for h, v in views.items() if v.reachable and v.holds(version.capsule, version.number)}
+    claimed = {h for h, v in views.items() if v.reachable and v.holds(version.capsule, version.number)}
+    conflicting = hostops.other_content(store, version, [by_name[h] for h in sorted(claimed)])
+    already = claimed - set(conflicting)
     _remember(store.catalogue, version.capsule, version.number)
 
     def send(host: str, source: str, on_bytes: Callable[[int], None]) -> int:
+        if host in conflicting:
+            raise Conflict(conflicting[host])
         if source == ORIGIN:
             return hostops.push_from_origin(store, version.ref, by_name[host], on_bytes, transfer_opts)
         return hostops.pull_from_peer(version.ref, by_name[host], by_name[source])
