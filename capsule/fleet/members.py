@@ -4,6 +4,7 @@ checks and the ``/v1/info`` probe are the peers' own; a fleet member is a peer w
 
 from __future__ import annotations
 
+import hmac
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,9 @@ def add(store: Store, host: str, url: str, token: str, group: str = DEFAULT_GROU
     else:
         if peer.url != url:
             raise Conflict(f"host {host!r} is known at {peer.url}, not {url} (`capsule host rm {host}` first)")
+        if not hmac.compare_digest(peer.token.encode(), token.encode()):
+            raise Conflict(f"host {host!r} is known with another token (`capsule host rm {host}` and add it "
+                           "again if its token changed)")
     cat = _table(store.catalogue)
     with store.lock(), cat.transaction():
         if cat.query("SELECT 1 FROM fleet_members WHERE host=?", (host,)):
