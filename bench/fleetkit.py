@@ -13,13 +13,15 @@ from capsule.catalogue import VersionRow
 from capsule.store import Store
 
 
-def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0) -> VersionRow:
-    """``name``'s next version: its latest version's chain plus a layer of ``size`` random bytes written
-    at ``offset`` (a multiple of 4 KiB)."""
+def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0,
+                base_version: int | None = None) -> VersionRow:
+    """``name``'s next version: the chain of its latest version (or of ``base_version``) plus a layer of
+    ``size`` random bytes written at ``offset`` (a multiple of 4 KiB)."""
     with store.lock():
         cat = store.catalogue
-        base = cat.latest_version(name)
-        assert base is not None, name
+        base = cat.latest_version(name) if base_version is None else cat.version(name, base_version)
+        latest = cat.latest_version(name)
+        assert base is not None and latest is not None, name
         parent = base.chains[0][-1]
         leaf = store.new_leaf_path()
         qemuimg.create_leaf(leaf, store.layer_path(parent))
@@ -29,7 +31,7 @@ def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0) 
                        check=True, capture_output=True)
         data.unlink()
         row = store.seal_layer(leaf, parent)
-        version = VersionRow(capsule=name, number=base.number + 1, parent_capsule=name, parent_version=base.number,
+        version = VersionRow(capsule=name, number=latest.number + 1, parent_capsule=name, parent_version=base.number,
                              memory=None, chains=[[*base.chains[0], row.id], *base.chains[1:]], config=base.config,
                              note=f"update of {size} bytes", created=time.time())
         with cat.transaction():
