@@ -52,18 +52,22 @@ def _parse_capsules(answer: Any) -> dict[str, dict[str, Any]]:
 
 
 def survey(store: Store, members: list[Member], timeout: float = ASK_TIMEOUT) -> dict[str, HostView]:
-    """Ask every member what it holds and runs, all at once within ``timeout``."""
-    names = {m.name for m in members}
+    """Ask every member at once who it is (its store id must be the one recorded) and then what it holds
+    and runs; each round within ``timeout``."""
     views: dict[str, HostView] = {}
-    for st in hosts.ask_all(store, "/v1/capsules", timeout=timeout, only=names):
-        view = HostView(st.peer.name, st.reachable, st.error, st.error_code)
+    names = {m.name for m in members}
+    for st in hosts.ask_all(store, "/v1/info", timeout=timeout, only=names):
+        views[st.peer.name] = HostView(st.peer.name, st.reachable, st.error, st.error_code)
+    answering = {h for h, v in views.items() if v.reachable}
+    for st in hosts.ask_all(store, "/v1/capsules", timeout=timeout, only=answering) if answering else []:
+        view = views[st.peer.name]
+        view.reachable, view.error, view.error_code = st.reachable, st.error, st.error_code
         if st.reachable:
             try:
                 view.capsules = _parse_capsules(st.answer)
                 view.answered_at = time.time()
             except TransferFailed as exc:
                 view.reachable, view.error, view.error_code = False, str(exc), exc.code
-        views[view.host] = view
     return views
 
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from bench.fleetkit import new_version
 from capsule import capsules
 from capsule.cli.main import app as cli
-from capsule.errors import AuthFailed, NotFound
+from capsule.errors import AuthFailed, NotFound, PeerError
 from capsule.fleet import hostops, members
 from capsule.fleet import push as pushing
 from capsule.fleet.status import status
@@ -146,7 +146,7 @@ def _snapshot(fleet):
     return {n: [(v.capsule, v.number) for v in fleet.stores[n].catalogue.versions()] for n in NAMES}
 
 
-def test_bad_input_is_refused_and_changes_nothing_on_any_host(fleet):
+def test_bad_input_is_refused_and_changes_nothing_on_any_host(fleet, tiny_images):
     before = _snapshot(fleet)
     with pytest.raises(NotFound, match="not in the fleet: nope"):
         pushing.push(fleet.origin, "web@2", pushing.PushOptions(hosts=["h1", "nope"]))
@@ -162,8 +162,17 @@ def test_bad_input_is_refused_and_changes_nothing_on_any_host(fleet):
     with pytest.raises(AuthFailed, match="h3.*nothing was sent"):
         pushing.push(fleet.origin, "web@2", pushing.PushOptions())
     assert _snapshot(fleet) == before
+    # only h1, h2, h4 asked for; h4's address now serves another store (a host replaced, say)
+    old = fleet.agents["h4"]
+    old.stop()
+    stranger = make_store(fleet.tmp / "stranger", tiny_images, "tiny")
+    fleet.agents["h4"] = Agent(stranger.home, old.token_file, port=old.port)
+    with pytest.raises(PeerError, match="h4.*another store"):
+        pushing.push(fleet.origin, "web@2", pushing.PushOptions(hosts=["h1", "h2", "h4"]))
+    assert stranger.catalogue.versions() == []
+    assert _snapshot(fleet) == before
     assert all(fleet.activity(n)["pulls"] == [] and fleet.activity(n)["served_reads"] == 0
-               for n in ("h1", "h2", "h4"))
+               for n in ("h1", "h2"))
 
 
 def test_cli_status_push_and_errors(fleet):
