@@ -149,7 +149,7 @@ def _run(action, title: str) -> pushing.PushReport:  # noqa: ANN001
             console.print(f"held back (beyond the last wave): {', '.join(report.plan.held_back)}")
         offline = [r.host for r in report.outcome.results if r.state == "offline"]
         if offline:
-            console.print(f"[yellow]offline[/]: {', '.join(offline)} — they get it on the next run")
+            console.print(f"[yellow]offline[/]: {', '.join(offline)} — the next run sends them the version")
         if report.outcome.stopped:
             console.print(f"[red]{report.outcome.stopped}[/]")
         else:
