@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +52,7 @@ class PeerStatus:
     error: str | None = None
     answer: Any = None          # what the peer answered (see ask_all)
     seconds: float = 0.0
+    error_code: str | None = None  # the wire code of the error (e.g. "auth_failed", "unreachable")
 
     def as_dict(self) -> dict[str, Any]:
         return self.peer.as_dict() | {"reachable": self.reachable, "error": self.error,
@@ -158,11 +159,13 @@ def name_for_url(known: list[Peer]) -> Callable[[str], str | None]:
     return lookup
 
 
-def ask_all(store: Store, path: str = "/v1/info", *, timeout: float = ASK_TIMEOUT) -> list[PeerStatus]:
-    """GET ``path`` from every peer at once, all within ``timeout`` seconds. A peer that refuses, fails,
-    answers as another store (for ``/v1/info``) or is still silent at the deadline is unreachable, with
-    the reason; its call is abandoned (its thread ends at the client's own timeout)."""
-    known = peers(store)
+def ask_all(store: Store, path: str = "/v1/info", *, timeout: float = ASK_TIMEOUT,
+            only: Collection[str] | None = None) -> list[PeerStatus]:
+    """GET ``path`` from every peer (or those named in ``only``) at once, all within ``timeout`` seconds.
+    A peer that refuses, fails, answers as another store (for ``/v1/info``) or is still silent at the
+    deadline is unreachable, with the reason; its call is abandoned (its thread ends at the client's own
+    timeout)."""
+    known = [p for p in peers(store) if only is None or p.name in only]
     if not known:
         return []
     started = time.monotonic()
@@ -184,15 +187,18 @@ def ask_all(store: Store, path: str = "/v1/info", *, timeout: float = ASK_TIMEOU
             seconds = time.monotonic() - started
             if not fut.done():
                 fut.cancel()
-                out.append(PeerStatus(peer, False, f"no answer within {timeout:g}s", seconds=seconds))
+                out.append(PeerStatus(peer, False, f"no answer within {timeout:g}s", seconds=seconds,
+                                      error_code="unreachable"))
                 continue
             try:
                 out.append(PeerStatus(peer, True, answer=fut.result(), seconds=seconds))
             except (Error, ValueError) as exc:
                 reason = str(exc) if isinstance(exc, Error) else f"malformed answer: {exc}"
-                out.append(PeerStatus(peer, False, reason, seconds=seconds))
+                code = exc.code if isinstance(exc, Error) else "peer_error"
+                out.append(PeerStatus(peer, False, reason, seconds=seconds, error_code=code))
             except Exception as exc:  # noqa: BLE001 - one peer's failure never hides the others
-                out.append(PeerStatus(peer, False, f"{type(exc).__name__}: {exc}", seconds=seconds))
+                out.append(PeerStatus(peer, False, f"{type(exc).__name__}: {exc}", seconds=seconds,
+                                      error_code="unreachable"))
         return out
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

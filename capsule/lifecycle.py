@@ -344,9 +344,11 @@ def snapshot(store: Store, name: str, *, balloon: str | None = None,
     return sealed, resumed
 
 
-def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False, say: Say = _quiet) -> SealResult:
+def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False, discard: bool = False,
+         say: Say = _quiet) -> SealResult:
     """Shut the guest down (forced after ``timeout``), then keep its disk
-    changes as a new inactive version."""
+    changes as a new inactive version — or drop them (``discard``: a fleet
+    host's system disk, replaced by the fleet's next version)."""
     with store.lock():
         resolve(store, name)
         inst = store.catalogue.instance(name)
@@ -366,6 +368,14 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
                 with contextlib.suppress(libvirt.libvirtError):
                     dom.destroy()
         t1 = time.monotonic()
+        if discard:
+            demand.stop_servers(Path(inst.dir))
+            with store.catalogue.transaction():
+                store.catalogue.delete_instance(name)
+            for leaf in inst.leaves:
+                Path(leaf).unlink(missing_ok=True)
+            shutil.rmtree(inst.dir, ignore_errors=True)
+            return SealResult(None, [], None, 0.0, time.monotonic() - t1)
         chains, layers = _seal_leaves(store, inst, say)
         demand.stop_servers(Path(inst.dir))
         if layers:

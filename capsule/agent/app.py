@@ -20,6 +20,13 @@ Management::
     GET  /v1/info, GET /v1/capsules, GET /v1/capsules/{name}/versions/{n|latest}
     POST /v1/objects/missing                     {"layers": [...], "files": [...]} → what this store lacks
     POST /v1/versions                            record a version whose objects have all arrived
+
+Fleet (capsule/exchange/fleet.py)::
+
+    POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V"}: pull it from there
+    GET  /v1/fleet/activity                      this agent's recent pulls and what it served
+    POST /v1/capsules/{name}/activate?version=V  run NAME@V here (a running older version is stopped)
+    POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capsule import __version__ as capsule_version
 from capsule.agent import dashboard
 from capsule.errors import AuthFailed, Error, Internal, InvalidName
-from capsule.exchange import running
+from capsule.exchange import fleet, running
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
     MAX_MANIFEST_UPLOAD,
@@ -65,6 +72,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     app = FastAPI(title="Capsule host agent", version=capsule_version, docs_url=None, redoc_url=None)
     store = Store.open(home)
     objects = ObjectServer(store)
+    activity = fleet.Activity()
     inbox = Inbox(store)
     expected = f"Bearer {token}".encode()
 
@@ -149,6 +157,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     async def read(kind: str, oid: str, request: Request, level: int = 3, compress: bool = True) -> Response:
         indices = objects.indices(kind, oid, await body(request, 1 << 20))
         payload = await asyncio.to_thread(objects.read, kind, oid, indices, level, compress)
+        activity.served(len(indices))
         return Response(payload, media_type="application/octet-stream",
                         headers={"X-Capsule-Blocks": str(len(indices))})
 
@@ -186,6 +195,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         if objects.cached_manifest(kind, oid) is None:  # read from disk (in a thread) only the first time
             await asyncio.to_thread(objects.manifest, kind, oid)
         indices = objects.indices(kind, oid, raw)
+        activity.served(len(indices))
         if len(indices) <= 16:  # a miss's few blocks come from the page cache: a thread hop would cost more
             return objects.read(kind, oid, indices, level or 1, level > 0)
         return await asyncio.to_thread(objects.read, kind, oid, indices, level or 1, level > 0)
@@ -230,6 +240,28 @@ def create_app(home: Path, token: str) -> FastAPI:
         r = await asyncio.to_thread(running.run_from, store, req)
         return {"version": r.start.version.ref, "mode": r.start.mode, "domain": r.start.domain,
                 "seconds": r.start.seconds, "moved_bytes": r.transfer.wire_bytes, "remote_layers": r.remote_layers}
+
+    # -- fleet (capsule/exchange/fleet.py) -------------------------------------------------------------
+    @app.post("/v1/fleet/pull", dependencies=deps)
+    async def fleet_pull(request: Request) -> dict[str, Any]:
+        """Pull NAME@V from another agent (a fleet rollout's fan-out: this host passes a version on)."""
+        req = await json_body(request, "pull request")
+        r = await asyncio.to_thread(fleet.pull_from, store, req, activity)
+        return {"version": r.version, "source": r.url, "wire_bytes": r.wire_bytes, "recorded": r.recorded,
+                "objects": len(r.objects), "skipped": len(r.skipped)}
+
+    @app.get("/v1/fleet/activity", dependencies=deps)
+    def fleet_activity() -> dict[str, Any]:
+        return activity.as_dict()
+
+    @app.post("/v1/capsules/{name}/activate", dependencies=deps)
+    async def activate_capsule(name: str, version: int, timeout: float = 180.0) -> dict[str, Any]:
+        return {"did": await asyncio.to_thread(fleet.activate, store, name, version, timeout)}
+
+    @app.post("/v1/capsules/{name}/stop", dependencies=deps)
+    async def stop_capsule(name: str, discard: bool = False) -> dict[str, Any]:
+        r = await asyncio.to_thread(running.stop, store, name, discard)
+        return {"version": r.version.ref if r.version else None, "discarded": discard}
 
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     return app

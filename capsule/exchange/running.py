@@ -10,7 +10,7 @@ from capsule.names import check_name
 from capsule.store import Store
 
 if TYPE_CHECKING:
-    from capsule.lifecycle import StartResult
+    from capsule.lifecycle import SealResult, StartResult
     from capsule.transfer import RunReport
 
 MAX_START_TIMEOUT = 900.0
@@ -23,6 +23,14 @@ def start(store: Store, name: str, version: int | None = None, timeout: float = 
     check_name(name)
     ref = name if version is None else f"{name}@{version}"
     return lifecycle.start(store, ref, timeout=min(max(timeout, 1.0), MAX_START_TIMEOUT))
+
+
+def stop(store: Store, name: str, discard: bool = False) -> SealResult:
+    """Stop ``name`` here: its disk changes become a version, or are dropped (``discard``)."""
+    from capsule import lifecycle
+
+    check_name(name)
+    return lifecycle.stop(store, name, discard=discard)
 
 
 def parse_run_request(req: Any) -> tuple[str, str, str, bool]:

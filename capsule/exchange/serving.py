@@ -96,7 +96,10 @@ def missing(store: Store, layers: Any, files: Any) -> dict[str, list[str]]:
 
 
 def capsule_list(store: Store) -> list[dict[str, Any]]:
-    return [{"name": cap.name, "uuid": cap.uuid, "versions": [v.number for v in store.catalogue.versions(cap.name)]}
+    """Each capsule: its versions, and the version its running instance started from (or None)."""
+    running = {inst.capsule: inst.version for inst in store.catalogue.instances()}
+    return [{"name": cap.name, "uuid": cap.uuid, "versions": [v.number for v in store.catalogue.versions(cap.name)],
+             "running": running.get(cap.name)}
             for cap in store.catalogue.capsules()]
 
 

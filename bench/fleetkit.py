@@ -1,0 +1,40 @@
+"""Versions to roll out without booting a guest, for the fleet's tests and benchmark: a new version of a
+capsule whose disk chain gains one layer of ``size`` bytes of seeded random data (what an update's
+copy-on-write layer is to the transfer: blocks the receiver has never seen)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+
+from capsule import qemuimg
+from capsule.catalogue import VersionRow
+from capsule.store import Store
+
+
+def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0,
+                base_version: int | None = None) -> VersionRow:
+    """``name``'s next version: the chain of its latest version (or of ``base_version``) plus a layer of
+    ``size`` random bytes written at ``offset`` (a multiple of 4 KiB)."""
+    with store.lock():
+        cat = store.catalogue
+        base = cat.latest_version(name) if base_version is None else cat.version(name, base_version)
+        latest = cat.latest_version(name)
+        assert base is not None and latest is not None, name
+        parent = base.chains[0][-1]
+        leaf = store.new_leaf_path()
+        qemuimg.create_leaf(leaf, store.layer_path(parent))
+        data = store.temp_path(".data")
+        data.write_bytes(random.Random(seed).randbytes(size))
+        subprocess.run(["qemu-io", "-f", "qcow2", "-c", f"write -s {data} {offset} {size}", str(leaf)],
+                       check=True, capture_output=True)
+        data.unlink()
+        row = store.seal_layer(leaf, parent)
+        version = VersionRow(capsule=name, number=latest.number + 1, parent_capsule=name, parent_version=base.number,
+                             memory=None, chains=[[*base.chains[0], row.id], *base.chains[1:]], config=base.config,
+                             note=f"update of {size} bytes", created=time.time())
+        with cat.transaction():
+            cat.add_layer(row)
+            cat.add_version(version)
+        return version

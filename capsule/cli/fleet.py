@@ -1,0 +1,212 @@
+"""CLI verbs for a fleet of hosts: fleet add, ls, rm, status, push, rollback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from capsule.agentclient import read_token
+from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.fleet import members
+from capsule.fleet import push as pushing
+from capsule.fleet.plan import parse_waves
+from capsule.fleet.rollout import HostResult
+from capsule.fleet.status import status as fleet_status
+from capsule.units import human as human_bytes
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+GroupOpt = Annotated[str | None, typer.Option("--group", "-g", help="Only the hosts of this group.")]
+
+app = typer.Typer(help="Hosts kept on one software configuration: add them, see what they run, roll out "
+                       "versions (canaries, waves, fan-out) and roll back.", no_args_is_help=True)
+
+_STYLE = {"waiting": "dim", "offline": "yellow", "sending": "cyan", "activating": "cyan", "done": "green",
+          "already": "green", "failed": "red", "not started": "dim", "held back": "dim"}
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "never"
+
+
+@app.command()
+def add(
+    host: Annotated[str, typer.Argument(help="A short name for the host.")],
+    url: Annotated[str, typer.Argument(help="Its agent: http://HOST:PORT (see `capsule serve`).")],
+    token_file: Annotated[Path | None, typer.Option("--token-file", help="File holding that agent's token "
+                                                                         "(default: CAPSULE_TOKEN).")] = None,
+    group: Annotated[str, typer.Option("--group", "-g", help="The host's group.")] = members.DEFAULT_GROUP,
+    json: JsonOpt = False,
+) -> None:
+    """Put a host in the fleet (it becomes a known peer too, if it is not one yet)."""
+    json_flag(json)
+    m = members.add(open_store(), host, url, read_token(token_file), group)
+    emit(m.as_dict(), lambda: console.print(f"added [bold]{m.name}[/] ({m.peer.url}) to group {m.group}"))
+
+
+@app.command("ls")
+def ls(group: GroupOpt = None, json: JsonOpt = False) -> None:
+    """List the fleet's hosts and groups (no network)."""
+    json_flag(json)
+    store = open_store()
+    rows = [m.as_dict() for m in members.members(store, group)]
+
+    def human() -> None:
+        if not rows:
+            console.print("no hosts in the fleet: `capsule fleet add HOST http://HOST:PORT --token-file F`")
+            return
+        t = Table("host", "group", "url", "last answered")
+        for r in rows:
+            t.add_row(r["host"], r["group"], r["url"], _when(r["last_seen"]))
+        console.print(t)
+
+    emit(rows, human)
+
+
+@app.command("rm")
+def rm(host: Annotated[str, typer.Argument(help="The host to take out of the fleet.")], json: JsonOpt = False) -> None:
+    """Take a host out of the fleet (it stays a known peer; nothing on it changes)."""
+    json_flag(json)
+    m = members.remove(open_store(), host)
+    emit({"removed": m.name}, lambda: console.print(f"took [bold]{m.name}[/] out of the fleet"))
+
+
+@app.command()
+def status(
+    group: GroupOpt = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for all hosts together.")] = 5.0,
+    json: JsonOpt = False,
+) -> None:
+    """Which host holds and runs which version of each fleet capsule (all hosts asked at once)."""
+    json_flag(json)
+    data = fleet_status(open_store(), group, timeout)
+
+    def human() -> None:
+        names = list(data["capsules"])
+        t = Table("host", "group", *[f"{n} (fleet @{data['capsules'][n]})" for n in names], "last answered")
+        for row in data["hosts"]:
+            cells = []
+            for n in names:
+                c = row["capsules"][n]
+                if c["holds"] is None:
+                    cells.append("[yellow]?[/]")
+                    continue
+                held = ",".join(f"@{v}" for v in c["holds"]) or "-"
+                run = f" [bold]runs @{c['running']}[/]" if c["running"] else ""
+                cells.append(f"[{'green' if c['current'] else 'red'}]{held}[/]{run}")
+            last = _when(row["last_seen"])
+            seen = last if row["reachable"] else f"[red]no answer[/] (last {last})"
+            t.add_row(row["host"], row["group"], *cells, seen)
+        console.print(t)
+
+    emit(data, human)
+
+
+class _Board:
+    """The live per-host table of a rollout."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, HostResult] = {}
+        self.lock = threading.Lock()
+
+    def update(self, r: HostResult) -> None:
+        with self.lock:
+            self.rows[r.host] = r
+
+    def table(self) -> Table:
+        t = Table("host", "stage", "state", "from", "bytes", "detail")
+        with self.lock:
+            for r in self.rows.values():
+                style = _STYLE.get(r.state, "")
+                t.add_row(r.host, r.stage, f"[{style}]{r.state}[/]", r.source or "-",
+                          human_bytes(r.bytes) if r.bytes else "-", r.reason or r.activation or "")
+        return t
+
+
+def _run(action, title: str) -> pushing.PushReport:  # noqa: ANN001
+    board = _Board()
+    if OPTIONS.json or not err_console.is_terminal:
+        report = action(board.update)
+    else:
+        with Live(board.table(), console=err_console, refresh_per_second=4, transient=True) as live:
+            def on_event(r: HostResult) -> None:
+                board.update(r)
+                live.update(board.table())
+            report = action(on_event)
+    for r in report.outcome.results:
+        board.update(r)
+
+    def human() -> None:
+        console.print(f"[bold]{title} {report.ref}[/]: " + " → ".join(
+            f"{s.name} [{len(s.hosts)}]" for s in report.plan.stages))
+        console.print(board.table())
+        if report.plan.held_back:
+            console.print(f"held back (beyond the last wave): {', '.join(report.plan.held_back)}")
+        offline = [r.host for r in report.outcome.results if r.state == "offline"]
+        if offline:
+            console.print(f"[yellow]offline[/]: {', '.join(offline)} — the next run sends them the version")
+        if report.outcome.stopped:
+            console.print(f"[red]{report.outcome.stopped}[/]")
+        else:
+            console.print(f"[green]rollout complete[/] in {report.seconds:.1f}s")
+
+    emit(report.as_dict(), human)
+    if report.outcome.stopped:
+        raise typer.Exit(14)
+    return report
+
+
+def _options(group: str | None, host: list[str] | None, canary: int, waves: str, max_failures: int,
+             parallel: int, no_fanout: bool, activate: bool) -> pushing.PushOptions:
+    return pushing.PushOptions(group=group, hosts=host or None, canary=canary, waves=parse_waves(waves),
+                               max_failures=max_failures, parallel=parallel, fanout=not no_fanout,
+                               activate=activate)
+
+
+HostOpt = Annotated[list[str] | None, typer.Option("--host", help="Only this host (repeatable).")]
+CanaryOpt = Annotated[int, typer.Option("--canary", help="Hosts that get it first, alone.")]
+WavesOpt = Annotated[str, typer.Option("--waves", help="Cumulative shares of the hosts, one wave each.")]
+MaxFailOpt = Annotated[int, typer.Option("--max-failures", help="Failed hosts tolerated; one more stops it.")]
+ParallelOpt = Annotated[int, typer.Option("--parallel", help="Transfers each sender runs at a time.")]
+NoFanoutOpt = Annotated[bool, typer.Option("--no-fanout", help="Only this host sends (no host passes it on).")]
+
+
+@app.command()
+def push(
+    ref: Annotated[str, typer.Argument(help="NAME@V: the version to roll out.")],
+    group: GroupOpt = None, host: HostOpt = None, canary: CanaryOpt = 0, waves: WavesOpt = "100%",
+    max_failures: MaxFailOpt = 0, parallel: ParallelOpt = 4, no_fanout: NoFanoutOpt = False,
+    activate: Annotated[bool, typer.Option("--activate", help="Where another version of it runs, stop that "
+                                                              "and start this one.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Roll a version out: canaries, then waves; hosts that have it pass it on (fan-out)."""
+    json_flag(json)
+    opts = _options(group, host, canary, waves, max_failures, parallel, no_fanout, activate)
+    store = open_store()
+    _run(lambda on_event: pushing.push(store, ref, opts, on_event), "push")
+
+
+@app.command()
+def rollback(
+    name: Annotated[str, typer.Argument(help="The fleet capsule.")],
+    to: Annotated[str, typer.Option("--to", help="The version to put back: @V.")],
+    group: GroupOpt = None, host: HostOpt = None, canary: CanaryOpt = 0, waves: WavesOpt = "100%",
+    max_failures: MaxFailOpt = 0, parallel: ParallelOpt = 4, no_fanout: NoFanoutOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Put an earlier version back: sent where missing, started where another version of it runs."""
+    json_flag(json)
+    opts = _options(group, host, canary, waves, max_failures, parallel, no_fanout, True)
+    store = open_store()
+    _run(lambda on_event: pushing.rollback(store, name, to, opts, on_event), "rollback")
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="fleet", help="A fleet of hosts on one software configuration: add, ls, rm, "
+                                           "status, push, rollback.")

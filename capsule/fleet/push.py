@@ -1,0 +1,141 @@
+"""``capsule fleet push NAME@V`` and ``fleet rollback NAME --to @V``: check everything first (the
+version here, the hosts, their tokens), then plan the stages and run them.
+
+Nothing is sent to any host unless every check passes: an unknown version, group or host, or a host
+that refuses the token (or answers as another store) stops the rollout before its first byte. A host
+that does not answer is only ``offline``: it is skipped and gets the version on the next run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from capsule import transfer
+from capsule.capsules import resolve
+from capsule.catalogue import Catalogue
+from capsule.errors import AuthFailed, Conflict, InvalidName, NotFound, PeerError
+from capsule.fleet import hostops, members
+from capsule.fleet.fanout import ORIGIN
+from capsule.fleet.plan import Plan, plan_stages
+from capsule.fleet.rollout import HostResult, Outcome, Rollout
+from capsule.names import parse_ref
+from capsule.store import Store
+
+SCHEMA = """CREATE TABLE IF NOT EXISTS fleet_capsules(
+    name TEXT PRIMARY KEY,
+    version INTEGER NOT NULL,
+    pushed REAL NOT NULL
+)"""
+
+
+@dataclass
+class PushOptions:
+    group: str | None = None
+    hosts: list[str] | None = None
+    canary: int = 0
+    waves: list[int] | None = None
+    max_failures: int = 0
+    parallel: int = 4
+    fanout: bool = True
+    activate: bool = False
+    timeout: float = hostops.ASK_TIMEOUT
+
+
+@dataclass
+class PushReport:
+    ref: str
+    plan: Plan
+    outcome: Outcome
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"version": self.ref, "stages": [{"name": s.name, "hosts": list(s.hosts)} for s in self.plan.stages],
+                "held_back": list(self.plan.held_back), "seconds": round(self.seconds, 3)} | self.outcome.as_dict()
+
+
+def fleet_capsules(store: Store) -> dict[str, int]:
+    """Capsules pushed to the fleet and the version last pushed."""
+    cat = store.catalogue
+    cat.ensure_table(SCHEMA)
+    return {r["name"]: r["version"] for r in cat.query("SELECT * FROM fleet_capsules ORDER BY name")}
+
+
+def _remember(cat: Catalogue, name: str, version: int) -> None:
+    cat.ensure_table(SCHEMA)
+    with cat.transaction():
+        cat.query("INSERT OR REPLACE INTO fleet_capsules VALUES(?,?,?)", (name, version, time.time()))
+
+
+def _refuse_bad_hosts(views: dict[str, hostops.HostView]) -> None:
+    """A host that answers but refuses the token, or answers as another store, is a mistake to fix
+    before anything is sent; a silent one is only offline."""
+    bad = {h: v for h, v in views.items() if not v.reachable and v.error_code not in (None, "unreachable")}
+    auth = [h for h, v in bad.items() if v.error_code == AuthFailed.code]
+    if auth:
+        raise AuthFailed(f"host(s) {', '.join(sorted(auth))} refused the token: nothing was sent to any host "
+                         "(`capsule fleet rm HOST` and add it again with the right --token-file)")
+    if bad:
+        detail = "; ".join(f"{h}: {v.error}" for h, v in sorted(bad.items()))
+        raise PeerError(f"host(s) answered with an error, nothing was sent to any host: {detail}")
+
+
+def push(store: Store, ref: str, opts: PushOptions,
+         on_event: Callable[[HostResult], None] = lambda _r: None,
+         transfer_opts: transfer.Options | None = None) -> PushReport:
+    """Roll ``NAME@V`` out to the fleet (or its ``group``/``hosts``)."""
+    t0 = time.monotonic()
+    r = parse_ref(ref)
+    if r.version is None:
+        raise InvalidName(f"name the version to roll out: {r.name}@V (see `capsule versions {r.name}`)")
+    version = resolve(store, ref)  # NotFound here: nothing is sent
+    chosen = members.members(store, opts.group, opts.hosts)
+    if not chosen:
+        raise NotFound("the fleet has no hosts yet: `capsule fleet add HOST URL --token-file F`")
+    plan = plan_stages([m.name for m in chosen], opts.canary, opts.waves)
+    views = hostops.survey(store, chosen, opts.timeout)
+    _refuse_bad_hosts(views)
+    members.seen(store, {h: v.answered_at for h, v in views.items() if v.answered_at})
+    by_name = {m.name: m for m in chosen}
+    offline = {h: v.error or "no answer" for h, v in views.items() if not v.reachable}
+    claimed = {h for h, v in views.items() if v.reachable and v.holds(version.capsule, version.number)}
+    conflicting = hostops.other_content(store, version, [by_name[h] for h in sorted(claimed)])
+    already = claimed - set(conflicting)
+    _remember(store.catalogue, version.capsule, version.number)
+
+    def send(host: str, source: str, on_bytes: Callable[[int], None]) -> int:
+        if host in conflicting:
+            raise Conflict(conflicting[host])
+        if source == ORIGIN:
+            return hostops.push_from_origin(store, version.ref, by_name[host], on_bytes, transfer_opts)
+        return hostops.pull_from_peer(version.ref, by_name[host], by_name[source])
+
+    def activate(host: str) -> str:
+        running = views[host].running(version.capsule)
+        if running is None:
+            return f"{version.capsule} does not run here: nothing to replace"
+        if running == version.number:
+            return f"{version.ref} already runs"
+        return hostops.activate(by_name[host], version.capsule, version.number)
+
+    # fan-out sources: hosts that hold it and answered, in the plan's order
+    holders = [h for h in plan.hosts() if h in already]
+    rollout = Rollout(plan, transfer=send, activate=activate if opts.activate else None, offline=offline,
+                      already=already, holders=holders, parallel=opts.parallel, fanout=opts.fanout,
+                      max_failures=opts.max_failures, on_event=on_event)
+    outcome = rollout.run()
+    members.seen(store, {res.host: time.time() for res in outcome.results if res.state in ("done", "already")})
+    return PushReport(version.ref, plan, outcome, time.monotonic() - t0)
+
+
+def rollback(store: Store, name: str, to: str, opts: PushOptions,
+             on_event: Callable[[HostResult], None] = lambda _r: None) -> PushReport:
+    """Put ``name@V`` back on the fleet: sent where it is missing, and started in place of another
+    version wherever one runs (rollback always activates). ``to`` is ``@V`` or ``V``."""
+    text = to[1:] if to.startswith("@") else to
+    ref = f"{name}@{text}"
+    if parse_ref(ref).version is None:
+        raise InvalidName(f"--to needs a version, like @2 (not {to!r})")
+    opts.activate = True
+    return push(store, ref, opts, on_event)
