@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from capsule.cli import capsules, hosts, images, runtime, transfer
+from capsule.cli import backup, capsules, hosts, images, runtime, transfer
 from capsule.cli.common import OPTIONS, err_console
 from capsule.errors import CapsuleError
 from hashcache.errors import HashcacheError
@@ -39,6 +39,7 @@ capsules.register(app)
 runtime.register(app)
 transfer.register(app)
 hosts.register(app)
+backup.register(app)
 app.add_typer(images.app, name="image", help="Build and list guest images.")
 
 
