@@ -122,9 +122,6 @@ def schedule(store: Store, name: str, every: str, policy: Policy, *, mode: str =
     resolve(store, name)
     if mode not in MODES:
         raise Conflict(f"unknown backup mode {mode!r}: give --memory or --disk-only")
-    if mode == "disk-only":
-        raise NotSupported("--disk-only backups (freeze, seal the disks without a memory image, thaw) are not "
-                           "built yet: use --memory (the guest pauses while its memory is saved)")
     event = parse(every)
     now = time.time() if now is None else now
     next_run = event.next_after(now)

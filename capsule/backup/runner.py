@@ -21,7 +21,7 @@ from datetime import tzinfo
 from typing import Any
 
 from capsule import capsules, hierarchy, lifecycle
-from capsule.backup import jobs
+from capsule.backup import diskonly, jobs
 from capsule.backup.retention import Decision, Snapshot, apply
 from capsule.catalogue import VersionRow
 from capsule.errors import CapsuleError, Conflict
@@ -42,7 +42,7 @@ class Taken:
     version: VersionRow
     nbytes: int
     pause: float
-    consistency: str          # "memory" (saved with its memory: consistent as a suspend)
+    consistency: str          # "memory" (saved with its memory), "frozen" or "crash-consistent" (disk-only)
 
 
 @dataclass
@@ -78,9 +78,12 @@ class RunResult:
 
 
 def take_snapshot(store: Store, name: str, mode: str, say: Say = _quiet) -> Taken:
-    """The snapshot itself (``--memory``): the guest pauses from the save until it runs again."""
-    if mode != "memory":
-        raise jobs.NotSupported(f"{mode} backups are not built yet")
+    """The snapshot itself. ``memory``: the guest pauses from the save until it runs again.
+    ``disk-only``: see ``diskonly``; the pause is the time its file systems were frozen."""
+    if mode == "disk-only":
+        say("freezing, switching the disks to new leaves, thawing")
+        snap = diskonly.snapshot(store, name, note=lambda consistency: jobs.backup_note(mode, consistency))
+        return Taken(snap.version, sum(r.stored_bytes for r in snap.layers), snap.pause, snap.consistency)
     t0 = time.monotonic()
     sealed, _resumed = lifecycle.snapshot(store, name, note=jobs.backup_note(mode, "memory"), say=say)
     pause = time.monotonic() - t0

@@ -57,8 +57,10 @@ def schedule(
                                                         "to (not built yet).")] = None,
     memory: Annotated[bool, typer.Option("--memory", help="Snapshot with memory (the default): the guest pauses "
                                                           "while it is saved and resumes where it was.")] = False,
-    disk_only: Annotated[bool, typer.Option("--disk-only", help="Disks only, file systems frozen (not built "
-                                                                "yet).")] = False,
+    disk_only: Annotated[bool, typer.Option("--disk-only", help="Disks only, no memory: the guest's file "
+                                                                "systems are frozen for a moment (crash-"
+                                                                "consistent if its agent does not answer); it "
+                                                                "boots when restored.")] = False,
     json: JsonOpt = False,
 ) -> None:
     """Back up NAME on a calendar, and prune by a policy after every run (restic's --keep-* rules).

@@ -86,7 +86,6 @@ def test_schedule_records_next_run_and_rescheduling_changes_it(store):
     ("ghost", "daily", {}, NotFound, "no capsule named 'ghost'"),
     ("desk", "mon..fry 21:00", {}, CalendarError, "'fry' is not a weekday"),
     ("desk", "2003-03-05", {}, CalendarError, "never elapses"),
-    ("desk", "daily", {"mode": "disk-only"}, jobs.NotSupported, "--disk-only"),
     ("desk", "daily", {"mode": "both"}, Conflict, "unknown backup mode"),
     ("desk", "daily", {"target": "nowhere"}, NotFound, "no host named 'nowhere'"),
 ])

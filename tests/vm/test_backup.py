@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from capsule import capsules, lifecycle
+from capsule import capsules, lifecycle, qemuimg
 from capsule.backup import jobs, runner
 from capsule.backup.retention import Policy
 from capsule.backup.scheduler import Scheduler
@@ -34,10 +34,13 @@ def mark(store, name: str, text: str) -> None:
                      "conv=notrunc 2>/dev/null; sync")
 
 
-def marks(store, name: str) -> tuple[str, str]:
-    disk = run(store, name, f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/vda bs=4096 skip={BLOCK} count=1 "
+def disk_mark(store, name: str) -> str:
+    return run(store, name, f"echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/vda bs=4096 skip={BLOCK} count=1 "
                             "2>/dev/null | head -c 7")
-    return run(store, name, "cat /tmp/note"), disk
+
+
+def marks(store, name: str) -> tuple[str, str]:
+    return run(store, name, "cat /tmp/note"), disk_mark(store, name)
 
 
 def test_scheduled_backups_prune_and_restore(store):
@@ -55,6 +58,7 @@ def test_scheduled_backups_prune_and_restore(store):
         job = jobs.get(store, "desk")
         assert job.last_result == "ok", job.last_error
         assert job.last_pause is not None and 0 < job.last_pause < 120
+        print(f"memory backup {i}: guest paused {job.last_pause:.2f}s, {job.last_bytes} bytes new")
         assert job.next_run == T0 + (i + 2) * 60
 
     backups = jobs.backups(store, "desk")
@@ -88,3 +92,51 @@ def test_scheduled_backups_prune_and_restore(store):
     assert back.version.number == store.catalogue.latest_version("desk").number
     assert back.version.note == "restored from desk@3"
     assert marks(store, "desk") == ("state-1", "state-1")
+
+
+def test_disk_only_backups_freeze_switch_and_boot(store):
+    capsules.create(store, "d", "tiny", memory="256M")
+    lifecycle.start(store, "d")
+    jobs.schedule(store, "d", "daily", Policy(last=5), mode="disk-only")
+    mark(store, "d", "disk-A1")
+
+    first = runner.run(store, "d")
+    assert first.ok, first.error
+    v1 = store.catalogue.version("d", first.version)
+    assert v1.note == "backup (disk-only, frozen)" and not v1.active
+    assert first.pause < 5.0
+    inst = store.catalogue.instance("d")
+    assert inst.version == v1.number and inst.chains == v1.chains
+
+    # the guest never stopped; a second backup stacks on the first
+    mark(store, "d", "disk-B2")
+    second = runner.run(store, "d")
+    assert second.ok, second.error
+    assert marks(store, "d") == ("disk-B2", "disk-B2")
+
+    # an agent that does not answer: still a backup, recorded as crash-consistent
+    run(store, "d", "kill -STOP $(pidof capsule-agent)")
+    mark(store, "d", "disk-C3")
+    third = runner.run(store, "d")
+    run(store, "d", "kill -CONT $(pidof capsule-agent)")
+    assert third.ok, third.error
+    v3 = store.catalogue.version("d", third.version)
+    assert v3.note == "backup (disk-only, crash-consistent)"
+    # every sealed layer names its parent layer (the new leaves' headers were re-pointed), as on any host
+    chain = v3.chains[0]
+    for parent, lid in zip(chain, chain[1:], strict=False):
+        assert qemuimg.info(store.layer_path(lid)).get("backing-filename") == f"{parent}.qcow2"
+    print(f"disk-only pauses: frozen {first.pause:.3f}s, {second.pause:.3f}s; unfrozen {third.pause:.3f}s")
+
+    # the first backup boots with the disk as it was then
+    runner.restore(store, f"d@{v1.number}", as_name="d-then")
+    assert disk_mark(store, "d-then") == "disk-A1"
+
+    # the running capsule's leaves were re-pointed at the sealed layers: suspend and restore keep going
+    mark(store, "d", "disk-D4")
+    lifecycle.suspend(store, "d")
+    lifecycle.start(store, "d")
+    assert marks(store, "d") == ("disk-D4", "disk-D4")
+    lifecycle.stop(store, "d", timeout=2, force=True)
+    runner.restore(store, f"d@{third.version}", as_name="d-crash")
+    assert disk_mark(store, "d-crash") == "disk-C3"
