@@ -6,6 +6,8 @@ transaction as the version, so a version is a backup from the moment it exists, 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS backup_jobs(
     created REAL NOT NULL,
     next_run REAL,
     running_since REAL,
+    running_by TEXT,
     last_run REAL,
     last_result TEXT,
     last_duration REAL,
@@ -65,6 +68,7 @@ class Job:
     created: float
     next_run: float | None = None
     running_since: float | None = None
+    running_by: str | None = None       # HOST:PID of the process running it
     last_run: float | None = None
     last_result: str | None = None      # ok | failed
     last_duration: float | None = None
@@ -157,15 +161,35 @@ def backups(store: Store, name: str) -> list[VersionRow]:
 
 
 # -- run state ---------------------------------------------------------------------------------------
+def _me() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _alive(running_by: str | None) -> bool:
+    """Whether the process that marked a run is still there (one on another host is taken to be)."""
+    host, _, pid = (running_by or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def claim(store: Store, name: str, now: float) -> bool:
-    """Mark the job running unless a run is already going (in any process); False if one is."""
+    """Mark the job running unless a run is already going (in any process); False if one is. A mark left
+    by a process that died (on this host), or older than STALE_RUN, does not count."""
     cat = _table(store.catalogue)
     with cat.transaction():
-        rows = cat.query("SELECT running_since FROM backup_jobs WHERE capsule=?", (name,))
-        if rows and rows[0]["running_since"] is not None and now - rows[0]["running_since"] < STALE_RUN:
+        rows = cat.query("SELECT running_since, running_by FROM backup_jobs WHERE capsule=?", (name,))
+        if rows and rows[0]["running_since"] is not None and now - rows[0]["running_since"] < STALE_RUN \
+                and _alive(rows[0]["running_by"]):
             return False
         if rows:
-            cat.query("UPDATE backup_jobs SET running_since=? WHERE capsule=?", (now, name))
+            cat.query("UPDATE backup_jobs SET running_since=?, running_by=? WHERE capsule=?", (now, _me(), name))
     return True
 
 
@@ -177,6 +201,6 @@ def finish(store: Store, name: str, *, started: float, ok: bool, duration: float
            nbytes: int | None = None, pause: float | None = None, error: str | None = None) -> None:
     """Record a run's outcome (the job may have been unscheduled meanwhile: then nothing is recorded)."""
     _table(store.catalogue).query(
-        "UPDATE backup_jobs SET running_since=NULL, last_run=?, last_result=?, last_duration=?, last_bytes=?, "
-        "last_pause=?, last_version=?, last_error=? WHERE capsule=?",
+        "UPDATE backup_jobs SET running_since=NULL, running_by=NULL, last_run=?, last_result=?, last_duration=?, "
+        "last_bytes=?, last_pause=?, last_version=?, last_error=? WHERE capsule=?",
         (started, "ok" if ok else "failed", duration, nbytes, pause, version, error, name))

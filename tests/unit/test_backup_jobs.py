@@ -4,6 +4,8 @@ rows, a snapshot taker that records a backup version (or fails), and an injected
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import time
 from datetime import UTC, datetime
@@ -185,8 +187,22 @@ def test_a_run_claimed_by_another_process_is_not_started_again(store):
     assert jobs.claim(store, "desk", T0)                                  # as another process would
     take = Taker(Clock(T0 + 60))
     assert runner.run(store, "desk", take=take, clock=Clock(T0 + 60)).skipped and take.calls == []
-    # a claim older than a run can take belongs to a process that died: not held any more
+    # a claim older than a run can take is not held any more
     assert not runner.run(store, "desk", take=take, clock=Clock(T0 + jobs.STALE_RUN + 1)).skipped
+
+
+def test_a_claim_left_by_a_dead_process_is_not_held(store):
+    jobs.schedule(store, "desk", "*:0/15 UTC", Policy(), now=T0)
+    dead = 2 ** 22 + 1          # above the largest pid Linux allows: no such process
+    host = socket.gethostname()
+    store.catalogue.query("UPDATE backup_jobs SET running_since=?, running_by=? WHERE capsule='desk'",
+                          (T0, f"{host}:{dead}"))
+    take = Taker(Clock(T0 + 60))
+    assert runner.run(store, "desk", take=take, clock=Clock(T0 + 60)).ok
+    # one marked by a live process (this one) is held
+    store.catalogue.query("UPDATE backup_jobs SET running_since=?, running_by=? WHERE capsule='desk'",
+                          (T0, f"{host}:{os.getpid()}"))
+    assert runner.run(store, "desk", take=take, clock=Clock(T0 + 120)).skipped
 
 
 def test_a_failed_run_is_retried_at_the_next_slot(store):
