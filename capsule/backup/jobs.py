@@ -70,7 +70,7 @@ class Job:
     running_since: float | None = None
     running_by: str | None = None       # HOST:PID of the process running it
     last_run: float | None = None
-    last_result: str | None = None      # ok | failed
+    last_result: str | None = None      # ok | failed | not copied
     last_duration: float | None = None
     last_bytes: int | None = None
     last_pause: float | None = None
@@ -133,8 +133,6 @@ def schedule(store: Store, name: str, every: str, policy: Policy, *, mode: str =
         raise CalendarError(f"{every!r} ({event.normalized()}) never elapses after now: nothing would run")
     if target is not None:
         hosts.get(store, check_name(target, "host"))
-        raise NotSupported(f"off-host copies (--to {target}) are not built yet: schedule without --to, "
-                           f"and push by hand (`capsule push {name} --to …`)")
     cat = _table(store.catalogue)
     with cat.transaction():
         old = find(store, name)
@@ -198,9 +196,11 @@ def advance(store: Store, name: str, next_run: float | None) -> None:
 
 
 def finish(store: Store, name: str, *, started: float, ok: bool, duration: float, version: int | None = None,
-           nbytes: int | None = None, pause: float | None = None, error: str | None = None) -> None:
-    """Record a run's outcome (the job may have been unscheduled meanwhile: then nothing is recorded)."""
+           nbytes: int | None = None, pause: float | None = None, error: str | None = None,
+           result: str | None = None) -> None:
+    """Record a run's outcome (the job may have been unscheduled meanwhile: then nothing is recorded).
+    ``result`` (default ok/failed) may say more, e.g. 'not copied' when the backup host was down."""
     _table(store.catalogue).query(
         "UPDATE backup_jobs SET running_since=NULL, running_by=NULL, last_run=?, last_result=?, last_duration=?, "
         "last_bytes=?, last_pause=?, last_version=?, last_error=? WHERE capsule=?",
-        (started, "ok" if ok else "failed", duration, nbytes, pause, version, error, name))
+        (started, result or ("ok" if ok else "failed"), duration, nbytes, pause, version, error, name))

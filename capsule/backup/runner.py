@@ -1,4 +1,4 @@
-"""One backup run (snapshot, then prune), pruning, and restoring a backup.
+"""One backup run (snapshot, then prune, then copies to the backup host), pruning, and restoring a backup.
 
 A ``--memory`` backup is ``lifecycle.snapshot``: the guest is saved (it pauses), its memory image and
 disk leaves are sealed into a new version (noted as a backup in the same transaction) and it resumes on
@@ -21,7 +21,7 @@ from datetime import tzinfo
 from typing import Any
 
 from capsule import capsules, hierarchy, lifecycle
-from capsule.backup import diskonly, jobs
+from capsule.backup import copies, diskonly, jobs
 from capsule.backup.retention import Decision, Snapshot, apply
 from capsule.catalogue import VersionRow
 from capsule.errors import CapsuleError, Conflict
@@ -70,10 +70,12 @@ class RunResult:
     error: str | None = None
     skipped: bool = False            # another run of the job was still going
     pruned: PruneResult | None = None
+    copy: copies.CopyResult | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "pruned"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("pruned", "copy")}
         d["pruned"] = self.pruned.as_dict() if self.pruned else None
+        d["copy"] = self.copy.as_dict() if self.copy else None
         return d
 
 
@@ -122,16 +124,21 @@ def run(store: Store, name: str, *, take: Taker = take_snapshot, clock: Callable
             seconds = time.monotonic() - t0
             jobs.finish(store, name, started=started, ok=False, duration=seconds, error=error)
             return RunResult(name, False, started, seconds, error=error)
-        pruned = error = None
+        pruned = error = copy = status = None
         try:
             pruned = prune(store, name)
         except CapsuleError as exc:
             error = f"snapshot {taken.version.ref} made; pruning failed: {exc}"
+        if job.target is not None:
+            say(f"copying to {job.target}")
+            copy = copies.push_pending(store, name, job.target)
+            if copy.error:
+                error, status = (f"{error}; {copy.error}" if error else copy.error), "not copied"
         seconds = time.monotonic() - t0
         jobs.finish(store, name, started=started, ok=error is None, duration=seconds, version=taken.version.number,
-                    nbytes=taken.nbytes, pause=taken.pause, error=error)
+                    nbytes=taken.nbytes, pause=taken.pause, error=error, result=status)
         return RunResult(name, error is None, started, seconds, taken.version.number, taken.nbytes, taken.pause,
-                         error, pruned=pruned)
+                         error, pruned=pruned, copy=copy)
     finally:
         lock.release()
 

@@ -54,7 +54,8 @@ def schedule(
                                                                           "before the latest: 2d, 12h, 1m, "
                                                                           "1y6m.")] = None,
     to: Annotated[str | None, typer.Option("--to", help="A known host (`capsule host add`) to copy each backup "
-                                                        "to (not built yet).")] = None,
+                                                        "to with HCP (only what it lacks travels); if it is "
+                                                        "down, the copies wait for the next run.")] = None,
     memory: Annotated[bool, typer.Option("--memory", help="Snapshot with memory (the default): the guest pauses "
                                                           "while it is saved and resumes where it was.")] = False,
     disk_only: Annotated[bool, typer.Option("--disk-only", help="Disks only, no memory: the guest's file "
@@ -116,14 +117,14 @@ def ls(
         if not rows:
             console.print("no backup schedules yet: `capsule backup schedule NAME --every daily --keep-daily 7`")
             return
-        t = Table("capsule", "every", "keep", "next run", "last run", "result", "took", "paused", "bytes")
+        t = Table("capsule", "every", "keep", "to", "next run", "last run", "result", "took", "paused", "bytes")
         for j in rows:
             result = ("-" if j.last_result is None else "[green]ok[/]" if j.last_result == "ok"
-                      else f"[red]failed[/]: {j.last_error}")
+                      else f"[red]{j.last_result}[/]: {j.last_error}")
             if j.running_since is not None:
                 result = "[yellow]running[/]"
-            t.add_row(j.capsule, j.event.normalized(), j.policy.describe(), _when(j.next_run), _when(j.last_run),
-                      result, "-" if j.last_duration is None else f"{j.last_duration:.1f}s",
+            t.add_row(j.capsule, j.event.normalized(), j.policy.describe(), j.target or "-", _when(j.next_run),
+                      _when(j.last_run), result, "-" if j.last_duration is None else f"{j.last_duration:.1f}s",
                       "-" if j.last_pause is None else f"{j.last_pause:.2f}s",
                       "-" if j.last_bytes is None else human(j.last_bytes))
         console.print(t)
@@ -168,6 +169,9 @@ def run(
                           f"(guest paused {result.pause:.2f}s, {human(result.nbytes or 0)} new)")
             if result.pruned and result.pruned.removed:
                 console.print(f"  pruned {', '.join(f'@{n}' for n in result.pruned.removed)}")
+            if result.copy and result.copy.copied:
+                console.print(f"  copied {', '.join(f'@{n}' for n in result.copy.copied)} to {result.copy.target} "
+                              f"({human(result.copy.wire_bytes)} on the wire)")
         else:
             console.print(f"[red]backup of {name} failed[/]: {result.error}")
 

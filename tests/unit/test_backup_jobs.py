@@ -271,3 +271,21 @@ def test_cli_schedule_ls_json(store):
     assert row["policy"] == {"daily": 7, "weekly": 4} and row["backups"] == []
     r = CliRunner().invoke(app, [*home, "backup", "--help"])
     assert "capsule backup schedule desk --every" in r.stdout
+
+
+def test_a_backup_host_that_is_down_leaves_the_copy_waiting(store):
+    from capsule import hosts
+    from tests.unit.inprocess_agent import free_port
+
+    store.catalogue.ensure_table(hosts.SCHEMA)      # a known host, whose agent no longer answers
+    store.catalogue.query("INSERT INTO peers VALUES('vault', ?, 'a-token-of-the-vault-0123', 'abcdef0123', 0)",
+                          (f"http://127.0.0.1:{free_port()}",))
+    clock = Clock(T0)
+    take = Taker(clock)
+    job, _ = jobs.schedule(store, "desk", "hourly UTC", Policy(last=5), target="vault", now=T0)
+    assert job.target == "vault"
+    result = runner.run(store, "desk", take=take, clock=clock)
+    assert not result.ok and result.copy.waiting == [2] and "retried at the next run" in result.error
+    job = _job(store)
+    assert job.last_result == "not copied" and job.last_version == 2
+    assert [v.number for v in jobs.backups(store, "desk")] == [2]      # the local backup is kept

@@ -140,3 +140,41 @@ def test_disk_only_backups_freeze_switch_and_boot(store):
     lifecycle.stop(store, "d", timeout=2, force=True)
     runner.restore(store, f"d@{third.version}", as_name="d-crash")
     assert disk_mark(store, "d-crash") == "disk-C3"
+
+
+def test_copies_to_a_backup_host_survive_it_being_down(two_hosts):
+    from capsule import hosts
+    from tests.conftest import Agent
+
+    a, b, _agent_a, agent_b = two_hosts
+    hosts.add(a, "vault", agent_b.url, agent_b.token)
+    capsules.create(a, "desk", "tiny", memory="256M")
+    lifecycle.start(a, "desk")
+    jobs.schedule(a, "desk", "hourly", Policy(last=5), target="vault")
+
+    mark(a, "desk", "copy-A1")
+    first = runner.run(a, "desk")
+    assert first.ok, first.error
+    assert first.copy.copied == [first.version]
+    assert b.catalogue.version("desk", first.version).note == "backup (memory, memory)"
+
+    agent_b.stop()                                     # the backup host is down for one run
+    mark(a, "desk", "copy-B2")
+    second = runner.run(a, "desk")
+    assert not second.ok and second.copy.waiting == [second.version]
+    assert jobs.get(a, "desk").last_result == "not copied"
+    assert a.catalogue.version("desk", second.version) is not None     # the local backup is kept
+
+    back = Agent(b.home, agent_b.token_file, port=agent_b.port)
+    try:
+        third = runner.run(a, "desk")
+        assert third.ok, third.error
+        assert third.copy.copied == [second.version, third.version]
+        # the next copies sent only what the backup host lacked: far less than the first
+        assert third.copy.wire_bytes < first.copy.wire_bytes
+        assert {v.number for v in b.catalogue.versions("desk")} >= {first.version, second.version, third.version}
+        # the copy on the backup host starts there, as it was
+        runner.restore(b, f"desk@{second.version}", as_name="desk-copy")
+        assert marks(b, "desk-copy") == ("copy-B2", "copy-B2")
+    finally:
+        back.stop()
