@@ -32,6 +32,7 @@ from capsule.errors import CapsuleError, Conflict, RuntimeFailure
 from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
 from capsule.store import Store
+from capsule.storemodes import LEAF_MODE
 
 FREEZE_TIMEOUT = 10.0
 COMMIT_TIMEOUT = 120.0
@@ -95,19 +96,24 @@ def _repoint(dom: libvirt.virDomain, leaf: Path, backing: str) -> None:
     _qmp(dom, "change-backing-file", device=node, **{"image-node-name": node, "backing-file": backing})
 
 
-def _commit_back(dom: libvirt.virDomain, targets: list[str]) -> None:
-    """Undo the switch: merge each new leaf into the old one below it and make the old one active again."""
-    for target in targets:
-        dom.blockCommit(target, None, None, 0, libvirt.VIR_DOMAIN_BLOCK_COMMIT_ACTIVE)
-        deadline = time.monotonic() + COMMIT_TIMEOUT
-        while True:
-            info = dom.blockJobInfo(target, 0)
-            if info and info.get("end", 0) and info.get("cur") == info.get("end"):
-                break
-            if not info or time.monotonic() > deadline:
-                raise RuntimeFailure(f"committing {target} back did not finish in {COMMIT_TIMEOUT:.0f}s")
-            time.sleep(0.1)
-        dom.blockJobAbort(target, libvirt.VIR_DOMAIN_BLOCK_JOB_ABORT_PIVOT)
+def _commit_back(store: Store, dom: libvirt.virDomain, target: str, old_leaf: Path) -> None:
+    """Undo the switch of one disk: merge its new leaf into ``old_leaf`` (the private leaf right below it,
+    named explicitly: a commit must never reach a sealed layer further down) and make that active again."""
+    if not old_leaf.name.startswith("leaf-") or old_leaf.parent != store.layers_dir or not old_leaf.exists():
+        raise RuntimeFailure(f"{old_leaf} is not this instance's private leaf: not committing into it")
+    store.assert_mutable(old_leaf)
+    old_leaf.chmod(LEAF_MODE)        # a seal that failed between its chmod and its rename left it read-only
+    flags = libvirt.VIR_DOMAIN_BLOCK_COMMIT_ACTIVE | libvirt.VIR_DOMAIN_BLOCK_COMMIT_SHALLOW
+    dom.blockCommit(target, str(old_leaf), None, 0, flags)
+    deadline = time.monotonic() + COMMIT_TIMEOUT
+    while True:
+        info = dom.blockJobInfo(target, 0)
+        if info and info.get("cur") == info.get("end"):
+            break
+        if not info or time.monotonic() > deadline:
+            raise RuntimeFailure(f"committing {target} back did not finish in {COMMIT_TIMEOUT:.0f}s")
+        time.sleep(0.1)
+    dom.blockJobAbort(target, libvirt.VIR_DOMAIN_BLOCK_JOB_ABORT_PIVOT)
 
 
 def _freeze(sock: Path) -> tuple[GuestAgent | None, str | None]:
@@ -207,7 +213,7 @@ def _undo(store: Store, dom: libvirt.virDomain, targets: list[str], inst: Instan
                 _repoint(dom, new[i], store.layer_path(sealed[i].id).name)
                 leaves[i], chains[i] = str(new[i]), [*chains[i], sealed[i].id]
             else:
-                _commit_back(dom, [target])
+                _commit_back(store, dom, target, Path(inst.leaves[i]))
                 new[i].unlink(missing_ok=True)
         cat = store.catalogue
         with cat.transaction():

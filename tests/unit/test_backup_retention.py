@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capsule.backup.retention import (BUCKET_RULES, Policy, PolicyError, Snapshot, apply, bucket,
-                                      parse_duration)
+from capsule.backup.retention import BUCKET_RULES, Policy, PolicyError, Snapshot, apply, bucket, parse_duration
 
 pytestmark = pytest.mark.unit
 

@@ -13,6 +13,7 @@ from capsule.backup import jobs, runner
 from capsule.backup.retention import Policy
 from capsule.backup.scheduler import Scheduler
 from capsule.errors import Conflict
+from hashcache.manifest import manifest_of_layer
 from tests.vm.helpers import run
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
@@ -41,6 +42,13 @@ def disk_mark(store, name: str) -> str:
 
 def marks(store, name: str) -> tuple[str, str]:
     return run(store, name, "cat /tmp/note"), disk_mark(store, name)
+
+
+def assert_sealed_layers_intact(store, chains) -> None:
+    """Every sealed layer still hashes to its name: nothing wrote into one."""
+    for chain in chains:
+        for parent, lid in zip([None, *chain], chain, strict=False):
+            assert manifest_of_layer(store.layer_path(lid), parent).digest == lid, f"layer {lid[:12]} changed"
 
 
 def test_scheduled_backups_prune_and_restore(store):
@@ -126,6 +134,7 @@ def test_disk_only_backups_freeze_switch_and_boot(store):
     chain = v3.chains[0]
     for parent, lid in zip(chain, chain[1:], strict=False):
         assert qemuimg.info(store.layer_path(lid)).get("backing-filename") == f"{parent}.qcow2"
+    assert_sealed_layers_intact(store, v3.chains)
     print(f"disk-only pauses: frozen {first.pause:.3f}s, {second.pause:.3f}s; unfrozen {third.pause:.3f}s")
 
     # the first backup boots with the disk as it was then
@@ -178,3 +187,34 @@ def test_copies_to_a_backup_host_survive_it_being_down(two_hosts):
         assert marks(b, "desk-copy") == ("copy-B2", "copy-B2")
     finally:
         back.stop()
+
+
+def test_a_disk_only_backup_that_fails_to_seal_leaves_the_guest_as_it_was(store, monkeypatch):
+    from capsule.errors import StorageFull
+
+    capsules.create(store, "d", "tiny", memory="256M")
+    lifecycle.start(store, "d")
+    jobs.schedule(store, "d", "daily", Policy(last=5), mode="disk-only")
+    mark(store, "d", "keep-E5")
+    before = store.catalogue.instance("d")
+    versions = len(store.catalogue.versions("d"))
+
+    def full(*_args, **_kwargs):
+        raise StorageFull("sealing layer: the store's file system is full")
+
+    monkeypatch.setattr(store, "seal_layer", full)
+    result = runner.run(store, "d")
+    assert not result.ok and "file system is full" in result.error
+    assert jobs.get(store, "d").last_result == "failed"
+    assert len(store.catalogue.versions("d")) == versions                 # no half-made version
+    assert store.catalogue.instance("d").leaves == before.leaves          # committed back into the old leaf
+    monkeypatch.undo()
+    assert_sealed_layers_intact(store, before.chains)                    # the commit stopped at the leaf
+
+    # the guest went on writing, and nothing of it is lost: suspend, start, read
+    mark(store, "d", "keep-F6")
+    lifecycle.suspend(store, "d")
+    lifecycle.start(store, "d")
+    assert marks(store, "d") == ("keep-F6", "keep-F6")
+    again = runner.run(store, "d")
+    assert again.ok, again.error
