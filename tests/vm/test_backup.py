@@ -4,6 +4,7 @@ new capsule shows the guest as it was then (memory and disk)."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -218,3 +219,23 @@ def test_a_disk_only_backup_that_fails_to_seal_leaves_the_guest_as_it_was(store,
     assert marks(store, "d") == ("keep-F6", "keep-F6")
     again = runner.run(store, "d")
     assert again.ok, again.error
+
+
+def test_the_agent_runs_a_missed_backup_once_at_start(store, tmp_path):
+    from tests.conftest import Agent
+    from tests.wait import wait_until
+
+    capsules.create(store, "desk", "tiny", memory="256M")
+    lifecycle.start(store, "desk")
+    jobs.schedule(store, "desk", "minutely", Policy(last=3))
+    # as if the agent had been down for an hour: the slots missed meanwhile are one run, at start
+    store.catalogue.query("UPDATE backup_jobs SET next_run=? WHERE capsule='desk'", (time.time() - 3600,))
+    agent = Agent(store.home, tmp_path / "agent.token")
+    try:
+        job = wait_until(lambda: (j := jobs.get(store, "desk")).last_result and j, 180,
+                         "the agent's scheduler to run the missed backup")
+        assert job.last_result == "ok", job.last_error
+        assert job.next_run > time.time() - 5
+        assert len(jobs.backups(store, "desk")) == 1
+    finally:
+        agent.stop()
