@@ -289,3 +289,23 @@ def test_a_backup_host_that_is_down_leaves_the_copy_waiting(store):
     job = _job(store)
     assert job.last_result == "not copied" and job.last_version == 2
     assert [v.number for v in jobs.backups(store, "desk")] == [2]      # the local backup is kept
+
+
+def test_cli_human_views_show_results_and_reasons(store):
+    from capsule.cli.main import app
+
+    clock = Clock(T0)
+    take = Taker(clock)
+    jobs.schedule(store, "desk", "daily UTC", Policy(last=1, daily=2), now=T0)
+    for day in range(3):
+        clock.t = T0 + day * 86400
+        assert runner.run(store, "desk", take=take, clock=clock).ok
+    home = ["--home", str(store.home)]
+    r = CliRunner().invoke(app, [*home, "backup", "ls", "desk"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "ok" in r.stdout and "keep-last 1, keep-daily 2" in r.stdout and "desk@4" in r.stdout
+    r = CliRunner().invoke(app, [*home, "backup", "prune", "desk", "--dry-run"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "last, daily" in r.stdout and "would remove 0 backup(s)" in r.stdout
+    r = CliRunner().invoke(app, [*home, "backup", "unschedule", "desk"])
+    assert r.exit_code == 0 and jobs.jobs(store) == []
