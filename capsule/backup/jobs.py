@@ -17,7 +17,7 @@ from capsule.backup.calendar import CalendarError, CalendarEvent, parse
 from capsule.backup.retention import Policy
 from capsule.capsules import resolve
 from capsule.catalogue import Catalogue, VersionRow
-from capsule.errors import CapsuleError, Conflict, NotFound
+from capsule.errors import Conflict, NotFound
 from capsule.names import check_name
 from capsule.store import Store
 
@@ -42,12 +42,6 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS backup_jobs(
 MODES = ("memory", "disk-only")
 NOTE_PREFIX = "backup"
 STALE_RUN = 6 * 3600.0      # a run marked running longer than this died with its process
-
-
-class NotSupported(CapsuleError):
-    """A backup option that this version of Capsule does not do yet."""
-
-    exit_code = 15
 
 
 def backup_note(mode: str, consistency: str) -> str:
