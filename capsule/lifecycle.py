@@ -335,10 +335,12 @@ def _resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | Non
 
 
 def snapshot(store: Store, name: str, *, balloon: str | None = None,
-             balloon_method: str = balloon_mod.DEFAULT_METHOD, say: Say = _quiet) -> tuple[SealResult, StartResult]:
-    """Suspend, then immediately resume on a new leaf: the guest keeps running."""
+             balloon_method: str = balloon_mod.DEFAULT_METHOD, note: str = "snapshot",
+             say: Say = _quiet) -> tuple[SealResult, StartResult]:
+    """Suspend, then immediately resume on a new leaf: the guest keeps running. ``note`` is recorded
+    with the version (in the same transaction)."""
     with store.lock():
-        sealed = suspend(store, name, note="snapshot", balloon=balloon, balloon_method=balloon_method, say=say)
+        sealed = suspend(store, name, note=note, balloon=balloon, balloon_method=balloon_method, say=say)
         assert sealed.version is not None
         resumed = start(store, sealed.version.ref, wait=False, say=say)
     return sealed, resumed

@@ -40,6 +40,8 @@ def serve(home: Path, listen: str, token_file: Path) -> None:
 
     host, port = parse_listen(listen)
     app = create_app(home, ensure_token(token_file))
+    from capsule.backup.scheduler import start_in_serve
+    start_in_serve(home)  # scheduled backups run inside the agent (capsule/backup/scheduler.py)
     uvicorn.run(app, host=host, port=port, log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
                 access_log=False, server_header=False, date_header=False,
                 # keep idle connections well past a batch's round trip on a slow link: reopening one

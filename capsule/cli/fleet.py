@@ -157,7 +157,7 @@ def _run(action, title: str) -> pushing.PushReport:  # noqa: ANN001
 
     emit(report.as_dict(), human)
     if report.outcome.stopped:
-        raise typer.Exit(14)
+        raise typer.Exit(16)
     return report
 
 

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from capsule.cli import capsules, fleet, hosts, images, runtime, transfer
+from capsule.cli import backup, capsules, fleet, hosts, images, runtime, transfer
 from capsule.cli.common import OPTIONS, report
 
 app = typer.Typer(
@@ -40,6 +40,7 @@ runtime.register(app)
 transfer.register(app)
 hosts.register(app)
 fleet.register(app)
+backup.register(app)
 app.add_typer(images.app, name="image", help="Build and list guest images.")
 
 

@@ -1,0 +1,72 @@
+"""Off-host copies (``--to HOST``): after each run, every backup of the capsule not yet on the backup host
+is pushed there with HCP (``transfer.push``: only the blocks that host lacks travel), oldest first. Which
+backups are there is kept in a table of its own. If the host is down the copies wait for the next run;
+the local backups are untouched either way. A backup pruned here before it was copied is not copied."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from capsule import hosts, transfer
+from capsule.backup import jobs
+from capsule.catalogue import Catalogue
+from capsule.errors import Error
+from capsule.store import Store
+
+SCHEMA = """CREATE TABLE IF NOT EXISTS backup_copies(
+    capsule TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    target TEXT NOT NULL,
+    copied REAL NOT NULL,
+    wire_bytes INTEGER NOT NULL,
+    PRIMARY KEY(capsule, number, target)
+)"""
+
+
+@dataclass
+class CopyResult:
+    target: str
+    copied: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    wire_bytes: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _table(cat: Catalogue) -> Catalogue:
+    cat.ensure_table(SCHEMA)
+    return cat
+
+
+def copied(store: Store, name: str, target: str) -> set[int]:
+    rows = _table(store.catalogue).query("SELECT number FROM backup_copies WHERE capsule=? AND target=?",
+                                         (name, target))
+    return {r["number"] for r in rows}
+
+
+def push_pending(store: Store, name: str, target: str) -> CopyResult:
+    """Push every backup of ``name`` the host ``target`` does not have yet; stop at the first failure."""
+    result = CopyResult(target)
+    done = copied(store, name, target)
+    todo = [v for v in jobs.backups(store, name) if v.number not in done]
+    try:
+        peer = hosts.get(store, target)
+    except Error as exc:
+        result.error, result.waiting = str(exc), [v.number for v in todo]
+        return result
+    for i, v in enumerate(todo):
+        try:
+            report = transfer.push(store, v.ref, peer.url, peer.token)
+        except (Error, OSError) as exc:
+            result.error = f"copy of {v.ref} to {target} failed: {exc}; retried at the next run"
+            result.waiting = [w.number for w in todo[i:]]
+            return result
+        store.catalogue.query("INSERT OR REPLACE INTO backup_copies VALUES(?,?,?,?,?)",
+                              (name, v.number, target, time.time(), report.wire_bytes))
+        result.copied.append(v.number)
+        result.wire_bytes += report.wire_bytes
+    return result

@@ -1,0 +1,245 @@
+"""CLI verbs for scheduled backups: backup schedule, ls, unschedule, run, prune, restore."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from capsule.backup import jobs, runner
+from capsule.backup.retention import Policy
+from capsule.cli.common import console, emit, json_flag, open_store, progress
+from capsule.errors import Conflict
+from capsule.units import human
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+app = typer.Typer(
+    help="Scheduled backup snapshots of running capsules, with retention and restore.\n\n"
+    "A backup is a snapshot version (NAME@V) noted as a backup: it costs only what changed since the last "
+    "one, and shares every layer with the capsule's other versions.\n\n"
+    "Examples:\n\n"
+    "  capsule backup schedule desk --every 'mon..fri 21:00' --keep-daily 7 --keep-weekly 4\n\n"
+    "  capsule backup schedule desk --every '*:0/15' --keep-last 4 --keep-hourly 24\n\n"
+    "  capsule backup ls\n\n"
+    "  capsule backup run desk\n\n"
+    "  capsule backup prune desk --dry-run\n\n"
+    "  capsule backup restore desk@12 --as desk-tuesday",
+    no_args_is_help=True,
+)
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+@app.command()
+def schedule(
+    name: Annotated[str, typer.Argument(help="The capsule to back up (it must exist; it is snapshotted while it "
+                                             "runs).")],
+    every: Annotated[str, typer.Option("--every", help="When, as a systemd calendar event: hourly, daily, weekly, "
+                                                       "'mon..fri 21:00', '*:0/15' (every 15 minutes), "
+                                                       "'Sat,Sun 03:00', '*-*-01 02:00'; local time unless it "
+                                                       "ends in UTC or a zone like Europe/Berlin.")],
+    keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the N newest backups.")] = 0,
+    keep_hourly: Annotated[int, typer.Option("--keep-hourly", help="Keep the newest backup of each of the last N "
+                                                                   "hours that have one.")] = 0,
+    keep_daily: Annotated[int, typer.Option("--keep-daily", help="… of each of the last N days.")] = 0,
+    keep_weekly: Annotated[int, typer.Option("--keep-weekly", help="… of each of the last N ISO weeks.")] = 0,
+    keep_monthly: Annotated[int, typer.Option("--keep-monthly", help="… of each of the last N months.")] = 0,
+    keep_yearly: Annotated[int, typer.Option("--keep-yearly", help="… of each of the last N years.")] = 0,
+    keep_within: Annotated[str | None, typer.Option("--keep-within", help="Keep every backup newer than this "
+                                                                          "before the latest: 2d, 12h, 1m, "
+                                                                          "1y6m.")] = None,
+    to: Annotated[str | None, typer.Option("--to", help="A known host (`capsule host add`) to copy each backup "
+                                                        "to with HCP (only what it lacks travels); if it is "
+                                                        "down, the copies wait for the next run.")] = None,
+    memory: Annotated[bool, typer.Option("--memory", help="Snapshot with memory (the default): the guest pauses "
+                                                          "while it is saved and resumes where it was.")] = False,
+    disk_only: Annotated[bool, typer.Option("--disk-only", help="Disks only, no memory: the guest's file "
+                                                                "systems are frozen for a moment (crash-"
+                                                                "consistent if its agent does not answer); it "
+                                                                "boots when restored.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Back up NAME on a calendar, and prune by a policy after every run (restic's --keep-* rules).
+
+    Without --keep-* options every backup is kept. Scheduling a capsule again changes its schedule.
+
+    The agent (`capsule serve`) runs the schedule; a run missed while it was down is done once at start.
+
+    Examples:
+
+      capsule backup schedule desk --every daily --keep-daily 7 --keep-weekly 4 --keep-monthly 6
+
+      capsule backup schedule build --every '*:0/15' --keep-last 8 --keep-within 2d
+    """
+    json_flag(json)
+    if memory and disk_only:
+        raise Conflict("--memory and --disk-only exclude each other: give one")
+    policy = Policy(last=keep_last, hourly=keep_hourly, daily=keep_daily, weekly=keep_weekly,
+                    monthly=keep_monthly, yearly=keep_yearly, within=keep_within)
+    store = open_store()
+    job, created = jobs.schedule(store, name, every, policy, mode="disk-only" if disk_only else "memory", target=to)
+
+    def human_view() -> None:
+        console.print(f"{'scheduled' if created else 'rescheduled'} backups of [bold]{name}[/]: "
+                      f"{job.event.normalized()} ({job.mode}); {job.policy.describe()}")
+        console.print(f"  next run {_when(job.next_run)}")
+
+    emit(job.as_dict() | {"created_now": created}, human_view)
+
+
+@app.command("ls")
+def ls(
+    name: Annotated[str | None, typer.Argument(help="A capsule: list its backups too.")] = None,
+    json: JsonOpt = False,
+) -> None:
+    """List the backup schedules with their last results; with NAME, also that capsule's backups.
+
+    Examples:
+
+      capsule backup ls
+
+      capsule backup ls desk --json
+    """
+    json_flag(json)
+    store = open_store()
+    rows = [jobs.get(store, name)] if name else jobs.jobs(store)
+    data = [j.as_dict() for j in rows]
+    if name:
+        data[0]["backups"] = [{"ref": v.ref, "version": v.number, "created": v.created, "note": v.note}
+                              for v in jobs.backups(store, name)]
+
+    def human_view() -> None:
+        if not rows:
+            console.print("no backup schedules yet: `capsule backup schedule NAME --every daily --keep-daily 7`")
+            return
+        t = Table("capsule", "every", "keep", "to", "next run", "last run", "result", "took", "paused", "bytes")
+        for j in rows:
+            result = ("-" if j.last_result is None else "[green]ok[/]" if j.last_result == "ok"
+                      else f"[red]{j.last_result}[/]: {j.last_error}")
+            if j.running_since is not None:
+                result = "[yellow]running[/]"
+            t.add_row(j.capsule, j.event.normalized(), j.policy.describe(), j.target or "-", _when(j.next_run),
+                      _when(j.last_run), result, "-" if j.last_duration is None else f"{j.last_duration:.1f}s",
+                      "-" if j.last_pause is None else f"{j.last_pause:.2f}s",
+                      "-" if j.last_bytes is None else human(j.last_bytes))
+        console.print(t)
+        if name:
+            for b in data[0]["backups"]:
+                console.print(f"  {b['ref']}  {_when(b['created'])}  {b['note']}")
+
+    emit(data, human_view)
+
+
+@app.command()
+def unschedule(
+    name: Annotated[str, typer.Argument(help="The capsule whose schedule to drop.")],
+    json: JsonOpt = False,
+) -> None:
+    """Stop backing NAME up. The backups already made stay (`capsule backup prune`, `capsule rm NAME@V`)."""
+    json_flag(json)
+    job = jobs.unschedule(open_store(), name)
+    emit({"unscheduled": job.capsule}, lambda: console.print(f"no more backups of [bold]{job.capsule}[/] "
+                                                             f"(was {job.event.normalized()})"))
+
+
+@app.command()
+def run(
+    name: Annotated[str, typer.Argument(help="A scheduled capsule.")],
+    json: JsonOpt = False,
+) -> None:
+    """Back NAME up now, outside its schedule (then prune), and record the result on its schedule.
+
+    Example:
+
+      capsule backup run desk
+    """
+    json_flag(json)
+    store = open_store()
+    with progress(f"backing up {name}") as say:
+        result = runner.run(store, name, say=say)
+
+    def human_view() -> None:
+        if result.ok:
+            console.print(f"backed up [bold]{name}@{result.version}[/] in {result.seconds:.1f}s "
+                          f"(guest paused {result.pause:.2f}s, {human(result.nbytes or 0)} new)")
+            if result.pruned and result.pruned.removed:
+                console.print(f"  pruned {', '.join(f'@{n}' for n in result.pruned.removed)}")
+            if result.copy and result.copy.copied:
+                console.print(f"  copied {', '.join(f'@{n}' for n in result.copy.copied)} to {result.copy.target} "
+                              f"({human(result.copy.wire_bytes)} on the wire)")
+        else:
+            console.print(f"[red]backup of {name} failed[/]: {result.error}")
+
+    emit(result.as_dict(), human_view)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def prune(
+    name: Annotated[str, typer.Argument(help="A scheduled capsule.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would be kept (and by which rule) and "
+                                                            "what removed.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Apply NAME's retention policy to its backups: remove the versions it does not keep.
+
+    Then only what nothing else uses is collected: layers shared with other versions or capsules stay.
+
+    Example:
+
+      capsule backup prune desk --dry-run
+    """
+    json_flag(json)
+    result = runner.prune(open_store(), name, dry_run=dry_run)
+
+    def human_view() -> None:
+        if not result.decisions:
+            console.print(f"{name} has no backups yet")
+            return
+        t = Table("backup", "taken", "", "why")
+        for d in result.decisions:
+            t.add_row(f"{name}@{d.snapshot.number}", _when(d.snapshot.time),
+                      "[green]keep[/]" if d.keep else "[red]remove[/]", ", ".join(d.reasons))
+        console.print(t)
+        verb = "would remove" if dry_run else "removed"
+        console.print(f"{verb} {len(result.removed)} backup(s)"
+                      + ("" if dry_run else f", freed {human(result.freed_bytes)}"))
+
+    emit(result.as_dict(), human_view)
+
+
+@app.command()
+def restore(
+    ref: Annotated[str, typer.Argument(help="The backup, NAME@V (see `capsule backup ls NAME`).")],
+    as_name: Annotated[str | None, typer.Option("--as", help="Start it as a new capsule of this name (NAME keeps "
+                                                             "running). Without it the backup becomes NAME's "
+                                                             "new latest version and starts (NAME must be "
+                                                             "stopped or suspended).")] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Start a backup: as a new capsule (--as NEW), or as the new latest version of the same capsule.
+
+    Examples:
+
+      capsule backup restore desk@12 --as desk-tuesday
+
+      capsule suspend desk && capsule backup restore desk@12
+    """
+    json_flag(json)
+    store = open_store()
+    with progress(f"restoring {ref}") as say:
+        r = runner.restore(store, ref, as_name=as_name, say=say)
+    data = {"source": r.source, "capsule": r.capsule, "version": r.version.ref,
+            "mode": r.start.mode if r.start else None, "seconds": r.start.seconds if r.start else None}
+    emit(data, lambda: console.print(f"restored {ref} as [bold]{r.version.ref}[/], running "
+                                     f"({data['mode']}, {data['seconds']:.1f}s)"))
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="backup")
