@@ -18,7 +18,6 @@ from capsule.runtime.connection import connect
 from capsule.runtime.domainxml import MachineSpec
 from capsule.store import Store
 
-
 VNC_SOCKET = "vnc.sock"  # the screen's VNC server, beside the agent socket in the instance's directory
 
 
