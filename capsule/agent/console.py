@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request, Response, WebSocket
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.websockets import WebSocketState
 
@@ -37,6 +40,9 @@ from capsule.store import Store
 TICKET_LIFETIME = 30.0
 MAX_TICKETS = 1024
 CHUNK = 64 * 1024
+# noVNC's ES modules, installed by `npm ci` in web/ (web/package.json pins the version, package-lock.json the bytes)
+NOVNC_DIR = Path(os.environ.get("CAPSULE_NOVNC_DIR", Path(__file__).resolve().parents[2] / "web" / "node_modules"
+                                / "@novnc" / "novnc"))
 
 
 @dataclass
@@ -80,6 +86,8 @@ def install(app: FastAPI, store: Store, sessions: Sessions, tickets: Tickets | N
     tickets = tickets or Tickets()
     app.state.console_tickets = tickets
     app.include_router(router(store, sessions, tickets))
+    if NOVNC_DIR.is_dir():   # before the page's own /web mount, which would answer 404 for it
+        app.mount("/web/vendor/novnc", StaticFiles(directory=NOVNC_DIR), name="novnc")
     return tickets
 
 

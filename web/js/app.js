@@ -2,6 +2,7 @@
 // All data comes from the JSON API (api.js); nothing here decides anything the API does not.
 
 import * as api from "./api.js";
+import { closeConsole, openConsole } from "./console.js";
 import { bytes, h, when } from "./format.js";
 
 const REFRESH_MS = 3000;
@@ -22,9 +23,10 @@ const running = (c) => c.state === "running";
 const startable = (c) => c.state === "stopped" || c.state === "suspended";
 
 // The actions on this host's capsules: each is one API call (the same library call as the CLI's verb).
-// Next to come here: "Console" (noVNC over the agent's WebSocket, with a ticket for that one domain) and
+// "Console" opens the live console panel (console.js). Next to come here:
 // "Migrate…" (destination host, full or demand, balloon; progress phase by phase).
 const ACTIONS = [
+  { verb: "console", label: "Console", when: running, run: (c) => openConsole(null, c.name) },
   { verb: "start", label: "Start", busy: "starting", when: startable },
   { verb: "suspend", label: "Suspend", busy: "suspending", when: running },
   { verb: "suspend", label: "Suspend + balloon", busy: "ballooning and suspending", when: running,
@@ -49,6 +51,7 @@ function clearError() {
 // -- sign-in ------------------------------------------------------------------------------------------
 function showSignIn(message = "") {
   stopRefreshing();
+  closeConsole();
   view.session = null;
   view.local = view.peers = null;
   $("sign-in").hidden = false;
@@ -123,6 +126,7 @@ async function refresh() {
 }
 
 async function act(capsule, action) {
+  if (action.run) return action.run(capsule);
   let body = action.body || {};
   if (action.ask) {
     body = await action.ask(capsule);
