@@ -1,7 +1,10 @@
 """The live console: a capsule's screen in the page, through the agent.
 
-    POST /api/capsules/{name}/console-ticket    a ticket for that one capsule's screen (session + CSRF)
+    POST /api/capsules/{name}/console-ticket    a ticket for that one capsule's screen (session + CSRF);
+                                                ``?kind=serial`` for its serial console
     WS   /api/console/{name}?ticket=T           the screen's VNC byte stream, in binary WebSocket frames
+    WS   /api/console/{name}/serial?ticket=T    the serial console: first the tail of its log, then the
+                                                pty's output; what the page sends is typed into it
 
 QEMU's VNC server listens on a unix socket in the instance's directory only (``capsule.screen``); the agent
 splices an authenticated WebSocket to it, so the page's noVNC speaks RFB to the guest's screen. The WebSocket
@@ -21,10 +24,12 @@ import os
 import secrets
 import threading
 import time
+import tty
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request, Response, WebSocket
@@ -40,14 +45,21 @@ from capsule.store import Store
 TICKET_LIFETIME = 30.0
 MAX_TICKETS = 1024
 CHUNK = 64 * 1024
-# noVNC's ES modules, installed by `npm ci` in web/ (web/package.json pins the version, package-lock.json the bytes)
-NOVNC_DIR = Path(os.environ.get("CAPSULE_NOVNC_DIR", Path(__file__).resolve().parents[2] / "web" / "node_modules"
-                                / "@novnc" / "novnc"))
+# the page's browser libraries, installed by `npm ci` in web/ (web/package.json pins the versions,
+# package-lock.json the bytes); CAPSULE_NODE_MODULES points elsewhere (an installed copy)
+NODE_MODULES = Path(os.environ.get("CAPSULE_NODE_MODULES",
+                                   Path(__file__).resolve().parents[2] / "web" / "node_modules"))
+VENDOR = {"novnc": "@novnc/novnc", "xterm": "@xterm/xterm"}   # /web/vendor/NAME/ → node_modules/PACKAGE/
+
+
+Kind = Literal["screen", "serial"]
+HISTORY = 16 * 1024     # how much of the serial console's log a new serial connection is shown first
 
 
 @dataclass
 class Ticket:
     name: str
+    kind: Kind
     sid: str | None      # the session that asked for it; None: a script with the bearer token
     expires: float
 
@@ -61,19 +73,21 @@ class Tickets:
         self._lock = threading.Lock()
         self._by_id: OrderedDict[str, Ticket] = OrderedDict()
 
-    def issue(self, name: str, sid: str | None) -> str:
+    def issue(self, name: str, sid: str | None, kind: Kind = "screen") -> str:
         ticket = secrets.token_urlsafe(32)
         with self._lock:
-            self._by_id[ticket] = Ticket(name, sid, self.clock() + self.lifetime)
+            self._by_id[ticket] = Ticket(name, kind, sid, self.clock() + self.lifetime)
             while len(self._by_id) > MAX_TICKETS:
                 self._by_id.popitem(last=False)
         return ticket
 
-    def redeem(self, ticket: str, name: str, sid: str | None) -> bool:
-        """True when ``ticket`` opens ``name`` for this session now. A ticket is used up by any attempt."""
+    def redeem(self, ticket: str, name: str, sid: str | None, kind: Kind = "screen") -> bool:
+        """True when ``ticket`` opens ``name``'s console of this kind for this session now. A ticket is used up
+        by any attempt."""
         with self._lock:
             t = self._by_id.pop(ticket, None)
-        return t is not None and t.name == name and t.sid == sid and self.clock() < t.expires
+        return (t is not None and t.name == name and t.kind == kind and t.sid == sid
+                and self.clock() < t.expires)
 
 
 class TicketOut(BaseModel):
@@ -86,8 +100,9 @@ def install(app: FastAPI, store: Store, sessions: Sessions, tickets: Tickets | N
     tickets = tickets or Tickets()
     app.state.console_tickets = tickets
     app.include_router(router(store, sessions, tickets))
-    if NOVNC_DIR.is_dir():   # before the page's own /web mount, which would answer 404 for it
-        app.mount("/web/vendor/novnc", StaticFiles(directory=NOVNC_DIR), name="novnc")
+    for name, package in VENDOR.items():  # before the page's own /web mount, which would answer 404 for them
+        if (NODE_MODULES / package).is_dir():
+            app.mount(f"/web/vendor/{name}", StaticFiles(directory=NODE_MODULES / package), name=name)
     return tickets
 
 
@@ -101,24 +116,51 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
 
     @api.post("/capsules/{name}/console-ticket", response_model=TicketOut, dependencies=[Depends(caller)],
               summary="A short-lived, single-use ticket for one running capsule's console")
-    async def console_ticket(name: str, request: Request) -> TicketOut:
+    async def console_ticket(name: str, request: Request, kind: Kind = "screen") -> TicketOut:
         c: Caller = request.state.caller
-        await asyncio.to_thread(screen.vnc_socket, store, name)   # NotFound / Conflict before any ticket
-        ticket = tickets.issue(name, None if c.session is None else c.session.sid)
-        return TicketOut(ticket=ticket, expires_in=tickets.lifetime, url=f"/api/console/{name}?ticket={ticket}")
+        # NotFound / Conflict before any ticket
+        await asyncio.to_thread(screen.vnc_socket if kind == "screen" else screen.serial_console, store, name)
+        ticket = tickets.issue(name, None if c.session is None else c.session.sid, kind)
+        path = f"/api/console/{name}" + ("/serial" if kind == "serial" else "")
+        return TicketOut(ticket=ticket, expires_in=tickets.lifetime, url=f"{path}?ticket={ticket}")
 
-    @api.websocket("/console/{name}")
-    async def console(ws: WebSocket, name: str, ticket: str = "") -> None:
+    async def admitted(ws: WebSocket, name: str, ticket: str, kind: Kind) -> bool:
         c = ws_caller(sessions, ws)
         if c is None:
             await deny(ws, 401, "sign in first")
-            return
+            return False
         if not same_origin(ws):
             await deny(ws, 403, "cross-site request refused")
-            return
-        if not tickets.redeem(ticket, name, None if c.session is None else c.session.sid):
-            await deny(ws, 403, "no valid console ticket for this capsule (ask for one: they last "
+            return False
+        if not tickets.redeem(ticket, name, None if c.session is None else c.session.sid, kind):
+            await deny(ws, 403, f"no valid {kind} console ticket for this capsule (ask for one: they last "
                                 f"{tickets.lifetime:.0f} s and open one console once)")
+            return False
+        return True
+
+    @api.websocket("/console/{name}/serial")
+    async def serial(ws: WebSocket, name: str, ticket: str = "") -> None:
+        if not await admitted(ws, name, ticket, "serial"):
+            return
+        try:
+            console = await asyncio.to_thread(screen.serial_console, store, name)
+            reader, writer, close = await open_pty(console.pty)
+        except Error as exc:
+            await deny(ws, exc.http_status, str(exc))
+            return
+        except OSError as exc:
+            await deny(ws, 409, f"the serial console of {name!r} does not answer ({exc.strerror})")
+            return
+        try:
+            await ws.accept()
+            await ws.send_bytes(await asyncio.to_thread(log_tail, console.log, HISTORY))
+            await splice(ws, reader, writer, text=True)
+        finally:
+            close()
+
+    @api.websocket("/console/{name}")
+    async def console(ws: WebSocket, name: str, ticket: str = "") -> None:
+        if not await admitted(ws, name, ticket, "screen"):
             return
         try:
             sock = await asyncio.to_thread(screen.vnc_socket, store, name)
@@ -160,22 +202,66 @@ async def deny(ws: WebSocket, status: int, detail: str) -> None:
                                            headers={"Cache-Control": "no-store"}))
 
 
-async def splice(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy bytes both ways until either side ends, then close both ends."""
+def log_tail(log: Path, size: int) -> bytes:
+    """The last ``size`` bytes of the console log, from a line start when there is one."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            data = f.read(size)
+    except FileNotFoundError:
+        return b""
+    cut = data.find(b"\n")
+    return data[cut + 1:] if len(data) == size and cut >= 0 else data
 
-    async def upstream(scope: anyio.CancelScope) -> None:       # the page → the VNC server
-        while True:
-            msg = await ws.receive()
-            data = msg.get("bytes") if msg["type"] == "websocket.receive" else None
-            if data is None:            # the page left; or a text frame, which RFB never sends
-                break
-            writer.write(data)
-            await writer.drain()
+
+async def open_pty(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Callable[[], None]]:
+    """asyncio streams on a host pty (raw mode), and a function that closes both."""
+    loop = asyncio.get_running_loop()
+    fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        tty.setraw(fd)
+        wfd = os.dup(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    reader = asyncio.StreamReader()
+    rtransport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                 os.fdopen(fd, "rb", buffering=0))
+    wtransport, wprotocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                          os.fdopen(wfd, "wb", buffering=0))
+    writer = asyncio.StreamWriter(wtransport, wprotocol, None, loop)
+
+    def close() -> None:
+        rtransport.close()
+        wtransport.close()
+
+    return reader, writer, close
+
+
+async def splice(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                 text: bool = False) -> None:
+    """Copy bytes both ways until either side ends, then close both ends. Binary frames from the page;
+    ``text``: text frames too (typed keys, as UTF-8)."""
+
+    async def upstream(scope: anyio.CancelScope) -> None:       # the page → the VNC server / the pty
+        with contextlib.suppress(OSError):
+            while True:
+                msg = await ws.receive()
+                if msg["type"] != "websocket.receive":
+                    break
+                data = msg.get("bytes")
+                if data is None and text and msg.get("text") is not None:
+                    data = msg["text"].encode()
+                if data is None:        # a text frame, which RFB never sends
+                    break
+                writer.write(data)
+                await writer.drain()
         scope.cancel()
 
-    async def downstream(scope: anyio.CancelScope) -> None:     # the VNC server → the page
-        while data := await reader.read(CHUNK):
-            await ws.send_bytes(data)
+    async def downstream(scope: anyio.CancelScope) -> None:     # the VNC server / the pty → the page
+        with contextlib.suppress(OSError):   # a pty whose other side is gone reads EIO
+            while data := await reader.read(CHUNK):
+                await ws.send_bytes(data)
         scope.cancel()
 
     try:
@@ -184,7 +270,7 @@ async def splice(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.St
             tg.start_soon(downstream, tg.cancel_scope)
     finally:
         writer.close()
-        with anyio.CancelScope(shield=True), contextlib.suppress(OSError):
+        with anyio.CancelScope(shield=True), contextlib.suppress(OSError, NotImplementedError):
             await writer.wait_closed()
         if ws.client_state == WebSocketState.CONNECTED and ws.application_state == WebSocketState.CONNECTED:
             with anyio.CancelScope(shield=True), contextlib.suppress(RuntimeError, OSError):

@@ -4,6 +4,7 @@ lifetime, for the session that asked; without a session the handshake is 401."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
 from starlette.websockets import WebSocketDisconnect
 
-from capsule import capsules
+from capsule import capsules, screen
 from capsule.agent.app import create_app
 from capsule.agent.console import Tickets
 from capsule.catalogue import InstanceRow
@@ -220,3 +221,36 @@ def test_tickets_unit():
     clock.now += 30
     assert not tickets.redeem(c, "x", None)
     assert not tickets.redeem("made-up", "x", None)
+
+
+def test_serial_console_shows_the_log_then_splices_the_pty(client, home, monkeypatch):
+    """The guest's side of the serial port is a pty master held by the test."""
+    master, slave = os.openpty()
+    log = home / "inst" / "desk" / "console.log"
+    log.write_bytes(b"x" * 20000 + b"\nearlier boot output\n")
+    monkeypatch.setattr(screen, "serial_console", lambda store, name: screen.Serial(Path(os.ttyname(slave)), log))
+    try:
+        csrf = sign_in(client)
+        r = client.post("/api/capsules/desk/console-ticket?kind=serial", headers={"X-CSRF-Token": csrf})
+        body = r.json()
+        assert body["url"] == f"/api/console/desk/serial?ticket={body['ticket']}"
+        # a serial ticket does not open the screen
+        assert refused(client, f"/api/console/desk?ticket={body['ticket']}") == 403
+        t = client.post("/api/capsules/desk/console-ticket?kind=serial", headers={"X-CSRF-Token": csrf}).json()
+        with client.websocket_connect(t["url"]) as ws:
+            history = ws.receive_bytes()
+            assert history.endswith(b"earlier boot output\n") and len(history) <= 16 * 1024
+            assert not history.startswith(b"x" * 100 + b"\n")
+            ws.send_text("echo hi\r")
+            got = b""
+            while not got.endswith(b"hi\r"):
+                got += os.read(master, 100)
+            assert got == b"echo hi\r"
+            os.write(master, b"hi\r\n# ")
+            out = b""
+            while not out.endswith(b"# "):
+                out += ws.receive_bytes()
+            assert out == b"hi\r\n# "
+    finally:
+        os.close(master)
+        os.close(slave)
