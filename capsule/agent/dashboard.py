@@ -60,7 +60,9 @@ PEER_TIMEOUT = 3.0
 WEB_DIR = Path(os.environ.get("CAPSULE_WEB_DIR", Path(__file__).resolve().parents[2] / "web"))
 # the page loads only its own scripts and styles, talks only to its own agent, is never framed
 PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+    # style-src 'unsafe-inline': the serial console (xterm.js) sizes and colours its cells with a <style> it writes
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+                               "object-src 'none'; base-uri 'none'; "
                                "frame-ancestors 'none'; form-action 'self'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",

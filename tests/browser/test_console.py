@@ -1,5 +1,5 @@
 """The live console in a real browser: noVNC in the page, through the agent's ticketed WebSocket, to a real
-tiny guest's screen. The test writes to the guest's screen through its serial console and checks the canvas's
+tiny guest's screen and its serial console. The test writes to the guest's screen through its serial console and checks the canvas's
 pixels follow; a ticket for one capsule does not open another."""
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def test_console_shows_the_guest_screen_and_a_ticket_opens_one_capsule(two_hosts
     lifecycle.start(a, "other")
 
     page = browser.new_page(viewport={"width": 1280, "height": 900})
+    blocked: list[str] = []     # what the page's Content-Security-Policy refused (the consoles need none of it)
+    page.on("console", lambda m: "Content Security Policy" in m.text and blocked.append(m.text))
     page.goto(agent_a.url)
     page.fill("#token", agent_a.token)
     page.click("#sign-in-form button[type=submit]")
@@ -85,6 +87,16 @@ def test_console_shows_the_guest_screen_and_a_ticket_opens_one_capsule(two_hosts
     expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
     wait_until(lambda: (s := _lit(page)) and abs(s["lit"] - written["lit"]) < 500, 20,
                lambda: f"the same text after the restore ({written['lit']} lit pixels): {_lit(page)}")
+
+    # the serial console of the same capsule: the log's tail first, then typed commands run in the guest
+    page.click("#console-kind-serial")
+    expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+    expect(page.locator("#console-screen")).to_be_hidden()
+    page.locator("#console-serial .xterm").click()
+    page.keyboard.type("echo SERIAL-$((6*7))-OK\n")
+    expect(page.locator("#console-serial .xterm-rows")).to_contain_text("SERIAL-42-OK", timeout=20_000)
+    _shot(page, tmp_path, "console-serial")
+    assert blocked == []
 
     page.click("#console-close")
     expect(page.locator("#console")).to_be_hidden()

@@ -66,4 +66,5 @@ export async function signOut() {
 export const capsules = () => call("GET", "capsules");
 export const peers = () => call("GET", "hosts");
 export const action = (name, verb, body = {}) => call("POST", `capsules/${encodeURIComponent(name)}/${verb}`, body);
-export const consoleTicket = (name) => call("POST", `capsules/${encodeURIComponent(name)}/console-ticket`, {});
+export const consoleTicket = (name, kind = "screen") =>
+  call("POST", `capsules/${encodeURIComponent(name)}/console-ticket?kind=${encodeURIComponent(kind)}`, {});

@@ -1,19 +1,23 @@
-// The live console: a running capsule's screen, through its agent (noVNC's RFB over the agent's WebSocket).
-// Each connection asks the agent for a ticket first (a CSRF-checked POST): a ticket opens that one capsule's
-// screen once, within 30 s, for this session. Nothing here talks to the guest but the agent's WebSocket.
+// The live console: a running capsule's screen (noVNC's RFB) or its serial console (xterm.js), through its
+// agent's WebSockets. Each connection asks the agent for a ticket first (a CSRF-checked POST): a ticket opens
+// that one capsule's console of that kind once, within 30 s, for this session. Nothing here talks to the
+// guest but the agent's WebSocket.
 //
-//   openConsole(hostUrl, name, { ticket })   show the panel and connect; hostUrl null/"" = this host.
-//                                            `ticket` (optional): async () => ({url}) for a host whose ticket
-//                                            this page cannot ask for itself (default: this host's API).
-//   closeConsole()                           disconnect and hide the panel.
+//   openConsole(hostUrl, name, { kind, ticket })   show the panel and connect; hostUrl null/"" = this host;
+//                                                  kind "screen" (default) or "serial"; `ticket` (optional):
+//                                                  async (kind) => ({url}) for a host whose ticket this page
+//                                                  cannot ask for itself (default: this host's API).
+//   closeConsole()                                 disconnect and hide the panel.
 // Calling openConsole again (e.g. when a migrated capsule comes up on its new host) replaces the connection.
 
 import RFB from "/web/vendor/novnc/core/rfb.js";
+import { Terminal } from "/web/vendor/xterm/lib/xterm.mjs";
 import * as api from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 
-const current = { rfb: null, hostUrl: null, name: null, ticket: null, generation: 0 };
+const current = { rfb: null, ws: null, term: null, hostUrl: null, name: null, kind: "screen", ticket: null,
+  generation: 0 };
 
 function setState(state, text) {
   const el = $("console-state");
@@ -30,53 +34,94 @@ function wsUrl(hostUrl, path) {
 
 function disconnect() {
   current.generation += 1;
-  if (current.rfb) {
-    const rfb = current.rfb;
-    current.rfb = null;
-    try {
-      rfb.disconnect();
-    } catch {
-      // already gone
-    }
+  const { rfb, ws, term } = current;
+  current.rfb = current.ws = current.term = null;
+  try {
+    if (rfb) rfb.disconnect();
+    if (ws) ws.close();
+    if (term) term.dispose();
+  } catch {
+    // already gone
   }
   $("console-screen").replaceChildren();
+  $("console-serial").replaceChildren();
+}
+
+function showKind(kind) {
+  $("console-screen").hidden = kind !== "screen";
+  $("console-serial").hidden = kind !== "serial";
+  for (const b of document.querySelectorAll("#console [data-kind]")) {
+    b.setAttribute("aria-pressed", String(b.dataset.kind === kind));
+  }
 }
 
 async function connect() {
   disconnect();
   const generation = current.generation;
-  const { hostUrl, name } = current;
+  const { hostUrl, name, kind } = current;
+  const live = () => generation === current.generation;
+  showKind(kind);
   setState("connecting", "asking for a ticket…");
   let grant;
   try {
-    grant = current.ticket ? await current.ticket() : await api.consoleTicket(name);
+    grant = current.ticket ? await current.ticket(kind) : await api.consoleTicket(name, kind);
   } catch (err) {
-    if (generation === current.generation) setState("failed", `no console: ${err.message}`);
+    if (live()) setState("failed", `no console: ${err.message}`);
     return;
   }
-  if (generation !== current.generation) return;   // closed or reopened meanwhile
+  if (!live()) return;   // closed or reopened meanwhile
   setState("connecting", "connecting…");
-  const rfb = new RFB($("console-screen"), wsUrl(hostUrl, grant.url), { wsProtocols: ["binary"] });
+  const url = wsUrl(hostUrl, grant.url);
+  const lost = (clean) => {
+    if (!live()) return;
+    setState("disconnected", clean ? "disconnected" : "connection lost (the capsule stopped or moved?)");
+  };
+  if (kind === "serial") connectSerial(url, live, lost);
+  else connectScreen(url, live, lost);
+}
+
+function connectScreen(url, live, lost) {
+  const rfb = new RFB($("console-screen"), url, { wsProtocols: ["binary"] });
   rfb.scaleViewport = true;     // the whole screen, scaled to fit the panel
   rfb.resizeSession = false;
   rfb.focusOnClick = true;
   rfb.addEventListener("connect", () => {
-    if (generation === current.generation) setState("connected", "connected");
+    if (live()) setState("connected", "connected");
   });
   rfb.addEventListener("disconnect", (ev) => {
-    if (generation !== current.generation) return;
-    current.rfb = null;
-    setState("disconnected", ev.detail.clean ? "disconnected" : "connection lost (the capsule stopped or moved?)");
+    if (live()) current.rfb = null;
+    lost(ev.detail.clean);
   });
   rfb.addEventListener("securityfailure", (ev) => {
-    if (generation === current.generation) setState("failed", `refused: ${ev.detail.reason || "security failure"}`);
+    if (live()) setState("failed", `refused: ${ev.detail.reason || "security failure"}`);
   });
   current.rfb = rfb;
 }
 
-export function openConsole(hostUrl, name, { ticket = null } = {}) {
+function connectSerial(url, live, lost) {
+  const term = new Terminal({ cols: 100, rows: 30, convertEol: false, scrollback: 2000,
+    fontFamily: "ui-monospace, monospace", fontSize: 14 });
+  term.open($("console-serial"));
+  const ws = new WebSocket(url);
+  ws.binaryType = "arraybuffer";
+  ws.onopen = () => {
+    if (!live()) return;
+    setState("connected", "connected");
+    term.focus();
+  };
+  ws.onmessage = (ev) => term.write(new Uint8Array(ev.data));
+  ws.onclose = (ev) => lost(ev.wasClean);
+  term.onData((data) => {
+    if (ws.readyState === WebSocket.OPEN) ws.send(data);
+  });
+  current.ws = ws;
+  current.term = term;
+}
+
+export function openConsole(hostUrl, name, { kind = "screen", ticket = null } = {}) {
   current.hostUrl = hostUrl || null;
   current.name = name;
+  current.kind = kind;
   current.ticket = ticket;
   $("console-title").textContent = hostUrl ? `${name} on ${hostUrl}` : name;
   $("console").hidden = false;
@@ -97,3 +142,11 @@ $("console-reconnect").addEventListener("click", () => {
   if (current.name) connect();
 });
 $("console-close").addEventListener("click", closeConsole);
+for (const b of document.querySelectorAll("#console [data-kind]")) {
+  b.addEventListener("click", () => {
+    if (current.name && current.kind !== b.dataset.kind) {
+      current.kind = b.dataset.kind;
+      connect();
+    }
+  });
+}
