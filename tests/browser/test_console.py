@@ -1,6 +1,6 @@
 """The live console in a real browser: noVNC in the page, through the agent's ticketed WebSocket, to a real
-tiny guest's screen and its serial console. The test writes to the guest's screen through its serial console and checks the canvas's
-pixels follow; a ticket for one capsule does not open another."""
+tiny guest's screen, and xterm.js on its serial console. The test writes to the guest's screen through its
+serial console and checks the canvas's pixels follow; a ticket for one capsule does not open another."""
 
 from __future__ import annotations
 
@@ -100,3 +100,30 @@ def test_console_shows_the_guest_screen_and_a_ticket_opens_one_capsule(two_hosts
 
     page.click("#console-close")
     expect(page.locator("#console")).to_be_hidden()
+
+
+def test_page_works_without_the_npm_libraries_and_says_what_to_do(store, browser, tmp_path):  # noqa: F811
+    """A host where `make web` did not run: the dashboard still works; the console says how to get it."""
+    import os
+
+    from playwright.sync_api import expect
+
+    from tests.conftest import Agent
+
+    capsules.create(store, "desk", "tiny", memory="256M")
+    lifecycle.start(store, "desk", wait=False)
+    (tmp_path / "empty").mkdir()
+    agent = Agent(store.home, tmp_path / "t.token", env=os.environ | {"CAPSULE_NODE_MODULES": str(tmp_path / "empty")})
+    try:
+        page = browser.new_page()
+        page.goto(agent.url)
+        page.fill("#token", agent.token)
+        page.click("#sign-in-form button[type=submit]")
+        row = page.locator('section[data-host="local"] tr[data-capsule="desk"]')
+        expect(row.locator(".badge")).to_have_attribute("data-state", "running")
+        row.locator('button[data-action="console"]').click()
+        expect(page.locator("#alert-text")).to_contain_text("make web")
+        expect(page.locator("#console")).to_be_hidden()
+        expect(row.locator(".badge")).to_have_attribute("data-state", "running")   # the page still refreshes
+    finally:
+        agent.stop()

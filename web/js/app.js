@@ -2,7 +2,6 @@
 // All data comes from the JSON API (api.js); nothing here decides anything the API does not.
 
 import * as api from "./api.js";
-import { closeConsole, openConsole } from "./console.js";
 import { bytes, h, when } from "./format.js";
 
 const REFRESH_MS = 3000;
@@ -26,7 +25,7 @@ const startable = (c) => c.state === "stopped" || c.state === "suspended";
 // "Console" opens the live console panel (console.js). Next to come here:
 // "Migrate…" (destination host, full or demand, balloon; progress phase by phase).
 const ACTIONS = [
-  { verb: "console", label: "Console", when: running, run: (c) => openConsole(null, c.name) },
+  { verb: "console", label: "Console", when: running, run: (c) => showConsole(c.name) },
   { verb: "start", label: "Start", busy: "starting", when: startable },
   { verb: "suspend", label: "Suspend", busy: "suspending", when: running },
   { verb: "suspend", label: "Suspend + balloon", busy: "ballooning and suspending", when: running,
@@ -36,6 +35,20 @@ const ACTIONS = [
   { verb: "derive", label: "Derive…", busy: "deriving", when: () => true, ask: askDerive },
   { verb: "rm", label: "Remove…", busy: "removing", when: (c) => !running(c), ask: askRemove },
 ];
+
+// The console (console.js) loads on first use: a host without the page's npm libraries (noVNC, xterm.js) still
+// shows everything else.
+let consoleModule = null;
+
+async function showConsole(name) {
+  try {
+    consoleModule = consoleModule || await import("./console.js");
+  } catch (err) {
+    showError(`the console cannot load (${err.message}): on this host, run \`make web\` (npm ci in web/)`);
+    return;
+  }
+  await consoleModule.openConsole(null, name);
+}
 
 // -- alerts -------------------------------------------------------------------------------------------
 function showError(message) {
@@ -51,7 +64,7 @@ function clearError() {
 // -- sign-in ------------------------------------------------------------------------------------------
 function showSignIn(message = "") {
   stopRefreshing();
-  closeConsole();
+  if (consoleModule) consoleModule.closeConsole();
   view.session = null;
   view.local = view.peers = null;
   $("sign-in").hidden = false;
