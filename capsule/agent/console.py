@@ -14,7 +14,8 @@ session that asked for it. A browser sends no CSRF header on a WebSocket handsha
 script of this page can ask for (a CSRF-checked POST), stands in for it. Refusals happen at the handshake:
 401 without a session, 403 for a missing, expired, reused or other capsule's ticket or another site's page.
 
-Installed by :func:`install` (one line in ``dashboard.install``), before the API's catch-all."""
+A peer's consoles are relayed through this agent (``consolerelay``). Installed by :func:`install` (one line in
+``dashboard.install``), before the API's catch-all."""
 
 from __future__ import annotations
 
@@ -97,21 +98,30 @@ class TicketOut(BaseModel):
 
 
 def install(app: FastAPI, store: Store, sessions: Sessions, tickets: Tickets | None = None) -> Tickets:
+    from capsule.agent import consolerelay
+
     tickets = tickets or Tickets()
     app.state.console_tickets = tickets
     app.include_router(router(store, sessions, tickets))
+    app.include_router(consolerelay.router(store, sessions, tickets, signed_in(sessions)))
     for name, package in VENDOR.items():  # before the page's own /web mount, which would answer 404 for them
         if (NODE_MODULES / package).is_dir():
             app.mount(f"/web/vendor/{name}", StaticFiles(directory=NODE_MODULES / package), name=name)
     return tickets
 
 
-def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
+def signed_in(sessions: Sessions) -> Callable[[Request, Response], Caller]:
+    """The dependency of a console's HTTP calls: a session + CSRF, or the bearer token (``request.state.caller``)."""
     def caller(request: Request, response: Response) -> Caller:
         response.headers["Cache-Control"] = "no-store"
         request.state.caller = sessions.authenticate(request)
         return request.state.caller
 
+    return caller
+
+
+def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
+    caller = signed_in(sessions)
     api = APIRouter(prefix="/api", tags=["dashboard"])
 
     @api.post("/capsules/{name}/console-ticket", response_model=TicketOut, dependencies=[Depends(caller)],
@@ -124,23 +134,9 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
         path = f"/api/console/{name}" + ("/serial" if kind == "serial" else "")
         return TicketOut(ticket=ticket, expires_in=tickets.lifetime, url=f"{path}?ticket={ticket}")
 
-    async def admitted(ws: WebSocket, name: str, ticket: str, kind: Kind) -> bool:
-        c = ws_caller(sessions, ws)
-        if c is None:
-            await deny(ws, 401, "sign in first")
-            return False
-        if not same_origin(ws):
-            await deny(ws, 403, "cross-site request refused")
-            return False
-        if not tickets.redeem(ticket, name, None if c.session is None else c.session.sid, kind):
-            await deny(ws, 403, f"no valid {kind} console ticket for this capsule (ask for one: they last "
-                                f"{tickets.lifetime:.0f} s and open one console once)")
-            return False
-        return True
-
     @api.websocket("/console/{name}/serial")
     async def serial(ws: WebSocket, name: str, ticket: str = "") -> None:
-        if not await admitted(ws, name, ticket, "serial"):
+        if not await admit(sessions, tickets, ws, name, ticket, "serial"):
             return
         try:
             console = await asyncio.to_thread(screen.serial_console, store, name)
@@ -160,7 +156,7 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
 
     @api.websocket("/console/{name}")
     async def console(ws: WebSocket, name: str, ticket: str = "") -> None:
-        if not await admitted(ws, name, ticket, "screen"):
+        if not await admit(sessions, tickets, ws, name, ticket, "screen"):
             return
         try:
             sock = await asyncio.to_thread(screen.vnc_socket, store, name)
@@ -176,6 +172,23 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
         await splice(ws, reader, writer)
 
     return api
+
+
+async def admit(sessions: Sessions, tickets: Tickets, ws: WebSocket, key: str, ticket: str, kind: Kind) -> bool:
+    """Check a console WebSocket's handshake: a session (or the bearer token), this site's page, and a ticket
+    for ``key`` (a capsule here, or ``host/capsule``) of this kind; refuse it (401/403) otherwise."""
+    c = ws_caller(sessions, ws)
+    if c is None:
+        await deny(ws, 401, "sign in first")
+        return False
+    if not same_origin(ws):
+        await deny(ws, 403, "cross-site request refused")
+        return False
+    if not tickets.redeem(ticket, key, None if c.session is None else c.session.sid, kind):
+        await deny(ws, 403, f"no valid {kind} console ticket for this capsule (ask for one: they last "
+                            f"{tickets.lifetime:.0f} s and open one console once)")
+        return False
+    return True
 
 
 def ws_caller(sessions: Sessions, ws: WebSocket) -> Caller | None:

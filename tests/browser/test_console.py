@@ -127,3 +127,32 @@ def test_page_works_without_the_npm_libraries_and_says_what_to_do(store, browser
         expect(row.locator(".badge")).to_have_attribute("data-state", "running")   # the page still refreshes
     finally:
         agent.stop()
+
+
+def test_a_peers_console_through_this_host(two_hosts, browser):  # noqa: F811
+    """Signed in at A only: a capsule running on peer B shows its screen, relayed by A's agent."""
+    from playwright.sync_api import expect
+
+    from capsule import hosts
+
+    a, b, agent_a, agent_b = two_hosts
+    hosts.add(a, "home", agent_b.url, agent_b.token)
+    capsules.create(b, "far", "tiny", memory="256M")
+    lifecycle.start(b, "far")
+    run(b, "far", CLEAR + "; " + WRITE)
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(agent_a.url)
+    page.fill("#token", agent_a.token)
+    page.click("#sign-in-form button[type=submit]")
+    row = page.locator('section[data-host="home"] tr[data-capsule="far"]')
+    expect(row.locator(".badge")).to_have_attribute("data-state", "running", timeout=20_000)
+    row.locator('button[data-action="console"]').click()
+    expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+    expect(page.locator("#console-title")).to_have_text("far on home")
+    wait_until(lambda: (s := _lit(page)) and s["lit"] > 5000, 20, lambda: f"B's screen with text: {_lit(page)}")
+    # and by the peer's URL, as the migrate dialog knows it
+    page.evaluate("""async (url) => (await import('/web/js/console.js')).openConsole(url, 'far')""", agent_b.url)
+    expect(page.locator("#console-title")).to_have_text(f"far on {agent_b.url}")
+    expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+    wait_until(lambda: (s := _lit(page)) and s["lit"] > 5000, 20, lambda: f"B's screen again: {_lit(page)}")

@@ -68,3 +68,6 @@ export const peers = () => call("GET", "hosts");
 export const action = (name, verb, body = {}) => call("POST", `capsules/${encodeURIComponent(name)}/${verb}`, body);
 export const consoleTicket = (name, kind = "screen") =>
   call("POST", `capsules/${encodeURIComponent(name)}/console-ticket?kind=${encodeURIComponent(kind)}`, {});
+export const peerConsoleTicket = (host, name, kind = "screen") =>
+  call("POST", `hosts/${encodeURIComponent(host)}/capsules/${encodeURIComponent(name)}/console-ticket` +
+    `?kind=${encodeURIComponent(kind)}`, {});

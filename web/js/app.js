@@ -40,14 +40,14 @@ const ACTIONS = [
 // shows everything else.
 let consoleModule = null;
 
-async function showConsole(name) {
+async function showConsole(name, host = null) {
   try {
     consoleModule = consoleModule || await import("./console.js");
   } catch (err) {
     showError(`the console cannot load (${err.message}): on this host, run \`make web\` (npm ci in web/)`);
     return;
   }
-  await consoleModule.openConsole(null, name);
+  await consoleModule.openConsole(host, name);
 }
 
 // -- alerts -------------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ function hostSection({ key, title, subtitle, capsules, actions = false, unreacha
 
 function capsuleTable(hostKey, capsules, actions) {
   const head = h("tr", {}, ["Capsule", "State", "Latest", "Memory", "Disk", "Depends on", "Versions"]
-    .map((t) => h("th", {}, t)), actions && h("th", {}, "Actions"));
+    .map((t) => h("th", {}, t)), h("th", {}, "Actions"));
   return h("table", {}, h("thead", {}, head),
     h("tbody", {}, capsules.map((c) => capsuleRow(hostKey, c, actions))));
 }
@@ -262,6 +262,10 @@ function capsuleRow(hostKey, c, actions) {
       disabled: Boolean(busy),
       onclick: () => act(c, a),
     }, a.label))));
+  } else {   // a peer's capsule: its console, relayed through this host's agent
+    cells.push(h("td", { class: "actions" }, running(c) && h("button", {
+      type: "button", "data-action": "console", onclick: () => showConsole(c.name, hostKey),
+    }, "Console")));
   }
   return h("tr", { "data-capsule": c.name }, cells);
 }

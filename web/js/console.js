@@ -3,11 +3,11 @@
 // that one capsule's console of that kind once, within 30 s, for this session. Nothing here talks to the
 // guest but the agent's WebSocket.
 //
-//   openConsole(hostUrl, name, { kind, ticket })   show the panel and connect; hostUrl null/"" = this host;
-//                                                  kind "screen" (default) or "serial"; `ticket` (optional):
-//                                                  async (kind) => ({url}) for a host whose ticket this page
-//                                                  cannot ask for itself (default: this host's API).
-//   closeConsole()                                 disconnect and hide the panel.
+//   openConsole(host, name, { kind })   show the panel and connect. host: null/"" = this host; otherwise a peer
+//                                       of this host, by its name (as in /api/hosts) or its URL: its console is
+//                                       relayed through this agent (/api/hosts/HOST/console/NAME), so the page
+//                                       needs no sign-in there. kind: "screen" (default) or "serial".
+//   closeConsole()                      disconnect and hide the panel.
 // Calling openConsole again (e.g. when a migrated capsule comes up on its new host) replaces the connection.
 
 import RFB from "/web/vendor/novnc/core/rfb.js";
@@ -16,8 +16,7 @@ import * as api from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 
-const current = { rfb: null, ws: null, term: null, hostUrl: null, name: null, kind: "screen", ticket: null,
-  generation: 0 };
+const current = { rfb: null, ws: null, term: null, host: null, name: null, kind: "screen", generation: 0 };
 
 function setState(state, text) {
   const el = $("console-state");
@@ -26,10 +25,19 @@ function setState(state, text) {
   $("console-reconnect").hidden = state === "connected" || state === "connecting";
 }
 
-function wsUrl(hostUrl, path) {
-  const base = new URL(hostUrl || window.location.origin);
+function wsUrl(path) {
+  const base = new URL(window.location.origin);
   base.protocol = base.protocol === "https:" ? "wss:" : "ws:";
   return new URL(path, base).href;
+}
+
+// a peer given by its URL: its name among this host's peers
+async function peerName(host) {
+  if (!host.includes("://")) return host;
+  const want = host.replace(/\/+$/, "");
+  const peer = (await api.peers()).find((p) => p.url.replace(/\/+$/, "") === want);
+  if (!peer) throw new Error(`${host} is not one of this host's peers (capsule host add)`);
+  return peer.name;
 }
 
 function disconnect() {
@@ -58,20 +66,20 @@ function showKind(kind) {
 async function connect() {
   disconnect();
   const generation = current.generation;
-  const { hostUrl, name, kind } = current;
+  const { host, name, kind } = current;
   const live = () => generation === current.generation;
   showKind(kind);
   setState("connecting", "asking for a ticket…");
   let grant;
   try {
-    grant = current.ticket ? await current.ticket(kind) : await api.consoleTicket(name, kind);
+    grant = host ? await api.peerConsoleTicket(await peerName(host), name, kind) : await api.consoleTicket(name, kind);
   } catch (err) {
     if (live()) setState("failed", `no console: ${err.message}`);
     return;
   }
   if (!live()) return;   // closed or reopened meanwhile
   setState("connecting", "connecting…");
-  const url = wsUrl(hostUrl, grant.url);
+  const url = wsUrl(grant.url);
   const lost = (clean) => {
     if (!live()) return;
     setState("disconnected", clean ? "disconnected" : "connection lost (the capsule stopped or moved?)");
@@ -118,12 +126,11 @@ function connectSerial(url, live, lost) {
   current.term = term;
 }
 
-export function openConsole(hostUrl, name, { kind = "screen", ticket = null } = {}) {
-  current.hostUrl = hostUrl || null;
+export function openConsole(host, name, { kind = "screen" } = {}) {
+  current.host = host || null;
   current.name = name;
   current.kind = kind;
-  current.ticket = ticket;
-  $("console-title").textContent = hostUrl ? `${name} on ${hostUrl}` : name;
+  $("console-title").textContent = host ? `${name} on ${host}` : name;
   $("console").hidden = false;
   $("console").dataset.capsule = name;
   return connect();
