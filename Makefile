@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup host venv lint bench clean-venv agent
+.PHONY: demo test setup host venv web lint bench clean-venv agent
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -17,7 +17,7 @@ test: setup
 	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-setup: host venv
+setup: host venv web
 
 host:
 	@bash scripts/setup-host.sh
@@ -30,6 +30,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
+
+# The page's browser libraries (noVNC), exactly as web/package-lock.json pins them; served by the agent.
+web: web/node_modules/.package-lock.json
+
+web/node_modules/.package-lock.json: web/package.json web/package-lock.json
+	cd web && npm ci --no-audit --no-fund
 
 # The guest agent (static C binary guest-balloon/capsule-agent). Image builds run this themselves
 # when the binary is missing or older than agent.c, so nothing above depends on it.

@@ -18,6 +18,8 @@ from capsule.runtime.connection import connect
 from capsule.runtime.domainxml import MachineSpec
 from capsule.store import Store
 
+VNC_SOCKET = "vnc.sock"  # the screen's VNC server, beside the agent socket in the instance's directory
+
 
 @dataclass
 class Restored:
@@ -31,7 +33,8 @@ def machine_spec(store: Store, config: dict[str, Any], *, name: str, uuid: str, 
     return MachineSpec(name=name, uuid=uuid, memory_mib=config["memory_mib"], vcpus=config["vcpus"], accel=accel,
                        kernel=store.file_path(config["kernel"]), initrd=store.file_path(config["initrd"]),
                        cmdline=config["cmdline"], disks=disks, console_log=console_log, agent_socket=agent_socket,
-                       free_page_reporting=config.get("free_page_reporting", True), emulator=emulator)
+                       free_page_reporting=config.get("free_page_reporting", True), emulator=emulator,
+                       vnc_socket=agent_socket.with_name(VNC_SOCKET))
 
 
 def restore_xml(store: Store, config: dict[str, Any], saved_xml: str, *, name: str, uuid: str, disks: list[Path],

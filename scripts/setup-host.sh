@@ -63,6 +63,8 @@ install_packages() {
   local missing_base=() missing_bpo=()
   for p in "${base[@]}"; do pkg_ok "$p" || missing_base+=("$p"); done
   for p in "${bpo[@]}"; do pkg_ok "$p" || missing_bpo+=("$p"); done
+  # npm installs the page's browser libraries (web/package-lock.json: `make web`); any node >= 18 will do
+  command -v npm >/dev/null || missing_base+=(nodejs npm)
   # QEMU and libvirt must come from backports (QEMU >= 10, libvirt >= 11.3)
   if pkg_ok qemu-system-x86; then
     local qv; qv=$(dpkg-query -W -f='${Version}' qemu-system-x86)

@@ -16,6 +16,7 @@ answers what the CLI prints under ``--json`` (``capsule.views``); this module ho
     POST   /api/capsules/{name}/stop        {timeout, force}
     POST   /api/capsules/{name}/derive      {child, version}
     POST   /api/capsules/{name}/rm          {version, promote}
+    POST   /api/capsules/{name}/console-ticket, WS /api/console/{name}: the live console (``console.py``)
 
 Installed into the agent by :func:`install` (one call in ``create_app``). New ``/api`` routes go into
 :func:`api_router`, before its catch-all (which answers 401 to a caller without a session, and 404 to one
@@ -33,6 +34,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
+from capsule.agent import console
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -58,7 +60,9 @@ PEER_TIMEOUT = 3.0
 WEB_DIR = Path(os.environ.get("CAPSULE_WEB_DIR", Path(__file__).resolve().parents[2] / "web"))
 # the page loads only its own scripts and styles, talks only to its own agent, is never framed
 PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+    # style-src 'unsafe-inline': the serial console (xterm.js) sizes and colours its cells with a <style> it writes
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+                               "object-src 'none'; base-uri 'none'; "
                                "frame-ancestors 'none'; form-action 'self'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
@@ -70,6 +74,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     """Add the dashboard to an agent app: the API, the page at ``/`` and its files under ``/web/``."""
     sessions = Sessions(token, store.id)
     app.state.sessions = sessions
+    console.install(app, store, sessions)  # the live console (capsule/agent/console.py), before the catch-all
     app.include_router(api_router(store, sessions))
 
     @app.get("/", include_in_schema=False)

@@ -4,6 +4,7 @@ boot and (with what a memory image's saved state requires, see
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,27 @@ class MachineSpec:
     agent_socket: Path
     free_page_reporting: bool = True
     emulator: str | None = None   # None: libvirt's default
+    vnc_socket: Path | None = None  # the screen: a VGA card and a VNC server on this unix socket; None: no screen
 
 
 def _disk_target(i: int) -> str:
     return "vd" + chr(ord("a") + i)
+
+
+def screen_cmdline(cmdline: str) -> str:
+    """The kernel also writes to the screen (tty0); the serial port stays /dev/console (the last console=)."""
+    if re.search(r"(^|\s)console=tty0(\s|$)", cmdline):
+        return cmdline
+    return f"console=tty0 {cmdline}"
+
+
+def add_screen(devices: ET.Element, vnc_socket: Path) -> None:
+    """A standard VGA card (text mode from the BIOS on: any kernel shows its console there without a driver)
+    and its VNC server, on a unix socket in the instance's directory only: never a TCP port."""
+    graphics = ET.SubElement(devices, "graphics", type="vnc", socket=str(vnc_socket))
+    ET.SubElement(graphics, "listen", type="socket", socket=str(vnc_socket))
+    video = ET.SubElement(devices, "video")
+    ET.SubElement(video, "model", type="vga", vram="16384", heads="1", primary="yes")
 
 
 def build(spec: MachineSpec) -> str:
@@ -43,7 +61,7 @@ def build(spec: MachineSpec) -> str:
     ET.SubElement(os_el, "type", arch="x86_64", machine="pc").text = "hvm"
     ET.SubElement(os_el, "kernel").text = str(spec.kernel)
     ET.SubElement(os_el, "initrd").text = str(spec.initrd)
-    ET.SubElement(os_el, "cmdline").text = spec.cmdline
+    ET.SubElement(os_el, "cmdline").text = screen_cmdline(spec.cmdline) if spec.vnc_socket else spec.cmdline
     features = ET.SubElement(dom, "features")
     ET.SubElement(features, "acpi")
     if spec.accel == "kvm":
@@ -73,6 +91,8 @@ def build(spec: MachineSpec) -> str:
     channel = ET.SubElement(devices, "channel", type="unix")
     ET.SubElement(channel, "source", mode="bind", path=str(spec.agent_socket))
     ET.SubElement(channel, "target", type="virtio", name=AGENT_CHANNEL)
+    if spec.vnc_socket is not None:
+        add_screen(devices, spec.vnc_socket)
     balloon = ET.SubElement(devices, "memballoon", model="virtio",
                             freePageReporting="on" if spec.free_page_reporting else "off")
     ET.SubElement(balloon, "stats", period="0")

@@ -65,6 +65,10 @@ DEVICES: dict[str, Node] = {
         "target": Node(attrs={"type": "virtio", "name": re.escape(AGENT_CHANNEL), "state": r"connected|disconnected"}),
         **_DEV}),
     "input": Node(attrs={"type": r"mouse|keyboard", "bus": "ps2"}, children=dict(_DEV)),
+    # the screen: the VNC server's content is this host's (its socket), only the VGA card is device state
+    "graphics": Node(attrs={"type": "vnc", "*": None}, opaque=True),
+    "video": Node(children={"model": Node(attrs={"type": "vga", "vram": _NUM, "heads": _NUM, "primary": r"yes|no"}),
+                            **_DEV}),
     "memballoon": Node(attrs={"model": "virtio", "autodeflate": _ONOFF, "freePageReporting": _ONOFF},
                        children={"stats": Node(attrs={"period": _NUM}), **_DEV}),
 }
@@ -210,6 +214,10 @@ def rebuild(saved_xml: str, spec: MachineSpec) -> tuple[str, str]:
 
     saved_devices = saved.find("devices")
     saved_list = list(saved_devices) if saved_devices is not None else []
+    if not any(el.tag == "video" for el in saved_list):
+        # saved before capsules had a screen: a VGA card would change the machine the state was saved from
+        for el in devices.findall("graphics") + devices.findall("video"):
+            devices.remove(el)
     emulators = [el for el in saved_list if el.tag == "emulator"]
     for el in emulators:
         mine = (devices.findtext("emulator") or "").strip()
@@ -262,6 +270,12 @@ def _graft_one(src: ET.Element, dst: ET.Element) -> None:
         for attr in ("model", "ports", "vectors"):
             if attr in src.attrib:
                 dst.set(attr, src.attrib[attr])
+    elif src.tag == "video":
+        theirs, mine = src.find("model"), dst.find("model")
+        if theirs is not None and mine is not None:
+            for attr in ("vram", "heads"):
+                if attr in theirs.attrib:
+                    mine.set(attr, theirs.attrib[attr])
     elif src.tag == "memballoon":
         for attr in ("autodeflate", "freePageReporting"):
             if attr in src.attrib:

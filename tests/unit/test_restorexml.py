@@ -176,3 +176,42 @@ def test_missing_template_device_is_refused():
 def test_malformed_xml_is_an_integrity_error():
     with pytest.raises(IntegrityError, match="malformed"):
         rebuild(SAVED[:200], spec())
+
+
+SCREEN = f"""<graphics type='vnc' socket='{SOURCE}/instances/x/vnc.sock'>
+      <listen type='socket' socket='{SOURCE}/instances/x/vnc.sock'/>
+    </graphics>
+    <video>
+      <model type='vga' vram='8192' heads='1' primary='yes'/>
+      <alias name='video0'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x05' function='0x0'/>
+    </video>"""
+
+
+def test_screen_is_rebuilt_with_this_hosts_socket_and_the_images_vga_card():
+    here = HERE / "instances/x/vnc.sock"
+    xml, _ = rebuild(with_devices(SCREEN), spec(vnc_socket=here))
+    assert SOURCE not in xml
+    dom = ET.fromstring(xml)
+    (graphics,) = dom.findall("devices/graphics")
+    assert graphics.get("type") == "vnc" and graphics.get("port") is None
+    assert graphics.find("listen").attrib == {"type": "socket", "socket": str(here)}
+    (video,) = dom.findall("devices/video")
+    assert video.find("model").get("vram") == "8192"            # the card's memory is device state: the image's
+    assert video.find("address").get("slot") == "0x05"
+
+
+def test_image_saved_without_a_screen_gets_none():
+    xml, _ = rebuild(SAVED, spec(vnc_socket=HERE / "instances/x/vnc.sock"))
+    dom = ET.fromstring(xml)
+    assert dom.find("devices/graphics") is None and dom.find("devices/video") is None
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (SCREEN.replace("type='vnc'", "type='spice'"), "spice"),
+    (SCREEN.replace("type='vga'", "type='qxl'"), "qxl"),
+    (SCREEN.replace("<alias name='video0'/>", "<driver name='vhostuser'/>"), "driver"),
+])
+def test_other_screens_are_refused(extra, named):
+    with pytest.raises(IntegrityError, match=named):
+        rebuild(with_devices(extra), spec(vnc_socket=HERE / "instances/x/vnc.sock"))

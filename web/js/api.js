@@ -66,3 +66,8 @@ export async function signOut() {
 export const capsules = () => call("GET", "capsules");
 export const peers = () => call("GET", "hosts");
 export const action = (name, verb, body = {}) => call("POST", `capsules/${encodeURIComponent(name)}/${verb}`, body);
+export const consoleTicket = (name, kind = "screen") =>
+  call("POST", `capsules/${encodeURIComponent(name)}/console-ticket?kind=${encodeURIComponent(kind)}`, {});
+export const peerConsoleTicket = (host, name, kind = "screen") =>
+  call("POST", `hosts/${encodeURIComponent(host)}/capsules/${encodeURIComponent(name)}/console-ticket` +
+    `?kind=${encodeURIComponent(kind)}`, {});

@@ -22,9 +22,10 @@ const running = (c) => c.state === "running";
 const startable = (c) => c.state === "stopped" || c.state === "suspended";
 
 // The actions on this host's capsules: each is one API call (the same library call as the CLI's verb).
-// Next to come here: "Console" (noVNC over the agent's WebSocket, with a ticket for that one domain) and
+// "Console" opens the live console panel (console.js). Next to come here:
 // "Migrate…" (destination host, full or demand, balloon; progress phase by phase).
 const ACTIONS = [
+  { verb: "console", label: "Console", when: running, run: (c) => showConsole(c.name) },
   { verb: "start", label: "Start", busy: "starting", when: startable },
   { verb: "suspend", label: "Suspend", busy: "suspending", when: running },
   { verb: "suspend", label: "Suspend + balloon", busy: "ballooning and suspending", when: running,
@@ -34,6 +35,20 @@ const ACTIONS = [
   { verb: "derive", label: "Derive…", busy: "deriving", when: () => true, ask: askDerive },
   { verb: "rm", label: "Remove…", busy: "removing", when: (c) => !running(c), ask: askRemove },
 ];
+
+// The console (console.js) loads on first use: a host without the page's npm libraries (noVNC, xterm.js) still
+// shows everything else.
+let consoleModule = null;
+
+async function showConsole(name, host = null) {
+  try {
+    consoleModule = consoleModule || await import("./console.js");
+  } catch (err) {
+    showError(`the console cannot load (${err.message}): on this host, run \`make web\` (npm ci in web/)`);
+    return;
+  }
+  await consoleModule.openConsole(host, name);
+}
 
 // -- alerts -------------------------------------------------------------------------------------------
 function showError(message) {
@@ -49,6 +64,7 @@ function clearError() {
 // -- sign-in ------------------------------------------------------------------------------------------
 function showSignIn(message = "") {
   stopRefreshing();
+  if (consoleModule) consoleModule.closeConsole();
   view.session = null;
   view.local = view.peers = null;
   $("sign-in").hidden = false;
@@ -123,6 +139,7 @@ async function refresh() {
 }
 
 async function act(capsule, action) {
+  if (action.run) return action.run(capsule);
   let body = action.body || {};
   if (action.ask) {
     body = await action.ask(capsule);
@@ -219,7 +236,7 @@ function hostSection({ key, title, subtitle, capsules, actions = false, unreacha
 
 function capsuleTable(hostKey, capsules, actions) {
   const head = h("tr", {}, ["Capsule", "State", "Latest", "Memory", "Disk", "Depends on", "Versions"]
-    .map((t) => h("th", {}, t)), actions && h("th", {}, "Actions"));
+    .map((t) => h("th", {}, t)), h("th", {}, "Actions"));
   return h("table", {}, h("thead", {}, head),
     h("tbody", {}, capsules.map((c) => capsuleRow(hostKey, c, actions))));
 }
@@ -245,6 +262,10 @@ function capsuleRow(hostKey, c, actions) {
       disabled: Boolean(busy),
       onclick: () => act(c, a),
     }, a.label))));
+  } else {   // a peer's capsule: its console, relayed through this host's agent
+    cells.push(h("td", { class: "actions" }, running(c) && h("button", {
+      type: "button", "data-action": "console", onclick: () => showConsole(c.name, hostKey),
+    }, "Console")));
   }
   return h("tr", { "data-capsule": c.name }, cells);
 }

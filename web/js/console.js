@@ -1,0 +1,159 @@
+// The live console: a running capsule's screen (noVNC's RFB) or its serial console (xterm.js), through its
+// agent's WebSockets. Each connection asks the agent for a ticket first (a CSRF-checked POST): a ticket opens
+// that one capsule's console of that kind once, within 30 s, for this session. Nothing here talks to the
+// guest but the agent's WebSocket.
+//
+//   openConsole(host, name, { kind })   show the panel and connect. host: null/"" = this host; otherwise a peer
+//                                       of this host, by its name (as in /api/hosts) or its URL: its console is
+//                                       relayed through this agent (/api/hosts/HOST/console/NAME), so the page
+//                                       needs no sign-in there. kind: "screen" (default) or "serial".
+//   closeConsole()                      disconnect and hide the panel.
+// Calling openConsole again (e.g. when a migrated capsule comes up on its new host) replaces the connection.
+
+import RFB from "/web/vendor/novnc/core/rfb.js";
+import { Terminal } from "/web/vendor/xterm/lib/xterm.mjs";
+import * as api from "./api.js";
+
+const $ = (id) => document.getElementById(id);
+
+const current = { rfb: null, ws: null, term: null, host: null, name: null, kind: "screen", generation: 0 };
+
+function setState(state, text) {
+  const el = $("console-state");
+  el.dataset.state = state;
+  el.textContent = text;
+  $("console-reconnect").hidden = state === "connected" || state === "connecting";
+}
+
+function wsUrl(path) {
+  const base = new URL(window.location.origin);
+  base.protocol = base.protocol === "https:" ? "wss:" : "ws:";
+  return new URL(path, base).href;
+}
+
+// a peer given by its URL: its name among this host's peers
+async function peerName(host) {
+  if (!host.includes("://")) return host;
+  const want = host.replace(/\/+$/, "");
+  const peer = (await api.peers()).find((p) => p.url.replace(/\/+$/, "") === want);
+  if (!peer) throw new Error(`${host} is not one of this host's peers (capsule host add)`);
+  return peer.name;
+}
+
+function disconnect() {
+  current.generation += 1;
+  const { rfb, ws, term } = current;
+  current.rfb = current.ws = current.term = null;
+  try {
+    if (rfb) rfb.disconnect();
+    if (ws) ws.close();
+    if (term) term.dispose();
+  } catch {
+    // already gone
+  }
+  $("console-screen").replaceChildren();
+  $("console-serial").replaceChildren();
+}
+
+function showKind(kind) {
+  $("console-screen").hidden = kind !== "screen";
+  $("console-serial").hidden = kind !== "serial";
+  for (const b of document.querySelectorAll("#console [data-kind]")) {
+    b.setAttribute("aria-pressed", String(b.dataset.kind === kind));
+  }
+}
+
+async function connect() {
+  disconnect();
+  const generation = current.generation;
+  const { host, name, kind } = current;
+  const live = () => generation === current.generation;
+  showKind(kind);
+  setState("connecting", "asking for a ticket…");
+  let grant;
+  try {
+    grant = host ? await api.peerConsoleTicket(await peerName(host), name, kind) : await api.consoleTicket(name, kind);
+  } catch (err) {
+    if (live()) setState("failed", `no console: ${err.message}`);
+    return;
+  }
+  if (!live()) return;   // closed or reopened meanwhile
+  setState("connecting", "connecting…");
+  const url = wsUrl(grant.url);
+  const lost = (clean) => {
+    if (!live()) return;
+    setState("disconnected", clean ? "disconnected" : "connection lost (the capsule stopped or moved?)");
+  };
+  if (kind === "serial") connectSerial(url, live, lost);
+  else connectScreen(url, live, lost);
+}
+
+function connectScreen(url, live, lost) {
+  const rfb = new RFB($("console-screen"), url, { wsProtocols: ["binary"] });
+  rfb.scaleViewport = true;     // the whole screen, scaled to fit the panel
+  rfb.resizeSession = false;
+  rfb.focusOnClick = true;
+  rfb.addEventListener("connect", () => {
+    if (live()) setState("connected", "connected");
+  });
+  rfb.addEventListener("disconnect", (ev) => {
+    if (live()) current.rfb = null;
+    lost(ev.detail.clean);
+  });
+  rfb.addEventListener("securityfailure", (ev) => {
+    if (live()) setState("failed", `refused: ${ev.detail.reason || "security failure"}`);
+  });
+  current.rfb = rfb;
+}
+
+function connectSerial(url, live, lost) {
+  const term = new Terminal({ cols: 100, rows: 30, convertEol: false, scrollback: 2000,
+    fontFamily: "ui-monospace, monospace", fontSize: 14 });
+  term.open($("console-serial"));
+  const ws = new WebSocket(url);
+  ws.binaryType = "arraybuffer";
+  ws.onopen = () => {
+    if (!live()) return;
+    setState("connected", "connected");
+    term.focus();
+  };
+  ws.onmessage = (ev) => term.write(new Uint8Array(ev.data));
+  ws.onclose = (ev) => lost(ev.wasClean);
+  term.onData((data) => {
+    if (ws.readyState === WebSocket.OPEN) ws.send(data);
+  });
+  current.ws = ws;
+  current.term = term;
+}
+
+export function openConsole(host, name, { kind = "screen" } = {}) {
+  current.host = host || null;
+  current.name = name;
+  current.kind = kind;
+  $("console-title").textContent = host ? `${name} on ${host}` : name;
+  $("console").hidden = false;
+  $("console").dataset.capsule = name;
+  return connect();
+}
+
+export function closeConsole() {
+  disconnect();
+  current.name = null;
+  $("console").hidden = true;
+  delete $("console").dataset.capsule;
+}
+
+export const consoleCapsule = () => current.name;
+
+$("console-reconnect").addEventListener("click", () => {
+  if (current.name) connect();
+});
+$("console-close").addEventListener("click", closeConsole);
+for (const b of document.querySelectorAll("#console [data-kind]")) {
+  b.addEventListener("click", () => {
+    if (current.name && current.kind !== b.dataset.kind) {
+      current.kind = b.dataset.kind;
+      connect();
+    }
+  });
+}
