@@ -47,7 +47,7 @@ class Cancelled(CapsuleError):
     """Someone asked to stop a long operation (a migration cancelled from the page, or Ctrl-C)."""
 
     code = "cancelled"
-    exit_code = 130
+    exit_code = 15
     http_status = 409
 
 

@@ -16,6 +16,7 @@ answers what the CLI prints under ``--json`` (``capsule.views``); this module ho
     POST   /api/capsules/{name}/stop        {timeout, force}
     POST   /api/capsules/{name}/derive      {child, version}
     POST   /api/capsules/{name}/rm          {version, promote}
+    POST   /api/capsules/{name}/migrate     {to, mode, balloon} → a migration; /api/migrations/… (migrations.py)
 
 Installed into the agent by :func:`install` (one call in ``create_app``). New ``/api`` routes go into
 :func:`api_router`, before its catch-all (which answers 401 to a caller without a session, and 404 to one
@@ -33,6 +34,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
+from capsule.agent import migrations
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -70,6 +72,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     """Add the dashboard to an agent app: the API, the page at ``/`` and its files under ``/web/``."""
     sessions = Sessions(token, store.id)
     app.state.sessions = sessions
+    app.include_router(migrations.router(store, sessions, token))  # before api_router's catch-all
     app.include_router(api_router(store, sessions))
 
     @app.get("/", include_in_schema=False)
