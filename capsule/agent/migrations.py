@@ -20,7 +20,7 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, Literal
@@ -39,6 +39,7 @@ from capsule.store import Store
 
 KEEP = 50                 # finished migrations remembered
 KEEPALIVE = 15.0          # seconds between comments on an idle event stream
+HISTORY = 5000            # snapshots kept per migration (a stream replays them; ~10 a second at most)
 
 
 class MigrateIn(BaseModel):
@@ -74,6 +75,7 @@ class Migration:
         self.error: dict[str, Any] | None = None
         self.remote: dict[str, Any] | None = None
         self.last = Snapshot(0, name, peer.name, planned(body.mode, body.balloon), "")
+        self._history: deque[Snapshot] = deque([self.last], maxlen=HISTORY)
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
@@ -84,17 +86,24 @@ class Migration:
     def publish(self, snap: Snapshot) -> None:
         with self._lock:
             self.last = snap
+            self._history.append(snap)
             waiters = list(self._waiters)
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
+    def _after(self, seq: int) -> Snapshot | None:
+        if self.last.seq <= seq:
+            return None
+        return next((s for s in self._history if s.seq > seq), self.last)
+
     async def next_after(self, seq: int, timeout: float) -> Snapshot | None:
-        """The snapshot after ``seq`` (the current one if newer), or None after ``timeout`` seconds."""
+        """The first snapshot after ``seq`` still kept (so a listener sees every phase), or None after
+        ``timeout`` seconds without one."""
         event = asyncio.Event()
         waiter = (asyncio.get_running_loop(), event)
         with self._lock:
-            if self.last.seq > seq:
-                return self.last
+            if (snap := self._after(seq)) is not None:
+                return snap
             self._waiters.add(waiter)
         try:
             await asyncio.wait_for(event.wait(), timeout)
@@ -103,7 +112,8 @@ class Migration:
         finally:
             with self._lock:
                 self._waiters.discard(waiter)
-        return self.last
+        with self._lock:
+            return self._after(seq)
 
     def out(self) -> MigrationOut:
         return MigrationOut(id=self.id, capsule=self.capsule, to=self.peer.name, to_url=self.peer.url,
@@ -216,7 +226,8 @@ def router(store: Store, sessions: Sessions, token: str) -> APIRouter:
                     yield ": still running\n\n"
                     continue
                 seq = snap.seq
-                yield f"id: {snap.seq}\nevent: progress\ndata: {json.dumps(m.out().model_dump())}\n\n"
+                body = m.out().model_dump() | {"progress": snap.as_dict()}
+                yield f"id: {snap.seq}\nevent: progress\ndata: {json.dumps(body)}\n\n"
                 if snap.outcome is not None:
                     yield "event: end\ndata: {}\n\n"
                     return

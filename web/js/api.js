@@ -66,3 +66,8 @@ export async function signOut() {
 export const capsules = () => call("GET", "capsules");
 export const peers = () => call("GET", "hosts");
 export const action = (name, verb, body = {}) => call("POST", `capsules/${encodeURIComponent(name)}/${verb}`, body);
+
+// migrations (capsule/agent/migrations.py); progress streams from /api/migrations/{id}/events (EventSource)
+export const migrate = (name, body) => call("POST", `capsules/${encodeURIComponent(name)}/migrate`, body);
+export const migration = (id) => call("GET", `migrations/${encodeURIComponent(id)}`);
+export const cancelMigration = (id) => call("POST", `migrations/${encodeURIComponent(id)}/cancel`);

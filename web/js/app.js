@@ -3,6 +3,7 @@
 
 import * as api from "./api.js";
 import { bytes, h, when } from "./format.js";
+import { openMigrate } from "./migrate.js";
 
 const REFRESH_MS = 3000;
 const $ = (id) => document.getElementById(id);
@@ -22,8 +23,8 @@ const running = (c) => c.state === "running";
 const startable = (c) => c.state === "stopped" || c.state === "suspended";
 
 // The actions on this host's capsules: each is one API call (the same library call as the CLI's verb).
-// Next to come here: "Console" (noVNC over the agent's WebSocket, with a ticket for that one domain) and
-// "Migrate…" (destination host, full or demand, balloon; progress phase by phase).
+// An action with `run` opens its own view instead (Migrate…: migrate.js, progress phase by phase).
+// Next to come here: "Console" (noVNC over the agent's WebSocket, with a ticket for that one domain).
 const ACTIONS = [
   { verb: "start", label: "Start", busy: "starting", when: startable },
   { verb: "suspend", label: "Suspend", busy: "suspending", when: running },
@@ -33,6 +34,8 @@ const ACTIONS = [
   { verb: "stop", label: "Stop", busy: "stopping", when: (c) => running(c) || c.state === "crashed" },
   { verb: "derive", label: "Derive…", busy: "deriving", when: () => true, ask: askDerive },
   { verb: "rm", label: "Remove…", busy: "removing", when: (c) => !running(c), ask: askRemove },
+  { verb: "migrate", label: "Migrate…", when: running,
+    run: (c) => openMigrate(c, view.peers, { onEnd: () => { view.loading = false; refresh(); } }) },
 ];
 
 // -- alerts -------------------------------------------------------------------------------------------
@@ -123,6 +126,7 @@ async function refresh() {
 }
 
 async function act(capsule, action) {
+  if (action.run) return action.run(capsule);
   let body = action.body || {};
   if (action.ask) {
     body = await action.ask(capsule);
