@@ -64,7 +64,7 @@ function build() {
     h("dl", { class: "counters" },
       h("dt", {}, "On the wire"), h("dd", { "data-field": "wire" }, "–"),
       h("dt", {}, "Found locally"), h("dd", { "data-field": "local" }, "–"),
-      h("dt", {}, "Moved"), h("dd", { "data-field": "done" }, "–"),
+      h("dt", {}, "Progress"), h("dd", { "data-field": "done" }, "–"),
       h("dt", {}, "Time left"), h("dd", { "data-field": "eta" }, "–")),
     h("p", { class: "migrate-message", role: "status", "data-field": "message" }),
     h("menu", {},
@@ -82,13 +82,21 @@ function build() {
 
 const field = (name) => dialog.querySelector(`.migrate-progress [data-field=${name}]`);
 
-// Open the dialog for a running capsule of this host. peers: the API's /api/hosts answer (HostOut[]).
-// onEnd(migration) is called when the migration has ended, whatever the outcome.
-export function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
+// Open the dialog for a running capsule of this host. peers: the API's /api/hosts answer (HostOut[]), asked
+// for here when the page has none yet. onEnd(migration) is called when the migration has ended, whatever
+// the outcome.
+export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
   dialog = dialog || build();
   if (current) {  // one at a time: show the running one
     dialog.showModal();
     return;
+  }
+  if (!peers) {
+    try {
+      peers = await api.peers();
+    } catch {
+      peers = [];
+    }
   }
   const form = dialog.querySelector("form");
   form.reset();
