@@ -203,7 +203,8 @@ def router(store: Store, sessions: Sessions, token: str) -> APIRouter:
     @r.post("/capsules/{name}/migrate", response_model=MigrationOut, status_code=202,
             summary="Move a running capsule to a known host")
     def start(name: str, body: MigrateIn, request: Request) -> MigrationOut:
-        return migrations.begin(store, name, body, source_url_for(request), token).out()
+        source = source_url_for(request) if body.mode == "demand" else ""
+        return migrations.begin(store, name, body, source, token).out()
 
     @r.get("/migrations", response_model=list[MigrationOut], summary="This agent's migrations, newest first")
     def list_all() -> list[MigrationOut]:

@@ -147,3 +147,20 @@ def test_without_a_session_nothing_is_revealed(world):
                          ("POST", "/api/migrations/x/cancel")]:
         r = anon.request(method, path, json={"to": "office"} if method == "POST" else None)
         assert r.status_code == 401 and SECRET not in r.text and "office" not in r.text
+
+
+def test_demand_mode_gives_the_other_host_this_agent_as_the_source(world, monkeypatch):
+    client, csrf, stand_in, _peer = world
+    h = {"X-CSRF-Token": csrf}
+    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"},
+                       headers=h).status_code == 202
+    wait_until(lambda: stand_in.calls, 10, "the migration never started")
+    assert stand_in.calls[0]["source_url"] == "http://testserver"   # the address the page used
+    assert stand_in.calls[0]["source_token"] == TOKEN
+    stand_in.go.set()
+    wait_until(lambda: client.get("/api/migrations").json()[0]["progress"]["outcome"] == "done", 10, "no end")
+    monkeypatch.setenv("CAPSULE_AGENT_URL", "http://work.example:7070")
+    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"},
+                       headers=h).status_code == 202
+    wait_until(lambda: len(stand_in.calls) == 2, 10, "the second migration never started")
+    assert stand_in.calls[1]["source_url"] == "http://work.example:7070"
