@@ -1,13 +1,14 @@
 """Migrating from the dashboard against `capsule migrate` from the CLI, same capsule, same run.
 
-Two stores with the tiny image and two agents on loopback; a 256 MiB tiny guest with a counter running on
-host A. Each round moves it A → B once with the CLI (`capsule migrate NAME --to B`, a process timed from
-start to exit) and once with the page (Debian's chromium via Playwright, signed in on A: from the click
-on "Migrate" in the dialog to the dialog saying it runs on B), and brings it back B → A with the library
-call in between (not timed). For both it also reports the library's own time (the migration's last
-progress event), so "added" is what the CLI process or the page adds on top of the same library call.
+Two stores with the tiny image and two agents on loopback; a 256 MiB tiny guest with a counter running
+on host A. Each round (alternating which goes first) moves it A → B once with the CLI (`capsule migrate
+NAME --to B`, a process timed from start to exit) and once with the page (Debian's chromium via
+Playwright, signed in on A: from the click on "Migrate" in the dialog to the dialog saying it runs on
+B), and brings it back B → A with the library call in between (not timed). For both it also reports
+the library's own time (the migration's last progress event), so "added" is what the CLI process or
+the page adds on top of the same library call.
 
-    .venv/bin/python bench/dashboard_migrate.py [--rounds 3] [--balloon]
+    .venv/bin/python bench/dashboard_migrate.py [--rounds 4] [--balloon]
 """
 
 from __future__ import annotations
@@ -101,16 +102,16 @@ def main() -> None:
                 page.goto(agent_a.url)
                 page.fill("#token", agent_a.token)
                 page.click("#sign-in-form button[type=submit]")
-                for _ in range(args.rounds):
-                    wall, lib = _cli(a.home, "b", args.balloon)
-                    rows["cli_wall"].append(wall)
-                    rows["cli_library"].append(lib)
-                    back()
-                    page.reload()
-                    wall, lib = _page(page, args.balloon)
-                    rows["page_wall"].append(wall)
-                    rows["page_library"].append(lib)
-                    back()
+                for i in range(args.rounds):
+                    for way in (("cli", "page") if i % 2 == 0 else ("page", "cli")):  # neither always first
+                        if way == "cli":
+                            wall, lib = _cli(a.home, "b", args.balloon)
+                        else:
+                            page.reload()
+                            wall, lib = _page(page, args.balloon)
+                        rows[f"{way}_wall"].append(wall)
+                        rows[f"{way}_library"].append(lib)
+                        back()
                 browser.close()
         finally:
             for s in (a, b):
