@@ -77,3 +77,82 @@ def test_cancel_mid_transfer_leaves_the_guest_running_at_the_source(two_hosts):
     after = count(a, "c")
     assert before <= after < before + 40
     assert wait_count_above(a, "c", after) > after
+
+
+class _SlowDestination:
+    """A destination agent that takes its time to say which objects it lacks (all of them), and fails
+    anything after that: a migration is in its memory phase for a few seconds."""
+
+    def __init__(self, delay: float) -> None:
+        import json
+        import threading
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.calls: list[str] = []
+        calls = self.calls
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                calls.append(f"GET {self.path}")
+                self.send_error(404)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                calls.append(f"POST {self.path.split('?')[0]}")
+                if not self.path.startswith("/v1/objects/missing"):
+                    self.send_error(500)
+                    return
+                time.sleep(delay)
+                data = json.dumps(json.loads(body)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_ctrl_c_cancels_capsule_migrate_and_the_guest_runs_here_again(store, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from capsule.errors import Cancelled
+    from tests.wait import wait_until
+
+    before = _running_counter(store, "k")
+    slow = _SlowDestination(delay=4.0)
+    token_file = tmp_path / "dest.token"
+    token_file.write_text("t" * 32)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "capsule.cli.main", "--home", str(store.home), "migrate", "k",
+                             "--to", slow.url, "--token-file", str(token_file)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: "POST /v1/objects/missing" in slow.calls or proc.poll() is not None, 120,
+                   "the migration never reached the push")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        slow.close()
+    assert proc.returncode == Cancelled.exit_code, (out, err)
+    assert "cancelled" in err and "runs here again" in err
+    assert not any(c.startswith("POST /v1/recv") for c in slow.calls)   # no object went out
+    assert lookup_domain(store.domain_name("k")) is not None
+    assert store.catalogue.instance("k").version == 2
+    after = count(store, "k")
+    assert before <= after and wait_count_above(store, "k", after) > after
