@@ -50,3 +50,26 @@ def test_ctrl_c_after_the_point_of_no_return_does_not_cancel():
     with ctrl_c_cancels(token):
         signal.raise_signal(signal.SIGINT)
     assert not token.cancelled
+
+
+def test_to_is_a_known_hosts_name_or_a_url_with_a_token_file(tmp_path, monkeypatch):
+    from capsule import hosts
+    from capsule.cli.migrate import _destination
+    from capsule.errors import NotFound
+    from capsule.store import Store
+    from tests.unit.inprocess_agent import InProcessAgent
+
+    token = "the-peer-token-0123456789abcdef"
+    peer = InProcessAgent(tmp_path / "b", token)
+    store = Store.open(tmp_path / "a")
+    try:
+        hosts.add(store, "home", peer.url, token)
+        assert _destination(store, "home", None) == (peer.url, token, "home")
+        with pytest.raises(NotFound):
+            _destination(store, "office", None)
+        f = tmp_path / "other.token"
+        f.write_text("x" * 24 + "\n")
+        assert _destination(store, "http://other:7070", f) == ("http://other:7070", "x" * 24, "http://other:7070")
+    finally:
+        peer.stop()
+        store.close()
