@@ -52,6 +52,7 @@ bench: setup
 	$(PY) bench/balloon_bench.py
 	$(PY) bench/diskserver_micro.py
 	$(PY) bench/demand_bench.py --rate-kbit 100000 --rtt-ms 1
+	$(PY) bench/dashboard_migrate.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from hashcache.errors import AuthFailed, Error, Internal, InvalidInput, PeerError, Unreachable
 
-__all__ = ["AlreadyExists", "AuthFailed", "CapsuleError", "Conflict", "EnvironmentProblem", "Error", "GuestTimeout",
-           "IntegrityError", "Internal", "InvalidInput", "InvalidName", "NotFound", "PeerError", "RequestTooLarge",
-           "RuntimeFailure",
+__all__ = ["AlreadyExists", "AuthFailed", "CapsuleError", "Cancelled", "Conflict", "EnvironmentProblem", "Error",
+           "GuestTimeout", "IntegrityError", "Internal", "InvalidInput", "InvalidName", "NotFound", "PeerError",
+           "RequestTooLarge", "RuntimeFailure",
            "SealedObjectError", "StorageFull", "TransferFailed", "Unreachable"]
 
 
@@ -40,6 +40,14 @@ class NotFound(CapsuleError):
 class AlreadyExists(CapsuleError):
     code = "already_exists"
     exit_code = 4
+    http_status = 409
+
+
+class Cancelled(CapsuleError):
+    """Someone asked to stop a long operation (a migration cancelled from the page, or Ctrl-C)."""
+
+    code = "cancelled"
+    exit_code = 15
     http_status = 409
 
 

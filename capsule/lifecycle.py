@@ -243,23 +243,32 @@ def _record(store: Store, inst: InstanceRow, chains: list[list[str]], layers: li
 
 
 def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | None = None,
-            balloon_method: str = balloon_mod.DEFAULT_METHOD, say: Say = _quiet) -> SealResult:
+            balloon_method: str = balloon_mod.DEFAULT_METHOD, say: Say = _quiet,
+            phase: Say = _quiet) -> SealResult:
     """Save the running capsule (libvirt ``sparse`` format), seal its leaves and
     record a new active version. With ``balloon`` (a policy: none, cache,
     aggressive) the guest's spare memory is zeroed first (§4.1). On failure
     the guest keeps running (with its memory given back) and nothing is
-    recorded."""
+    recorded. ``phase("balloon")`` and ``phase("save")`` are called as each
+    step begins; if ``phase`` raises (a cancel), the guest keeps running."""
     with store.lock():
         inst, dom = _running_instance(store, name)
         agent_sock = Path(inst.dir) / "agent.sock"
         ballooned: balloon_mod.BalloonResult | None = None
         if balloon is not None:
             balloon_mod.check(balloon, balloon_method)
+            phase("balloon")
             say(f"ballooning ({balloon_method}, {balloon})")
             ballooned = balloon_mod.inflate(agent_sock, dom, balloon, balloon_method)
             if ballooned.skipped:
                 say(f"no ballooning: {ballooned.skipped}")
         balloon_info = ballooned.as_dict() if ballooned and not ballooned.skipped else None
+        try:
+            phase("save")
+        except BaseException:
+            if ballooned is not None:
+                balloon_mod.give_back(agent_sock, dom, balloon_info)
+            raise
         tmp = store.temp_path(".save")
         say("saving memory (sparse)")
         t0 = time.monotonic()

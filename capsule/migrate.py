@@ -1,16 +1,22 @@
 """``capsule migrate``: suspend here (optionally ballooned), then either push
-the version and start it there (``full``), or have the other host start it at
-once with its disks paged in from this host (``demand``) — the choices the
-paper measured (§5.3).
+the version and start it there (``full``), or push only its memory image and
+have the other host start it at once with its disks paged in from this host
+(``demand``) — the choices the paper measured (§5.3). The CLI and the
+dashboard make this one call.
 
-If anything fails after the suspend, the guest is started again here from
-the version just made (unless the other host may already run it), and
-:class:`MigrationFailed` says what happened: the version, whether the guest
-runs here again, and what reached the other host."""
+It reports phases (balloon, save, memory, disk, resume) with the bytes on the
+wire and the bytes the other host found locally, only ever forward (see
+:mod:`capsule.migrateprogress`), and can be cancelled until the other host is
+asked to start it.
+
+If anything fails after the suspend, or it is cancelled, the guest is started
+again here from the version just made (unless the other host may already run
+it), and :class:`MigrationFailed` (:class:`MigrationCancelled`) says what
+happened: the version, whether the guest runs here again, and what reached
+the other host."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +27,8 @@ import httpx
 from capsule import lifecycle, transfer
 from capsule.agentclient import AgentClient
 from capsule.catalogue import VersionRow
-from capsule.errors import CapsuleError, Error, InvalidName, RuntimeFailure, Unreachable
+from capsule.errors import Cancelled, CapsuleError, Error, InvalidName, RuntimeFailure, Unreachable
+from capsule.migrateprogress import CancelToken, Snapshot, Tracker, planned
 from capsule.store import Store
 from capsule.units import human
 
@@ -35,6 +42,7 @@ class MigrateResult:
     push: transfer.TransferReport | None
     remote: dict[str, Any]
     seconds: float
+    last: Snapshot | None = None      # the last progress event (outcome "done")
 
 
 @dataclass
@@ -70,62 +78,120 @@ class MigrationFailed(CapsuleError):
             self.exit_code = cause.exit_code if isinstance(cause, Error) else RuntimeFailure.exit_code
 
 
-class _Tally(transfer.Progress):
-    """Passes progress on and keeps the wire bytes of the push, which a failed push has no report for."""
+class MigrationCancelled(MigrationFailed):
+    """A migration was cancelled (from the page, or Ctrl-C) before the other host was asked to start it. The
+    guest runs here again (``restored``), from the version the suspend made if it got that far."""
 
-    def __init__(self, inner: transfer.Progress | None) -> None:
-        self.inner = inner or transfer.Progress()
-        self.wire_bytes = 0
-        self._lock = threading.Lock()
+    code = "migration_cancelled"
+    http_status = 409
 
-    def begin(self, label: str, total: int) -> None:
-        self.inner.begin(label, total)
 
-    def advance(self, n: int) -> None:
-        self.inner.advance(n)
+@dataclass
+class Steps:
+    """The steps of a migration that act on guests and hosts (the real ones by default; tests replace them)."""
 
-    def wire(self, total_wire: int) -> None:
-        with self._lock:
-            self.wire_bytes = max(self.wire_bytes, total_wire)
-        self.inner.wire(total_wire)
+    suspend: Callable[..., lifecycle.SealResult] = lifecycle.suspend
+    push: Callable[..., transfer.TransferReport] = transfer.push
+    restore: Callable[..., Any] = lifecycle.start
+
+    @staticmethod
+    def start_there(to: str, token: str, name: str, number: int) -> dict[str, Any]:
+        with AgentClient(to, token, timeout=900.0) as client:
+            return client.request("POST", f"/v1/capsules/{name}/start", params={"version": number}).json()
+
+    @staticmethod
+    def run_there(to: str, token: str, body: dict[str, Any]) -> dict[str, Any]:
+        with AgentClient(to, token, timeout=900.0) as client:
+            return client.post_json("/v1/run", body)
+
+    @staticmethod
+    def sizes(store: Store, version: VersionRow, mode: str) -> dict[str, int]:
+        return _phase_totals(store, version, mode)
+
+    @staticmethod
+    def reached(store: Store, version: VersionRow, to: str, token: str) -> Reached:
+        return _reached(store, version, to, token)
+
+
+def _phase_totals(store: Store, version: VersionRow, mode: str) -> dict[str, int]:
+    """Raw bytes each transfer phase accounts for: the memory image; the disk layers with kernel and initrd
+    (in demand mode, kernel and initrd travel with the memory image and the disks stay here)."""
+    memory = transfer.raw_size(store, "file", version.memory) if version.memory else 0
+    boot = sum(transfer.raw_size(store, "file", version.config[k]) for k in ("kernel", "initrd"))
+    if mode == "demand":
+        return {"memory": memory + boot}
+    layers = dict.fromkeys(lid for chain in version.chains for lid in chain)
+    return {"memory": memory, "disk": boot + sum(transfer.raw_size(store, "layer", lid) for lid in layers)}
 
 
 def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full", balloon: str | None = None,
             balloon_method: str = "virtio", source_url: str | None = None, source_token: str | None = None,
-            prefetch: bool = False, progress: transfer.Progress | None = None,
-            say: Callable[[str], None] = lambda _m: None) -> MigrateResult:
+            prefetch: bool = False, say: Callable[[str], None] = lambda _m: None,
+            on_event: Callable[[Snapshot], None] = lambda _s: None, cancel: CancelToken | None = None,
+            to_name: str | None = None, steps: Steps | None = None) -> MigrateResult:
+    """Move the running capsule ``name`` to the agent at ``to``. ``on_event`` gets a :class:`Snapshot` as
+    each phase begins and as bytes move (see :mod:`capsule.migrateprogress`); ``cancel`` stops it before
+    the other host is asked to start it (:class:`MigrationCancelled`, the guest running here again)."""
     if mode not in MODES:
         raise InvalidName(f"unknown migration mode {mode!r}: choose full or demand")
     if mode == "demand" and not (source_url and source_token):
         raise InvalidName("--mode demand needs --source-url (this host's agent, reachable from the other host) "
                           "and its token")
+    steps = steps or Steps()
+    cancel = cancel or CancelToken()
+    tracker = Tracker(name, to_name or to, planned(mode, balloon is not None), on_event)
     t0 = time.monotonic()
+
+    def phase(p: str) -> None:
+        cancel.check()
+        tracker.enter(p, {"balloon": "ballooning", "save": "saving the memory image"}.get(p, p))
+
     say("suspending here")
-    sealed = lifecycle.suspend(store, name, balloon=balloon, balloon_method=balloon_method, say=say)
-    assert sealed.version is not None
-    ref = sealed.version.ref
-    pushed = None
-    tally = _Tally(progress)
-    step = "push" if mode == "full" else "run"
     try:
-        with AgentClient(to, token, timeout=900.0) as client:
-            if mode == "full":
-                say(f"pushing {ref}")
-                pushed = transfer.push(store, ref, to, token, progress=tally)
-                step = "start"
-                say("starting it there")
-                remote = client.request("POST", f"/v1/capsules/{name}/start",
-                                        params={"version": sealed.version.number}).json()
-            else:
-                say("starting it there, disks on demand from here")
-                remote = client.post_json("/v1/run", {"source": source_url, "token": source_token, "ref": ref,
-                                                      "prefetch": prefetch})
+        sealed = steps.suspend(store, name, balloon=balloon, balloon_method=balloon_method, say=say, phase=phase)
+    except Cancelled as exc:  # before the save: the guest never stopped
+        tracker.finish("cancelled", "source", f"cancelled; {name} keeps running here")
+        raise MigrationCancelled(f"migrating {name} was cancelled before the suspend; it keeps running here",
+                                 step="save", restored=True, cause=exc) from exc
     except BaseException as exc:
-        failure = _fail_back(store, sealed.version, to, token, step, exc, pushed, tally, say)
+        tracker.finish("failed", "source", f"suspending {name} failed: {exc}")
+        raise
+    assert sealed.version is not None
+    version = sealed.version
+    ref = version.ref
+    tracker.set_version(ref)
+    tracker.totals(steps.sizes(store, version, mode))
+    pushed = None
+    step = "push"
+    try:
+        phase("memory")
+        say(f"pushing {ref}" if mode == "full" else f"pushing the memory image of {ref}")
+        if mode == "full":
+            pushed = steps.push(store, ref, to, token, progress=tracker, check=cancel.check)
+        else:
+            steps.push(store, ref, to, token, progress=tracker, check=cancel.check, files_only=True)
+        cancel.commit()
+        tracker.no_return()
+        tracker.enter("resume", f"starting it at {to_name or to}")
+        if mode == "full":
+            step = "start"
+            say("starting it there")
+            remote = steps.start_there(to, token, name, version.number)
+        else:
+            step = "run"
+            say("starting it there, disks on demand from here")
+            remote = steps.run_there(to, token, {"source": source_url, "token": source_token, "ref": ref,
+                                                 "prefetch": prefetch})
+    except BaseException as exc:
+        failure = _fail_back(store, version, to, token, step, exc, pushed, tracker, say, steps)
+        outcome = "cancelled" if isinstance(failure, MigrationCancelled) else "failed"
+        tracker.finish(outcome, "source" if failure.restored else "unknown", str(failure))
         if not isinstance(exc, Exception):
             raise  # an interrupt stays an interrupt; the guest runs here again if it safely could
         raise failure from exc
-    return MigrateResult(mode, sealed, pushed, remote, time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    last = tracker.finish("done", "destination", f"{name} runs at {to_name or to} after {seconds:.1f}s")
+    return MigrateResult(mode, sealed, pushed, remote, seconds, last)
 
 
 def _may_run_there(step: str, exc: BaseException) -> bool:
@@ -140,12 +206,15 @@ def _may_run_there(step: str, exc: BaseException) -> bool:
 
 
 def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str, exc: BaseException,
-               pushed: transfer.TransferReport | None, tally: _Tally, say: Callable[[str], None]) -> MigrationFailed:
+               pushed: transfer.TransferReport | None, tally: Tracker, say: Callable[[str], None],
+               steps: Steps) -> MigrationFailed:
     ref = version.ref
     what = {"push": f"pushing {ref} to {to}", "start": f"starting {ref} at {to}",
             "run": f"starting {ref} at {to} (disks on demand from here)"}[step]
-    lines = [f"migrating {version.capsule} failed while {what}: {exc or type(exc).__name__}",
-             f"the guest's state was saved here as {ref}"]
+    cancelled = isinstance(exc, Cancelled)
+    head = (f"migrating {version.capsule} was cancelled while {what}" if cancelled else
+            f"migrating {version.capsule} failed while {what}: {exc or type(exc).__name__}")
+    lines = [head, f"the guest's state was saved here as {ref}"]
     restored = False
     if _may_run_there(step, exc):
         lines.append(f"it was NOT started again here: {to} may have started it before the connection broke. "
@@ -153,17 +222,18 @@ def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str
     else:  # first the guest, then the questions
         say(f"starting {ref} here again")
         try:
-            lifecycle.start(store, ref, wait=False)
+            steps.restore(store, ref, wait=False)
             restored = True
             lines.append(f"the guest runs here again from {ref}")
         except Error as again:
             lines.append(f"starting it again here failed too ({again}); `capsule start {ref}` retries")
     # an interrupt is re-raised as it is: do not keep the user waiting on the other host
-    reached = _reached(store, version, to, token) if isinstance(exc, Exception) else Reached(known=False)
+    reached = steps.reached(store, version, to, token) if isinstance(exc, Exception) else Reached(known=False)
     reached.sent_bytes = pushed.wire_bytes if pushed else tally.wire_bytes
     reached.recorded = reached.recorded or bool(pushed and pushed.recorded)
     lines.append(reached.describe(ref))
-    return MigrationFailed("; ".join(lines), version=ref, step=step, restored=restored, reached=reached, cause=exc)
+    cls = MigrationCancelled if cancelled else MigrationFailed
+    return cls("; ".join(lines), version=ref, step=step, restored=restored, reached=reached, cause=exc)
 
 
 def _reached(store: Store, version: VersionRow, to: str, token: str) -> Reached:

@@ -19,14 +19,14 @@ import zstandard
 
 from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
-from capsule.errors import TransferFailed
+from capsule.errors import CapsuleError, TransferFailed
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
 from capsule.pipeline import Pipeline, run_batches
 from capsule.records import objects_of, record_version, validate, version_record
 from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE, hash_block
-from hashcache.errors import ManifestMismatch
+from hashcache.errors import HashcacheError, ManifestMismatch
 from hashcache.hcp import (
     PREFIX_SIZE,
     Expectation,
@@ -95,13 +95,27 @@ class TransferReport:
 
 
 class Progress:
-    """Callbacks for a progress display: begin(total raw bytes), advance(raw bytes), wire(total wire bytes)."""
+    """Callbacks for a progress display: begin(total raw bytes), advance(raw bytes), wire(total wire bytes).
+    A push also says which object comes next (``object``: its role and raw size, ``present`` when the
+    receiver holds it already) and how many of the raw bytes it advanced by the receiver found itself
+    (``local``: in its shadow or hash cache, never sent)."""
 
     def begin(self, label: str, total: int) -> None: ...
 
     def advance(self, n: int) -> None: ...
 
     def wire(self, total_wire: int) -> None: ...
+
+    def object(self, kind: str, oid: str, role: str, raw_bytes: int, present: bool) -> None: ...
+
+    def local(self, n: int) -> None: ...
+
+
+Check = Callable[[], None]
+
+
+def _never() -> None:
+    pass
 
 
 def _batches(indices: list[int], size: int) -> list[list[int]]:
@@ -229,8 +243,16 @@ def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = No
 
 # -- push -------------------------------------------------------------------------
 
+def raw_size(store: Store, kind: str, oid: str) -> int:
+    """The bytes of an object's non-zero blocks (what HCP accounts for), 0 if this store cannot tell."""
+    try:
+        return object_manifest(store, kind, oid).nonzero_blocks * BLOCK_SIZE
+    except (OSError, CapsuleError, HashcacheError):
+        return 0
+
+
 def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
-                 progress: Progress) -> ObjectReport | None:
+                 progress: Progress, check: Check = _never) -> ObjectReport | None:
     """Send one object: its manifest in parts (the receiver plans each part
     while the next one and the blocks it already asked for are on the wire),
     then the blocks it asks for, then commit."""
@@ -245,6 +267,7 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
     def send(batch: list[int]) -> None:
+        check()  # a cancel stops here; the pipeline then drops the batches still queued
         idx = encode_indices(batch)
         payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
         client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=struct.pack("<I", len(idx)) + idx + payload,
@@ -262,6 +285,9 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                                       content=zstandard.ZstdCompressor(level=3).compress(part.to_bytes()),
                                       params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)})
                 if resp.headers.get("X-Capsule-Present"):
+                    if k == 0:
+                        progress.advance(raw_bytes)
+                        progress.local(raw_bytes)
                     return None
                 try:
                     raw = zstandard.ZstdDecompressor().decompress(resp.content,
@@ -271,6 +297,7 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                     raise TransferFailed(f"{name}: the receiver's plan is malformed: {exc}") from exc
                 part_bytes = sum(1 for _i, z, _h in part.records() if not z) * BLOCK_SIZE
                 progress.advance(part_bytes - len(needed) * BLOCK_SIZE)
+                progress.local(part_bytes - len(needed) * BLOCK_SIZE)
                 needed_total += len(needed)
                 for batch in _batches(needed, opts.batch):
                     pipe.submit(batch)
@@ -284,8 +311,12 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,
-         progress: Progress | None = None, *, transport: Transport | None = None) -> TransferReport:
-    """Send ``NAME[@V]`` from ``store`` to the agent at ``url`` (over ``transport`` if given)."""
+         progress: Progress | None = None, *, transport: Transport | None = None, check: Check = _never,
+         files_only: bool = False) -> TransferReport:
+    """Send ``NAME[@V]`` from ``store`` to the agent at ``url`` (over ``transport`` if given). The memory
+    image goes first (a restore needs it first). ``check`` is called before each object and each batch
+    and stops the push by raising (a cancel). ``files_only``: send the memory image, kernel and initrd
+    but neither the disk layers nor the version record (demand paging brings the rest)."""
     opts = opts or Options()
     progress = progress or Progress()
     t0 = time.monotonic()
@@ -296,17 +327,24 @@ def push(store: Store, ref: str, url: str, token: str, opts: Options | None = No
     with AgentClient(url, token, transport=transport) as client:
         missing = client.post_json("/v1/objects/missing", {"layers": layers, "files": [f for f, _ in files]})
         lacking = set(missing.get("layers", [])) | set(missing.get("files", []))
-        for kind, oid, role in [("layer", lid, "layer") for lid in layers] + [("file", f, ro) for f, ro in files]:
+        items = [] if files_only else [("layer", lid, "layer") for lid in layers]
+        items = sorted(items + [("file", f, ro) for f, ro in files], key=lambda item: item[2] != "memory")
+        for kind, oid, role in items:
+            check()
             if oid not in lacking:
+                progress.object(kind, oid, role, raw_size(store, kind, oid), True)
                 report.skipped.append(oid)
                 continue
-            obj = _push_object(store, client, kind, oid, role, opts, progress)
+            progress.object(kind, oid, role, raw_size(store, kind, oid), False)
+            obj = _push_object(store, client, kind, oid, role, opts, progress, check)
             if obj is None:
                 report.skipped.append(oid)
             else:
                 report.objects.append(obj)
-        reply = client.post_json("/v1/versions", record)
-        report.recorded = bool(reply.get("created"))
+        check()
+        if not files_only:
+            reply = client.post_json("/v1/versions", record)
+            report.recorded = bool(reply.get("created"))
         report.wire_bytes = client.wire_bytes
     report.seconds = time.monotonic() - t0
     return report

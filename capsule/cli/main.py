@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from capsule.cli import backup, capsules, fleet, hosts, images, runtime, transfer
+from capsule.cli import backup, capsules, fleet, hosts, images, migrate, runtime, transfer
 from capsule.cli.common import OPTIONS, report
 
 app = typer.Typer(
@@ -38,6 +38,7 @@ def _global(
 capsules.register(app)
 runtime.register(app)
 transfer.register(app)
+migrate.register(app)
 hosts.register(app)
 fleet.register(app)
 backup.register(app)

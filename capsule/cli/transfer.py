@@ -1,4 +1,4 @@
-"""CLI verbs between hosts: serve, push, pull, and the hash cache."""
+"""CLI verbs between hosts: serve, push, pull, run, and the hash cache (migrate: capsule/cli/migrate.py)."""
 
 from __future__ import annotations
 
@@ -177,7 +177,6 @@ def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command()(run)
     app.command()(localize)
-    app.command()(migrate)
     app.add_typer(cache_app, name="cache", help="This host's persistent hash cache.")
 
 
@@ -216,37 +215,3 @@ def localize(json: JsonOpt = False) -> None:
     done = demand.localize(store)
     emit({"localized": done}, lambda: console.print(f"{len(done)} layer(s) now local"))
 
-
-def migrate(
-    name: Annotated[str, typer.Argument(help="A running capsule.")],
-    to: Annotated[str, typer.Option("--to", help="The destination agent, e.g. http://home:7070.")],
-    mode: Annotated[str, typer.Option("--mode", help="full: push, then start there | demand: start there at "
-                                                     "once, disk blocks paged in from here.")] = "full",
-    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1).")] = False,
-    balloon_policy: Annotated[str, typer.Option("--balloon-policy")] = "cache",
-    balloon_method: Annotated[str, typer.Option("--balloon-method")] = "virtio",
-    source_url: Annotated[str | None, typer.Option("--source-url", help="demand: this host's agent URL as the "
-                                                                        "destination reaches it.")] = None,
-    source_token_file: Annotated[Path | None, typer.Option(
-        "--source-token-file", help="demand: the token of this host's agent (default STORE/agent.token).")] = None,
-    prefetch: Annotated[bool, typer.Option("--prefetch", help="demand: pull the rest in the background.")] = False,
-    token_file: TokenOpt = None, json: JsonOpt = False,
-) -> None:
-    """Move a running capsule to another host: suspend here, then push and start (full) or start there at once
-    with its disks paged in from here (demand)."""
-    json_flag(json)
-    from capsule import migrate as lib
-    from capsule.cli.common import progress as spinner
-
-    store = open_store()
-    source_token = None
-    if mode == "demand":
-        source_token = read_token(source_token_file or store.home / "agent.token")
-    with spinner(f"migrating {name}") as say:
-        r = lib.migrate(store, name, to, read_token(token_file), mode=mode,
-                        balloon=balloon_policy if balloon else None, balloon_method=balloon_method,
-                        source_url=source_url, source_token=source_token, prefetch=prefetch, say=say)
-    data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
-            "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3)}
-    emit(data, lambda: console.print(f"{name} now runs at {to} ({r.mode}, {r.remote.get('mode')}) after "
-                                     f"{r.seconds:.2f}s"))

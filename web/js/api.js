@@ -71,3 +71,8 @@ export const consoleTicket = (name, kind = "screen") =>
 export const peerConsoleTicket = (host, name, kind = "screen") =>
   call("POST", `hosts/${encodeURIComponent(host)}/capsules/${encodeURIComponent(name)}/console-ticket` +
     `?kind=${encodeURIComponent(kind)}`, {});
+
+// migrations (capsule/agent/migrations.py); progress streams from /api/migrations/{id}/events (EventSource)
+export const migrate = (name, body) => call("POST", `capsules/${encodeURIComponent(name)}/migrate`, body);
+export const migration = (id) => call("GET", `migrations/${encodeURIComponent(id)}`);
+export const cancelMigration = (id) => call("POST", `migrations/${encodeURIComponent(id)}/cancel`);

@@ -3,6 +3,7 @@
 
 import * as api from "./api.js";
 import { bytes, h, when } from "./format.js";
+import { openMigrate } from "./migrate.js";
 
 const REFRESH_MS = 3000;
 const $ = (id) => document.getElementById(id);
@@ -22,8 +23,8 @@ const running = (c) => c.state === "running";
 const startable = (c) => c.state === "stopped" || c.state === "suspended";
 
 // The actions on this host's capsules: each is one API call (the same library call as the CLI's verb).
-// "Console" opens the live console panel (console.js). Next to come here:
-// "Migrate…" (destination host, full or demand, balloon; progress phase by phase).
+// "Console" opens the live console panel (console.js); an action with `run` opens its own view instead
+// (Migrate…: migrate.js, progress phase by phase; when the capsule runs elsewhere the console follows it).
 const ACTIONS = [
   { verb: "console", label: "Console", when: running, run: (c) => showConsole(c.name) },
   { verb: "start", label: "Start", busy: "starting", when: startable },
@@ -34,6 +35,8 @@ const ACTIONS = [
   { verb: "stop", label: "Stop", busy: "stopping", when: (c) => running(c) || c.state === "crashed" },
   { verb: "derive", label: "Derive…", busy: "deriving", when: () => true, ask: askDerive },
   { verb: "rm", label: "Remove…", busy: "removing", when: (c) => !running(c), ask: askRemove },
+  { verb: "migrate", label: "Migrate…", when: running,
+    run: (c) => openMigrate(c, view.peers, { onEnd: () => { view.loading = false; refresh(); } }) },
 ];
 
 // The console (console.js) loads on first use: a host without the page's npm libraries (noVNC, xterm.js) still

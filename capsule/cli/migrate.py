@@ -1,0 +1,130 @@
+"""``capsule migrate``: the library call (capsule.migrate) with its phases drawn live, and Ctrl-C as cancel
+(the guest runs here again). A second Ctrl-C interrupts at once."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from capsule import hosts
+from capsule.agentclient import read_token
+from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.migrateprogress import CancelToken, Snapshot
+from capsule.units import human
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+TokenOpt = Annotated[Path | None, typer.Option("--token-file", help="File holding the agent's token "
+                                                                    "(default: CAPSULE_TOKEN).")]
+LABELS = {"balloon": "balloon", "save": "save memory here", "memory": "memory image", "disk": "disks",
+          "resume": "resume there"}
+
+
+def render(s: Snapshot) -> Table:
+    """The phases as steps (done, current, to come), then the byte counters and the ETA."""
+    t = Table.grid(padding=(0, 1))
+    for i, p in enumerate(s.phases):
+        if i < s.index or (i == s.index and s.outcome == "done"):
+            mark = "[green]✓[/]"
+        elif i == s.index:
+            mark = "[red]✗[/]" if s.outcome else "[cyan]▶[/]"
+        else:
+            mark = "[dim]·[/]"
+        detail = ""
+        if i == s.index and s.phase_total:
+            detail = f"{human(s.phase_done)} / {human(s.phase_total)}"
+        t.add_row(mark, LABELS.get(p, p), detail)
+    line = f"wire {human(s.wire_bytes)} · found locally {human(s.local_bytes)}"
+    if s.total_bytes:
+        line += f" · {human(s.done_bytes)} of {human(s.total_bytes)}"
+    if s.eta_seconds is not None:
+        line += f" · ETA {s.eta_seconds:.0f}s"
+    t.add_row("", Text(line, style="dim"), "")
+    if s.outcome is None and s.cancellable:
+        t.add_row("", Text("Ctrl-C cancels (the capsule runs here again)", style="dim"), "")
+    return t
+
+
+@contextmanager
+def ctrl_c_cancels(token: CancelToken) -> Iterator[None]:
+    """While the migration runs, the first Ctrl-C asks it to stop; a second one interrupts."""
+    asked = [False]
+
+    def handler(signum: int, frame: Any) -> None:
+        if asked[0]:
+            raise KeyboardInterrupt
+        asked[0] = True
+        if token.cancel():
+            err_console.print("[yellow]cancelling: the capsule will run here again (Ctrl-C again to interrupt)[/]")
+        else:
+            err_console.print("[yellow]too late to cancel: the other host is starting it[/]")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _destination(store: Any, to: str, token_file: Path | None) -> tuple[str, str, str]:
+    """``--to`` as a URL (token from --token-file / CAPSULE_TOKEN) or as a known host's name (its token)."""
+    if "://" in to:
+        return to, read_token(token_file), to
+    peer = hosts.get(store, to)
+    return peer.url, peer.token, peer.name
+
+
+def migrate(
+    name: Annotated[str, typer.Argument(help="A running capsule.")],
+    to: Annotated[str, typer.Option("--to", help="The destination: a known host's name (`capsule host ls`) "
+                                                 "or its agent URL, e.g. http://home:7070.")],
+    mode: Annotated[str, typer.Option("--mode", help="full: push, then start there | demand: push the memory "
+                                                     "image, start there, disk blocks paged in from here.")] = "full",
+    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1).")] = False,
+    balloon_policy: Annotated[str, typer.Option("--balloon-policy")] = "cache",
+    balloon_method: Annotated[str, typer.Option("--balloon-method")] = "virtio",
+    source_url: Annotated[str | None, typer.Option("--source-url", help="demand: this host's agent URL as the "
+                                                                        "destination reaches it.")] = None,
+    source_token_file: Annotated[Path | None, typer.Option(
+        "--source-token-file", help="demand: the token of this host's agent (default STORE/agent.token).")] = None,
+    prefetch: Annotated[bool, typer.Option("--prefetch", help="demand: pull the rest in the background.")] = False,
+    token_file: TokenOpt = None, json: JsonOpt = False,
+) -> None:
+    """Move a running capsule to another host: suspend here, then push and start (full) or start there at once
+    with its disks paged in from here (demand). Shows each phase live; Ctrl-C cancels and the capsule runs
+    here again."""
+    json_flag(json)
+    from capsule import migrate as lib
+
+    store = open_store()
+    url, token, label = _destination(store, to, token_file)
+    source_token = None
+    if mode == "demand":
+        source_token = read_token(source_token_file or store.home / "agent.token")
+    cancel = CancelToken()
+    quiet = OPTIONS.json or not err_console.is_terminal
+    view = None if quiet else Live(console=err_console, refresh_per_second=8)
+    with ctrl_c_cancels(cancel), view or nullcontext():
+        def show(s: Snapshot) -> None:
+            if view is not None:
+                view.update(render(s))
+
+        r = lib.migrate(store, name, url, token, mode=mode, balloon=balloon_policy if balloon else None,
+                        balloon_method=balloon_method, source_url=source_url, source_token=source_token,
+                        prefetch=prefetch, on_event=show, cancel=cancel, to_name=label)
+    data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
+            "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3),
+            "progress": r.last.as_dict() if r.last else None}
+    emit(data, lambda: console.print(f"{name} now runs at {label} ({r.mode}, {r.remote.get('mode')}) after "
+                                     f"{r.seconds:.2f}s"))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(migrate)

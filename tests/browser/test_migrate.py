@@ -1,0 +1,128 @@
+"""The Migrate button in a real browser (Debian's chromium driven by Playwright), between two hosts on this
+machine with a real guest: the phases advance, the capsule ends up running on the other host (shown in its
+list, its counter going on), the console hook is called for the destination; and a cancel from the page
+leaves it running here."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from capsule import capsules, hosts, lifecycle
+from capsule.runtime.connection import lookup_domain
+from tests.browser.test_dashboard import SCREENSHOTS, browser  # noqa: F401 - fixture
+from tests.vm.helpers import COUNTER, count, run, wait_count_above
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(400)]
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+# every (phase, state) the dialog shows, in order, and what the console hook was called with
+RECORDER = """() => {
+  window.__phases = [];
+  window.capsuleConsole = { openConsole: (url, name) => { window.__followed = [url, name]; } };
+  new MutationObserver(() => {
+    for (const li of document.querySelectorAll("#migrate-dialog ol.phases li")) {
+      const seen = [li.dataset.phase, li.dataset.state];
+      const last = window.__phases.filter((p) => p[0] === seen[0]).pop();
+      if (!last || last[1] !== seen[1]) window.__phases.push(seen);
+    }
+  }).observe(document.body, { subtree: true, childList: true, attributes: true });
+}"""
+
+
+def _signed_in(browser, agent):  # noqa: F811
+    page = browser.new_page(viewport={"width": 1280, "height": 860})
+    page.goto(agent.url)
+    page.fill("#token", agent.token)
+    page.click("#sign-in-form button[type=submit]")
+    return page
+
+
+def _running(store, name: str) -> int:
+    capsules.create(store, name, "tiny", memory="256M")
+    lifecycle.start(store, name)
+    run(store, name, COUNTER)
+    return wait_count_above(store, name, 5)
+
+
+def test_migrate_with_the_button(two_hosts, browser, tmp_path):  # noqa: F811
+    from playwright.sync_api import expect
+
+    a, b, agent_a, agent_b = two_hosts
+    before = _running(a, "desk")
+    hosts.add(a, "home", agent_b.url, agent_b.token)
+    page = _signed_in(browser, agent_a)
+    row = page.locator('section[data-host="local"] tr[data-capsule="desk"]')
+    expect(row.locator(".badge")).to_have_attribute("data-state", "running")
+    expect(page.locator('section[data-host="home"]')).to_have_attribute("data-reachable", "yes")
+    page.evaluate(RECORDER)
+
+    row.locator('button[data-action="migrate"]').click()
+    dialog = page.locator("#migrate-dialog")
+    expect(dialog).to_be_visible()
+    page.select_option("#migrate-to", "home")
+    dialog.locator('input[name="mode"][value="full"]').check()
+    dialog.locator('input[name="balloon"]').check()
+    dialog.locator('[data-action="start-migration"]').click()
+
+    message = dialog.locator(".migrate-message")
+    expect(message).to_have_attribute("data-outcome", "done", timeout=240_000)
+    expect(message).to_contain_text("now runs on home")
+    phases = dialog.locator("ol.phases li")
+    expect(phases).to_have_count(5)
+    for li in phases.all():
+        expect(li).to_have_attribute("data-state", "done")
+    expect(dialog.locator('[data-field="wire"]')).not_to_have_text("–")
+    shot = tmp_path / "migrate.png"
+    dialog.screenshot(path=str(shot))
+    if SCREENSHOTS:
+        shutil.copyfile(shot, Path(SCREENSHOTS) / "migrate.png")
+
+    # every phase was shown as the current one, in order, and then as done
+    seen = page.evaluate("window.__phases")
+    current = [p for p, s in seen if s == "current"]
+    assert current == ["balloon", "save", "memory", "disk", "resume"], seen
+    # the console hook was called for the destination
+    assert page.evaluate("window.__followed") == [agent_b.url, "desk"]
+
+    dialog.locator('[data-action="close-migration"]').click()
+    expect(dialog).to_be_hidden()
+    there = page.locator('section[data-host="home"] tr[data-capsule="desk"] .badge')
+    expect(there).to_have_attribute("data-state", "running", timeout=30_000)
+    expect(row.locator(".badge")).not_to_have_attribute("data-state", "running", timeout=30_000)
+    assert lookup_domain(a.domain_name("desk")) is None and lookup_domain(b.domain_name("desk")) is not None
+    after = count(b, "desk")
+    assert before <= after and wait_count_above(b, "desk", after) > after
+
+
+def test_cancel_from_the_page_keeps_it_running_here(two_hosts, browser):  # noqa: F811
+    from playwright.sync_api import expect
+
+    a, b, agent_a, agent_b = two_hosts
+    before = _running(a, "desk")
+    hosts.add(a, "home", agent_b.url, agent_b.token)
+    page = _signed_in(browser, agent_a)
+    row = page.locator('section[data-host="local"] tr[data-capsule="desk"]')
+    expect(row.locator(".badge")).to_have_attribute("data-state", "running")
+    page.evaluate(RECORDER)
+
+    row.locator('button[data-action="migrate"]').click()
+    dialog = page.locator("#migrate-dialog")
+    expect(dialog.locator("#migrate-to")).to_have_value("home")  # the only peer, chosen
+    dialog.locator('input[name="balloon"]').check()   # ballooning takes seconds: time to cancel
+    dialog.locator('[data-action="start-migration"]').click()
+    cancel = dialog.locator('[data-action="cancel-migration"]')
+    expect(cancel).to_be_enabled()
+    cancel.click()
+    message = dialog.locator(".migrate-message")
+    expect(message).to_have_attribute("data-outcome", "cancelled", timeout=120_000)
+    expect(message).to_contain_text("runs here again")
+    assert page.evaluate("window.__followed") is None
+    dialog.locator('[data-action="close-migration"]').click()
+    expect(row.locator(".badge")).to_have_attribute("data-state", "running", timeout=30_000)
+    assert lookup_domain(b.domain_name("desk")) is None and lookup_domain(a.domain_name("desk")) is not None
+    after = count(a, "desk")
+    assert before <= after and wait_count_above(a, "desk", after) > after

@@ -1,0 +1,166 @@
+"""The dashboard's migration API on a real agent app: a known peer only, sessions and CSRF, the migration in a
+thread with its progress as Server-Sent Events, and a cancel. The migration itself is a stand-in that reports
+like capsule.migrate does (its orchestration is tested in test_migrate_progress.py, on guests in
+tests/vm/test_migrate_progress.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from capsule import hosts
+from capsule import migrate as lib
+from capsule.agent.app import create_app
+from capsule.catalogue import InstanceRow
+from capsule.errors import Cancelled
+from capsule.migrateprogress import Tracker, planned
+from capsule.store import Store
+from tests.unit.inprocess_agent import InProcessAgent
+from tests.unit.test_dashboard_api import PEER_TOKEN, SECRET, TOKEN, home, sign_in  # noqa: F401 - fixture
+from tests.wait import wait_until
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+class StandIn:
+    """In place of capsule.migrate.migrate: reports save and memory, then waits for ``go`` or a cancel."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.calls: list[dict] = []
+
+    def __call__(self, store, name, to, token, *, mode, balloon, on_event, cancel, to_name, **kw):
+        self.calls.append({"name": name, "to": to, "token": token, "to_name": to_name, "mode": mode,
+                           "balloon": balloon} | kw)
+        t = Tracker(name, to_name, planned(mode, balloon is not None), on_event, min_interval=0)
+        t.enter("save")
+        t.set_version(f"{name}@2")
+        t.totals({"memory": 4096})
+        t.object("file", "m", "memory", 4096, False)
+        t.advance(1024)
+        t.wire(600)
+        wait_until(lambda: self.go.is_set() or cancel.cancelled, 20, "neither go nor a cancel came")
+        if cancel.cancelled:
+            t.finish("cancelled", "source", "cancelled")
+            raise lib.MigrationCancelled(f"migrating {name} was cancelled", version=f"{name}@2", step="push",
+                                         restored=True, cause=Cancelled("cancelled"))
+        cancel.commit()
+        t.advance(3072)
+        t.enter("resume")
+        last = t.finish("done", "destination", "ok")
+        return lib.MigrateResult(mode, None, None, {"mode": "restore"}, 1.0, last)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def world(home, tmp_path, monkeypatch):  # noqa: F811
+    """This host (a running capsule, as the catalogue sees it), a peer "office", a signed-in page."""
+    peer = InProcessAgent(tmp_path / "b", PEER_TOKEN)
+    store = Store.open(home)
+    try:
+        hosts.add(store, "office", peer.url, PEER_TOKEN)
+        with store.catalogue.transaction():
+            store.catalogue.add_instance(InstanceRow(SECRET, 1, "capsule-x", [], [[]], "tcg", str(tmp_path)))
+    finally:
+        store.close()
+    stand_in = StandIn()
+    monkeypatch.setattr(lib, "migrate", stand_in)
+    client = TestClient(create_app(home, TOKEN))
+    csrf = sign_in(client)
+    yield client, csrf, stand_in, peer
+    stand_in.go.set()
+    peer.stop()
+
+
+def _events(client: TestClient, mid: str) -> list[dict]:
+    out = []
+    with client.stream("GET", f"/api/migrations/{mid}/events") as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: {}":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def test_a_migration_runs_in_the_agent_and_streams_its_phases(world):
+    client, csrf, stand_in, peer = world
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "full", "balloon": True},
+                    headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 202, r.text
+    m = r.json()
+    assert (m["capsule"], m["to"], m["to_url"], m["mode"]) == (SECRET, "office", peer.url, "full")
+    # the destination's URL and token come from the peers table
+    wait_until(lambda: stand_in.calls, 10, "the migration never started")
+    call = stand_in.calls[0]
+    assert (call["to"], call["token"], call["to_name"], call["balloon"]) == (peer.url, PEER_TOKEN, "office", "cache")
+    wait_until(lambda: client.get(f"/api/migrations/{m['id']}").json()["progress"]["phase"] == "memory", 10,
+               "the memory phase never showed")
+    stand_in.go.set()
+    events = _events(client, m["id"])
+    progress = [e["progress"] for e in events]
+    assert [p["seq"] for p in progress] == sorted(set(p["seq"] for p in progress))
+    assert progress[-1]["outcome"] == "done" and progress[-1]["where"] == "destination"
+    assert progress[-1]["phase"] == "resume" and progress[-1]["done_bytes"] == 4096
+    assert events[-1]["remote"] == {"mode": "restore"} and events[-1]["error"] is None
+    assert client.get("/api/migrations").json()[0]["id"] == m["id"]
+
+
+def test_cancel_ends_it_at_the_source(world):
+    client, csrf, stand_in, _peer = world
+    m = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office"}, headers={"X-CSRF-Token": csrf}).json()
+    wait_until(lambda: client.get(f"/api/migrations/{m['id']}").json()["progress"]["phase"] == "memory", 10,
+               "the memory phase never showed")
+    assert client.post(f"/api/migrations/{m['id']}/cancel").status_code == 403  # no CSRF token
+    r = client.post(f"/api/migrations/{m['id']}/cancel", headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 200, r.text
+    last = _events(client, m["id"])[-1]
+    assert last["progress"]["outcome"] == "cancelled" and last["progress"]["where"] == "source"
+    assert last["error"]["error"] == "migration_cancelled" and last["error"]["restored"] is True
+    again = client.post(f"/api/migrations/{m['id']}/cancel", headers={"X-CSRF-Token": csrf})
+    assert again.status_code == 409 and "already ended" in again.json()["detail"]
+
+
+def test_only_a_known_peer_a_running_capsule_and_one_migration_at_a_time(world):
+    client, csrf, stand_in, _peer = world
+    h = {"X-CSRF-Token": csrf}
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "elsewhere"}, headers=h)
+    assert r.status_code == 404 and "no host named 'elsewhere'" in r.json()["detail"]
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "url": "http://evil.example"},
+                    headers=h)
+    assert r.status_code in (400, 422)  # no URL from the page
+    assert client.post("/api/capsules/nope/migrate", json={"to": "office"}, headers=h).status_code == 404
+    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office"}).status_code == 403
+    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office"}, headers=h).status_code == 202
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office"}, headers=h)
+    assert r.status_code == 409 and "already being migrated" in r.json()["detail"]
+    assert client.get("/api/migrations/0123abcd").status_code == 404
+    assert len(stand_in.calls) <= 1
+
+
+def test_without_a_session_nothing_is_revealed(world):
+    client, _csrf, _stand_in, _peer = world
+    anon = TestClient(client.app)
+    for method, path in [("POST", f"/api/capsules/{SECRET}/migrate"), ("GET", "/api/migrations"),
+                         ("GET", "/api/migrations/x"), ("GET", "/api/migrations/x/events"),
+                         ("POST", "/api/migrations/x/cancel")]:
+        r = anon.request(method, path, json={"to": "office"} if method == "POST" else None)
+        assert r.status_code == 401 and SECRET not in r.text and "office" not in r.text
+
+
+def test_demand_mode_gives_the_other_host_this_agent_as_the_source(world, monkeypatch):
+    client, csrf, stand_in, _peer = world
+    h = {"X-CSRF-Token": csrf}
+    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"},
+                       headers=h).status_code == 202
+    wait_until(lambda: stand_in.calls, 10, "the migration never started")
+    assert stand_in.calls[0]["source_url"] == "http://testserver"   # the address the page used
+    assert stand_in.calls[0]["source_token"] == TOKEN
+    stand_in.go.set()
+    wait_until(lambda: client.get("/api/migrations").json()[0]["progress"]["outcome"] == "done", 10, "no end")
+    monkeypatch.setenv("CAPSULE_AGENT_URL", "http://work.example:7070")
+    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"},
+                       headers=h).status_code == 202
+    wait_until(lambda: len(stand_in.calls) == 2, 10, "the second migration never started")
+    assert stand_in.calls[1]["source_url"] == "http://work.example:7070"

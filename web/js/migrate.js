@@ -1,0 +1,218 @@
+// The migrate dialog: pick the destination (one of this host's peers), full or demand, balloon on or off;
+// then the migration live, phase by phase (Server-Sent Events from /api/migrations/{id}/events): bytes on
+// the wire, bytes the destination found locally, an ETA, and Cancel. At the end it says where the capsule
+// runs now.
+//
+// The console follows the capsule. When it runs at the destination, this module calls
+//     window.capsuleConsole.openConsole(hostUrl, name)   when the page has set window.capsuleConsole, else
+//     openConsole(hostUrl, name) exported by ./console.js (loaded with import() on first use), if it exists;
+// with hostUrl the destination agent's URL (where its dashboard and console live) and name the capsule.
+// Neither is required: without a console module the migration works the same and nothing is opened.
+
+import * as api from "./api.js";
+import { bytes, h } from "./format.js";
+
+const LABELS = {
+  balloon: "Balloon", save: "Save memory here", memory: "Memory image", disk: "Disks", resume: "Resume there",
+};
+const OUTCOME = { done: "Done", cancelled: "Cancelled", failed: "Failed" };
+
+let dialog = null;
+let current = null;   // {id, stream, onEnd}
+
+// -- the console hook ------------------------------------------------------------------------------------
+export async function consoleFollows(hostUrl, name) {
+  let open = window.capsuleConsole && window.capsuleConsole.openConsole;
+  if (typeof open !== "function") {
+    try {
+      open = (await import("./console.js")).openConsole;
+    } catch {
+      open = null;  // no console module on this page: nothing to follow
+    }
+  }
+  if (typeof open !== "function") return false;
+  try {
+    await open(hostUrl, name);
+    return true;
+  } catch (err) {
+    console.warn(`the console could not follow ${name} to ${hostUrl}: ${err}`);
+    return false;
+  }
+}
+
+// -- the dialog ------------------------------------------------------------------------------------------
+function build() {
+  const choose = h("form", { method: "dialog", class: "migrate-choose" },
+    h("h3", {}, "Migrate ", h("span", { "data-field": "name" })),
+    h("label", { for: "migrate-to" }, "Destination host"),
+    h("select", { id: "migrate-to", name: "to", required: true }),
+    h("label", {}, "Mode"),
+    h("label", { class: "check" }, h("input", { type: "radio", name: "mode", value: "full", checked: true }),
+      " Full: copy everything, then resume there"),
+    h("label", { class: "check" }, h("input", { type: "radio", name: "mode", value: "demand" }),
+      " Demand: copy the memory, resume there at once, disk blocks follow as the guest reads them"),
+    h("label", { class: "check" }, h("input", { type: "checkbox", name: "balloon" }),
+      " Balloon first (less memory to move)"),
+    h("p", { class: "error", "data-field": "choose-error" }),
+    h("menu", {},
+      h("button", { value: "cancel", formnovalidate: true, class: "quiet" }, "Cancel"),
+      h("button", { value: "ok", "data-action": "start-migration" }, "Migrate")));
+  const progress = h("div", { class: "migrate-progress", hidden: true },
+    h("h3", {}, "Migrating ", h("span", { "data-field": "name" }), " to ", h("span", { "data-field": "to" })),
+    h("ol", { class: "phases" }),
+    h("div", { class: "bar" }, h("div", { class: "fill" })),
+    h("dl", { class: "counters" },
+      h("dt", {}, "On the wire"), h("dd", { "data-field": "wire" }, "–"),
+      h("dt", {}, "Found locally"), h("dd", { "data-field": "local" }, "–"),
+      h("dt", {}, "Progress"), h("dd", { "data-field": "done" }, "–"),
+      h("dt", {}, "Time left"), h("dd", { "data-field": "eta" }, "–")),
+    h("p", { class: "migrate-message", role: "status", "data-field": "message" }),
+    h("menu", {},
+      h("button", { type: "button", class: "danger", "data-action": "cancel-migration", onclick: cancel },
+        "Cancel migration"),
+      h("button", { type: "button", "data-action": "close-migration", hidden: true, onclick: () => dialog.close() },
+        "Close")));
+  const d = h("dialog", { id: "migrate-dialog", class: "migrate" }, choose, progress);
+  d.addEventListener("cancel", (ev) => {  // Escape: never hides a migration that is still running
+    if (current) ev.preventDefault();
+  });
+  document.body.append(d);
+  return d;
+}
+
+const field = (name) => dialog.querySelector(`.migrate-progress [data-field=${name}]`);
+
+// Open the dialog for a running capsule of this host. peers: the API's /api/hosts answer (HostOut[]), asked
+// for here when the page has none yet. onEnd(migration) is called when the migration has ended, whatever
+// the outcome.
+export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
+  dialog = dialog || build();
+  if (current) {  // one at a time: show the running one
+    dialog.showModal();
+    return;
+  }
+  if (!peers) {
+    try {
+      peers = await api.peers();
+    } catch {
+      peers = [];
+    }
+  }
+  const form = dialog.querySelector("form");
+  form.reset();
+  form.hidden = false;
+  dialog.querySelector(".migrate-progress").hidden = true;
+  dialog.querySelectorAll("[data-field=name]").forEach((el) => { el.textContent = capsule.name; });
+  form.querySelector("[data-field=choose-error]").textContent = "";
+  const select = form.querySelector("select");
+  const usable = (peers || []).filter((p) => p.reachable);
+  select.replaceChildren(...(peers || []).map((p) => h("option", { value: p.name, disabled: !p.reachable },
+    p.reachable ? `${p.name} (${p.url})` : `${p.name} (unreachable)`)));
+  const go = form.querySelector("[data-action=start-migration]");
+  go.disabled = usable.length === 0;
+  if (usable.length === 0) {
+    form.querySelector("[data-field=choose-error]").textContent =
+      "No reachable host to move to: add one with `capsule host add`.";
+  } else {
+    select.value = usable[0].name;
+  }
+  dialog.addEventListener("close", async () => {
+    if (dialog.returnValue !== "ok" || current) return;
+    const data = new FormData(form);
+    const body = { to: String(data.get("to")), mode: String(data.get("mode")), balloon: data.get("balloon") === "on" };
+    try {
+      const m = await api.migrate(capsule.name, body);
+      follow(m, onEnd);
+    } catch (err) {
+      openMigrate(capsule, peers, { onEnd });
+      form.querySelector("[data-field=choose-error]").textContent = err.message;
+    }
+  }, { once: true });
+  dialog.returnValue = "";
+  dialog.showModal();
+}
+
+function follow(m, onEnd) {
+  current = { id: m.id, stream: null, onEnd };
+  dialog.querySelector("form").hidden = true;
+  dialog.querySelector(".migrate-progress").hidden = false;
+  field("to").textContent = m.to;
+  dialog.querySelector("[data-action=cancel-migration]").hidden = false;
+  dialog.querySelector("[data-action=cancel-migration]").disabled = false;
+  dialog.querySelector("[data-action=close-migration]").hidden = true;
+  show(m);
+  dialog.showModal();
+  const stream = new EventSource(`/api/migrations/${encodeURIComponent(m.id)}/events`);
+  current.stream = stream;
+  stream.addEventListener("progress", (ev) => show(JSON.parse(ev.data)));
+  stream.addEventListener("error", async () => {
+    // the stream broke (the browser retries by itself); make sure a session that ended is noticed
+    try {
+      show(await api.migration(m.id));
+    } catch (err) {
+      if (err.status === 401) end(null, "Your session ended: sign in again.");
+    }
+  });
+}
+
+let lastSeq = -1;
+
+function show(m) {
+  const p = m.progress;
+  if (!current || m.id !== current.id || p.seq < lastSeq) return;  // never backwards
+  lastSeq = p.seq;
+  const list = dialog.querySelector("ol.phases");
+  list.replaceChildren(...p.phases.map((name, i) => {
+    let state = "todo";
+    if (i < p.index || (i === p.index && p.outcome === "done")) state = "done";
+    else if (i === p.index) state = p.outcome ? p.outcome : "current";
+    const detail = i === p.index && p.phase_total ? ` · ${bytes(p.phase_done)} of ${bytes(p.phase_total)}` : "";
+    return h("li", { "data-phase": name, "data-state": state }, LABELS[name] || name, h("span", { class: "muted" },
+      detail));
+  }));
+  field("wire").textContent = bytes(p.wire_bytes);
+  field("local").textContent = bytes(p.local_bytes);
+  field("done").textContent = p.total_bytes ? `${bytes(p.done_bytes)} of ${bytes(p.total_bytes)}` : "–";
+  field("eta").textContent = p.outcome ? "–" : p.eta_seconds === null ? "estimating…" : `about ${Math.ceil(p.eta_seconds)} s`;
+  const frac = p.outcome === "done" ? 1 : p.total_bytes ? p.done_bytes / p.total_bytes : 0;
+  dialog.querySelector(".bar .fill").style.width = `${Math.round(frac * 100)}%`;
+  dialog.querySelector(".bar").dataset.outcome = p.outcome || "";
+  dialog.querySelector("[data-action=cancel-migration]").disabled = !p.cancellable;
+  field("message").textContent = p.outcome ? "" : p.message;
+  if (p.outcome) end(m);
+}
+
+async function cancel() {
+  if (!current) return;
+  const button = dialog.querySelector("[data-action=cancel-migration]");
+  button.disabled = true;
+  try {
+    show(await api.cancelMigration(current.id));
+    field("message").textContent = "Cancelling: the capsule will run here again…";
+  } catch (err) {
+    field("message").textContent = err.message;
+  }
+}
+
+async function end(m, why = "") {
+  if (!current) return;
+  const { stream, onEnd } = current;
+  current = null;
+  lastSeq = -1;
+  if (stream) stream.close();
+  dialog.querySelector("[data-action=cancel-migration]").hidden = true;
+  dialog.querySelector("[data-action=close-migration]").hidden = false;
+  const out = field("message");
+  out.dataset.outcome = m ? m.progress.outcome : "failed";
+  if (!m) {
+    out.textContent = why;
+  } else if (m.progress.outcome === "done") {
+    out.textContent = `${OUTCOME.done}: ${m.capsule} now runs on ${m.to} (${m.to_url}).`;
+    if (await consoleFollows(m.to_url, m.capsule)) out.textContent += " The console follows it there.";
+  } else {
+    const where = m.progress.where === "source" ? "It runs here again." : "Check where it runs before retrying.";
+    const detail = m.error ? m.error.detail : m.progress.message;
+    out.textContent = `${OUTCOME[m.progress.outcome]}: ${where} ${detail || ""}`;
+  }
+  onEnd(m);
+}
