@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install everything Capsule needs on a Debian bookworm host (run as root).
 # Idempotent: a second run only checks and skips.
+# `setup-host.sh --image` does the same inside a Capsule host image build, without
+# starting daemons or installing docker.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -123,9 +125,59 @@ start_daemons() {
   exit 1
 }
 
+# --- docker: separate Capsule hosts (docker-compose.yml, the `hosts` test tier) ---
+# Debian's own docker.io and docker-compose. docker's bridge stays unused: every
+# Capsule host container uses the machine's network (loopback ports), so the
+# daemon is told to create no bridge and no iptables rules (no private-range
+# addresses appear on the machine). An existing daemon.json is left alone.
+configure_docker() {
+  if [ ! -e /etc/docker/daemon.json ]; then
+    log "writing /etc/docker/daemon.json (no bridge, no iptables: host networking only)"
+    mkdir -p /etc/docker
+    printf '{\n  "bridge": "none",\n  "iptables": false,\n  "ip-forward": false\n}\n' > /etc/docker/daemon.json
+  fi
+  local missing=()
+  pkg_ok docker.io || missing+=(docker.io)
+  pkg_ok docker-compose || missing+=(docker-compose)
+  if [ ${#missing[@]} -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    if [ ! -f "$stamp_dir/apt-updated" ]; then
+      apt-get update -q
+      touch "$stamp_dir/apt-updated"
+    fi
+    log "installing ${missing[*]}"
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+  fi
+}
+
+start_dockerd() {
+  # Debian's client, not whatever `docker` comes first on PATH
+  if /usr/bin/docker info >/dev/null 2>&1; then
+    return
+  fi
+  if ! pgrep -x dockerd >/dev/null; then
+    log "starting dockerd (log: /var/log/capsule-dockerd.log)"
+    setsid /usr/sbin/dockerd >>/var/log/capsule-dockerd.log 2>&1 < /dev/null &
+  fi
+  for _ in $(seq 1 150); do
+    /usr/bin/docker info >/dev/null 2>&1 && return
+    sleep 0.2
+  done
+  echo "dockerd did not answer within 30 s; see /var/log/capsule-dockerd.log" >&2
+  exit 1
+}
+
 need_root
 add_backports
 install_packages
 configure_libvirt
+if [ "${1:-}" = "--image" ]; then
+  # inside a Capsule host image build (compose/Dockerfile): packages and configuration only;
+  # the container's entrypoint starts the daemons
+  log "image ready"
+  exit 0
+fi
 start_daemons
+configure_docker
+start_dockerd
 log "host ready"
