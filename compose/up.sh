@@ -41,7 +41,7 @@ for svc in "${services[@]}"; do
   cid=$(docker-compose "${files[@]}" ps -q "$svc")
   until
     listen=$(docker exec "$cid" printenv CAPSULE_LISTEN 2>/dev/null) &&
-    token=$(docker exec "$cid" cat /var/lib/capsule/agent.token 2>/dev/null) &&
+    token=$(docker exec "$cid" sh -c 'cat "$CAPSULE_HOME/agent.token"' 2>/dev/null) &&
     info_status "${listen##*:}" "$token" 2>/dev/null
   do
     if [ "$(docker inspect -f '{{.State.Running}}' "$cid" 2>/dev/null)" != true ] || [ $SECONDS -ge $deadline ]; then
