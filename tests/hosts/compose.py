@@ -105,6 +105,15 @@ class Host:
     def token(self) -> str:
         return self.sh('cat "$CAPSULE_HOME/agent.token"').strip()
 
+    def api(self, method: str, path: str, body: Any = None, timeout: float = 300) -> Any:
+        """A call to this host's agent over the network (loopback), with its token."""
+        import httpx
+
+        r = httpx.request(method, self.url + path, json=body, timeout=timeout,
+                          headers={"Authorization": f"Bearer {self.token}"})
+        assert r.status_code == 200, f"{self.service} {method} {path}: {r.status_code} {r.text}"
+        return r.json()
+
     def capsule(self, *args: str, token: str | None = None, env: dict[str, str] | None = None,
                 timeout: float = 300) -> Any:
         """This host's own CLI with --json; ``token`` is the peer agent's (CAPSULE_TOKEN)."""
@@ -113,6 +122,13 @@ class Host:
             extra["CAPSULE_TOKEN"] = token
         out = self._exec(["capsule", "--json", *args], env=extra, timeout=timeout).stdout
         return json.loads(out) if out.strip() else None
+
+    def capsule_background(self, *args: str, token: str | None = None) -> subprocess.Popen[str]:
+        """This host's CLI with --json, without waiting for it."""
+        extra = {"CAPSULE_TOKEN": token} if token is not None else {}
+        return subprocess.Popen([DOCKER, "exec", *(a for k in extra for a in ("-e", k)), self.container,
+                                 "capsule", "--json", *args], env=_env(**extra), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
     def capsule_fails(self, *args: str, token: str | None = None, timeout: float = 300) -> HostCommandFailed:
         extra = {"CAPSULE_TOKEN": token} if token is not None else {}
