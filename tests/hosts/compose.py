@@ -159,9 +159,9 @@ class Host:
         return subprocess.Popen([DOCKER, "exec", self.container, *args], env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    def disk_digest(self, name: str, blocks: int = 2048) -> str:
+    def disk_digest(self, name: str, blocks: int = 2048, timeout: float = 120) -> str:
         out = self.guest(name, f"echo 3 > /proc/sys/vm/drop_caches; "
-                               f"dd if=/dev/vda bs=4096 count={blocks} 2>/dev/null | sha256sum", timeout=120)
+                               f"dd if=/dev/vda bs=4096 count={blocks} 2>/dev/null | sha256sum", timeout=timeout)
         return out.split()[0]
 
     def running(self) -> bool:
