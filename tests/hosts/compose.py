@@ -17,7 +17,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 # Debian's client and compose (another `docker` may come first on PATH)
 DOCKER = "/usr/bin/docker"
-PROJECT = "capsule"
+# A compose project of its own, on ports of its own: the tests never touch the hosts of
+# `make compose-up` (project `capsule`, ports 7171/7172) or their stores.
+PROJECT = "capsule-test"
+LISTEN = {"CAPSULE_HOST_A_LISTEN": "127.0.0.1:7271", "CAPSULE_HOST_B_LISTEN": "127.0.0.1:7272"}
 
 # Run inside a host: a shell command in a guest, through the guest's serial console there.
 _GUEST_SHELL = """
@@ -42,7 +45,7 @@ class HostCommandFailed(AssertionError):
 
 def _env(**extra: str) -> dict[str, str]:
     return os.environ | {"PATH": "/usr/bin:/usr/sbin:" + os.environ.get("PATH", ""),
-                         "COMPOSE_PROJECT_NAME": PROJECT} | extra
+                         "COMPOSE_PROJECT_NAME": PROJECT} | LISTEN | extra
 
 
 def _files() -> list[str]:
@@ -79,7 +82,16 @@ def docker_ready() -> str | None:
 @dataclass
 class Host:
     service: str     # compose service, e.g. host-a
-    container: str   # its container name, e.g. capsule-host-a
+    _container: str | None = None
+
+    @property
+    def container(self) -> str:
+        """The id of the service's current container (a new one after remove() and start())."""
+        if self._container is None:
+            cid = compose("ps", "-q", self.service).strip()
+            assert cid, f"{self.service} has no container"
+            self._container = cid
+        return self._container
 
     def _exec(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
               check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -165,6 +177,8 @@ class Host:
         return out.split()[0]
 
     def running(self) -> bool:
+        if not compose("ps", "-q", self.service).strip():
+            return False
         proc = subprocess.run([DOCKER, "inspect", "-f", "{{.State.Running}}", self.container],
                               capture_output=True, text=True, timeout=60)
         return proc.stdout.strip() == "true"
@@ -176,9 +190,11 @@ class Host:
     def remove(self) -> None:
         """The container is removed entirely: root file system, libvirtd, guests; only the volume stays."""
         compose("rm", "--stop", "--force", self.service)
+        self._container = None
 
     def start(self) -> None:
         up(self.service)
+        self._container = None
 
 
 def wait_for(check, timeout: float, what: str, interval: float = 0.3):  # noqa: ANN001, ANN201

@@ -21,7 +21,7 @@ def hosts():
         pytest.fail(why)
     compose("down", "--volumes", "--timeout", "5")
     up()
-    a, b = Host("host-a", "capsule-host-a"), Host("host-b", "capsule-host-b")
+    a, b = Host("host-a"), Host("host-b")
     yield a, b
     if os.environ.get("CAPSULE_KEEP_HOSTS") != "1":
         compose("down", "--volumes", "--timeout", "5")
