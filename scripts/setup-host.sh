@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install everything Capsule needs on a Debian bookworm host (run as root).
 # Idempotent: a second run only checks and skips.
+# `setup-host.sh --image` does the same inside a Capsule host image build, without
+# starting daemons or installing docker.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,14 +59,18 @@ pkg_ok() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok i
 install_packages() {
   local base=(mmdebstrap zstd e2fsprogs busybox-static cpio python3-venv python3-dev libc6-dev
               pkg-config gcc make iproute2 rsync socat dnsmasq-base
-              ovmf kmod ca-certificates chromium)
+              ovmf kmod ca-certificates)
   local bpo=(qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-daemon libvirt-clients
              libvirt-dev nbdkit nbdkit-plugin-python)
   local missing_base=() missing_bpo=()
   for p in "${base[@]}"; do pkg_ok "$p" || missing_base+=("$p"); done
   for p in "${bpo[@]}"; do pkg_ok "$p" || missing_bpo+=("$p"); done
-  # npm installs the page's browser libraries (web/package-lock.json: `make web`); any node >= 18 will do
-  command -v npm >/dev/null || missing_base+=(nodejs npm)
+  if [ "$image" != 1 ]; then
+    # the browser tests' chromium, and npm for the page's browser libraries (web/package-lock.json:
+    # `make web`; any node >= 18 will do); a Capsule host image (--image) needs neither
+    pkg_ok chromium || missing_base+=(chromium)
+    command -v npm >/dev/null || missing_base+=(nodejs npm)
+  fi
   # QEMU and libvirt must come from backports (QEMU >= 10, libvirt >= 11.3)
   if pkg_ok qemu-system-x86; then
     local qv; qv=$(dpkg-query -W -f='${Version}' qemu-system-x86)
@@ -125,9 +131,61 @@ start_daemons() {
   exit 1
 }
 
+# --- docker: separate Capsule hosts (docker-compose.yml, the `hosts` test tier) ---
+# Debian's own docker.io and docker-compose. docker's bridge stays unused: every
+# Capsule host container uses the machine's network (loopback ports), so the
+# daemon is told to create no bridge and no iptables rules (no private-range
+# addresses appear on the machine). An existing daemon.json is left alone.
+configure_docker() {
+  if [ ! -e /etc/docker/daemon.json ]; then
+    log "writing /etc/docker/daemon.json (no bridge, no iptables: host networking only)"
+    mkdir -p /etc/docker
+    printf '{\n  "bridge": "none",\n  "iptables": false,\n  "ip-forward": false\n}\n' > /etc/docker/daemon.json
+  fi
+  local missing=()
+  pkg_ok docker.io || missing+=(docker.io)
+  pkg_ok docker-compose || missing+=(docker-compose)
+  if [ ${#missing[@]} -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    if [ ! -f "$stamp_dir/apt-updated" ]; then
+      apt-get update -q
+      touch "$stamp_dir/apt-updated"
+    fi
+    log "installing ${missing[*]}"
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+  fi
+}
+
+start_dockerd() {
+  # Debian's client, not whatever `docker` comes first on PATH
+  if /usr/bin/docker info >/dev/null 2>&1; then
+    return
+  fi
+  if ! pgrep -x dockerd >/dev/null; then
+    log "starting dockerd (log: /var/log/capsule-dockerd.log)"
+    setsid /usr/sbin/dockerd >>/var/log/capsule-dockerd.log 2>&1 < /dev/null &
+  fi
+  for _ in $(seq 1 150); do
+    /usr/bin/docker info >/dev/null 2>&1 && return
+    sleep 0.2
+  done
+  echo "dockerd did not answer within 30 s; see /var/log/capsule-dockerd.log" >&2
+  exit 1
+}
+
+image=0
+[ "${1:-}" = "--image" ] && image=1
 need_root
 add_backports
 install_packages
 configure_libvirt
+if [ "$image" = 1 ]; then
+  # inside a Capsule host image build (compose/Dockerfile): packages and configuration only;
+  # the container's entrypoint starts the daemons
+  log "image ready"
+  exit 0
+fi
 start_daemons
+configure_docker
+start_dockerd
 log "host ready"

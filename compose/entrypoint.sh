@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A Capsule host container: virtlogd and libvirtd of its own, then the capsule agent.
+# Environment: CAPSULE_HOME (the store, a volume), CAPSULE_LISTEN (HOST:PORT of the agent).
+set -euo pipefail
+
+home=${CAPSULE_HOME:-/var/lib/capsule}
+listen=${CAPSULE_LISTEN:-127.0.0.1:7070}
+mkdir -p "$home"
+log() { printf '[%s] %s\n' "$(hostname)" "$*" >&2; }
+
+# libvirt's host identity: its own per host (otherwise every container reports the
+# machine's SMBIOS UUID), kept in the store volume so it survives a new container.
+[ -s "$home/host-uuid" ] || cat /proc/sys/kernel/random/uuid > "$home/host-uuid"
+sed -i '/^host_uuid *=/d' /etc/libvirt/libvirtd.conf
+echo "host_uuid = \"$(cat "$home/host-uuid")\"" >> /etc/libvirt/libvirtd.conf
+# The container's cgroup file system is read-only (no privileged mode): libvirt puts no
+# guest in cgroups of its own; the container's cgroup bounds all of this host's guests.
+grep -q '^cgroup_controllers' /etc/libvirt/qemu.conf || echo 'cgroup_controllers = [ ]' >> /etc/libvirt/qemu.conf
+# No libvirt network is started: all hosts share the machine's network stack, and a
+# libvirt bridge would put a private-range address on it.
+rm -f /etc/libvirt/qemu/networks/autostart/*.xml
+# A new container starts with nothing running: pid files of the last one are stale.
+rm -f /run/libvirtd.pid /run/virtlogd.pid
+
+virtlogd -d
+libvirtd -d
+deadline=$((SECONDS + 30))
+until virsh -c qemu:///system version >/dev/null 2>&1; do
+  if [ $SECONDS -ge $deadline ]; then
+    log "libvirtd did not answer within 30 s"
+    exit 1
+  fi
+  sleep 0.2
+done
+log "libvirtd up (host uuid $(cat "$home/host-uuid")); agent on $listen"
+exec capsule --home "$home" serve --listen "$listen"

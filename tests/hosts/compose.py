@@ -1,0 +1,209 @@
+"""The compose hosts (docker-compose.yml) as test objects.
+
+Each host is a container with its own root file system, store, libvirtd and agent.
+What happens *on* a host runs there with that host's own CLI (``docker exec … capsule``);
+everything between hosts goes over the network, agent to agent, with tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+# Debian's client and compose (another `docker` may come first on PATH)
+DOCKER = "/usr/bin/docker"
+# A compose project of its own, on ports of its own: the tests never touch the hosts of
+# `make compose-up` (project `capsule`, ports 7171/7172) or their stores.
+PROJECT = "capsule-test"
+LISTEN = {"CAPSULE_HOST_A_LISTEN": "127.0.0.1:7271", "CAPSULE_HOST_B_LISTEN": "127.0.0.1:7272"}
+
+# Run inside a host: a shell command in a guest, through the guest's serial console there.
+_GUEST_SHELL = """
+import sys
+from capsule.runtime.console import ConsoleSession
+s = ConsoleSession(sys.argv[1])
+try:
+    print(s.run(sys.argv[2], timeout=float(sys.argv[3])))
+finally:
+    s.close()
+"""
+
+
+class HostCommandFailed(AssertionError):
+    def __init__(self, host: str, args: list[str], proc: subprocess.CompletedProcess[str]) -> None:
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        super().__init__(f"{host}: `{' '.join(args)}` exited {proc.returncode}\n"
+                         f"stdout: {proc.stdout.strip()}\nstderr: {proc.stderr.strip()}")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return os.environ | {"PATH": "/usr/bin:/usr/sbin:" + os.environ.get("PATH", ""),
+                         "COMPOSE_PROJECT_NAME": PROJECT} | LISTEN | extra
+
+
+def _files() -> list[str]:
+    files = ["-f", str(ROOT / "docker-compose.yml")]
+    if os.path.exists("/dev/kvm"):
+        files += ["-f", str(ROOT / "docker-compose.kvm.yml")]
+    return files
+
+
+def compose(*args: str, timeout: float = 300) -> str:
+    proc = subprocess.run(["docker-compose", *_files(), *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise HostCommandFailed("docker-compose", list(args), proc)
+    return proc.stdout
+
+
+def up(*services: str, timeout: float = 1200) -> None:
+    """`make compose-up`: base image if missing, host image (cached), start, wait for the agents."""
+    proc = subprocess.run(["bash", str(ROOT / "compose" / "up.sh"), *services], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise HostCommandFailed("compose/up.sh", list(services), proc)
+
+
+def docker_ready() -> str | None:
+    """None if docker answers, else why not."""
+    if not os.path.exists(DOCKER):
+        return f"{DOCKER} is missing: run `make setup` (installs docker.io and docker-compose)"
+    proc = subprocess.run([DOCKER, "info"], capture_output=True, text=True, timeout=60)
+    return None if proc.returncode == 0 else f"docker does not answer: {proc.stderr.strip()[:300]}"
+
+
+@dataclass
+class Host:
+    service: str     # compose service, e.g. host-a
+    _container: str | None = None
+
+    @property
+    def container(self) -> str:
+        """The id of the service's current container (a new one after remove() and start())."""
+        if self._container is None:
+            cid = compose("ps", "-q", self.service).strip()
+            assert cid, f"{self.service} has no container"
+            self._container = cid
+        return self._container
+
+    def _exec(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
+              check: bool = True) -> subprocess.CompletedProcess[str]:
+        # `-e NAME` without a value passes NAME from our environment: a token never shows on a command line
+        cmd = [DOCKER, "exec", *(a for k in (env or {}) for a in ("-e", k)), self.container, *args]
+        proc = subprocess.run(cmd, env=_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise HostCommandFailed(self.service, args, proc)
+        return proc
+
+    def sh(self, script: str, timeout: float = 60) -> str:
+        return self._exec(["sh", "-c", script], timeout=timeout).stdout
+
+    @property
+    def home(self) -> str:
+        return self.sh('printf %s "$CAPSULE_HOME"')
+
+    @property
+    def url(self) -> str:
+        return "http://" + self.sh('printf %s "$CAPSULE_LISTEN"')
+
+    @property
+    def token(self) -> str:
+        return self.sh('cat "$CAPSULE_HOME/agent.token"').strip()
+
+    def api(self, method: str, path: str, body: Any = None, timeout: float = 300) -> Any:
+        """A call to this host's agent over the network (loopback), with its token."""
+        import httpx
+
+        r = httpx.request(method, self.url + path, json=body, timeout=timeout,
+                          headers={"Authorization": f"Bearer {self.token}"})
+        assert r.status_code == 200, f"{self.service} {method} {path}: {r.status_code} {r.text}"
+        return r.json()
+
+    def capsule(self, *args: str, token: str | None = None, env: dict[str, str] | None = None,
+                timeout: float = 300) -> Any:
+        """This host's own CLI with --json; ``token`` is the peer agent's (CAPSULE_TOKEN)."""
+        extra = dict(env or {})
+        if token is not None:
+            extra["CAPSULE_TOKEN"] = token
+        out = self._exec(["capsule", "--json", *args], env=extra, timeout=timeout).stdout
+        return json.loads(out) if out.strip() else None
+
+    def capsule_background(self, *args: str, token: str | None = None) -> subprocess.Popen[str]:
+        """This host's CLI with --json, without waiting for it."""
+        extra = {"CAPSULE_TOKEN": token} if token is not None else {}
+        return subprocess.Popen([DOCKER, "exec", *(a for k in extra for a in ("-e", k)), self.container,
+                                 "capsule", "--json", *args], env=_env(**extra), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def capsule_fails(self, *args: str, token: str | None = None, timeout: float = 300) -> HostCommandFailed:
+        extra = {"CAPSULE_TOKEN": token} if token is not None else {}
+        proc = self._exec(["capsule", *args], env=extra, timeout=timeout, check=False)
+        assert proc.returncode != 0, f"{self.service}: `capsule {' '.join(args)}` succeeded: {proc.stdout}"
+        return HostCommandFailed(self.service, list(args), proc)
+
+    def domain(self, name: str) -> str:
+        states = {c["name"]: c for c in self.capsule("ls")}
+        assert name in states and states[name]["domain"], f"{name} is not running on {self.service}: {states}"
+        return states[name]["domain"]
+
+    def state(self, name: str) -> str | None:
+        return {c["name"]: c["state"] for c in self.capsule("ls")}.get(name)
+
+    def domstate(self, name: str) -> str:
+        """libvirt's state and reason, e.g. 'paused (I/O error)'."""
+        return self.sh(f"virsh -c qemu:///system domstate --reason {self.domain(name)}").strip()
+
+    def guest(self, name: str, command: str, timeout: float = 60) -> str:
+        """Run a shell command in a guest running on this host; its output."""
+        args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_SHELL, self.domain(name), command, str(timeout)]
+        return self._exec(args, timeout=timeout + 30).stdout.strip()
+
+    def guest_background(self, name: str, command: str, timeout: float) -> subprocess.Popen[str]:
+        """Like guest(), without waiting: the process ends when the command has run in the guest."""
+        args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_SHELL, self.domain(name), command, str(timeout)]
+        return subprocess.Popen([DOCKER, "exec", self.container, *args], env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def disk_digest(self, name: str, blocks: int = 2048, timeout: float = 120) -> str:
+        out = self.guest(name, f"echo 3 > /proc/sys/vm/drop_caches; "
+                               f"dd if=/dev/vda bs=4096 count={blocks} 2>/dev/null | sha256sum", timeout=timeout)
+        return out.split()[0]
+
+    def running(self) -> bool:
+        if not compose("ps", "-q", self.service).strip():
+            return False
+        proc = subprocess.run([DOCKER, "inspect", "-f", "{{.State.Running}}", self.container],
+                              capture_output=True, text=True, timeout=60)
+        return proc.stdout.strip() == "true"
+
+    def stop(self) -> None:
+        """The machine goes away (its store volume stays)."""
+        compose("stop", "-t", "5", self.service)
+
+    def remove(self) -> None:
+        """The container is removed entirely: root file system, libvirtd, guests; only the volume stays."""
+        compose("rm", "--stop", "--force", self.service)
+        self._container = None
+
+    def start(self) -> None:
+        up(self.service)
+        self._container = None
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.3):  # noqa: ANN001, ANN201
+    """Poll ``check()`` until it returns something true, or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
+        time.sleep(interval)

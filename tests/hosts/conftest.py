@@ -1,0 +1,51 @@
+"""The `hosts` tier: two Capsule hosts in containers (docker-compose.yml), started once
+per session with fresh stores and shared by every test; each test uses capsules of its own."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from tests.hosts.compose import Host, compose, docker_ready, up
+
+SEED = "seed"
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    """host-a and host-b, up with empty stores; taken down (stores too) at the end, unless
+    CAPSULE_KEEP_HOSTS=1 keeps them for a look."""
+    if why := docker_ready():
+        pytest.fail(why)
+    compose("down", "--volumes", "--timeout", "5")
+    up()
+    a, b = Host("host-a"), Host("host-b")
+    yield a, b
+    if os.environ.get("CAPSULE_KEEP_HOSTS") != "1":
+        compose("down", "--volumes", "--timeout", "5")
+
+
+@pytest.fixture(scope="session")
+def seeded(hosts, tiny_images, tmp_path_factory):
+    """Host A holds capsule `seed` (the tiny image, inactive), pushed over the network from a
+    store on this machine: host A never builds an image."""
+    from capsule import capsules, transfer
+    from tests.conftest import make_store
+
+    a, b = hosts
+    local = make_store(tmp_path_factory.mktemp("local") / "store", tiny_images, "tiny")
+    capsules.create(local, SEED, "tiny", memory="256M")
+    transfer.push(local, SEED, a.url, a.token)
+    local.close()
+    return a, b
+
+
+@pytest.fixture
+def fresh(seeded):
+    """A new capsule name on host A, derived from the seed (shares its layers)."""
+    a, b = seeded
+    name = f"c{uuid.uuid4().hex[:8]}"
+    a.capsule("derive", SEED, name)
+    return a, b, name
