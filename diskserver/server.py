@@ -103,7 +103,9 @@ class DiskServer:
 
     @property
     def pid(self) -> int | None:
-        if self._proc is not None:
+        """nbdkit's pid: the process we started, or (when it runs under a waiting shell, or was started
+        by another process) the one its pid file names."""
+        if self._proc is not None and self.exit_with_parent:
             return self._proc.pid
         if self._pid is None:
             with contextlib.suppress(OSError, ValueError):
@@ -124,6 +126,14 @@ class DiskServer:
             cmd.append(f"prefetch={'true' if self.prefetch else 'false'}")
         return cmd
 
+    def _argv(self) -> list[str]:
+        """What to run. nbdkit in the foreground dies with its parent (Debian's 1.32 sets its parent-death
+        signal even without --exit-with-parent), so unless it should, it runs under a shell in its own
+        session that waits for it: the server outlives the process that started it (a `capsule run`)."""
+        if self.exit_with_parent:
+            return self.command()
+        return ["/bin/sh", "-c", '"$@"; exit $?', "capsule-diskserver", *self.command()]
+
     def start(self, timeout: float = 30.0) -> DiskServer:
         """Start nbdkit and wait until the socket answers the NBD handshake; raise ServerError otherwise."""
         if self.alive():
@@ -140,11 +150,11 @@ class DiskServer:
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.command())}\n".encode())
             log.flush()
             try:
-                self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                               env=env, start_new_session=True, close_fds=True)
             except OSError as exc:
                 raise ServerError(f"cannot run {self.nbdkit}: {exc.strerror or exc}") from exc
-        self._pid = self._proc.pid
+        self._pid = None  # read from the pid file once nbdkit has written it
         try:
             self._wait_ready(timeout)
         except BaseException:

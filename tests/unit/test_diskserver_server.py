@@ -313,3 +313,32 @@ def test_plugin_finds_the_virtualenv_by_itself(source, sockdir):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+STARTER = """
+import sys
+from diskserver.server import DiskServer
+DiskServer(sys.argv[1], sys.argv[2], sys.argv[3]).start()
+print("started", flush=True)
+"""
+
+
+def test_a_server_outlives_the_process_that_started_it(source, sockdir):
+    """`capsule run` starts the disk server and exits; the guest keeps reading from it. (nbdkit in the
+    foreground dies with its parent unless something keeps that parent alive.)"""
+    b = host_b(source)
+    spec = remote_spec(source, b)
+    spec.save(b / "disk.json")
+    starter = subprocess.run([sys.executable, "-c", STARTER, str(b / "disk.json"), str(sockdir / "d.sock"),
+                              str(b / "d.log")], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert starter.returncode == 0 and "started" in starter.stdout, starter.stderr
+    handle = DiskServer.attach(b / "disk.json", sockdir / "d.sock", b / "d.log")
+    try:
+        time.sleep(1.0)  # a parent-death signal would have ended it by now
+        assert handle.alive(), handle.log_tail()
+        assert probe(str(sockdir / "d.sock"), timeout=5.0)
+        assert convert(handle.uri, b / "out.raw") == source.ref  # every block, fetched from the source
+    finally:
+        handle.stop()
+    assert not handle.alive() and not (sockdir / "d.sock").exists()
