@@ -1,17 +1,20 @@
-"""CLI verbs for scheduled backups: backup schedule, ls, unschedule, run, prune, restore."""
+"""CLI verbs for scheduled backups: backup schedule, ls, unschedule, run, prune, restore, files."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
+from capsule.backup import files as backup_files
 from capsule.backup import jobs, runner
 from capsule.backup.retention import Policy
 from capsule.cli.common import console, emit, json_flag, open_store, progress
-from capsule.errors import Conflict
+from capsule.errors import Conflict, InvalidInput
 from capsule.units import human
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -26,7 +29,8 @@ app = typer.Typer(
     "  capsule backup ls\n\n"
     "  capsule backup run desk\n\n"
     "  capsule backup prune desk --dry-run\n\n"
-    "  capsule backup restore desk@12 --as desk-tuesday",
+    "  capsule backup restore desk@12 --as desk-tuesday\n\n"
+    "  capsule backup files desk@12 /home/ann/notes.txt",
     no_args_is_help=True,
 )
 
@@ -239,6 +243,60 @@ def restore(
             "mode": r.start.mode if r.start else None, "seconds": r.start.seconds if r.start else None}
     emit(data, lambda: console.print(f"restored {ref} as [bold]{r.version.ref}[/], running "
                                      f"({data['mode']}, {data['seconds']:.1f}s)"))
+
+
+@app.command()
+def files(
+    ref: Annotated[str, typer.Argument(help="The backup (or any version), NAME@V.")],
+    path: Annotated[str, typer.Argument(help="An absolute path inside the guest: a directory is listed, a "
+                                             "file is printed (or saved with --out).")] = "/",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Save the file here instead of printing it "
+                                                                 "(written whole, then renamed).")] = None,
+    disk: Annotated[int, typer.Option("--disk", help="Which of the version's disks (0 is the first).")] = 0,
+    json: JsonOpt = False,
+) -> None:
+    """Read a backup's files without booting it: list a directory, print or save a file.
+
+    The version's disk is read from its sealed layers (flattened into a temporary sparse file, read with
+    e2fsprogs' debugfs, read-only); nothing in the store changes and the capsule need not be stopped.
+    ext2/3/4 file systems; symbolic links are followed inside the guest.
+
+    Examples:
+
+      capsule backup files desk@12 /home/ann
+
+      capsule backup files desk@12 /home/ann/notes.txt
+
+      capsule backup files desk@12 /etc/fstab --out fstab-tuesday
+    """
+    json_flag(json)
+    store = open_store()
+    target = out if out is not None or json else store.temp_path(".out")
+    try:
+        with progress(f"reading {ref}'s disk"):
+            found = backup_files.listing(store, ref, path, disk=disk, save_to=target)
+        if found.kind == "file" and out is None and target is not None:       # printed
+            sys.stdout.buffer.write(target.read_bytes())
+            sys.stdout.buffer.flush()
+            return
+    finally:
+        if out is None and target is not None:
+            target.unlink(missing_ok=True)
+    if found.kind == "dir" and out is not None:
+        raise InvalidInput(f"{found.ref}: {found.path} is a directory; --out saves a file (list it without --out)")
+    result = found.as_dict() | ({"saved_to": str(out)} if out is not None else {})
+
+    def human_view() -> None:
+        if found.kind == "file":
+            console.print(f"saved {found.path} ({human(found.size)}) of {found.ref} to {out}")
+            return
+        t = Table("name", "kind", "mode", "owner", "size", title=f"{found.ref}:{found.path}")
+        for e in found.entries:
+            t.add_row(e.name + ("/" if e.kind == "dir" else ""), e.kind, f"{e.mode:04o}", f"{e.uid}:{e.gid}",
+                      human(e.size) if e.kind == "file" else "")
+        console.print(t)
+
+    emit(result, human_view)
 
 
 def register(root: typer.Typer) -> None:
