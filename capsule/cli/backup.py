@@ -1,4 +1,4 @@
-"""CLI verbs for scheduled backups: backup schedule, ls, unschedule, run, prune, restore, files."""
+"""CLI verbs for scheduled backups: backup schedule, ls, unschedule, run, prune, restore, files, verify."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from capsule.backup import files as backup_files
-from capsule.backup import jobs, runner
+from capsule.backup import jobs, runner, verifyjob
 from capsule.backup.retention import Policy
 from capsule.cli.common import console, emit, json_flag, open_store, progress
 from capsule.errors import Conflict, InvalidInput
@@ -30,7 +30,8 @@ app = typer.Typer(
     "  capsule backup run desk\n\n"
     "  capsule backup prune desk --dry-run\n\n"
     "  capsule backup restore desk@12 --as desk-tuesday\n\n"
-    "  capsule backup files desk@12 /home/ann/notes.txt",
+    "  capsule backup files desk@12 /home/ann/notes.txt\n\n"
+    "  capsule backup verify --schedule 'Sun 04:00'",
     no_args_is_help=True,
 )
 
@@ -117,7 +118,13 @@ def ls(
         data[0]["backups"] = [{"ref": v.ref, "version": v.number, "created": v.created, "note": v.note}
                               for v in jobs.backups(store, name)]
 
+    check = verifyjob.get(store)
+
     def human_view() -> None:
+        if check is not None:
+            console.print(f"verify job: {check.calendar}, next run {_when(check.next_run)}, last run "
+                          f"{_when(check.last_run)}" + (f" {check.last_result}" if check.last_result else "")
+                          + (f": {check.last_error}" if check.last_error else ""))
         if not rows:
             console.print("no backup schedules yet: `capsule backup schedule NAME --every daily --keep-daily 7`")
             return
@@ -297,6 +304,65 @@ def files(
         console.print(t)
 
     emit(result, human_view)
+
+
+@app.command()
+def verify(
+    names: Annotated[list[str] | None, typer.Argument(help="Scheduled capsules whose backups to check "
+                                                           "(default: every capsule with backups).")] = None,
+    here_only: Annotated[bool, typer.Option("--here-only", help="Do not ask the backup hosts to check their "
+                                                                "copies.")] = False,
+    schedule_on: Annotated[str | None, typer.Option("--schedule", help="Do not verify now: run the host's "
+                                                                       "verify job on this calendar event "
+                                                                       "instead (e.g. 'Sun 04:00'); the "
+                                                                       "agent runs it.")] = None,
+    unschedule_job: Annotated[bool, typer.Option("--unschedule", help="Drop the verify job.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Re-hash everything the backups reference, here and on the backup hosts their copies went to
+    (each checks its own copies), and name the first broken object and the backups that use it.
+
+    Exit code 6 when something is broken, 1 when a backup host could not be asked.
+
+    Examples:
+
+      capsule backup verify
+
+      capsule backup verify desk --here-only
+
+      capsule backup verify --schedule 'Sun 04:00'
+    """
+    json_flag(json)
+    store = open_store()
+    if schedule_on is not None or unschedule_job:
+        if schedule_on is not None and unschedule_job:
+            raise InvalidInput("give --schedule CALENDAR or --unschedule, not both")
+        job = verifyjob.schedule(store, schedule_on) if schedule_on is not None else verifyjob.unschedule(store)
+        emit(job.as_dict() | {"scheduled": not unschedule_job},
+             lambda: console.print(f"verify job: {job.calendar}, next run {_when(job.next_run)}"
+                                   if not unschedule_job else "verify job dropped"))
+        return
+    with progress("verifying backups") as say:
+        result = verifyjob.run(store, names or None, remote=not here_only, say=say)
+
+    def human_view() -> None:
+        t = Table("host", "backups", "layers", "files", "result")
+        for h in result.hosts:
+            verdict = (f"[red]not checked[/]: {h.error}" if h.error else
+                       f"[red]{len(h.broken)} broken[/]" if h.broken else "[green]good[/]")
+            t.add_row(h.host, str(len(h.backups)), str(h.checked_layers), str(h.checked_files), verdict)
+        console.print(t)
+        for h in result.hosts:
+            for b in h.broken:
+                console.print(f"[red]BROKEN[/] {b.kind} {b.id} on {b.host}"
+                              + (f" (used by {', '.join(b.backups)})" if b.backups else "") + f": {b.error}")
+        console.print(result.summary())
+
+    emit(result.as_dict(), human_view)
+    if result.first_broken is not None:
+        raise typer.Exit(6)
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 def register(root: typer.Typer) -> None:
