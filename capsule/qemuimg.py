@@ -55,6 +55,12 @@ def convert_raw_to_layer(raw: Path, out: Path) -> None:
     os.chmod(out, LEAF_MODE)
 
 
+def flatten_to_raw(top: Path, out: Path) -> None:
+    """The whole disk a layer chain shows (``top`` and its backing layers) as one sparse raw file."""
+    _run(["convert", "-q", "-U", "-f", "qcow2", "-O", "raw", "-S", "4k", str(top), str(out)],
+         f"reading the disk of layer {top.name}", corrupt_is_integrity=True)
+
+
 def info(path: Path) -> dict[str, Any]:
     out = _run(["info", "-U", "--output=json", str(path)], f"reading {path.name}", corrupt_is_integrity=True)
     return json.loads(out)

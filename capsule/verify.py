@@ -1,13 +1,16 @@
 """``capsule verify``: re-check every sealed layer and file object against
 its manifest, every layer with ``qemu-img check``, and the modes of the
-store's directories and files (storemodes.py); ``fix_modes`` repairs those."""
+store's directories and files (storemodes.py); ``fix_modes`` repairs those.
+``verify_versions`` checks only what some versions reference (backup verify
+jobs, here and on a backup host through its agent)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from capsule import qemuimg
+from capsule import capsules, qemuimg
 from capsule.errors import CapsuleError
 from capsule.store import Store
 from capsule.storemodes import check_modes, fix_modes
@@ -33,17 +36,34 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "checked_layers": self.checked_layers, "checked_files": self.checked_files,
+                "problems": [asdict(p) for p in self.problems], "fixed_modes": self.fixed_modes}
 
-def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, repair_modes: bool = False
-           ) -> VerifyReport:
+
+@dataclass(frozen=True)
+class Scope:
+    """Only these objects (the layer and file ids some versions reference)."""
+
+    layers: frozenset[str]
+    files: frozenset[str]
+
+
+def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, repair_modes: bool = False,
+           scope: Scope | None = None) -> VerifyReport:
+    """Everything in the store, or with ``scope`` only those objects (file modes are checked only for
+    the whole store)."""
     report = VerifyReport()
-    progress("file modes")
-    if repair_modes:
-        report.fixed_modes = [str(p.path) for p in fix_modes(store)]
-    for p in check_modes(store):
-        report.problems.append(Problem("mode", str(p.path), p.describe()))
+    if scope is None:
+        progress("file modes")
+        if repair_modes:
+            report.fixed_modes = [str(p.path) for p in fix_modes(store)]
+        for p in check_modes(store):
+            report.problems.append(Problem("mode", str(p.path), p.describe()))
     cat = store.catalogue
     for row in cat.layers():
+        if scope is not None and row.id not in scope.layers:
+            continue
         progress(f"layer {row.id[:12]}")
         report.checked_layers += 1
         path = store.layer_path(row.id)
@@ -64,6 +84,8 @@ def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, r
         except (CapsuleError, HashcacheError) as exc:
             report.problems.append(Problem("layer", row.id, str(exc)))
     for frow in cat.files():
+        if scope is not None and frow.id not in scope.files:
+            continue
         progress(f"{frow.role} {frow.id[:12]}")
         report.checked_files += 1
         path = store.file_path(frow.id)
@@ -77,3 +99,16 @@ def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, r
         except (CapsuleError, HashcacheError) as exc:
             report.problems.append(Problem(frow.role, frow.id, str(exc)))
     return report
+
+
+def scope_of(store: Store, refs: list[str]) -> Scope:
+    """What the versions ``refs`` (NAME@V each) reference; an unknown one is NotFound."""
+    versions = [capsules.resolve(store, ref) for ref in refs]
+    return Scope(frozenset(lid for v in versions for lid in v.layer_ids()),
+                 frozenset(fid for v in versions for fid in v.file_ids()))
+
+
+def verify_versions(store: Store, refs: list[str], progress: Callable[[str], None] = lambda _m: None
+                    ) -> VerifyReport:
+    """Re-check only what the versions ``refs`` reference."""
+    return verify(store, progress, scope=scope_of(store, refs))

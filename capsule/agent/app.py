@@ -27,6 +27,7 @@ Fleet (capsule/exchange/fleet.py)::
     GET  /v1/fleet/activity                      this agent's recent pulls and what it served
     POST /v1/capsules/{name}/activate?version=V  run NAME@V here (a running older version is stopped)
     POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)
+    POST /v1/verify                              re-hash what some versions reference (backup verify jobs)
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, mi
 from capsule.names import check_object_id
 from capsule.records import record_version
 from capsule.store import Store
+from capsule.verify import verify_versions
 from hashcache.errors import error_class
 from hashcache.hcp import decode_stream_read, encode_stream_error
+
+MAX_VERIFY = 10_000       # versions in one verify request
 
 
 def _error_reply(exc: Error, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -262,6 +266,15 @@ def create_app(home: Path, token: str) -> FastAPI:
     async def stop_capsule(name: str, discard: bool = False) -> dict[str, Any]:
         r = await asyncio.to_thread(running.stop, store, name, discard)
         return {"version": r.version.ref if r.version else None, "discarded": discard}
+
+    # -- verify (a backup host's copies re-hashed for their source's verify job) ----------------------
+    @app.post("/v1/verify", dependencies=deps)
+    async def verify_here(request: Request) -> dict[str, Any]:
+        req = await json_body(request, "verify request")
+        refs = req.get("versions") if isinstance(req, dict) else None
+        if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs) or len(refs) > MAX_VERIFY:
+            raise InvalidName(f'malformed verify request: give {{"versions": ["NAME@V", ...]}} (at most {MAX_VERIFY})')
+        return (await asyncio.to_thread(verify_versions, store, refs)).as_dict()
 
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     return app

@@ -48,6 +48,14 @@ def copied(store: Store, name: str, target: str) -> set[int]:
     return {r["number"] for r in rows}
 
 
+def copied_to(store: Store, name: str) -> dict[str, set[int]]:
+    """Every backup host that holds copies of ``name``'s backups, with their numbers."""
+    out: dict[str, set[int]] = {}
+    for r in _table(store.catalogue).query("SELECT target, number FROM backup_copies WHERE capsule=?", (name,)):
+        out.setdefault(r["target"], set()).add(r["number"])
+    return out
+
+
 def push_pending(store: Store, name: str, target: str) -> CopyResult:
     """Push every backup of ``name`` the host ``target`` does not have yet; stop at the first failure."""
     result = CopyResult(target)

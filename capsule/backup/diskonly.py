@@ -107,13 +107,21 @@ def _commit_back(store: Store, dom: libvirt.virDomain, target: str, old_leaf: Pa
     dom.blockCommit(target, str(old_leaf), None, 0, flags)
     deadline = time.monotonic() + COMMIT_TIMEOUT
     while True:
+        # cur == end is not enough (it also holds for a job that has not counted yet): the pivot is
+        # refused until QEMU says the job is ready, so it is tried until it takes
         info = dom.blockJobInfo(target, 0)
-        if info and info.get("cur") == info.get("end"):
-            break
-        if not info or time.monotonic() > deadline:
+        if not info:
+            raise RuntimeFailure(f"committing {target} back stopped before it could be made active")
+        if info.get("cur") == info.get("end"):
+            try:
+                dom.blockJobAbort(target, libvirt.VIR_DOMAIN_BLOCK_JOB_ABORT_PIVOT)
+                return
+            except libvirt.libvirtError as exc:
+                if "not ready" not in str(exc):
+                    raise
+        if time.monotonic() > deadline:
             raise RuntimeFailure(f"committing {target} back did not finish in {COMMIT_TIMEOUT:.0f}s")
         time.sleep(0.1)
-    dom.blockJobAbort(target, libvirt.VIR_DOMAIN_BLOCK_JOB_ABORT_PIVOT)
 
 
 def _freeze(sock: Path) -> tuple[GuestAgent | None, str | None]:

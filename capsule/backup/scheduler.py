@@ -8,6 +8,8 @@ calendar's next slot after *now*, then runs it in a worker thread. So:
 - two runs of one job never overlap: a slot that comes while the previous run still goes is skipped;
 - a failed run is recorded with its reason (``runner.run``) and the job simply runs at its next slot.
 
+The host's backup verify job (``verifyjob``) is scheduled the same way.
+
 The clock is injectable (``clock``: epoch seconds) and ``tick(now)`` does one round, for tests."""
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from capsule.backup import jobs, runner
+from capsule.backup import jobs, runner, verifyjob
 from capsule.backup.calendar import CalendarError
 from capsule.store import Store
 
 log = logging.getLogger("capsule.backup")
+VERIFY = "verify backups"     # the verify job's worker (no capsule name can hold a space)
 POLL = 30.0          # seconds between looks at the table when nothing is due sooner (new jobs appear)
 
 
@@ -54,17 +57,30 @@ class Scheduler:
                 jobs.finish(self.store, job.capsule, started=now, ok=False, duration=0.0, error=str(exc))
                 continue
             jobs.advance(self.store, job.capsule, nxt.timestamp() if nxt else None)
-            with self._lock:
-                busy = job.capsule in self._workers and self._workers[job.capsule].is_alive()
-                if busy:
-                    log.info("backup of %s: slot skipped, the previous run is still going", job.capsule)
-                    continue
-                worker = threading.Thread(target=self._run, args=(job.capsule,), daemon=True,
-                                          name=f"backup {job.capsule}")
-                self._workers[job.capsule] = worker
-            worker.start()
-            started.append(job.capsule)
+            if self._spawn(job.capsule, lambda name=job.capsule: self._run(name)):
+                started.append(job.capsule)
+        if verifyjob.due(self.store, now) and self._spawn(VERIFY, self._verify):
+            started.append(VERIFY)
         return started
+
+    def _spawn(self, key: str, target: Callable[[], None]) -> bool:
+        with self._lock:
+            if key in self._workers and self._workers[key].is_alive():
+                log.info("%s: slot skipped, the previous run is still going", key)
+                return False
+            worker = threading.Thread(target=target, daemon=True, name=key)
+            self._workers[key] = worker
+        worker.start()
+        return True
+
+    def _verify(self) -> None:
+        try:
+            result = verifyjob.run_job(self.store, clock=self.clock)
+        except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+            log.warning("backup verify failed: %s", exc)
+            return
+        if result is not None and not result.ok:
+            log.warning("backup verify: %s", result.summary())
 
     def _run(self, name: str) -> None:
         try:
@@ -109,6 +125,8 @@ class Scheduler:
 
     def _until_next(self) -> float:
         due = [j.next_run for j in jobs.jobs(self.store) if j.next_run is not None]
+        if (v := verifyjob.get(self.store)) is not None and v.next_run is not None:
+            due.append(v.next_run)
         if not due:
             return self.poll
         return min(self.poll, max(0.5, min(due) - self.clock()))

@@ -1,17 +1,20 @@
-"""CLI verbs for scheduled backups: backup schedule, ls, unschedule, run, prune, restore."""
+"""CLI verbs for scheduled backups: backup schedule, ls, unschedule, run, prune, restore, files, verify."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from capsule.backup import jobs, runner
+from capsule.backup import files as backup_files
+from capsule.backup import jobs, runner, verifyjob
 from capsule.backup.retention import Policy
 from capsule.cli.common import console, emit, json_flag, open_store, progress
-from capsule.errors import Conflict
+from capsule.errors import Conflict, InvalidInput
 from capsule.units import human
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -26,7 +29,9 @@ app = typer.Typer(
     "  capsule backup ls\n\n"
     "  capsule backup run desk\n\n"
     "  capsule backup prune desk --dry-run\n\n"
-    "  capsule backup restore desk@12 --as desk-tuesday",
+    "  capsule backup restore desk@12 --as desk-tuesday\n\n"
+    "  capsule backup files desk@12 /home/ann/notes.txt\n\n"
+    "  capsule backup verify --schedule 'Sun 04:00'",
     no_args_is_help=True,
 )
 
@@ -113,7 +118,13 @@ def ls(
         data[0]["backups"] = [{"ref": v.ref, "version": v.number, "created": v.created, "note": v.note}
                               for v in jobs.backups(store, name)]
 
+    check = verifyjob.get(store)
+
     def human_view() -> None:
+        if check is not None:
+            console.print(f"verify job: {check.calendar}, next run {_when(check.next_run)}, last run "
+                          f"{_when(check.last_run)}" + (f" {check.last_result}" if check.last_result else "")
+                          + (f": {check.last_error}" if check.last_error else ""))
         if not rows:
             console.print("no backup schedules yet: `capsule backup schedule NAME --every daily --keep-daily 7`")
             return
@@ -239,6 +250,119 @@ def restore(
             "mode": r.start.mode if r.start else None, "seconds": r.start.seconds if r.start else None}
     emit(data, lambda: console.print(f"restored {ref} as [bold]{r.version.ref}[/], running "
                                      f"({data['mode']}, {data['seconds']:.1f}s)"))
+
+
+@app.command()
+def files(
+    ref: Annotated[str, typer.Argument(help="The backup (or any version), NAME@V.")],
+    path: Annotated[str, typer.Argument(help="An absolute path inside the guest: a directory is listed, a "
+                                             "file is printed (or saved with --out).")] = "/",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Save the file here instead of printing it "
+                                                                 "(written whole, then renamed).")] = None,
+    disk: Annotated[int, typer.Option("--disk", help="Which of the version's disks (0 is the first).")] = 0,
+    json: JsonOpt = False,
+) -> None:
+    """Read a backup's files without booting it: list a directory, print or save a file.
+
+    The version's disk is read from its sealed layers (flattened into a temporary sparse file, read with
+    e2fsprogs' debugfs, read-only); nothing in the store changes and the capsule need not be stopped.
+    ext2/3/4 file systems; symbolic links are followed inside the guest.
+
+    Examples:
+
+      capsule backup files desk@12 /home/ann
+
+      capsule backup files desk@12 /home/ann/notes.txt
+
+      capsule backup files desk@12 /etc/fstab --out fstab-tuesday
+    """
+    json_flag(json)
+    store = open_store()
+    target = out if out is not None or json else store.temp_path(".out")
+    try:
+        with progress(f"reading {ref}'s disk"):
+            found = backup_files.listing(store, ref, path, disk=disk, save_to=target)
+        if found.kind == "file" and out is None and target is not None:       # printed
+            sys.stdout.buffer.write(target.read_bytes())
+            sys.stdout.buffer.flush()
+            return
+    finally:
+        if out is None and target is not None:
+            target.unlink(missing_ok=True)
+    if found.kind == "dir" and out is not None:
+        raise InvalidInput(f"{found.ref}: {found.path} is a directory; --out saves a file (list it without --out)")
+    result = found.as_dict() | ({"saved_to": str(out)} if out is not None else {})
+
+    def human_view() -> None:
+        if found.kind == "file":
+            console.print(f"saved {found.path} ({human(found.size)}) of {found.ref} to {out}")
+            return
+        t = Table("name", "kind", "mode", "owner", "size", title=f"{found.ref}:{found.path}")
+        for e in found.entries:
+            t.add_row(e.name + ("/" if e.kind == "dir" else ""), e.kind, f"{e.mode:04o}", f"{e.uid}:{e.gid}",
+                      human(e.size) if e.kind == "file" else "")
+        console.print(t)
+
+    emit(result, human_view)
+
+
+@app.command()
+def verify(
+    names: Annotated[list[str] | None, typer.Argument(help="Scheduled capsules whose backups to check "
+                                                           "(default: every capsule with backups).")] = None,
+    here_only: Annotated[bool, typer.Option("--here-only", help="Do not ask the backup hosts to check their "
+                                                                "copies.")] = False,
+    schedule_on: Annotated[str | None, typer.Option("--schedule", help="Do not verify now: run the host's "
+                                                                       "verify job on this calendar event "
+                                                                       "instead (e.g. 'Sun 04:00'); the "
+                                                                       "agent runs it.")] = None,
+    unschedule_job: Annotated[bool, typer.Option("--unschedule", help="Drop the verify job.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Re-hash everything the backups reference, here and on the backup hosts their copies went to
+    (each checks its own copies), and name the first broken object and the backups that use it.
+
+    Exit code 6 when something is broken, 1 when a backup host could not be asked.
+
+    Examples:
+
+      capsule backup verify
+
+      capsule backup verify desk --here-only
+
+      capsule backup verify --schedule 'Sun 04:00'
+    """
+    json_flag(json)
+    store = open_store()
+    if schedule_on is not None or unschedule_job:
+        if schedule_on is not None and unschedule_job:
+            raise InvalidInput("give --schedule CALENDAR or --unschedule, not both")
+        job = verifyjob.schedule(store, schedule_on) if schedule_on is not None else verifyjob.unschedule(store)
+        emit(job.as_dict() | {"scheduled": not unschedule_job},
+             lambda: console.print(f"verify job: {job.calendar}, next run {_when(job.next_run)}"
+                                   if not unschedule_job else "verify job dropped"))
+        return
+    with progress("verifying backups") as say:
+        result = verifyjob.run(store, names or None, remote=not here_only, say=say)
+
+    def human_view() -> None:
+        t = Table("host", "backups", "layers", "files", "result")
+        for h in result.hosts:
+            verdict = (f"[red]not checked[/]: {h.error}" if h.error else
+                       f"[red]{len(h.broken)} broken[/]" if h.broken else "[green]good[/]")
+            t.add_row(h.host, str(len(h.backups)), str(h.checked_layers), str(h.checked_files), verdict)
+        console.print(t)
+        for h in result.hosts:
+            for b in h.broken:
+                console.print(f"[red]BROKEN[/] {b.kind} {b.id} on {b.host}"
+                              + (f" (used by {', '.join(b.backups)})" if b.backups else "") + f": {b.error}")
+        console.print(result.summary())
+
+    emit(result.as_dict(), human_view)
+    if result.first_broken is not None:
+        raise typer.Exit(6)
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 def register(root: typer.Typer) -> None:

@@ -1,0 +1,84 @@
+"""The backup verify job without guests: its schedule (checked before it is written, once per slot),
+bad input to the CLI and to the agent's verify route, and a store with no backups."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from capsule.backup import verifyjob
+from capsule.backup.calendar import CalendarError
+from capsule.catalogue import CapsuleRow, VersionRow
+from capsule.errors import NotFound
+from capsule.store import Store
+from tests.unit.inprocess_agent import InProcessAgent
+
+pytestmark = pytest.mark.unit
+
+T0 = datetime(2026, 11, 23, 10, 0, tzinfo=UTC).timestamp()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store.open(tmp_path / "s")
+    s.catalogue.add_capsule(CapsuleRow("desk", "u-1", "tiny", None, None, T0))
+    s.catalogue.add_version(VersionRow("desk", 1, None, None, None, [], {"kernel": "k", "initrd": "i"},
+                                       "created", T0))
+    yield s
+    s.close()
+
+
+def test_schedule_is_checked_and_due_once_per_slot(store):
+    with pytest.raises(CalendarError):
+        verifyjob.schedule(store, "*:61", now=T0)
+    assert verifyjob.get(store) is None
+    with pytest.raises(NotFound):
+        verifyjob.unschedule(store)
+    job = verifyjob.schedule(store, "hourly", now=T0)
+    assert job.calendar == "hourly" and job.next_run == T0 + 3600
+    assert not verifyjob.due(store, T0 + 3599)
+    assert verifyjob.due(store, T0 + 3600 * 5 + 10)       # missed slots: once
+    assert not verifyjob.due(store, T0 + 3600 * 5 + 20)
+    assert verifyjob.get(store).next_run == T0 + 3600 * 6
+    assert verifyjob.schedule(store, "daily", now=T0).calendar == "daily"    # replaces it
+    verifyjob.unschedule(store)
+    assert verifyjob.get(store) is None
+
+
+def test_a_store_without_backups_verifies_nothing_and_is_good(store):
+    result = verifyjob.run(store)
+    assert result.ok and [h.host for h in result.hosts] == ["here"] and result.hosts[0].backups == []
+    assert result.hosts[0].checked_layers == result.hosts[0].checked_files == 0
+    with pytest.raises(NotFound):
+        verifyjob.run(store, ["ghost"])
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["verify", "--schedule", "daily", "--unschedule"], "not both"),
+    (["verify", "--schedule", "*:61"], "minute 61"),
+    (["verify", "--unschedule"], "no verify job"),
+    (["verify", "ghost"], "no capsule named 'ghost'"),
+])
+def test_cli_bad_input(store, args, needle):
+    from capsule.cli.main import app
+
+    r = CliRunner().invoke(app, ["--home", str(store.home), "backup", *args])
+    assert r.exit_code != 0
+    assert needle in str(r.exception), r.output
+    assert verifyjob.get(store) is None
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"versions": "desk@1"}', b'{"versions": [1]}', b"{nope",
+                                  b'{"versions": ["../etc@1"]}', b'{"versions": ["desk@9"]}'])
+def test_the_verify_route_refuses_malformed_requests(store, body):
+    agent = InProcessAgent(store.home, "t0ken-sixteen-chars")
+    try:
+        r = httpx.post(f"{agent.url}/v1/verify", content=body, headers={"Authorization": "Bearer t0ken-sixteen-chars"})
+        assert r.status_code in (400, 404), r.text
+        assert r.json()["error"] in ("invalid_name", "not_found")
+        assert httpx.post(f"{agent.url}/v1/verify", content=b'{"versions": []}').status_code == 401
+    finally:
+        agent.stop()
