@@ -22,9 +22,11 @@ PICTURE = """() => {
   if (!svg) return null;
   return {
     nodes: [...svg.querySelectorAll('[data-node]')].map((n) => n.dataset.node).sort(),
-    edges: [...svg.querySelectorAll('[data-from]')].map((e) => `${e.dataset.from} > ${e.dataset.to} ${e.dataset.kind}`).sort(),
+    edges: [...svg.querySelectorAll('[data-from]')]
+      .map((e) => `${e.dataset.from} > ${e.dataset.to} ${e.dataset.kind}`).sort(),
     running: [...svg.querySelectorAll('[data-running=yes]')].map((n) => n.dataset.node),
-    selected: [...svg.querySelectorAll('[data-selected=yes]')].map((n) => n.dataset.node || `${n.dataset.from} > ${n.dataset.to}`).sort(),
+    selected: [...svg.querySelectorAll('[data-selected=yes]')]
+      .map((n) => n.dataset.node || `${n.dataset.from} > ${n.dataset.to}`).sort(),
   };
 }"""
 

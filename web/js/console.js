@@ -9,6 +9,8 @@
 //                                       needs no sign-in there. kind: "screen" (default) or "serial".
 //   closeConsole()                      disconnect and hide the panel.
 // Calling openConsole again (e.g. when a migrated capsule comes up on its new host) replaces the connection.
+// #console carries data-capsule, data-host (as given) and data-peer (the peer's name; "" for this host), and
+// #console-state data-state (connecting, connected, disconnected, failed), for scripts and tests.
 
 import RFB from "/web/vendor/novnc/core/rfb.js";
 import { Terminal } from "/web/vendor/xterm/lib/xterm.mjs";
@@ -72,7 +74,12 @@ async function connect() {
   setState("connecting", "asking for a ticket…");
   let grant;
   try {
-    grant = host ? await api.peerConsoleTicket(await peerName(host), name, kind) : await api.consoleTicket(name, kind);
+    const peer = host ? await peerName(host) : null;
+    if (live()) {
+      $("console").dataset.peer = peer || "";
+      if (peer) $("console-title").textContent = `${name} on ${peer}`;   // a URL given: its peer's name
+    }
+    grant = peer ? await api.peerConsoleTicket(peer, name, kind) : await api.consoleTicket(name, kind);
   } catch (err) {
     if (live()) setState("failed", `no console: ${err.message}`);
     return;
@@ -133,6 +140,8 @@ export function openConsole(host, name, { kind = "screen" } = {}) {
   $("console-title").textContent = host ? `${name} on ${host}` : name;
   $("console").hidden = false;
   $("console").dataset.capsule = name;
+  $("console").dataset.host = host || "";   // as given: "" (this host), a peer's name or its URL
+  delete $("console").dataset.peer;         // the peer's name, once known ("" for this host)
   return connect();
 }
 
@@ -141,6 +150,8 @@ export function closeConsole() {
   current.name = null;
   $("console").hidden = true;
   delete $("console").dataset.capsule;
+  delete $("console").dataset.host;
+  delete $("console").dataset.peer;
 }
 
 export const consoleCapsule = () => current.name;
