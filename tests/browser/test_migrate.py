@@ -109,6 +109,9 @@ def test_cancel_from_the_page_keeps_it_running_here(two_hosts, browser):  # noqa
     row = page.locator('section[data-host="local"] tr[data-capsule="desk"]')
     expect(row.locator(".badge")).to_have_attribute("data-state", "running")
     page.evaluate(RECORDER)
+    row.locator('button[data-action="console"]').click()      # its console is open during the attempt
+    state = page.locator("#console-state")
+    expect(state).to_have_attribute("data-state", "connected", timeout=30_000)
 
     row.locator('button[data-action="migrate"]').click()
     dialog = page.locator("#migrate-dialog")
@@ -122,6 +125,10 @@ def test_cancel_from_the_page_keeps_it_running_here(two_hosts, browser):  # noqa
     expect(message).to_have_attribute("data-outcome", "cancelled", timeout=120_000)
     expect(message).to_contain_text("runs here again")
     assert page.evaluate("window.__followed") is None
+    # the console is on the capsule here again, with no click
+    expect(message).to_contain_text("The console is back on it here.")
+    expect(state).to_have_attribute("data-state", "connected", timeout=30_000)
+    expect(page.locator("#console")).to_have_attribute("data-peer", "")
     dialog.locator('[data-action="close-migration"]').click()
     expect(row.locator(".badge")).to_have_attribute("data-state", "running", timeout=30_000)
     assert lookup_domain(b.domain_name("desk")) is None and lookup_domain(a.domain_name("desk")) is not None
