@@ -131,9 +131,13 @@ async function refresh() {
     const peers = api.peers().then(
       (list) => { view.peers = list; view.peersError = null; },
       (err) => { if (err.status === 401) throw err; view.peersError = err.message; });
+    const tree = api.tree().then(renderTree, (err) => {
+      if (err.status === 401) throw err;
+      $("tree-selection").textContent = `The hierarchy failed: ${err.message}`;
+    });
     view.local = await api.capsules();
     render();
-    renderTree(await api.tree());
+    await tree;
     await peers;
     $("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}`;
     render();
