@@ -200,6 +200,7 @@ def test_the_console_follows_the_capsule_and_shows_the_same_screen(two_hosts, br
     dialog.locator('[data-action="start-migration"]').click()
     # the guest leaves this host: the connection here ends
     expect(state).not_to_have_attribute("data-state", "connected", timeout=120_000)
+    expect(state).to_contain_text("moving to home")
     message = dialog.locator(".migrate-message")
     expect(message).to_have_attribute("data-outcome", "done", timeout=240_000)
     expect(message).to_contain_text("The console follows it there.")

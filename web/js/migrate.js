@@ -154,6 +154,7 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
 
 function follow(m, onEnd) {
   current = { id: m.id, stream: null, onEnd };
+  import("./console.js").then((mod) => mod.consoleMoving(m.capsule, m.to), () => {});
   dialog.querySelector("form").hidden = true;
   dialog.querySelector(".migrate-progress").hidden = false;
   field("to").textContent = m.to;
