@@ -102,7 +102,11 @@ function box(n, p, g) {
     attrs.tabindex = 0;
     attrs.role = "button";
     attrs.onclick = (ev) => { ev.stopPropagation(); selectVersion(selected === n.data.ref ? null : n.data.ref); };
-    attrs.onkeydown = (ev) => { if (ev.key === "Enter" || ev.key === " ") attrs.onclick(ev); };
+    attrs.onkeydown = (ev) => {
+      if (ev.key !== "Enter" && ev.key !== " ") return;
+      ev.preventDefault();
+      attrs.onclick(ev);
+    };
   }
   if (n.kind === "layer" && n.data.remote) attrs["data-remote"] = "yes";
   const tip = n.kind === "layer" ? [n.data.id, ...n.data.images.map((i) => `image ${i}`)].join("\n") : n.kind === "version" ? `${n.data.ref}: click to show its chain`
