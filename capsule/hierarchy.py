@@ -1,4 +1,4 @@
-"""The capsule hierarchy (§4.2): promote, rm, gc, and the tree of layers.
+"""The capsule hierarchy (§4.2): promote, rm and gc (the tree of layers as data: ``views.tree_dict``).
 
 Layers are named by a digest that covers their parent, so folding a parent
 into a child makes a new child layer, and every layer below it is re-pointed
@@ -341,39 +341,3 @@ def gc(store: Store, *, dry_run: bool = False, max_pending_age: float | None = N
                 if cat.instance(d.name) is None:
                     shutil.rmtree(d, ignore_errors=True)
         return result
-
-
-def tree(store: Store) -> list[dict[str, Any]]:
-    """The hierarchy of layers (roots first) with the images, capsule versions
-    and running instances attached to each: the paper's Fig. 1."""
-    cat = store.catalogue
-    rows = {row.id: row for row in cat.layers()}
-    images: dict[str, list[str]] = {}
-    for img in cat.images():
-        images.setdefault(img.root_layer, []).append(img.name)
-    tops: dict[str, list[str]] = {}
-    for v in cat.versions():
-        for chain in v.chains:
-            tops.setdefault(chain[-1], []).append(v.ref + (" (active)" if v.active else ""))
-    running: dict[str, list[str]] = {}
-    for inst in cat.instances():
-        for chain in inst.chains:
-            running.setdefault(chain[-1], []).append(inst.capsule)
-    children: dict[str | None, list[str]] = {}
-    for row in rows.values():
-        parent = row.parent if row.parent in rows else None
-        children.setdefault(parent, []).append(row.id)
-
-    def node(lid: str) -> dict[str, Any]:
-        row = rows[lid]
-        return {
-            "layer": lid,
-            "stored_bytes": row.stored_bytes,
-            "file_bytes": row.file_size,
-            "images": images.get(lid, []),
-            "versions": tops.get(lid, []),
-            "running": running.get(lid, []),
-            "children": [node(c) for c in sorted(children.get(lid, []), key=lambda c: rows[c].created)],
-        }
-
-    return [node(r) for r in sorted(children.get(None, []), key=lambda c: rows[c].created)]

@@ -4,12 +4,12 @@ returns. One place builds these dicts, so a script sees the same fields from eit
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from capsule import demand
 from capsule.capsules import CapsuleState, list_states
-from capsule.catalogue import VersionRow
+from capsule.catalogue import CapsuleRow, FileRow, ImageRow, InstanceRow, LayerRow, VersionRow
 from capsule.hierarchy import RmResult
 from capsule.lifecycle import SealResult, StartResult
 from capsule.store import Store
@@ -93,3 +93,104 @@ def overview(store: Store, host_of: Callable[[str], str | None] = lambda _url: N
             versions.append(d)
         out.append(state_dict(store, s) | {"versions": versions, "version_count": len(versions)})
     return out
+
+
+# -- the hierarchy (the paper's Fig. 1) as a graph -------------------------------------------------------
+
+@dataclass
+class TreeParts:
+    """What the hierarchy is drawn from: the catalogue's rows, each capsule's state, and the remote layers
+    (a layer another agent holds: id → {"parent", "url"}) that versions here build on."""
+
+    store_id: str
+    layers: list[LayerRow]
+    images: list[ImageRow]
+    capsules: list[CapsuleRow]
+    versions: list[VersionRow]
+    instances: list[InstanceRow]
+    files: dict[str, FileRow]
+    states: dict[str, str]
+    remote: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def tree_graph(p: TreeParts) -> dict[str, Any]:
+    """The hierarchy as a graph: layers (parents before children, siblings oldest first, each with its
+    parent and depth), images on their root layers, capsules with their state, versions with the top layer
+    of each disk, their chains and memory image, memory images with the versions that use them, and the
+    running instances. Pure: what ``capsule tree --json`` prints and ``GET /api/tree`` answers."""
+    rows: dict[str, dict[str, Any]] = {
+        r.id: {"id": r.id, "parent": r.parent, "stored_bytes": r.stored_bytes, "file_bytes": r.file_size,
+               "created": r.created, "remote": None} for r in p.layers}
+    for lid, info in p.remote.items():
+        rows.setdefault(lid, {"id": lid, "parent": info.get("parent"), "stored_bytes": None, "file_bytes": None,
+                              "created": info.get("added", 0.0), "remote": {"url": info["url"]}})
+    for r in rows.values():
+        if r["parent"] not in rows:
+            r["parent"] = None          # its parent is not known here: drawn as a root
+    children: dict[str | None, list[str]] = {}
+    for lid, r in rows.items():
+        children.setdefault(r["parent"], []).append(lid)
+    image_names: dict[str, list[str]] = {}
+    for img in p.images:
+        image_names.setdefault(img.root_layer, []).append(img.name)
+    tops: dict[str, list[str]] = {}
+    for v in p.versions:
+        for chain in v.chains:
+            if chain:
+                tops.setdefault(chain[-1], []).append(v.ref)
+    running = {(i.capsule, i.version) for i in p.instances}
+    layers: list[dict[str, Any]] = []
+    frontier = [(lid, 0) for lid in sorted(children.get(None, []), key=lambda c: (rows[c]["created"], c))]
+    while frontier:                     # depth first, parents before children
+        lid, depth = frontier.pop(0)
+        layers.append(rows[lid] | {"depth": depth, "images": sorted(image_names.get(lid, [])),
+                                   "versions": tops.get(lid, [])})
+        kids = sorted(children.get(lid, []), key=lambda c: (rows[c]["created"], c))
+        frontier[:0] = [(c, depth + 1) for c in kids]
+    memory: dict[str, dict[str, Any]] = {}
+    versions = []
+    for v in p.versions:
+        mem = p.files.get(v.memory) if v.memory else None
+        if mem is not None:
+            memory.setdefault(mem.id, {"id": mem.id, "size": mem.size, "allocated": mem.allocated,
+                                       "stored_bytes": mem.stored_bytes, "versions": []})["versions"].append(v.ref)
+        versions.append({
+            "ref": v.ref, "capsule": v.capsule, "version": v.number, "active": v.active,
+            "parent": f"{v.parent_capsule}@{v.parent_version}" if v.parent_capsule else None,
+            "tops": [chain[-1] if chain else None for chain in v.chains], "chains": v.chains,
+            "memory": v.memory, "running": (v.capsule, v.number) in running, "created": v.created,
+        })
+    return {
+        "store_id": p.store_id,
+        "layers": layers,
+        "images": [{"name": i.name, "kind": i.kind, "root_layer": i.root_layer} for i in p.images],
+        "capsules": [{"name": c.name, "state": p.states.get(c.name, "empty"),
+                      "parent": f"{c.parent_capsule}@{c.parent_version}" if c.parent_capsule else None,
+                      "image": c.image} for c in p.capsules],
+        "versions": versions,
+        "memory_images": list(memory.values()),
+        "instances": [{"capsule": i.capsule, "version": i.version, "ref": f"{i.capsule}@{i.version}",
+                       "domain": i.domain, "state": p.states.get(i.capsule, "running"),
+                       "tops": [chain[-1] if chain else None for chain in i.chains], "started": i.started}
+                      for i in p.instances],
+    }
+
+
+def tree_dict(store: Store) -> dict[str, Any]:
+    """This store's hierarchy as :func:`tree_graph` draws it, read from its catalogue."""
+    cat = store.catalogue
+    versions = cat.versions()
+    known = {r.id for r in cat.layers()}
+    remote: dict[str, dict[str, Any]] = {}
+    frontier = [lid for v in versions for chain in v.chains for lid in chain if lid not in known]
+    while frontier:                     # remote layers, and their remote parents
+        lid = frontier.pop()
+        if lid in remote or lid in known or not demand.is_remote(store, lid):
+            continue
+        remote[lid] = demand.remote_info(store, lid)
+        if remote[lid].get("parent"):
+            frontier.append(remote[lid]["parent"])
+    return tree_graph(TreeParts(
+        store_id=store.id, layers=cat.layers(), images=cat.images(), capsules=cat.capsules(), versions=versions,
+        instances=cat.instances(), files={f.id: f for f in cat.files()},
+        states={s.name: s.state for s in list_states(store)}, remote=remote))

@@ -148,3 +148,70 @@ class RmOut(BaseModel):
     removed: list[str]
     promoted_layers: int
     gc: GcOut
+
+
+# -- the hierarchy (GET /api/tree; capsule tree --json) ------------------------------------------------------
+class TreeLayer(BaseModel):
+    id: str
+    parent: str | None = Field(description="The layer this one builds on (None: a root, or a parent not known here).")
+    depth: int = Field(description="How many layers are below it (0: a root).")
+    stored_bytes: int | None
+    file_bytes: int | None
+    created: float
+    remote: RemoteOut | None = Field(description="Held by another agent (demand paging): its URL.")
+    images: list[str] = Field(description="Images whose root layer this is.")
+    versions: list[str] = Field(description="Versions (NAME@V) one of whose disks ends in this layer.")
+
+
+class TreeImage(BaseModel):
+    name: str
+    kind: str
+    root_layer: str
+
+
+class TreeCapsule(BaseModel):
+    name: str
+    state: Literal["running", "suspended", "stopped", "crashed", "empty"]
+    parent: str | None = Field(description="The version it was derived from.")
+    image: str | None
+
+
+class TreeVersion(BaseModel):
+    ref: str
+    capsule: str
+    version: int
+    active: bool
+    parent: str | None
+    tops: list[str | None] = Field(description="Per disk, the layer its chain ends in.")
+    chains: list[list[str]] = Field(description="Per disk, the chain of layers from root to top.")
+    memory: str | None = Field(description="Its memory image's id.")
+    running: bool = Field(description="An instance of this version runs here.")
+    created: float
+
+
+class TreeMemory(BaseModel):
+    id: str
+    size: int
+    allocated: int
+    stored_bytes: int
+    versions: list[str]
+
+
+class TreeInstance(BaseModel):
+    capsule: str
+    version: int
+    ref: str
+    domain: str
+    state: str
+    tops: list[str | None] = Field(description="Per disk, the layer its private leaf is on.")
+    started: float
+
+
+class TreeOut(BaseModel):
+    store_id: str
+    layers: list[TreeLayer] = Field(description="Parents before children, siblings oldest first.")
+    images: list[TreeImage]
+    capsules: list[TreeCapsule]
+    versions: list[TreeVersion]
+    memory_images: list[TreeMemory]
+    instances: list[TreeInstance]

@@ -10,6 +10,7 @@ answers what the CLI prints under ``--json`` (``capsule.views``); this module ho
     DELETE /api/session                     sign out
     GET    /api/capsules                    this host's capsules: state, versions, sizes, depends-on
     GET    /api/hosts                       the peers, each with its capsules or why it is unreachable
+    GET    /api/tree                        the hierarchy: layers, images, versions, memory images, instances
     POST   /api/capsules/{name}/start       {version, wait, timeout}
     POST   /api/capsules/{name}/suspend     {balloon, balloon_policy, balloon_method}
     POST   /api/capsules/{name}/snapshot    same
@@ -50,6 +51,7 @@ from capsule.agent.apimodels import (
     StartIn,
     StartOut,
     StopIn,
+    TreeOut,
     VersionOut,
 )
 from capsule.agent.sessions import Caller, Sessions, check_same_origin, unauthorized
@@ -151,6 +153,12 @@ def api_router(store: Store, sessions: Sessions) -> APIRouter:
                     row |= {"reachable": False, "error": f"unusable answer from the host: {str(exc)[:200]}"}
             out.append(row)
         return out
+
+    @router.get("/tree", response_model=TreeOut, summary="This host's hierarchy (the paper's Fig. 1)")
+    async def tree() -> dict[str, Any]:
+        """Layers with their parents, images, capsules, versions with their chains, memory images and running
+        instances: what `capsule tree --json` prints."""
+        return await asyncio.to_thread(views.tree_dict, store)
 
     # -- actions: one library call each ----------------------------------------------------------------
     @router.post("/capsules/{name}/start", response_model=StartOut, summary="Boot or restore a capsule")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -17,7 +17,7 @@ from capsule.cli.common import console, emit, json_flag, open_store, progress, s
 from capsule.doctor import doctor as run_doctor
 from capsule.units import human
 from capsule.verify import verify as run_verify
-from capsule.views import depends_on, rm_dict, state_dict, version_dict
+from capsule.views import depends_on, rm_dict, state_dict, tree_dict, version_dict
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
@@ -107,27 +107,27 @@ def show(
 
 
 def tree(json: JsonOpt = False) -> None:
-    """Draw the hierarchy of layers with the images and capsule versions on them (Fig. 1)."""
+    """Draw the hierarchy of layers with the images, capsule versions and running instances on them
+    (the paper's Fig. 1). --json prints the graph the dashboard draws (GET /api/tree): layers with their
+    parent, images, capsules, versions with their chains, memory images, running instances."""
     json_flag(json)
     store = open_store()
-    nodes = hierarchy.tree(store)
-
-    def add(parent: Tree, node: dict[str, Any]) -> None:
-        tags = [f"[cyan]image {n}[/]" for n in node["images"]]
-        tags += [f"[bold]{v}[/]" for v in node["versions"]]
-        tags += [f"[green]{c} running[/]" for c in node["running"]]
-        label = f"{short(node['layer'])} {human(node['stored_bytes'])} " + " ".join(tags)
-        branch = parent.add(label)
-        for child in node["children"]:
-            add(branch, child)
+    graph = tree_dict(store)
 
     def human_view() -> None:
         root = Tree(f"[bold]store {store.id}[/]")
-        for n in nodes:
-            add(root, n)
-        console.print(root if nodes else "the store holds no layers yet")
+        running = {i["ref"] for i in graph["instances"]}
+        branches: dict[str | None, Tree] = {None: root}
+        for node in graph["layers"]:
+            tags = [f"[cyan]image {n}[/]" for n in node["images"]]
+            tags += [f"[bold]{v}[/]" + (" [green]running[/]" if v in running else "") for v in node["versions"]]
+            if node["remote"]:
+                tags.append(f"[yellow]at {node['remote']['url']}[/]")
+            label = f"{short(node['id'])} {human(node['stored_bytes']) if node['stored_bytes'] is not None else '–'} "
+            branches[node["id"]] = branches[node["parent"]].add(label + " ".join(tags))
+        console.print(root if graph["layers"] else "the store holds no layers yet")
 
-    emit(nodes, human_view)
+    emit(graph, human_view)
 
 
 def promote(

@@ -153,6 +153,8 @@ def test_a_peers_console_through_this_host(two_hosts, browser):  # noqa: F811
     wait_until(lambda: (s := _lit(page)) and s["lit"] > 5000, 20, lambda: f"B's screen with text: {_lit(page)}")
     # and by the peer's URL, as the migrate dialog knows it
     page.evaluate("""async (url) => (await import('/web/js/console.js')).openConsole(url, 'far')""", agent_b.url)
-    expect(page.locator("#console-title")).to_have_text(f"far on {agent_b.url}")
+    expect(page.locator("#console")).to_have_attribute("data-host", agent_b.url)
+    expect(page.locator("#console")).to_have_attribute("data-peer", "home")
+    expect(page.locator("#console-title")).to_have_text("far on home")
     expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
     wait_until(lambda: (s := _lit(page)) and s["lit"] > 5000, 20, lambda: f"B's screen again: {_lit(page)}")

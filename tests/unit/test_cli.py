@@ -83,3 +83,35 @@ def test_gc_drop_pending_collects_abandoned_received_objects(tmp_path):
     r = capsule(home, "--json", "gc", "--drop-pending")
     assert json.loads(r.stdout)["files"] == [fid]
     assert not (home / "files" / fid).exists()
+
+
+def test_tree_prints_the_graph_the_dashboard_draws(tmp_path):
+    """`capsule tree --json` is views.tree_dict (GET /api/tree answers the same); the text view draws it."""
+    import time
+
+    from capsule import capsules, views
+    from capsule.catalogue import ImageRow, LayerRow
+    from capsule.store import Store
+
+    home = tmp_path / "store"
+    store = Store.open(home)
+    root, child = "a1" * 32, "b2" * 32
+    store.catalogue.add_layer(LayerRow(root, None, 1 << 30, 5 << 20, 4 << 20, 1024, time.time()))
+    store.catalogue.add_layer(LayerRow(child, root, 1 << 30, 70 << 10, 64 << 10, 16, time.time()))
+    store.catalogue.add_image(ImageRow("img", "tiny", root, "k" * 64, "i" * 64, "", "", {}, time.time()))
+    capsules.create(store, "desk", "img", memory="256M")
+    capsules.derive(store, "desk", "kid")
+    expected = views.tree_dict(store)
+    store.close()
+    r = capsule(home, "tree", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == expected
+    assert [x["id"] for x in expected["layers"]] == [root, child]
+    assert sorted(v["ref"] for v in expected["versions"]) == ["desk@1", "kid@1"]
+    r = capsule(home, "tree")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    (line,) = [x for x in lines if root[:12] in x]
+    assert "image img" in line and "desk@1" in line and "kid@1" in line and "4.0 MiB" in line
+    (sub,) = [x for x in lines if child[:12] in x]
+    assert lines.index(sub) > lines.index(line) and sub.index(child[:12]) > line.index(root[:12])  # drawn under it

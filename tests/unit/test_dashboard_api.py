@@ -10,7 +10,7 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from capsule import capsules, demand, hosts
+from capsule import capsules, demand, hosts, views
 from capsule.agent.app import create_app
 from capsule.catalogue import ImageRow
 from capsule.store import Store
@@ -67,7 +67,8 @@ def sign_in(client: TestClient) -> str:
     return r.json()["csrf"]
 
 
-ROUTES = [("GET", "/api/capsules"), ("GET", "/api/hosts"), ("GET", "/api/session"), ("DELETE", "/api/session"),
+ROUTES = [("GET", "/api/capsules"), ("GET", "/api/hosts"), ("GET", "/api/tree"),
+          ("GET", "/api/session"), ("DELETE", "/api/session"),
           ("POST", f"/api/capsules/{SECRET}/start"), ("POST", f"/api/capsules/{SECRET}/stop"),
           ("POST", f"/api/capsules/{SECRET}/suspend"), ("POST", f"/api/capsules/{SECRET}/snapshot"),
           ("POST", f"/api/capsules/{SECRET}/derive"), ("POST", f"/api/capsules/{SECRET}/rm"),
@@ -211,6 +212,27 @@ def test_capsule_list_shows_state_versions_sizes_and_dependencies(client, home, 
     assert v["depends_on"] == [{"url": peer.url, "host": "office"}]
     assert v["disks"][0][0]["remote"]["url"] == peer.url
     assert v["config"]["memory_mib"] == 256
+
+
+def test_tree_is_what_the_cli_prints_and_follows_a_derive(client, home):
+    """GET /api/tree answers the one builder's graph (capsule tree --json prints the same) and changes with
+    the catalogue: a derived child's version is on the same top layer as its parent's."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    store = Store.open(home)
+    try:
+        before = client.get("/api/tree", headers=auth).json()
+        assert before == views.tree_dict(store)
+        assert [v["ref"] for v in before["versions"]] == [f"{SECRET}@1"]
+        assert client.post(f"/api/capsules/{SECRET}/derive", json={"child": "kid"}, headers=auth).status_code == 200
+        after = client.get("/api/tree", headers=auth).json()
+        assert after == views.tree_dict(store)
+    finally:
+        store.close()
+    v = {x["ref"]: x for x in after["versions"]}
+    assert set(v) == {f"{SECRET}@1", "kid@1"} and v["kid@1"]["parent"] == f"{SECRET}@1"
+    assert v["kid@1"]["tops"] == v[f"{SECRET}@1"]["tops"]
+    assert {c["name"]: c["parent"] for c in after["capsules"]} == {SECRET: None, "kid": f"{SECRET}@1"}
+    assert after["images"] == [{"name": "img", "kind": "tiny", "root_layer": v["kid@1"]["chains"][0][0]}]
 
 
 def test_hosts_lists_peers_with_their_capsules_and_marks_a_dead_one(client, home, tmp_path):

@@ -4,6 +4,7 @@
 import * as api from "./api.js";
 import { bytes, h, when } from "./format.js";
 import { openMigrate } from "./migrate.js";
+import { renderTree } from "./tree.js";
 
 const REFRESH_MS = 3000;
 const $ = (id) => document.getElementById(id);
@@ -72,6 +73,7 @@ function showSignIn(message = "") {
   view.local = view.peers = null;
   $("sign-in").hidden = false;
   $("hosts").hidden = true;
+  $("tree").hidden = true;
   $("sign-out").hidden = true;
   $("whoami").textContent = "";
   $("refreshed").textContent = "";
@@ -83,6 +85,7 @@ function showDashboard(session) {
   view.session = session;
   $("sign-in").hidden = true;
   $("hosts").hidden = false;
+  $("tree").hidden = false;
   $("sign-out").hidden = false;
   $("whoami").textContent = `host ${session.store_id}`;
   render();
@@ -128,8 +131,13 @@ async function refresh() {
     const peers = api.peers().then(
       (list) => { view.peers = list; view.peersError = null; },
       (err) => { if (err.status === 401) throw err; view.peersError = err.message; });
+    const tree = api.tree().then(renderTree, (err) => {
+      if (err.status === 401) throw err;
+      $("tree-selection").textContent = `The hierarchy failed: ${err.message}`;
+    });
     view.local = await api.capsules();
     render();
+    await tree;
     await peers;
     $("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}`;
     render();

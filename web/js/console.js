@@ -8,7 +8,11 @@
 //                                       relayed through this agent (/api/hosts/HOST/console/NAME), so the page
 //                                       needs no sign-in there. kind: "screen" (default) or "serial".
 //   closeConsole()                      disconnect and hide the panel.
+//   consoleMoving(name, to)             a move of that capsule began (the migrate dialog): a lost connection
+//                                       says it is moving rather than lost
 // Calling openConsole again (e.g. when a migrated capsule comes up on its new host) replaces the connection.
+// #console carries data-capsule, data-host (as given) and data-peer (the peer's name; "" for this host), and
+// #console-state data-state (connecting, connected, disconnected, failed), for scripts and tests.
 
 import RFB from "/web/vendor/novnc/core/rfb.js";
 import { Terminal } from "/web/vendor/xterm/lib/xterm.mjs";
@@ -16,7 +20,8 @@ import * as api from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 
-const current = { rfb: null, ws: null, term: null, host: null, name: null, kind: "screen", generation: 0 };
+const current = { rfb: null, ws: null, term: null, host: null, name: null, kind: "screen", generation: 0,
+  moving: null };
 
 function setState(state, text) {
   const el = $("console-state");
@@ -72,7 +77,12 @@ async function connect() {
   setState("connecting", "asking for a ticket…");
   let grant;
   try {
-    grant = host ? await api.peerConsoleTicket(await peerName(host), name, kind) : await api.consoleTicket(name, kind);
+    const peer = host ? await peerName(host) : null;
+    if (live()) {
+      $("console").dataset.peer = peer || "";
+      if (peer) $("console-title").textContent = `${name} on ${peer}`;   // a URL given: its peer's name
+    }
+    grant = peer ? await api.peerConsoleTicket(peer, name, kind) : await api.consoleTicket(name, kind);
   } catch (err) {
     if (live()) setState("failed", `no console: ${err.message}`);
     return;
@@ -82,7 +92,8 @@ async function connect() {
   const url = wsUrl(grant.url);
   const lost = (clean) => {
     if (!live()) return;
-    setState("disconnected", clean ? "disconnected" : "connection lost (the capsule stopped or moved?)");
+    if (current.moving) setState("disconnected", `moving to ${current.moving}: the console follows it there…`);
+    else setState("disconnected", clean ? "disconnected" : "connection lost (the capsule stopped or moved?)");
   };
   if (kind === "serial") connectSerial(url, live, lost);
   else connectScreen(url, live, lost);
@@ -127,12 +138,15 @@ function connectSerial(url, live, lost) {
 }
 
 export function openConsole(host, name, { kind = "screen" } = {}) {
+  current.moving = null;
   current.host = host || null;
   current.name = name;
   current.kind = kind;
   $("console-title").textContent = host ? `${name} on ${host}` : name;
   $("console").hidden = false;
   $("console").dataset.capsule = name;
+  $("console").dataset.host = host || "";   // as given: "" (this host), a peer's name or its URL
+  delete $("console").dataset.peer;         // the peer's name, once known ("" for this host)
   return connect();
 }
 
@@ -141,9 +155,17 @@ export function closeConsole() {
   current.name = null;
   $("console").hidden = true;
   delete $("console").dataset.capsule;
+  delete $("console").dataset.host;
+  delete $("console").dataset.peer;
 }
 
 export const consoleCapsule = () => current.name;
+
+// The migrate dialog says a move of `name` to host `to` has begun: when the connection drops, the panel says
+// so instead of "connection lost" (openConsole, when the capsule arrives or comes back, clears it).
+export function consoleMoving(name, to) {
+  if (current.name === name) current.moving = to;
+}
 
 $("console-reconnect").addEventListener("click", () => {
   if (current.name) connect();

@@ -8,6 +8,7 @@
 //     openConsole(hostUrl, name) exported by ./console.js (loaded with import() on first use), if it exists;
 // with hostUrl the destination agent's URL (where its dashboard and console live) and name the capsule.
 // Neither is required: without a console module the migration works the same and nothing is opened.
+// When a cancel or a failure leaves the capsule running here again, a console showing it reconnects here.
 
 import * as api from "./api.js";
 import { bytes, h } from "./format.js";
@@ -36,6 +37,25 @@ export async function consoleFollows(hostUrl, name) {
     return true;
   } catch (err) {
     console.warn(`the console could not follow ${name} to ${hostUrl}: ${err}`);
+    return false;
+  }
+}
+
+// After a cancel (or a failure) that left the capsule running here again, a console that was showing it
+// reconnects to it here. Returns whether it did.
+export async function consoleReturns(name) {
+  let mod = null;
+  try {
+    mod = await import("./console.js");
+  } catch {
+    return false;
+  }
+  if (mod.consoleCapsule() !== name) return false;
+  try {
+    await mod.openConsole(null, name);
+    return true;
+  } catch (err) {
+    console.warn(`the console could not reconnect to ${name} here: ${err}`);
     return false;
   }
 }
@@ -134,6 +154,7 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
 
 function follow(m, onEnd) {
   current = { id: m.id, stream: null, onEnd };
+  import("./console.js").then((mod) => mod.consoleMoving(m.capsule, m.to), () => {});
   dialog.querySelector("form").hidden = true;
   dialog.querySelector(".migrate-progress").hidden = false;
   field("to").textContent = m.to;
@@ -210,9 +231,11 @@ async function end(m, why = "") {
     out.textContent = `${OUTCOME.done}: ${m.capsule} now runs on ${m.to} (${m.to_url}).`;
     if (await consoleFollows(m.to_url, m.capsule)) out.textContent += " The console follows it there.";
   } else {
-    const where = m.progress.where === "source" ? "It runs here again." : "Check where it runs before retrying.";
+    const back = m.progress.where === "source";
+    const where = back ? "It runs here again." : "Check where it runs before retrying.";
     const detail = m.error ? m.error.detail : m.progress.message;
     out.textContent = `${OUTCOME[m.progress.outcome]}: ${where} ${detail || ""}`;
+    if (back && await consoleReturns(m.capsule)) out.textContent += " The console is back on it here.";
   }
   onEnd(m);
 }
