@@ -188,6 +188,11 @@ class Restored:
     version: VersionRow
     start: lifecycle.StartResult | None
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "capsule": self.capsule, "version": self.version.ref,
+                "mode": self.start.mode if self.start else None,
+                "seconds": self.start.seconds if self.start else None}
+
 
 def restore(store: Store, ref: str, *, as_name: str | None = None, start: bool = True,
             say: Say = _quiet) -> Restored:

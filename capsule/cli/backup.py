@@ -260,8 +260,7 @@ def restore(
     store = open_store()
     with progress(f"restoring {ref}") as say:
         r = runner.restore(store, ref, as_name=as_name, say=say)
-    data = {"source": r.source, "capsule": r.capsule, "version": r.version.ref,
-            "mode": r.start.mode if r.start else None, "seconds": r.start.seconds if r.start else None}
+    data = r.as_dict()
     emit(data, lambda: console.print(f"restored {ref} as [bold]{r.version.ref}[/], running "
                                      f"({data['mode']}, {data['seconds']:.1f}s)"))
 
