@@ -78,10 +78,13 @@ class Project:
         return Host(service, self)
 
 
-# `make compose-up`'s hosts (agents on 7171 and 7172): the demo's
-DEMO = Project("capsule")
-# The `hosts` test tier's: never the hosts of `make compose-up` or their stores
-TEST = Project("capsule-test", {"CAPSULE_HOST_A_LISTEN": "127.0.0.1:7271", "CAPSULE_HOST_B_LISTEN": "127.0.0.1:7272"})
+# `make compose-up`'s hosts (agents on 7171 and 7172, or CAPSULE_HOST_A_LISTEN/…_B_LISTEN): the demo's
+DEMO = Project(os.environ.get("COMPOSE_PROJECT_NAME") or "capsule")
+# The `hosts` test tier's: never the hosts of `make compose-up` or their stores (another run beside this one
+# sets CAPSULE_TEST_COMPOSE_PROJECT and CAPSULE_TEST_HOST_A_LISTEN/…_B_LISTEN)
+TEST = Project(os.environ.get("CAPSULE_TEST_COMPOSE_PROJECT") or "capsule-test",
+               {"CAPSULE_HOST_A_LISTEN": os.environ.get("CAPSULE_TEST_HOST_A_LISTEN") or "127.0.0.1:7271",
+                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272"})
 
 
 def compose_files() -> list[str]:

@@ -194,7 +194,8 @@ def dashboard(a: Host, b: Host) -> None:
               f"    {cmd}")
     out.print(f"  then Migrate… → {b.service} moves it by clicking (host B's own page: {b.url}/, "
               f"its token the same way with {b.service})")
-    out.print("  `make compose-down` stops the hosts (their stores stay for the next `make compose-up`)")
+    down = "make compose-down" if DEMO.name == "capsule" else f"docker-compose -p {DEMO.name} down"
+    out.print(f"  `{down}` stops the hosts (their stores stay for the next `make compose-up`)")
 
 
 def main() -> int:
