@@ -55,10 +55,10 @@ def counter(host: Host, name: str) -> int:
 
 def clear(host: Host, name: str) -> None:
     """No capsule ``name`` on ``host`` (a run before this one may have left it there)."""
-    state = host.state(name)
-    if state is None:
+    line = host.states().get(name)
+    if line is None:
         return
-    if state == "running":
+    if line["domain"]:  # an instance: running, or crashed (its container was stopped under it)
         host.capsule("stop", name, "--force")
     host.capsule("rm", name, "--promote")
 
