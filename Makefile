@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-compose test setup host venv web lint bench clean-venv agent compose-up compose-down compose-build
+.PHONY: demo demo-compose test setup host venv web lint bench bench-live clean-venv agent compose-up compose-down compose-build
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -59,6 +59,10 @@ bench: setup
 	$(PY) bench/demand_bench.py --rate-kbit 100000 --rtt-ms 1
 	$(PY) bench/dashboard_migrate.py
 	$(PY) bench/console_latency.py
+
+# B2 live between the compose hosts (own compose project capsule-b2; needs root: tc on lo)
+bench-live: setup
+	$(PY) -m bench.livemigrate
 
 # Separate Capsule hosts in containers (docker-compose.yml): each its own root file system,
 # store, libvirtd and agent on a loopback port. The `hosts` test tier runs against them.
