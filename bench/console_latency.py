@@ -33,9 +33,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, table, write_result  # noqa: E402
+from bench.common import median, table, tiny_stores, write_result  # noqa: E402
 from bench.rfb import KEY_A, Rfb  # noqa: E402
-from capsule import capsules, images, lifecycle, screen  # noqa: E402
+from capsule import capsules, lifecycle, screen  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
 from capsule.runtime.console import ConsoleSession  # noqa: E402
@@ -155,12 +155,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=30, help="samples per way")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="capsule-bench-") as tmp:
-        images_home = Path(os.environ.get("CAPSULE_TEST_IMAGES", Path(__file__).resolve().parent.parent
-                                          / ".cache" / "test-images"))
-        src = Store.open(images_home)
-        images.build(src, "tiny", "tiny")
-        store = Store.open(Path(tmp) / "a")
-        images.import_image(src, store, "tiny")
+        [store] = tiny_stores(Path(tmp) / "a")
         agent = AgentProcess(store.home, Path(tmp) / "a.token")
         rows: dict[str, list[float]] = {}
         arrivals: list[float] = []     # in the page: key → the update's first WebSocket message

@@ -17,15 +17,14 @@ removed on exit (the qdisc, the proxies).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.common import stop_groups
 
 HERE = Path(__file__).resolve().parent
 DEV = "lo"
@@ -73,16 +72,7 @@ class LoopLink:
         self.close()
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-        self.procs.clear()
+        stop_groups(self.procs)
         if self._installed:
             subprocess.run(["tc", "qdisc", "del", "dev", DEV, "root"], capture_output=True)
             self._installed = False
