@@ -257,7 +257,7 @@ def build_debian(
     agent_meta = agent_info(agent)
     sources = host_apt_sources()
     packages = flavour.all_packages(extra_packages)
-    debcache = cache_dir(workdir) / "debian-debs"
+    debcache = cache_dir(workdir) / f"{flavour.kind}-debs"  # per kind: each build keeps only its own .debs
     debcache.mkdir(parents=True, exist_ok=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="debian-", dir=workdir))

@@ -9,7 +9,8 @@ returns once the desktop is up. The guest agent and the serial root shell are th
 
 The cloud kernel of the Debian guest has no DRM, no framebuffer for a BIOS-booted VGA card and no PS/2
 mouse, so this image carries Debian's generic kernel, minus the module trees no capsule has hardware for
-(dpkg path filters: those files are never unpacked), and an initrd with only the modules it needs.
+(dpkg path filters: those files are never unpacked), and an initrd with only the modules it needs. Mesa's
+3D drivers and LLVM are not unpacked either: X draws in software.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ EXCLUDED_MODULE_TREES = (
 """Module trees of the generic kernel for hardware a capsule never has (sound, radios, NICs: a capsule's
 only devices are virtio, the VGA card and PS/2 input); ~200 MiB never unpacked."""
 
+_LIBS = "/usr/lib/x86_64-linux-gnu/"
+EXCLUDED_FILES = (f"{_LIBS}dri/*", f"{_LIBS}libLLVM-15.so*", f"{_LIBS}libz3.so*")
+"""Mesa's DRI drivers and the LLVM (and z3) only they link: Xorg depends on Mesa, but the VGA card has no 3D
+and X draws in software (modesetting without glamor, ``XORG_CONF``); ~160 MiB never unpacked."""
+
+PERL_FOR_USRMERGE = ("usrmerge", "libfile-find-rule-perl", "libnumber-compare-perl", "libtext-glob-perl",
+                     "perl", "libperl5.36", "perl-modules-5.36")
+PURGE_USRMERGE = "dpkg --purge " + " ".join(PERL_FOR_USRMERGE)
+"""The essential set's init-system-helpers needs "usrmerge | usr-is-merged"; apt picks usrmerge, and with it
+perl (~50 MiB), though the tree is merged already and has usr-is-merged. Nothing else here needs them
+(dpkg refuses to purge a package another one depends on, so the build would stop)."""
+
 INITRD_MODULES = ("ext4", "crc32c_generic")
 """The generic kernel has ext4 as a module; with MODULES=list the initrd holds only these and the virtio ones."""
 LOADED_MODULES = ("bochs", "evdev")
@@ -79,6 +92,22 @@ too, but later)."""
 AUTOLOGIN_TTY1 = f"""[Service]
 ExecStart=
 ExecStart=-/sbin/agetty --autologin {USER} --noclear %I $TERM
+"""
+
+XORG_CONF = """# Capsule desktop: the VGA card through the kernel's bochs DRM driver, drawn in software (no glamor: no
+# 3D, and Mesa's drivers are not installed); the screen never blanks (a console shows a live session).
+Section "ServerFlags"
+    Option "BlankTime" "0"
+    Option "StandbyTime" "0"
+    Option "SuspendTime" "0"
+    Option "OffTime" "0"
+EndSection
+
+Section "Device"
+    Identifier "capsule-vga"
+    Driver "modesetting"
+    Option "AccelMethod" "none"
+EndSection
 """
 
 PROFILE_SCRIPT = f"""# Capsule desktop: the autologin on the first virtual console starts the graphical session.
@@ -179,6 +208,7 @@ def config_files() -> dict[str, tuple[str, int]]:
     return {
         "/etc/systemd/system/getty@tty1.service.d/autologin.conf": (AUTOLOGIN_TTY1, 0o644),
         "/etc/profile.d/capsule-desktop.sh": (PROFILE_SCRIPT, 0o644),
+        "/etc/X11/xorg.conf.d/10-capsule.conf": (XORG_CONF, 0o644),
         "/etc/jwm/system.jwmrc": (jwmrc(), 0o644),
         READY_COMMAND: (READY_SCRIPT, 0o755),
         "/etc/tmpfiles.d/capsule-desktop.conf": (TMPFILES, 0o644),
@@ -207,10 +237,12 @@ DESKTOP = Flavour(
     kind="desktop",
     kernel_package=KERNEL_PACKAGE,
     packages=PACKAGES,
-    dpkg_excludes=tuple(f"path-exclude={_MODULES}{tree}/*" for tree in EXCLUDED_MODULE_TREES),
+    dpkg_excludes=tuple(f"path-exclude={path}" for path in (
+        *(f"{_MODULES}{tree}/*" for tree in EXCLUDED_MODULE_TREES), *EXCLUDED_FILES)),
     initrd_modules=INITRD_MODULES,
     initrd_modules_only=True,
-    chroot_commands=(f"useradd --create-home --uid {UID} --shell /bin/bash --groups video,input,audio {USER}",),
+    chroot_commands=(PURGE_USRMERGE,
+                     f"useradd --create-home --uid {UID} --shell /bin/bash --groups video,input,audio {USER}"),
     configure=configure_desktop,
     cmdline=DEBIAN_CMDLINE,
     marker=DESKTOP_MARKER,

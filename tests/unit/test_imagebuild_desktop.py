@@ -31,6 +31,11 @@ def test_desktop_is_the_debian_guest_plus_a_session() -> None:
     assert DEBIAN.all_packages(["less"])[-1] == "less"
     assert desktop.DESKTOP.marker == desktop.DESKTOP_MARKER != DEBIAN.marker
     assert desktop.DESKTOP.kind == "desktop" and DEBIAN.kind == "debian"
+    # in the chroot: usrmerge (and the perl it brings) purged first, then the session's user made
+    first, second = desktop.DESKTOP.chroot_commands
+    assert first.startswith("dpkg --purge ") and {"usrmerge", "perl"} <= set(first.split()[2:])
+    assert second.startswith("useradd ") and second.split()[-1] == desktop.USER and str(desktop.UID) in second
+    assert DEBIAN.chroot_commands == ()
 
 
 def test_initrd_has_the_virtio_modules_and_ext4_only() -> None:
@@ -63,6 +68,11 @@ def _dpkg_keeps(path: str, filters: tuple[str, ...]) -> bool:
     ("/lib/modules/6.1.0-56-amd64/kernel/drivers/block/virtio_blk.ko", True),
     ("/lib/modules/6.1.0-56-amd64/kernel/fs/ext4/ext4.ko", True),
     ("/usr/share/doc/xterm/copyright", True),
+    ("/usr/lib/x86_64-linux-gnu/dri/swrast_dri.so", False),
+    ("/usr/lib/x86_64-linux-gnu/libLLVM-15.so.1", False),
+    ("/usr/lib/x86_64-linux-gnu/libz3.so.4", False),
+    ("/usr/lib/x86_64-linux-gnu/libgbm.so.1.0.0", True),
+    ("/usr/lib/xorg/modules/drivers/modesetting_drv.so", True),
     ("/usr/share/man/man1/xterm.1.gz", False),
 ])
 def test_dpkg_filters_drop_hardware_a_capsule_lacks(path: str, kept: bool) -> None:

@@ -1,0 +1,50 @@
+"""The desktop image as a capsule: `capsule start` returns once its graphical session is on screen, the
+screen shows the session (not the text console), and the guest agent and the serial shell work as on the
+Debian guest."""
+
+from __future__ import annotations
+
+import pytest
+
+from capsule import capsules, lifecycle
+from capsule.imagebuild import DESKTOP_MARKER, MARKER
+from capsule.imagebuild.desktop import BACKGROUND, USER
+from capsule.runtime.guestagent import wait_for_agent
+from tests.vm.helpers import run, screenshot
+
+# the first test builds the image (about two minutes) unless the test image store has it
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def test_desktop_capsule_boots_into_its_graphical_session(desktop_store):
+    store = desktop_store
+    info = store.catalogue.image("desktop").info
+    assert info["kernel_release"].endswith("-amd64") and "cloud" not in info["kernel_release"]
+    assert {"xserver-xorg-core", "jwm", "xterm", "dillo"} <= set(info["packages"])
+
+    capsules.create(store, "desk", "desktop", memory="1G")
+    booted = lifecycle.start(store, "desk", timeout=600)  # returns at the image's marker: the session is up
+    assert booted.mode == "boot"
+    log = (store.instance_dir("desk") / "console.log").read_text(errors="replace")
+    assert log.index(MARKER) < log.index(DESKTOP_MARKER)
+
+    # the screen: the X session at its own resolution (the VGA text console is 720x400 in 16 colours),
+    # mostly the window manager's background, with a task bar and a terminal window on it
+    shot = screenshot(store, "desk")
+    assert (shot.width, shot.height) >= (1024, 768)
+    colours = shot.colours()
+    assert len(colours) > 50
+    top, top_count = colours.most_common(1)[0]
+    assert top == bytes.fromhex(BACKGROUND.lstrip("#"))
+    assert 0.3 < top_count / (shot.width * shot.height) < 0.98
+
+    # the session is the autologin user's, rootless X under logind; the serial console is root's shell
+    assert run(store, "desk", "ps -o user= -C Xorg").split() == [USER]
+    assert run(store, "desk", "ps -o user= -C jwm").split() == [USER]
+    assert run(store, "desk", "ps -o user= -C xterm").split() == [USER]
+    assert run(store, "desk", "loginctl show-user user -p State --value").strip() in ("active", "online")
+    assert run(store, "desk", "id -un") == "root"
+
+    # the guest agent answers as on the Debian guest
+    ping = wait_for_agent(store.instance_dir("desk") / "agent.sock", timeout=60)
+    assert ping["kernel"] == info["kernel_release"] and ping["version"] == info["agent_version"]
