@@ -3,9 +3,9 @@
 X (Xorg's modesetting driver on the kernel's ``bochs`` DRM driver for the standard VGA card every capsule
 has), JWM (window manager with a task bar), xterm and the Dillo browser. The first virtual console logs
 user ``user`` in by itself (a getty autologin) and its login shell runs ``startx`` (rootless X through
-logind); JWM starts a terminal and tells a root unit, through a file, that the session is on screen, and
-that unit prints ``CAPSULE-DESKTOP-READY`` on the serial console: the image's marker, so ``capsule start``
-returns once the desktop is up. The guest agent and the serial root shell are the Debian guest's.
+logind); JWM starts a terminal whose shell first tells a root unit, through a file, that the session is
+on screen, and that unit prints ``CAPSULE-DESKTOP-READY`` on the serial console: the image's marker, so
+``capsule start`` returns once the desktop is up. The guest agent and the serial root shell are the Debian guest's.
 
 The cloud kernel of the Debian guest has no DRM, no framebuffer for a BIOS-booted VGA card and no PS/2
 mouse, so this image carries Debian's generic kernel, minus the module trees no capsule has hardware for
@@ -44,6 +44,7 @@ PACKAGES = (
     "xterm",
     "dillo",  # browser (FLTK; no JavaScript): the lightest graphical one in bookworm
     "fonts-dejavu-core",  # the one scalable font family (JWM, Dillo)
+    "usr-is-merged",  # the other way to satisfy init-system-helpers, so usrmerge can go (PURGE_USRMERGE)
 )
 
 _MODULES = "/lib/modules/*/kernel/"
@@ -80,7 +81,7 @@ PERL_FOR_USRMERGE = ("usrmerge", "libfile-find-rule-perl", "libnumber-compare-pe
                      "perl", "libperl5.36", "perl-modules-5.36")
 PURGE_USRMERGE = "dpkg --purge " + " ".join(PERL_FOR_USRMERGE)
 """The essential set's init-system-helpers needs "usrmerge | usr-is-merged"; apt picks usrmerge, and with it
-perl (~50 MiB), though the tree is merged already and has usr-is-merged. Nothing else here needs them
+perl (~50 MiB), though the tree is merged already. With usr-is-merged installed too, nothing here needs them
 (dpkg refuses to purge a package another one depends on, so the build would stop)."""
 
 INITRD_MODULES = ("ext4", "crc32c_generic")
@@ -120,9 +121,12 @@ fi
 """
 
 READY_SCRIPT = f"""#!/bin/sh
-# Capsule desktop: JWM runs this once the session is on screen; a root unit tells the host.
+# Capsule desktop: the first terminal of the session runs this once its window is up; a root unit tells the host.
 : > {READY_FILE}
 """
+FIRST_TERMINAL = f"xterm -T Terminal -e sh -c '{READY_COMMAND}; exec bash'"
+"""JWM starts it once it is up: the session's first terminal, whose shell first says the session is ready
+(so the marker comes with the task bar and a terminal on screen)."""
 
 TMPFILES = f"d {READY_DIR} 0755 {USER} {USER} -\n"
 
@@ -160,14 +164,14 @@ home="file:{HOME_PAGE}"
 """
 
 
-def jwmrc(background: str = BACKGROUND, terminal: str = "xterm", browser: str = "dillo") -> str:
+def jwmrc(background: str = BACKGROUND, terminal: str = "xterm", browser: str = "dillo",
+          startup: str = FIRST_TERMINAL) -> str:
     """JWM's configuration: a root menu, a task bar (menu, terminal, browser, windows, clock), a solid
-    background; on start a terminal, then the ready command."""
+    background; ``startup`` run once JWM is up."""
     t, b = escape(terminal), escape(browser)
     return f"""<?xml version="1.0"?>
 <JWM>
-    <StartupCommand>{t}</StartupCommand>
-    <StartupCommand>{READY_COMMAND}</StartupCommand>
+    <StartupCommand>{escape(startup)}</StartupCommand>
     <RootMenu onroot="123" label="Capsule">
         <Program label="Terminal">{t}</Program>
         <Program label="Browser">{b}</Program>

@@ -80,11 +80,14 @@ def test_dpkg_filters_drop_hardware_a_capsule_lacks(path: str, kept: bool) -> No
     assert _dpkg_keeps(path, filters) is kept
 
 
-def test_jwmrc_is_xml_that_starts_a_terminal_then_says_ready() -> None:
-    root = ET.fromstring(desktop.jwmrc(background="#123456", terminal="xterm -e 'a&b'"))
+def test_jwmrc_is_xml_that_starts_a_terminal_that_says_ready() -> None:
+    root = ET.fromstring(desktop.jwmrc(background="#123456", terminal="xterm -e 'a&b'", startup="go <now>"))
     assert root.tag == "JWM"
-    startup = [e.text for e in root.iter("StartupCommand")]
-    assert startup == ["xterm -e 'a&b'", desktop.READY_COMMAND]
+    assert [e.text for e in root.iter("StartupCommand")] == ["go <now>"]
+    default = ET.fromstring(desktop.jwmrc())
+    assert [e.text for e in default.iter("StartupCommand")] == [desktop.FIRST_TERMINAL]
+    assert desktop.FIRST_TERMINAL.startswith("xterm ") and f"'{desktop.READY_COMMAND}; exec bash'" in \
+        desktop.FIRST_TERMINAL
     assert root.find("./Desktops/Background").text == "#123456"
     assert root.find("./Desktops/Background").get("type") == "solid"
     programs = {e.get("label"): e.text for e in root.iter("Program")}

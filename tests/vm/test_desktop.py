@@ -11,6 +11,7 @@ from capsule.imagebuild import DESKTOP_MARKER, MARKER
 from capsule.imagebuild.desktop import BACKGROUND, USER
 from capsule.runtime.guestagent import wait_for_agent
 from tests.vm.helpers import run, screenshot
+from tests.wait import wait_until
 
 # the first test builds the image (about two minutes) unless the test image store has it
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -29,7 +30,7 @@ def test_desktop_capsule_boots_into_its_graphical_session(desktop_store):
     assert log.index(MARKER) < log.index(DESKTOP_MARKER)
 
     # the screen: the X session at its own resolution (the VGA text console is 720x400 in 16 colours),
-    # mostly the window manager's background, with a task bar and a terminal window on it
+    # mostly the window manager's background, with a task bar and the first terminal (white) on it
     shot = screenshot(store, "desk")
     assert (shot.width, shot.height) >= (1024, 768)
     colours = shot.colours()
@@ -37,6 +38,10 @@ def test_desktop_capsule_boots_into_its_graphical_session(desktop_store):
     top, top_count = colours.most_common(1)[0]
     assert top == bytes.fromhex(BACKGROUND.lstrip("#"))
     assert 0.3 < top_count / (shot.width * shot.height) < 0.98
+    def terminal_on_screen() -> bool:
+        return screenshot(store, "desk").colours()[b"\xff\xff\xff"] > 50_000  # xterm's white, ~100k pixels
+
+    wait_until(terminal_on_screen, 30, "the first terminal's window on screen", interval=1.0)
 
     # the session is the autologin user's, rootless X under logind; the serial console is root's shell
     assert run(store, "desk", "ps -o user= -C Xorg").split() == [USER]
