@@ -10,7 +10,8 @@ from capsule import capsules, lifecycle
 from capsule.imagebuild import DESKTOP_MARKER, MARKER
 from capsule.imagebuild.desktop import BACKGROUND, USER
 from capsule.runtime.guestagent import wait_for_agent
-from tests.vm.helpers import run, screenshot
+from capsule.screen import screenshot
+from tests.vm.helpers import run
 from tests.wait import wait_until
 
 # the first test builds the image (about two minutes) unless the test image store has it
