@@ -162,13 +162,13 @@ class Flavour:
 DEBIAN = Flavour("debian")
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
+def write_file(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(mode)
 
 
-def _enable(system: Path, unit: str, target: str = "multi-user.target") -> None:
+def enable_unit(system: Path, unit: str, target: str = "multi-user.target") -> None:
     """What `systemctl enable` does for a unit in /etc/systemd/system with WantedBy=target."""
     wants = system / f"{target}.wants"
     wants.mkdir(parents=True, exist_ok=True)
@@ -181,18 +181,18 @@ def _enable(system: Path, unit: str, target: str = "multi-user.target") -> None:
 def _configure_tree(root: Path, agent: Path) -> None:
     """Capsule's settings, written straight into the unpacked tree (after mmdebstrap finished)."""
     etc = root / "etc"
-    _write(etc / "hostname", HOSTNAME + "\n")
-    _write(
+    write_file(etc / "hostname", HOSTNAME + "\n")
+    write_file(
         etc / "hosts",
         f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     )
-    _write(etc / "fstab", "# <device> <mount point> <type> <options> <dump> <pass>\n" + FSTAB_ROOT + "\n")
+    write_file(etc / "fstab", "# <device> <mount point> <type> <options> <dump> <pass>\n" + FSTAB_ROOT + "\n")
     # no leftovers of the build host: resolver and identity
     resolv = etc / "resolv.conf"
     if resolv.is_symlink() or resolv.exists():
         resolv.unlink()
     resolv.write_text("")
-    _write(etc / "machine-id", "")  # empty: systemd makes one at first boot (no first-boot prompts)
+    write_file(etc / "machine-id", "")  # empty: systemd makes one at first boot (no first-boot prompts)
     dbus_id = root / "var/lib/dbus/machine-id"
     if dbus_id.exists() and not dbus_id.is_symlink():
         dbus_id.unlink()
@@ -202,25 +202,25 @@ def _configure_tree(root: Path, agent: Path) -> None:
     lines = [re.sub(r"^root:[^:]*:", "root::", ln) for ln in lines]
     shadow.write_text("\n".join(lines) + "\n")
     # serial console: autologin root
-    _write(etc / "systemd/system/serial-getty@ttyS0.service.d/autologin.conf", AUTOLOGIN_DROPIN)
+    write_file(etc / "systemd/system/serial-getty@ttyS0.service.d/autologin.conf", AUTOLOGIN_DROPIN)
     # readiness marker
     system = etc / "systemd/system"
-    _write(system / "capsule-ready.service", READY_UNIT)
-    _enable(system, "capsule-ready.service")
+    write_file(system / "capsule-ready.service", READY_UNIT)
+    enable_unit(system, "capsule-ready.service")
     # the guest agent, started at boot and restarted whenever it exits
     dest = root / AGENT_PATH.lstrip("/")
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(agent, dest)
     dest.chmod(0o755)
-    _write(system / "capsule-agent.service", AGENT_UNIT)
-    _enable(system, "capsule-agent.service")
+    write_file(system / "capsule-agent.service", AGENT_UNIT)
+    enable_unit(system, "capsule-agent.service")
     for unit in MASKED_UNITS:
         target = system / unit
         if target.is_symlink() or target.exists():
             target.unlink()
         target.symlink_to("/dev/null")
     # a quieter, smaller journal
-    _write(etc / "systemd/journald.conf.d/capsule.conf", "[Journal]\nSystemMaxUse=32M\n")
+    write_file(etc / "systemd/journald.conf.d/capsule.conf", "[Journal]\nSystemMaxUse=32M\n")
     # apt lists (mmdebstrap cleans them too; be sure)
     lists = root / "var/lib/apt/lists"
     if lists.is_dir():

@@ -19,7 +19,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from .common import BuiltImage, Progress
-from .debian import DEBIAN_CMDLINE, Flavour, _enable, _write, build_debian
+from .debian import DEBIAN_CMDLINE, Flavour, build_debian, enable_unit, write_file
 
 DESKTOP_MARKER = "CAPSULE-DESKTOP-READY"
 """Line the desktop guest prints on its serial console once its graphical session is on screen."""
@@ -226,9 +226,9 @@ def config_files() -> dict[str, tuple[str, int]]:
 
 def configure_desktop(root: Path) -> None:
     for path, (text, mode) in config_files().items():
-        _write(root / path.lstrip("/"), text, mode)
+        write_file(root / path.lstrip("/"), text, mode)
     system = root / "etc/systemd/system"
-    _enable(system, "capsule-desktop-ready.path")
+    enable_unit(system, "capsule-desktop-ready.path")
     # the first virtual console's getty (its autologin starts the session), whatever the presets did
     wants = system / "getty.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
