@@ -2,7 +2,7 @@
 
 python -m capsule.imagebuild tiny /tmp/img/tiny --boot
 python -m capsule.imagebuild debian /tmp/img/debian --disk-size 3G --extra vim-tiny --boot
-python -m capsule.imagebuild desktop /tmp/img/desktop
+python -m capsule.imagebuild desktop /tmp/img/desktop --boot
 
 --boot also pings the guest agent over its virtio-serial port.
 """
@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.boot:
         progress("booting with qemu -accel tcg")
         try:
-            with SerialGuest.boot(img, snapshot=True, log_path=args.workdir / "boot-console.log") as guest:
+            # the desktop needs a screen (a standard VGA card, as a capsule's) and room for X
+            screen = {"memory_mb": 1024, "extra_args": ["-vga", "std"]} if args.kind == "desktop" else {}
+            with SerialGuest.boot(img, snapshot=True, log_path=args.workdir / "boot-console.log", **screen) as guest:
                 result["boot_seconds_to_marker"] = round(guest.wait_for_marker(img.marker, args.boot_timeout), 2)
                 result["boot_seconds_to_shell"] = round(guest.wait_for_shell(60), 2)
                 result["guest_uname"] = guest.run("uname -a")
