@@ -109,6 +109,15 @@ Section "Device"
     Driver "modesetting"
     Option "AccelMethod" "none"
 EndSection
+
+# The PS/2 mouse gets relative moves that QEMU makes from a VNC client's absolute pointer: without
+# acceleration the guest's pointer stays under the client's.
+Section "InputClass"
+    Identifier "capsule-pointer"
+    MatchIsPointer "on"
+    Driver "libinput"
+    Option "AccelProfile" "flat"
+EndSection
 """
 
 PROFILE_SCRIPT = f"""# Capsule desktop: the autologin on the first virtual console starts the graphical session.

@@ -137,3 +137,15 @@ def test_desktop_is_an_image_kind_with_a_bigger_disk() -> None:
 def test_image_build_help_teaches_desktop() -> None:
     out = CliRunner().invoke(app, ["image", "build", "--help"], terminal_width=200).output
     assert "desktop" in out and "JWM" in out and "capsule image build desktop" in out
+
+
+def test_xorg_conf_draws_in_software_never_blanks_and_keeps_the_pointer_flat() -> None:
+    conf = desktop.XORG_CONF
+    lines = [ln.strip() for ln in conf.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    sections = [ln.split()[1].strip('"') for ln in lines if ln.startswith("Section ")]
+    assert sections == ["ServerFlags", "Device", "InputClass"]
+    assert lines.count("EndSection") == len(sections)
+    for option in ("BlankTime", "StandbyTime", "SuspendTime", "OffTime"):
+        assert f'Option "{option}" "0"' in lines
+    assert 'Driver "modesetting"' in lines and 'Option "AccelMethod" "none"' in lines
+    assert 'Option "AccelProfile" "flat"' in lines
