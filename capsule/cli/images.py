@@ -31,7 +31,7 @@ def build(
 
     Needs root, mmdebstrap and apt access to Debian bookworm for debian and desktop.
     Examples: `capsule image build tiny tiny`, `capsule image build desktop desk`, then
-    `capsule create d1 desk --memory 1G && capsule start d1`: start returns once the
+    `capsule create d1 --image desk --memory 1G`, `capsule start d1`: start returns once the
     desktop is on the capsule's screen (the dashboard's console shows it)."""
     json_flag(json)
     store = open_store()
