@@ -1,6 +1,6 @@
 """The desktop image as a capsule: `capsule start` returns once its graphical session is on screen, the
-screen shows the session (not the text console), and the guest agent and the serial shell work as on the
-Debian guest."""
+screen shows the session (not the text console), the guest agent and the serial shell work as on the
+Debian guest, and the session survives a suspend and restore."""
 
 from __future__ import annotations
 
@@ -54,3 +54,11 @@ def test_desktop_capsule_boots_into_its_graphical_session(desktop_store):
     # the guest agent answers as on the Debian guest
     ping = wait_for_agent(store.instance_dir("desk") / "agent.sock", timeout=60)
     assert ping["kernel"] == info["kernel_release"] and ping["version"] == info["agent_version"]
+
+    # suspended and restored (as a move does), the session is on screen again, the same one
+    xorg_pid = run(store, "desk", "pgrep -x Xorg")
+    lifecycle.suspend(store, "desk")
+    assert lifecycle.start(store, "desk").mode == "restore"
+    wait_until(terminal_on_screen, 30, "the terminal's window on screen after the restore", interval=1.0)
+    assert screenshot(store, "desk").colours().most_common(1)[0][0] == bytes.fromhex(BACKGROUND.lstrip("#"))
+    assert run(store, "desk", "pgrep -x Xorg") == xorg_pid
