@@ -59,6 +59,7 @@ bench: setup
 	$(PY) bench/demand_bench.py --rate-kbit 100000 --rtt-ms 1
 	$(PY) bench/dashboard_migrate.py
 	$(PY) bench/console_latency.py
+	$(PY) bench/desktop_boot.py
 
 # B2 live between the compose hosts (own compose project capsule-b2; needs root: tc on lo)
 bench-live: setup
