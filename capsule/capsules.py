@@ -65,8 +65,9 @@ def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cp
         return version
 
 
-def derive(store: Store, parent_ref: str, child: str) -> VersionRow:
-    """A child capsule sharing all of the parent version's layers (and its memory image)."""
+def derive(store: Store, parent_ref: str, child: str, *, memory: bool = True, note: str | None = None) -> VersionRow:
+    """A child capsule sharing all of the parent version's layers (and its memory image, unless
+    ``memory`` is False: then the child boots from the parent's disks)."""
     check_name(child)
     with store.lock():
         parent = resolve(store, parent_ref)
@@ -75,10 +76,13 @@ def derive(store: Store, parent_ref: str, child: str) -> VersionRow:
             raise AlreadyExists(f"a capsule named {child!r} already exists")
         now = time.time()
         pcap = cat.capsule(parent.capsule)
+        config = dict(parent.config)
+        if not memory:
+            config.pop("balloon", None)  # only a restore of the memory image gives memory back
         version = VersionRow(capsule=child, number=1, parent_capsule=parent.capsule,
-                             parent_version=parent.number, memory=parent.memory,
-                             chains=[list(c) for c in parent.chains], config=dict(parent.config),
-                             note=f"derived from {parent.ref}", created=now)
+                             parent_version=parent.number, memory=parent.memory if memory else None,
+                             chains=[list(c) for c in parent.chains], config=config,
+                             note=note or f"derived from {parent.ref}", created=now)
         with cat.transaction():
             cat.add_capsule(CapsuleRow(child, str(uuid.uuid4()), pcap.image if pcap else None,
                                        parent.capsule, parent.number, now))
