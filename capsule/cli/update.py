@@ -12,6 +12,7 @@ from rich.table import Table
 
 from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
 from capsule.units import human as human_bytes
+from capsule.update import apply as applying
 from capsule.update import make as making
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (the commands' output "
@@ -93,6 +94,48 @@ def make(
                       f"fstrim freed {human_bytes(res.trimmed_bytes)}")
 
     emit(data, human)
+
+
+@app.command("apply")
+def apply(
+    name: Annotated[str, typer.Argument(help="The user's capsule (NAME): it gets a new version.")],
+    system: Annotated[str, typer.Option("--system", help="NAME@V: the system version to move it to (made "
+                                                         "from the system it runs on now).")],
+    restart: Annotated[bool, typer.Option("--restart", help="If it runs (or is suspended): stop it cleanly "
+                                                            "first and boot the new version after.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Move a capsule to a new system version; its data disks, memory size and CPUs stay as they are.
+
+    Disk 0 (vda) is the system disk: the new version's is exactly the system version's.
+
+    The other disks (--data-disk) are the user's and are kept as they are.
+
+    What the guest wrote on its old system disk is not carried over (it stays in earlier versions).
+
+    Refused, changing nothing, when the system version is not derived from the one the capsule runs on.
+
+    Refused when the capsule runs or is suspended, unless --restart.
+
+    Examples:
+
+      capsule update apply alice --system web@4
+
+      capsule update apply alice --system web@5 --restart
+    """
+    json_flag(json)
+    store = open_store()
+    res = applying.apply(store, name, system, restart=restart, say=_say(time.monotonic()))
+
+    def human() -> None:
+        kept = len(res.version.chains) - 1
+        console.print(f"[bold green]{res.version.ref}[/]: system {res.system.ref}, {kept} data disk(s) kept "
+                      f"from {res.before.ref}" + (" — running" if res.restarted else ""))
+        if res.dropped_layers:
+            console.print(f"not carried over: {len(res.dropped_layers)} layer(s) the guest wrote on its old "
+                          f"system disk (in {res.before.ref})")
+
+    emit(res.as_dict(), human)
 
 
 def register(root: typer.Typer) -> None:
