@@ -32,6 +32,7 @@ from hashcache.qcow2 import Qcow2Image
 
 Say = Callable[[str], None]
 BOOT_TIMEOUT = 180.0
+USER_NETWORK = "user-network"   # in the instance's directory: it was booted with a NIC (update make only)
 
 
 def _quiet(_msg: str) -> None:
@@ -131,6 +132,8 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                            disks=len(version.chains), instance_dir=store.instance_dir(name))
         decision = accel_for(store)
         inst_dir, log, agent_sock = _instance_files(store, name)
+        if network:
+            (inst_dir / USER_NETWORK).write_text(network)
         leaves: list[Path] = []
         try:
             servers = demand.start_servers(store, inst_dir, version.chains, prefetch)
@@ -266,6 +269,9 @@ def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | 
     step begins; if ``phase`` raises (a cancel), the guest keeps running."""
     with store.lock():
         inst, dom = _running_instance(store, name)
+        if (Path(inst.dir) / USER_NETWORK).exists():
+            raise Conflict(f"{name} runs with a NIC for `capsule update make`, which a memory image cannot keep; "
+                           "let the update finish (or interrupt it)")
         agent_sock = Path(inst.dir) / "agent.sock"
         ballooned: balloon_mod.BalloonResult | None = None
         if balloon is not None:

@@ -129,6 +129,11 @@ class GuestShell:
         debs, lists = (int(x) for x in out.split()[:2])
         return debs, lists
 
+    def forget_machine_id(self) -> None:
+        """Empty /etc/machine-id again (systemd wrote one at the update's boot): every capsule booted from
+        the update makes its own, instead of all of a fleet's sharing the update guest's."""
+        self.sh("if [ -s /etc/machine-id ]; then : > /etc/machine-id; fi")
+
     def trim(self) -> int:
         """``sync`` and ``fstrim`` every mounted file system that takes it; bytes trimmed."""
         out = self.sh("sync; fstrim -av 2>&1; sync", timeout=600)

@@ -163,6 +163,7 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
                 raise StepFailed(f"`{step.label}` failed in the guest (exit {res.exit_code}); nothing was "
                                  f"recorded{f' and {target} was removed' if made else ''}")
         debs, lists = shell.scratch_down(mounted, net is not None)
+        shell.forget_machine_id()
         say("discarding freed blocks (fstrim)")
         trimmed = shell.trim()
         say("shutting the guest down")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from capsule import capsules, lifecycle
-from capsule.errors import AlreadyExists
+from capsule.errors import AlreadyExists, Conflict
 from capsule.update import make as making
 from hashcache.qcow2 import ZERO, Qcow2Image
 from tests.vm.helpers import run
@@ -71,6 +71,9 @@ def test_update_make_installs_a_package_and_keeps_apt_out_of_the_layer(debian_st
     assert set(debugfs_ls(raw, "/var/lib/apt/lists")) <= {".", "..", "partial", "lock"}
     assert set(debugfs_ls(raw, "/var/cache/apt")) <= {".", "..", "archives"}, "no pkgcache.bin either"
     assert "jq" in debugfs_ls(raw, "/usr/bin")
+    machine_id = subprocess.run(["debugfs", "-R", "cat /etc/machine-id", str(raw)], capture_output=True,
+                                text=True, check=True).stdout
+    assert machine_id == "", "each capsule booted from the update makes its own machine id"
 
     lifecycle.start(store, "web-jq@2", timeout=300)
     assert run(store, "web-jq", "jq -n '[1,2,3] | add'") == "6"
@@ -92,3 +95,16 @@ def test_a_failing_command_records_nothing(debian_store):
     assert store.catalogue.instances() == []
     assert [v.ref for v in store.catalogue.versions()] == ["web@1"]
     assert not list(store.layers_dir.glob("leaf-*")), "the run's leaf was dropped"
+
+
+def test_an_update_run_is_never_saved_with_its_nic(store):
+    capsules.create(store, "t", "tiny", memory="256M")
+    lifecycle.start(store, "t", network=making.NETWORK)
+    assert "eth0" in run(store, "t", "ls /sys/class/net")
+    with pytest.raises(Conflict, match="NIC for `capsule update make`"):
+        lifecycle.suspend(store, "t")
+    assert store.catalogue.instance("t") is not None
+    lifecycle.stop(store, "t", force=True)
+    lifecycle.start(store, "t")
+    assert "eth0" not in run(store, "t", "ls /sys/class/net"), "other runs have no NIC"
+    lifecycle.suspend(store, "t")
