@@ -103,6 +103,8 @@ def apply(
                                                          "from the system it runs on now).")],
     restart: Annotated[bool, typer.Option("--restart", help="If it runs (or is suspended): stop it cleanly "
                                                             "first and boot the new version after.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="With --restart: seconds the guest may take to shut "
+                                                             "down before it is forced off.")] = 120.0,
     json: JsonOpt = False,
 ) -> None:
     """Move a capsule to a new system version; its data disks, memory size and CPUs stay as they are.
@@ -125,7 +127,7 @@ def apply(
     """
     json_flag(json)
     store = open_store()
-    res = applying.apply(store, name, system, restart=restart, say=_say(time.monotonic()))
+    res = applying.apply(store, name, system, restart=restart, stop_timeout=timeout, say=_say(time.monotonic()))
 
     def human() -> None:
         kept = len(res.version.chains) - 1

@@ -95,7 +95,7 @@ def check_derived(name: str, current: list[str], label: str, system: VersionRow)
                          f"apply only moves a capsule forward, onto a version made from the system it runs on")
 
 
-def _settle(store: Store, name: str, restart: bool, say: Say) -> bool:
+def _settle(store: Store, name: str, restart: bool, stop_timeout: float, say: Say) -> bool:
     """Bring NAME to a clean stop (only with ``restart``); True if it was running or suspended."""
     state = capsules.state_of(store, name)
     if state.state == "stopped":
@@ -111,12 +111,14 @@ def _settle(store: Store, name: str, restart: bool, say: Say) -> bool:
         say(f"resuming {state.latest.ref} to stop it cleanly")
         lifecycle.start(store, name, say=say)
     say(f"stopping {name} cleanly")
-    lifecycle.stop(store, name, timeout=120, say=say)
+    lifecycle.stop(store, name, timeout=stop_timeout, say=say)
     return True
 
 
-def apply(store: Store, name: str, system_ref: str, *, restart: bool = False, say: Say = _quiet) -> ApplyResult:
-    """A new version of ``name`` on ``system_ref``'s system disk, keeping its data disks and config."""
+def apply(store: Store, name: str, system_ref: str, *, restart: bool = False, stop_timeout: float = 120.0,
+          say: Say = _quiet) -> ApplyResult:
+    """A new version of ``name`` on ``system_ref``'s system disk, keeping its data disks and config.
+    ``stop_timeout``: with ``restart``, how long the guest may take to shut down before it is forced off."""
     t0 = time.monotonic()
     if parse_ref(name).version is not None:
         raise InvalidName(f"give the capsule as NAME, not {name!r}: apply makes its next version")
@@ -128,7 +130,7 @@ def apply(store: Store, name: str, system_ref: str, *, restart: bool = False, sa
                               "version (e.g. the fleet's)")
         current, label = current_system(store, before)
         check_derived(name, current, label, system)
-    ran = _settle(store, name, restart, say)
+    ran = _settle(store, name, restart, stop_timeout, say)
     with store.lock():
         cat = store.catalogue
         latest = capsules.resolve(store, name)

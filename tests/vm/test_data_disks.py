@@ -82,3 +82,32 @@ def test_demand_paged_run_of_a_capsule_with_a_data_disk(tmp_path, tiny_images):
         agent.stop()
         for s in (a, b):
             s.close()
+
+
+def test_apply_restart_resumes_a_suspended_capsule_stops_it_and_keeps_its_data(store):
+    from capsule.update import apply as applying
+
+    capsules.create(store, "sys", "tiny", memory="256M")
+    lifecycle.start(store, "sys")
+    run(store, "sys", "dd if=/dev/urandom of=/dev/vda bs=4096 seek=3000 count=8 conv=notrunc 2>/dev/null; sync")
+    new_blocks = "echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/vda bs=4096 skip=3000 count=8 2>/dev/null | md5sum"
+    system_digest = run(store, "sys", new_blocks)
+    system = lifecycle.stop(store, "sys", force=True).version
+    assert system is not None and system.ref == "sys@2"
+
+    capsules.create(store, "box", "tiny", memory="256M", data_disks=["16M"])
+    lifecycle.start(store, "box")
+    run(store, "box", "echo kept | dd of=/dev/vdb conv=notrunc 2>/dev/null; sync")
+    lifecycle.suspend(store, "box")
+    with pytest.raises(Exception, match="box is suspended .* give --restart"):
+        applying.apply(store, "box", "sys@2")
+    assert [v.ref for v in store.catalogue.versions("box")] == ["box@1", "box@2"]
+
+    res = applying.apply(store, "box", "sys@2", restart=True, stop_timeout=5)
+    # resumed, stopped (nothing written since the restore: no version of its own), the new version booted
+    assert res.restarted and res.before.ref == "box@2" and res.version.ref == "box@3"
+    assert res.version.memory is None and res.version.chains[0] == system.chains[0]
+    assert res.version.chains[1] == res.before.chains[1] and len(res.before.chains[1]) == 2
+    assert store.catalogue.instance("box").version == 3
+    assert run(store, "box", "head -c 4 /dev/vdb") == "kept"
+    assert run(store, "box", new_blocks) == system_digest, "box runs on sys@2's system disk"
