@@ -122,7 +122,8 @@ class GuestShell:
         scratch space dropped; the resolv.conf mount too."""
         out = self.sh(
             "debs=$(find /var/cache/apt/archives -name '*.deb' -printf '%s\\n' 2>/dev/null | "
-            "awk '{s+=$1} END {print s+0}'); lists=$(du -sb /var/lib/apt/lists 2>/dev/null | cut -f1); "
+            "awk '{s+=$1} END {print s+0}'); lists=$(find /var/lib/apt/lists -type f -printf '%s\\n' 2>/dev/null | "
+            "awk '{s+=$1} END {print s+0}'); "
             "echo \"$debs ${lists:-0}\"; command -v apt-get >/dev/null && apt-get clean; "
             + "".join(f"umount {d}; " for d in mounted)
             + ("umount /etc/resolv.conf; " if network else "") + "true", timeout=120)
