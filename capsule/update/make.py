@@ -132,6 +132,9 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
     steps = plan_steps(list(run or []), list(install or []), upgrade)
     t0 = time.monotonic()
     base, target, made = _prepare(store, base_ref, name)
+    if base.memory:
+        say(f"{base.ref} is a suspended version: booted from its disks as they were saved (as after a power "
+            "cut: what only its memory held is not there); make updates from stopped versions")
     net = NETWORK if network else None
     started = False
     try:
