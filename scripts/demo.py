@@ -10,13 +10,15 @@ blocks as the guest reads them. It prints what each step cost."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 
 from rich.console import Console
 from rich.table import Table
 
-from capsule import capsules, hierarchy, images, lifecycle, transfer
+from capsule import capsules, hierarchy, hosts, images, lifecycle, transfer
 from capsule.agent.launch import AgentProcess
 from capsule.errors import Error
 from capsule.migrate import migrate
@@ -25,7 +27,9 @@ from capsule.store import Store
 from capsule.units import human
 
 NAME = "demo"
-COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
+# the counter also shows on the guest's screen (the dashboard's console) every second
+COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; "
+           "[ $((i % 5)) = 0 ] && echo \"capsule demo: counter $i\" > /dev/tty0; sleep 0.2; done) >/dev/null 2>&1 &")
 out = Console(highlight=False)
 
 
@@ -118,9 +122,10 @@ def main() -> int:
                   f"{m3.seconds:.2f} s", f"~{m3.remote.get('moved_bytes', 0) / (370_000 / 8):.0f} s")
         t.add_row("counter: A → B → A → B", f"{before} → {at_b} → {back} → {at_b2}", "", "", "", "")
         out.print(t)
-        lifecycle.stop(b, NAME, force=True)
         ok = before <= at_b <= back <= at_b2
         out.print("[green]demo OK[/]" if ok else "[red]the counter did not continue[/]")
+        if ok and sys.stdin.isatty() and os.environ.get("CAPSULE_DEMO_WAIT", "1") != "0":
+            dashboard(a, b, (url_a, token_a), (url_b, token_b))
         return 0 if ok else 1
     finally:
         for agent in agents:
@@ -129,6 +134,21 @@ def main() -> int:
             inst = s.catalogue.instance(NAME)
             if inst is not None:
                 lifecycle.stop(s, NAME, force=True)
+
+
+def dashboard(a: Store, b: Store, agent_a: tuple[str, str], agent_b: tuple[str, str]) -> None:
+    """Leave both hosts up, each the other's peer, and say where the page is: the capsule runs on B;
+    its Migrate… button moves it back to A (and the console follows it), until Enter or Ctrl-C."""
+    for here, name, (url, token) in ((a, "host-b", agent_b), (b, "host-a", agent_a)):
+        if name in {p.name for p in hosts.peers(here)}:      # from an earlier run: its agent's port changed
+            hosts.remove(here, name)
+        hosts.add(here, name, url, token)
+    out.print(f"\n[bold]The dashboard:[/] open {agent_b[0]}/ and sign in with host B's token:\n  {agent_b[1]}\n"
+              f"'{NAME}' runs there: Console shows its screen (the counter goes on), Migrate… → host-a moves it "
+              f"back with its progress, and the console follows it. Host A's page: {agent_a[0]}/ (token "
+              f"{agent_a[1]}).\n[dim]Enter or Ctrl-C stops both hosts (CAPSULE_DEMO_WAIT=0 skips this).[/]")
+    with contextlib.suppress(KeyboardInterrupt, EOFError):
+        input()
 
 
 if __name__ == "__main__":
