@@ -35,11 +35,11 @@ class Star:
         self.rate_kbit = rate_kbit
         self.switch = f"cfs-{self.tag}"
         self.names = [f"cfh-{self.tag}-{i}" for i in range(hosts)]
-        self.net = int(self.tag, 16) % 200 + 20
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def ip(self, i: int) -> str:
-        return f"10.{self.net}.{i // 250}.{i % 250 + 1}"
+        # RFC 2544's benchmarking range, inside this star's own namespaces: never a private-range address
+        return f"198.19.{i // 250}.{i % 250 + 1}"
 
     def __enter__(self) -> Star:
         try:

@@ -39,7 +39,8 @@ class SlowLink:
         self.ns_a, self.ns_b = f"capsule-a-{tag}", f"capsule-b-{tag}"
         self.veth_a, self.veth_b = f"cva{tag}", f"cvb{tag}"
         n = int(tag, 16) % 250 + 1
-        self.ip_a, self.ip_b = f"10.{n}.77.1", f"10.{n}.77.2"
+        # RFC 2544's benchmarking range, inside namespaces of our own: never a private-range address
+        self.ip_a, self.ip_b = f"198.18.{n}.1", f"198.18.{n}.2"
         self.rate_kbit = rate_kbit
         self.rtt_ms = rtt_ms
         self.procs: list[subprocess.Popen[bytes]] = []
