@@ -27,6 +27,7 @@ from capsule.store import Store
 from capsule.units import human
 
 NAME = "demo"
+DESK = "desk"       # the desktop capsule the dashboard step starts (CAPSULE_DEMO_DESKTOP=0: none)
 # the counter also shows on the guest's screen (the dashboard's console) every second
 COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; "
            "[ $((i % 5)) = 0 ] && echo \"capsule demo: counter $i\" > /dev/tty0; sleep 0.2; done) >/dev/null 2>&1 &")
@@ -43,10 +44,11 @@ def guest(store: Store, command: str) -> str:
 
 
 def fresh(store: Store) -> None:
-    if store.catalogue.capsule(NAME) is not None:
-        if store.catalogue.instance(NAME) is not None:
-            lifecycle.stop(store, NAME, force=True)
-        hierarchy.rm(store, NAME, promote_dependants=True)
+    for name in (NAME, DESK):          # an earlier run's capsules, wherever they ended
+        if store.catalogue.capsule(name) is not None:
+            if store.catalogue.instance(name) is not None:
+                lifecycle.stop(store, name, force=True)
+            hierarchy.rm(store, name, promote_dependants=True)
 
 
 def main() -> int:
@@ -131,22 +133,34 @@ def main() -> int:
         for agent in agents:
             agent.stop()
         for s in (a, b):
-            inst = s.catalogue.instance(NAME)
-            if inst is not None:
-                lifecycle.stop(s, NAME, force=True)
+            for name in (NAME, DESK):
+                if s.catalogue.instance(name) is not None:
+                    lifecycle.stop(s, name, force=True)
 
 
 def dashboard(a: Store, b: Store, agent_a: tuple[str, str], agent_b: tuple[str, str]) -> None:
-    """Leave both hosts up, each the other's peer, and say where the page is: the capsule runs on B;
-    its Migrate… button moves it back to A (and the console follows it), until Enter or Ctrl-C."""
+    """Leave both hosts up, each the other's peer, with a desktop capsule running on B beside the demo's,
+    and say where the page is: Migrate… moves them (the console follows), until Enter or Ctrl-C."""
     for here, name, (url, token) in ((a, "host-b", agent_b), (b, "host-a", agent_a)):
         if name in {p.name for p in hosts.peers(here)}:      # from an earlier run: its agent's port changed
             hosts.remove(here, name)
         hosts.add(here, name, url, token)
+    desk = os.environ.get("CAPSULE_DEMO_DESKTOP", "1") != "0"
+    if desk:
+        t = time.monotonic()
+        with out.status("building the desktop image (once: a few minutes) and starting it on B"):
+            _row, built = images.build(a, "desktop", "desktop")
+            if b.catalogue.image("desktop") is None:
+                images.import_image(a, b, "desktop")
+            capsules.create(b, DESK, "desktop", memory="1G")
+            started = lifecycle.start(b, DESK, timeout=600)
+        step(f"B: desktop image {'built' if built else 'ready'}; {DESK} on its graphical session after "
+             f"{started.seconds:.0f}s ({time.monotonic() - t:.0f}s in all)")
     out.print(f"\n[bold]The dashboard:[/] open {agent_b[0]}/ and sign in with host B's token:\n  {agent_b[1]}\n"
-              f"'{NAME}' runs there: Console shows its screen (the counter goes on), Migrate… → host-a moves it "
-              f"back with its progress, and the console follows it. Host A's page: {agent_a[0]}/ (token "
-              f"{agent_a[1]}).\n[dim]Enter or Ctrl-C stops both hosts (CAPSULE_DEMO_WAIT=0 skips this).[/]")
+              + (f"'{DESK}' (a desktop: window manager, terminal, browser) and " if desk else "")
+              + f"'{NAME}' (its counter on screen) run there: Console shows a screen; Migrate… → host-a moves a "
+              f"capsule with its progress, and the console follows it. Host A's page: {agent_a[0]}/ (token "
+              f"{agent_a[1]}).\n[dim]Enter or Ctrl-C stops both hosts (CAPSULE_DEMO_WAIT=0 skips this step).[/]")
     with contextlib.suppress(KeyboardInterrupt, EOFError):
         input()
 
