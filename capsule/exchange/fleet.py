@@ -73,7 +73,8 @@ def pull_from(store: Store, req: Any, activity: Activity) -> TransferReport:
 def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> str:
     """Run ``name@version`` here: a running instance of another version is stopped first — its system
     disk's changes are dropped, since the fleet's version replaces them — and nothing happens if that
-    version already runs. Says what it did."""
+    version already runs. An instance with data disks is refused before anything stops. Says what
+    it did."""
     from capsule import lifecycle
     from capsule.capsules import resolve
     from capsule.exchange.running import MAX_START_TIMEOUT
@@ -86,6 +87,11 @@ def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> s
     if inst is not None:
         if inst.version == version:
             return f"{ref} already runs"
+        if len(inst.chains) > 1:      # its data disks would be dropped with the system disk's changes
+            raise Conflict(f"{name}@{inst.version} runs here with {len(inst.chains) - 1} data disk(s): activating "
+                           f"{ref} would drop what was written on them. Stop it first (`capsule stop {name}` "
+                           f"keeps its changes as a version), or keep user data in a capsule derived from "
+                           f"{name} and move that with `capsule update apply`; nothing was changed")
         lifecycle.stop(store, name, discard=True)
         what = f"stopped {name}@{inst.version}, "
     try:

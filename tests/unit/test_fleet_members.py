@@ -106,3 +106,27 @@ def test_fleet_routes_need_the_token_and_activate_needs_a_known_version(peer):
     assert r.status_code == 404 and r.json()["error"] == "not_found"
     r = httpx.post(f"{peer.url}/v1/capsules/web/stop", headers={"Authorization": f"Bearer {TOKEN_B}"})
     assert r.status_code == 404
+
+
+def test_activate_refuses_a_running_capsule_with_data_disks_and_changes_nothing(tmp_path):
+    """A fleet activation drops the running instance's disk changes: with data disks that would be the
+    user's data, so it is refused before anything stops."""
+    from capsule.catalogue import CapsuleRow, InstanceRow, VersionRow
+    from capsule.errors import Conflict
+    from capsule.exchange import fleet
+    from capsule.store import Store
+
+    store = Store.open(tmp_path / "s")
+    try:
+        cat = store.catalogue
+        cat.add_capsule(CapsuleRow("web", "u-1", "img", None, None, 0.0))
+        for n in (1, 2):
+            cat.add_version(VersionRow("web", n, None, None, None, [["sys"], ["data"]],
+                                       {"kernel": "k", "initrd": "i"}, "v", 0.0))
+        cat.add_instance(InstanceRow("web", 1, "capsule-x-web", ["leaf-a", "leaf-b"], [["sys"], ["data"]], "tcg",
+                                     str(tmp_path)))
+        with pytest.raises(Conflict, match="1 data disk.*nothing was changed"):
+            fleet.activate(store, "web", 2)
+        assert cat.instance("web").version == 1 and len(cat.versions("web")) == 2
+    finally:
+        store.close()
