@@ -2,7 +2,8 @@
 its manifest, every layer with ``qemu-img check``, and the modes of the
 store's directories and files (storemodes.py); ``fix_modes`` repairs those.
 ``verify_versions`` checks only what some versions reference (backup verify
-jobs, here and on a backup host through its agent)."""
+jobs, here and on a backup host through its agent); ``users_of`` says which
+of them use each object."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from capsule import capsules, qemuimg
-from capsule.errors import CapsuleError
+from capsule.catalogue import VersionRow
+from capsule.errors import CapsuleError, NotFound
 from capsule.store import Store
 from capsule.storemodes import check_modes, fix_modes
 from hashcache.errors import HashcacheError
@@ -69,6 +71,9 @@ def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, r
         path = store.layer_path(row.id)
         try:
             if not path.exists():
+                if cat.layer(row.id) is None:      # collected meanwhile (a prune's gc): nothing to check
+                    report.checked_layers -= 1
+                    continue
                 raise CapsuleError("the layer file is missing")
             manifest = store.layer_manifest(row.id)
             if manifest.digest != row.id:
@@ -81,7 +86,7 @@ def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, r
             if backing != expected:
                 raise CapsuleError(f"its qcow2 header points at {backing!r}, expected {expected!r}")
             verify_layer(path, manifest, f"layer {row.id[:12]}")
-        except (CapsuleError, HashcacheError) as exc:
+        except (CapsuleError, HashcacheError, OSError) as exc:
             report.problems.append(Problem("layer", row.id, str(exc)))
     for frow in cat.files():
         if scope is not None and frow.id not in scope.files:
@@ -91,24 +96,46 @@ def verify(store: Store, progress: Callable[[str], None] = lambda _m: None, *, r
         path = store.file_path(frow.id)
         try:
             if not path.exists():
+                if cat.file(frow.id) is None:      # collected meanwhile
+                    report.checked_files -= 1
+                    continue
                 raise CapsuleError("the file is missing")
             manifest = store.file_manifest(frow.id)
             if manifest.digest != frow.id:
                 raise CapsuleError(f"its manifest names {manifest.digest[:12]}, not this object")
             verify_file(path, manifest, f"{frow.role} {frow.id[:12]}")
-        except (CapsuleError, HashcacheError) as exc:
+        except (CapsuleError, HashcacheError, OSError) as exc:
             report.problems.append(Problem(frow.role, frow.id, str(exc)))
     return report
 
 
-def scope_of(store: Store, refs: list[str]) -> Scope:
-    """What the versions ``refs`` (NAME@V each) reference; an unknown one is NotFound."""
-    versions = [capsules.resolve(store, ref) for ref in refs]
-    return Scope(frozenset(lid for v in versions for lid in v.layer_ids()),
-                 frozenset(fid for v in versions for fid in v.file_ids()))
+def _versions(store: Store, refs: list[str]) -> tuple[list[VersionRow], list[str]]:
+    """The versions ``refs`` (NAME@V each) that exist here, and the refs that do not."""
+    found, missing = [], []
+    for ref in refs:
+        try:
+            found.append(capsules.resolve(store, ref))
+        except NotFound:
+            missing.append(ref)
+    return found, missing
+
+
+def users_of(store: Store, refs: list[str]) -> dict[str, list[str]]:
+    """object id -> the versions among ``refs`` (those this host has) that reference it."""
+    out: dict[str, list[str]] = {}
+    for v in _versions(store, refs)[0]:
+        for oid in sorted(v.layer_ids() | v.file_ids()):
+            out.setdefault(oid, []).append(v.ref)
+    return out
 
 
 def verify_versions(store: Store, refs: list[str], progress: Callable[[str], None] = lambda _m: None
                     ) -> VerifyReport:
-    """Re-check only what the versions ``refs`` reference."""
-    return verify(store, progress, scope=scope_of(store, refs))
+    """Re-check only what the versions ``refs`` reference; a version this host does not have is a problem
+    of its own (kind ``missing``), not a failure of the whole check."""
+    versions, missing = _versions(store, refs)
+    scope = Scope(frozenset(lid for v in versions for lid in v.layer_ids()),
+                  frozenset(fid for v in versions for fid in v.file_ids()))
+    report = verify(store, progress, scope=scope)
+    report.problems[:0] = [Problem("missing", ref, "this host has no such version") for ref in missing]
+    return report

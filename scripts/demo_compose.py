@@ -95,7 +95,8 @@ class Story:
 
     @property
     def counter_went_on(self) -> bool:
-        return len(self.counters) == 5 and self.counters == sorted(self.counters)
+        c = self.counters
+        return len(c) == 5 and c == sorted(c) and c[-1] > c[0]      # never back, and it did go on
 
 
 def run(local: Store, a: Host, b: Host, name: str = NAME, say: Callable[[str], None] = step) -> Story:

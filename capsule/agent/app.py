@@ -60,7 +60,7 @@ from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, mi
 from capsule.names import check_object_id
 from capsule.records import record_version
 from capsule.store import Store
-from capsule.verify import verify_versions
+from capsule.verify import users_of, verify_versions
 from hashcache.errors import error_class
 from hashcache.hcp import decode_stream_read, encode_stream_error
 
@@ -277,7 +277,9 @@ def create_app(home: Path, token: str) -> FastAPI:
         refs = req.get("versions") if isinstance(req, dict) else None
         if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs) or len(refs) > MAX_VERIFY:
             raise InvalidName(f'malformed verify request: give {{"versions": ["NAME@V", ...]}} (at most {MAX_VERIFY})')
-        return (await asyncio.to_thread(verify_versions, store, refs)).as_dict()
+        report = await asyncio.to_thread(verify_versions, store, refs)
+        users = users_of(store, refs)
+        return report.as_dict() | {"used_by": {p.id: users.get(p.id, []) for p in report.problems}}
 
     @app.post("/v1/backups/{name}/prune", dependencies=deps)
     async def prune_copies(name: str, request: Request) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def router(store: Store, sessions: Sessions) -> APIRouter:
 
     @r.post("/backups/{name}/restore", summary="Start a backup, as a new capsule or as the capsule's latest")
     async def restore(name: str, body: RestoreIn) -> dict[str, Any]:
-        as_name = check_name(body.as_name) if body.as_name else None
+        as_name = check_name(body.as_name) if body.as_name is not None else None   # "" is refused, never "latest"
         done = await asyncio.to_thread(runner.restore, store, f"{check_name(name)}@{body.version}", as_name=as_name)
         return done.as_dict()
 

@@ -17,6 +17,7 @@ from capsule.backup.retention import Policy
 from capsule.catalogue import Catalogue
 from capsule.errors import Error
 from capsule.store import Store
+from hashcache.hcp import ProtocolError
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS backup_copies(
     capsule TEXT NOT NULL,
@@ -70,7 +71,10 @@ def prune_there(store: Store, name: str, target: str, policy: Policy) -> list[in
     peer = hosts.get(store, target)
     with AgentClient(peer.url, peer.token) as client:
         answer = client.post_json(f"/v1/backups/{name}/prune", {"policy": policy.as_dict()})
-    removed = [int(n) for n in answer["removed"]]
+    try:
+        removed = [int(n) for n in answer["removed"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"{target} answered the prune with something unusable: {str(answer)[:200]}") from exc
     for n in removed:
         store.catalogue.query("UPDATE backup_copies SET pruned=? WHERE capsule=? AND number=? AND target=?",
                               (time.time(), name, n, target))

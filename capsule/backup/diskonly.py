@@ -29,6 +29,7 @@ import libvirt_qemu
 from capsule import qemuimg
 from capsule.catalogue import InstanceRow, LayerRow, VersionRow
 from capsule.errors import Conflict, Error, RuntimeFailure
+from capsule.lifecycle import USER_NETWORK
 from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
 from capsule.store import Store
@@ -157,6 +158,9 @@ def snapshot(store: Store, name: str, note: Callable[[str], str]) -> DiskSnapsho
         dom = lookup_domain(inst.domain) if inst is not None else None
         if inst is None or dom is None:
             raise Conflict(f"capsule {name!r} is not running: a disk-only backup is of a running capsule")
+        if (Path(inst.dir) / USER_NETWORK).exists():
+            raise Conflict(f"{name} is running an update (`capsule update make`): its disks are half-way through "
+                           "it; back it up when the update is done")
         targets = _targets(dom, inst.leaves)
         new = []
         try:

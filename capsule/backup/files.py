@@ -1,10 +1,13 @@
 """A backup's files without booting it: ``capsule backup files NAME@V [PATH]``.
 
 The version's disk — its chain of sealed, read-only layers — is flattened by ``qemu-img`` into a sparse
-raw file in the store's ``tmp/`` (only allocated blocks are written) and read there with e2fsprogs'
-``debugfs`` in read-only catastrophic mode (it opens the file system without trusting its bitmaps and
-never writes). The flattened copy is removed afterwards; nothing in the store changes. ext2/3/4 only:
-the file systems Capsule's images have. Symbolic links are followed inside the guest's file system."""
+raw file in the store's ``tmp/`` (only allocated blocks are written), its ext3/4 journal replayed into
+that copy (``e2fsck -E journal_only``: a disk saved while mounted may hold its last changes only there),
+and read there with e2fsprogs' ``debugfs`` in read-only catastrophic mode (it opens the file system
+without trusting its bitmaps and never writes). The flattened copy is removed afterwards; nothing in the
+store changes. ext2/3/4 only: the file systems Capsule's images have. A memory backup's disk lacks what
+the guest held only in memory (dirty pages) when it was saved. Symbolic links are followed inside the
+guest's file system."""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from capsule import capsules, qemuimg
-from capsule.errors import EnvironmentProblem, InvalidInput, NotFound
+from capsule import capsules, demand, qemuimg
+from capsule.errors import Conflict, EnvironmentProblem, InvalidInput, NotFound
 from capsule.store import Store
 
 MAX_LINKS = 16
@@ -60,6 +63,9 @@ def check_path(path: str) -> str:
         raise InvalidInput(f"give an absolute path inside the guest, like /etc/hostname (not {path!r})")
     if any(c == '"' or ord(c) < 32 or ord(c) == 127 for c in path):
         raise InvalidInput("the path holds a quote or a control character; backup files cannot read it")
+    if ".." in path.split("/"):
+        raise InvalidInput("give the path without `..`: a symbolic link in the guest could make it name "
+                           "another file than it seems")
     return posixpath.normpath(path).replace("//", "/")
 
 
@@ -110,7 +116,9 @@ class _Disk:
             if kind != "symlink":
                 return path, kind, size
             assert target is not None
-            path = check_path(target if target.startswith("/") else posixpath.join(posixpath.dirname(path), target))
+            # a link's own `..` is resolved by name (as the link's directory was reached)
+            joined = target if target.startswith("/") else posixpath.join(posixpath.dirname(path), target)
+            path = check_path(posixpath.normpath(joined))
         raise InvalidInput(f"{self.ref}: more than {MAX_LINKS} symbolic links in a row from {path}")
 
     def entries(self, path: str) -> list[Entry]:
@@ -130,16 +138,31 @@ class _Disk:
             raise NotFound(f"{self.ref}: {path} could not be read")
 
 
+def _replay_journal(raw: Path) -> None:
+    """Replay the ext3/4 journal into the private copy: a disk saved while mounted (a memory backup, a
+    crash-consistent one) may hold its last metadata only there. Not an ext file system: debugfs says so."""
+    try:
+        subprocess.run(["e2fsck", "-E", "journal_only", "-y", str(raw)], capture_output=True, timeout=600,
+                       check=False)
+    except FileNotFoundError as exc:
+        raise EnvironmentProblem("e2fsck (e2fsprogs) is not installed; run `make setup`") from exc
+
+
 @contextmanager
 def _disk(store: Store, ref: str, disk: int) -> Iterator[_Disk]:
     version = capsules.resolve(store, ref)
     if not 0 <= disk < len(version.chains):
         raise InvalidInput(f"{version.ref} has {len(version.chains)} disk(s): give --disk 0"
                            + (f" to {len(version.chains) - 1}" if len(version.chains) > 1 else ""))
-    top = store.layer_path(version.chains[disk][-1])
+    chain = version.chains[disk]
+    if demand.chain_needs_server(store, chain):
+        raise Conflict(f"{version.ref}'s disk is still partly on another host (demand-paged): "
+                       "`capsule localize` fetches the rest first")
+    top = store.layer_path(chain[-1])
     raw = store.temp_path(".raw")
     try:
         qemuimg.flatten_to_raw(top, raw)
+        _replay_journal(raw)
         yield _Disk(raw, version.ref)
     finally:
         raw.unlink(missing_ok=True)

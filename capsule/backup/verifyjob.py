@@ -21,7 +21,7 @@ from capsule.backup.calendar import CalendarError, parse
 from capsule.capsules import resolve
 from capsule.errors import Error, NotFound
 from capsule.store import Store
-from capsule.verify import Problem, VerifyReport, verify_versions
+from capsule.verify import Problem, VerifyReport, users_of, verify_versions
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS backup_verify(
     id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -95,17 +95,6 @@ class VerifyJob:
         return asdict(self)
 
 
-def _users(store: Store, refs: list[str]) -> dict[str, list[str]]:
-    """object id -> the backups among ``refs`` this host knows that reference it."""
-    out: dict[str, list[str]] = {}
-    for ref in refs:
-        name, _, number = ref.partition("@")
-        v = store.catalogue.version(name, int(number))
-        for oid in (v.layer_ids() | v.file_ids()) if v else ():
-            out.setdefault(oid, []).append(ref)
-    return out
-
-
 def _host_check(host: str, refs: list[str], report: VerifyReport, users: dict[str, list[str]]) -> HostCheck:
     return HostCheck(host, refs, report.checked_layers, report.checked_files,
                      [Broken(host, p.kind, p.id, p.error, users.get(p.id, [])) for p in report.problems])
@@ -121,7 +110,7 @@ def run(store: Store, names: list[str] | None = None, *, remote: bool = True,
         resolve(store, name)
     chosen = names or [c.name for c in store.catalogue.capsules()]
     refs = [v.ref for name in chosen for v in jobs.backups(store, name)]
-    users = _users(store, refs)
+    users = users_of(store, refs)
     say(f"re-hashing {len(refs)} backup(s) here")
     checks = [_host_check(HERE, refs, verify_versions(store, refs, say), users)]
     there: dict[str, list[str]] = {}
@@ -136,8 +125,11 @@ def run(store: Store, names: list[str] | None = None, *, remote: bool = True,
                 answer = client.post_json("/v1/verify", {"versions": their_refs})
             report = VerifyReport(answer["checked_layers"], answer["checked_files"])
             report.problems = [_problem(p) for p in answer["problems"]]
-            checks.append(_host_check(target, their_refs, report, users))
-        except (Error, KeyError, TypeError) as exc:
+            # which of the copies there use a broken object: the backup host says (it may keep copies
+            # that were pruned here long ago)
+            there = {str(k): [str(r) for r in v] for k, v in dict(answer.get("used_by") or {}).items()}
+            checks.append(_host_check(target, their_refs, report, there))
+        except (Error, KeyError, TypeError, ValueError, AttributeError) as exc:
             checks.append(HostCheck(target, their_refs, error=str(exc) or type(exc).__name__))
     return VerifyResult(checks, time.monotonic() - t0)
 

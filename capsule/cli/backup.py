@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -296,7 +297,8 @@ def files(
         with progress(f"reading {ref}'s disk"):
             found = backup_files.listing(store, ref, path, disk=disk, save_to=target)
         if found.kind == "file" and out is None and target is not None:       # printed
-            sys.stdout.buffer.write(target.read_bytes())
+            with target.open("rb") as f:
+                shutil.copyfileobj(f, sys.stdout.buffer, 1 << 20)
             sys.stdout.buffer.flush()
             return
     finally:

@@ -81,17 +81,25 @@ class GuestShell:
             with GuestAgent(self.socket, timeout=10) as agent:
                 r = agent.exec(["sh", "-c", _POLL, "sh", prefix, str(offset)], timeout_s=30)
             head, _, data = str(r.get("stdout", "")).partition("\n")
-            rc_s, size_s, end_s = head.split()
-            if data.strip():
-                output(decoder.decode(base64.b64decode(data.strip())))
-            offset = int(end_s)
-            if rc_s != "-" and offset >= int(size_s):
+            try:
+                if r.get("timed_out") or r.get("exit_code") != 0:
+                    raise ValueError(f"exit {r.get('exit_code')}")
+                rc_s, size_s, end_s = head.split()
+                chunk = base64.b64decode(data.strip()) if data.strip() else b""
+                offset, size = int(end_s), int(size_s)
+                rc = None if rc_s == "-" else int(rc_s)
+            except ValueError as exc:      # (binascii.Error is a ValueError)
+                raise AgentError(f"{label}: reading the command's output from the guest failed ({exc}): "
+                                 f"{(head + str(r.get('stderr', '')))[:300]}") from exc
+            if chunk:
+                output(decoder.decode(chunk))
+            if rc is not None and offset >= size:
                 output(decoder.decode(b"", final=True))
-                return StepResult(label, int(rc_s), time.monotonic() - t0, offset)
+                return StepResult(label, rc, time.monotonic() - t0, offset)
             if time.monotonic() > deadline:
                 self.sh(f'kill -KILL -- -"$(cat {prefix}.pid)" 2>/dev/null; true')
                 raise GuestTimeout(f"{label}: still running after {timeout:.0f} s; killed (raise --timeout)")
-            if offset >= int(size_s):
+            if offset >= size:
                 time.sleep(POLL_SECONDS)
 
     # -- the update's set-up and clean-up -------------------------------------------------------------------

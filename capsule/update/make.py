@@ -21,7 +21,7 @@ from typing import Any
 
 from capsule import capsules, lifecycle
 from capsule.catalogue import VersionRow
-from capsule.errors import AlreadyExists, CapsuleError, Conflict, InvalidName
+from capsule.errors import AlreadyExists, CapsuleError, Conflict, Error, InvalidName
 from capsule.names import check_name, parse_ref
 from capsule.runtime.guestagent import wait_for_agent
 from capsule.store import Store
@@ -136,10 +136,8 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
         say(f"{base.ref} is a suspended version: booted from its disks as they were saved (as after a power "
             "cut: what only its memory held is not there); make updates from stopped versions")
     net = NETWORK if network else None
-    started = False
     try:
         lifecycle.start(store, target, boot=True, network=net, timeout=300, say=say)
-        started = True
         inst = store.catalogue.instance(target)
         assert inst is not None
         say("waiting for the guest agent")
@@ -171,13 +169,14 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
         trimmed = shell.trim()
         say("shutting the guest down")
         sealed = lifecycle.stop(store, target, timeout=120, compact=True, note=_note(steps), say=say)
-        started = False
     except BaseException:
-        if started:
-            with contextlib.suppress(CapsuleError):
+        # whatever stopped it (a failed step, a boot that timed out, Ctrl-C while the boot was awaited):
+        # an instance the start recorded is stopped and dropped before its capsule may be removed
+        if store.catalogue.instance(target) is not None:
+            with contextlib.suppress(Error):
                 lifecycle.stop(store, target, force=True, discard=True)
         if made:
-            with contextlib.suppress(CapsuleError):
+            with contextlib.suppress(Error):
                 _remove_capsule(store, target)
         raise
     version = sealed.version

@@ -15,14 +15,15 @@ from capsule.errors import InvalidInput, NotFound
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("path,normal", [("/", "/"), ("/etc/hostname", "/etc/hostname"), ("/a/../b", "/b"),
+@pytest.mark.parametrize("path,normal", [("/", "/"), ("/etc/hostname", "/etc/hostname"), ("/a/./b", "/a/b"),
                                          ("//etc//x/", "/etc/x"), ("/sp ace/x", "/sp ace/x")])
 def test_paths_are_normalised(path, normal):
     assert check_path(path) == normal
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("path", ["etc/hostname", "", "~/x", '/a"b', "/a\nb", "/a\x00b", "/a\x7fb"])
+@pytest.mark.parametrize("path", ["etc/hostname", "", "~/x", '/a"b', "/a\nb", "/a\x00b", "/a\x7fb", "/a/../b",
+                                  "/.."])
 def test_paths_debugfs_could_misread_are_refused(path):
     with pytest.raises(InvalidInput):
         check_path(path)

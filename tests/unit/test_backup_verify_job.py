@@ -72,7 +72,7 @@ def test_cli_bad_input(store, args, needle):
 
 
 @pytest.mark.parametrize("body", [b"[]", b'{"versions": "desk@1"}', b'{"versions": [1]}', b"{nope",
-                                  b'{"versions": ["../etc@1"]}', b'{"versions": ["desk@9"]}'])
+                                  b'{"versions": ["../etc@1"]}'])
 def test_the_verify_route_refuses_malformed_requests(store, body):
     agent = InProcessAgent(store.home, "t0ken-sixteen-chars")
     try:
@@ -80,6 +80,20 @@ def test_the_verify_route_refuses_malformed_requests(store, body):
         assert r.status_code in (400, 404), r.text
         assert r.json()["error"] in ("invalid_name", "not_found")
         assert httpx.post(f"{agent.url}/v1/verify", content=b'{"versions": []}').status_code == 401
+    finally:
+        agent.stop()
+
+
+def test_a_version_the_host_lacks_is_a_problem_of_its_own(store):
+    agent = InProcessAgent(store.home, "t0ken-sixteen-chars")
+    try:
+        r = httpx.post(f"{agent.url}/v1/verify", json={"versions": ["desk@9", "desk@1"]},
+                       headers={"Authorization": "Bearer t0ken-sixteen-chars"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert not body["ok"] and body["problems"] == [{"kind": "missing", "id": "desk@9",
+                                                        "error": "this host has no such version"}]
+        assert body["used_by"] == {"desk@9": []}
     finally:
         agent.stop()
 
@@ -133,8 +147,8 @@ def test_the_prune_route_refuses_malformed_requests(store, body):
             assert r.status_code == 200 and r.json()["removed"] == []
         else:
             assert r.status_code == 400 and r.json()["error"] in ("invalid_name", "policy_error"), r.text
-        r = httpx.post(f"{agent.url}/v1/backups/..%2Fx/prune", content=b'{"policy": {"daily": 1}}',
+        r = httpx.post(f"{agent.url}/v1/backups/-x/prune", content=b'{"policy": {"daily": 1}}',
                        headers={"Authorization": "Bearer t0ken-sixteen-chars"})
-        assert r.status_code in (400, 404)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_name", r.text
     finally:
         agent.stop()

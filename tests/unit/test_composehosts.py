@@ -36,6 +36,7 @@ def test_a_project_s_settings_win_over_the_environment(monkeypatch):
     ([3, 9, 9, 20, 31], True),        # a read right after a restore may see the same count
     ([3, 9, 2, 20, 31], False),       # a reboot starts it again
     ([3, 9, 12, 20], False),          # a move is missing
+    ([5, 5, 5, 5, 5], False),         # a counter that stopped did not go on
 ])
 def test_the_counter_must_go_on_across_every_move(counters, went_on):
     assert Story(counters=counters).counter_went_on is went_on

@@ -196,6 +196,7 @@ function ask(dialog, prepare) {
     prepare(dialog);
     dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok" ? new FormData(form) : null),
       { once: true });
+    dialog.returnValue = "";       // Esc keeps the last returnValue: never an action nobody confirmed
     dialog.showModal();
   });
 }

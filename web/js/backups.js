@@ -37,7 +37,7 @@ function verifyLine(v) {
       (r.ok ? null : r.summary)) }, doing ? `${doing}…` : "Verify now");
   const text = v ? [`Verify job: ${v.calendar}, next ${v.next_run ? when(v.next_run) : "–"}`,
     v.last_run ? ` · last ${when(v.last_run)} ` : "",
-    v.last_result && h("span", { class: `badge result-${v.last_result}`, "data-result": v.last_result },
+    v.last_result && h("span", { class: `badge result-${v.last_result.replace(" ", "-")}`, "data-result": v.last_result },
       v.last_result),
     v.last_error ? ` ${v.last_error}` : ""]
     : ["No verify job: ", h("code", {}, "capsule backup verify --schedule 'Sun 04:00'")];
@@ -90,6 +90,7 @@ async function restore(capsule, b, key) {
   const answer = await new Promise((resolve) => {
     dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok" ? new FormData(form) : null),
       { once: true });
+    dialog.returnValue = "";       // Esc keeps the last returnValue: never a restore nobody confirmed
     dialog.showModal();
   });
   if (!answer) return;
