@@ -33,4 +33,10 @@ until virsh -c qemu:///system version >/dev/null 2>&1; do
   sleep 0.2
 done
 log "libvirtd up (host uuid $(cat "$home/host-uuid")); agent on $listen"
-exec capsule --home "$home" serve --listen "$listen"
+# The hosts share the machine's loopback, where plain HTTP is allowed (capsule serve refuses it on any
+# other address): the test tier talks to them over http://127.0.0.1. Set CAPSULE_TLS=1 to serve TLS with
+# the host key in the store volume (its fingerprint is in the container's log).
+if [ "${CAPSULE_TLS:-0}" = 1 ]; then
+  exec capsule --home "$home" serve --listen "$listen"
+fi
+exec capsule --home "$home" serve --listen "$listen" --insecure-http

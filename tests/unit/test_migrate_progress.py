@@ -42,7 +42,7 @@ class FakeHosts(Steps):
         v = VersionRow(name, 2, name, 1, "m" * 64, [["l" * 64]], {"kernel": "k" * 64, "initrd": "i" * 64}, "", 0.0)
         return lifecycle.SealResult(v)
 
-    def push(self, store, ref, to, token, *, progress, check, files_only=False):  # noqa: ARG002
+    def push(self, store, ref, to, token, *, progress, check, files_only=False, fingerprint=None):  # noqa: ARG002
         self.calls.append("push files" if files_only else "push")
         wire = 0
         objects = [("file", "m", "memory", MEMORY, False), ("file", "k", "kernel", BOOT // 2, True),
@@ -71,12 +71,12 @@ class FakeHosts(Steps):
         self.calls.append(f"restore {ref}")
         self.running_here = True
 
-    def start_there(self, to, token, name, number):  # noqa: ARG002
+    def start_there(self, to, token, name, number, fingerprint=None):  # noqa: ARG002
         self.calls.append(f"start {name}@{number}")
         self.running_there = True
         return {"mode": "restore"}
 
-    def run_there(self, to, token, body):  # noqa: ARG002
+    def run_there(self, to, token, body, fingerprint=None):  # noqa: ARG002
         self.calls.append(f"run {body['ref']}")
         self.running_there = True
         return {"mode": "restore", "remote_layers": ["l" * 64]}
@@ -84,7 +84,7 @@ class FakeHosts(Steps):
     def sizes(self, store, version, mode):  # noqa: ARG002
         return {"memory": MEMORY + BOOT} if mode == "demand" else {"memory": MEMORY, "disk": LAYER + BOOT}
 
-    def reached(self, store, version, to, token):  # noqa: ARG002
+    def reached(self, store, version, to, token, fingerprint=None):  # noqa: ARG002
         return Reached(present=[], missing=["m"])
 
 
@@ -203,7 +203,7 @@ def test_a_cancel_after_the_start_request_is_refused():
     started = threading.Event()
 
     class Late(FakeHosts):
-        def start_there(self, to, token_, name, number):
+        def start_there(self, to, token_, name, number, fingerprint=None):
             started.set()
             assert not token.cancel()  # too late: the other host may be starting it
             return super().start_there(to, token_, name, number)
