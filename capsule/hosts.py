@@ -145,11 +145,11 @@ class Certificate:
     ca_signed: bool
 
 
-def _trust(url: str, fingerprint: str | None, confirm: Callable[[Certificate], bool],
+def _trust(url: str, fingerprint: str | None, confirm: Callable[[Certificate], bool] | None,
            timeout: float) -> str | None:
     """The pin for a new host at ``url``: the certificate it presents must have ``fingerprint`` if one is
     given; else a CA-signed one is trusted by CA validation (no pin), and a self-signed one on first use
-    if ``confirm`` accepts its fingerprint."""
+    only if ``confirm`` is given and accepts its fingerprint."""
     if not url.startswith("https://"):
         if fingerprint:
             raise InvalidName(f"{url} is plain HTTP: it has no certificate to pin (use https://)")
@@ -164,17 +164,24 @@ def _trust(url: str, fingerprint: str | None, confirm: Callable[[Certificate], b
         if seen != want:
             raise tls.explain(url, tls.PinMismatch(want, seen))
         return want
+    if confirm is None:
+        if ca_signed:
+            return None
+        raise HostKeyError(f"the agent at {url} presents a self-signed certificate, {seen}: check it against "
+                           "the fingerprint `capsule serve` printed on that host, then pass it with --fingerprint "
+                           "(or use `capsule host add`, which asks)")
     if not confirm(Certificate(seen, ca_signed)):
         raise HostKeyError(f"the certificate {seen} of {url} was not accepted; nothing was added")
     return None if ca_signed else seen
 
 
 def add(store: Store, name: str, url: str, token: str, *, timeout: float = ADD_TIMEOUT,
-        fingerprint: str | None = None, confirm: Callable[[Certificate], bool] = lambda _c: True) -> Peer:
+        fingerprint: str | None = None, confirm: Callable[[Certificate], bool] | None = None) -> Peer:
     """Know the agent at ``url`` as ``name``: it must answer ``/v1/info`` with ``token`` (its store id is
     recorded), and be neither this host nor a host already known. Over https its certificate is pinned:
     it must have ``fingerprint`` if given; else ``confirm`` sees it first (trust on first use; the CLI
-    asks the user). A CA-signed certificate is left to CA validation unless a fingerprint is given."""
+    asks the user), and without ``confirm`` a self-signed certificate is refused. A CA-signed certificate
+    is left to CA validation unless a fingerprint is given."""
     check_name(name, "host")
     url = check_url(url)
     if not token or len(token) < 16 or any(c.isspace() for c in token):

@@ -23,9 +23,9 @@ from hashcache.transport import (
     StreamTransport,
     check,
     read_call,
+    tls,
 )
 from hashcache.transport.base import TokenSource
-from hashcache.transport import tls
 from hashcache.transport.memory import in_process
 from tests.unit.transport_fixtures import NBLOCKS, TOKEN, DroppingTransport, agent_app, serve
 
