@@ -86,12 +86,13 @@ def ls(
         if not rows:
             console.print("no hosts yet: `capsule host add NAME https://HOST:PORT --token-file FILE`")
             return
-        t = Table("host", "url", "store", "added", "answers")
+        t = Table("host", "url", "store", "certificate", "added", "answers")
         for r in rows:
             answers = ("-" if r["reachable"] is None else "[green]yes[/]" if r["reachable"]
                        else f"[red]no[/]: {r['error']}")
-            t.add_row(r["name"], r["url"], r["store_id"], time.strftime("%Y-%m-%d %H:%M", time.localtime(r["added"])),
-                      answers)
+            cert = r["fingerprint"] or ("CA-checked" if r["url"].startswith("https://") else "none (http)")
+            t.add_row(r["name"], r["url"], r["store_id"], cert,
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(r["added"])), answers)
         console.print(t)
 
     emit(rows, human_view)

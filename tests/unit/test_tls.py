@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import re
 import ssl
 import stat
 
@@ -206,7 +207,7 @@ def test_host_add_shows_and_pins_the_fingerprint(store, peer):
 
 
 def test_host_add_refused_when_not_confirmed_or_the_fingerprint_differs(store, peer):
-    with pytest.raises(HostKeyError, match=f"self-signed certificate, {peer.fingerprint}.*--fingerprint"):
+    with pytest.raises(HostKeyError, match=f"self-signed certificate, {re.escape(peer.fingerprint)}.*--fingerprint"):
         hosts.add(store, "b", peer.url, TOKEN_B)  # a library caller that neither asks nor knows: no TOFU
     with pytest.raises(HostKeyError, match="was not accepted; nothing was added"):
         hosts.add(store, "b", peer.url, TOKEN_B, confirm=lambda _c: False)
@@ -329,3 +330,18 @@ def test_the_dashboard_is_served_over_the_same_tls_listener_with_a_secure_cookie
         assert "secure" in cookie.lower() and "httponly" in cookie.lower()
     with pytest.raises(httpx.TransportError):
         httpx.get(peer.url.replace("https://", "http://") + "/", timeout=5)
+
+
+def test_asyncio_connections_check_the_pin_too(peer):
+    """websockets' client (the console relay) runs TLS on asyncio's SSLObject: the same pin check."""
+    import asyncio
+
+    async def connect(pin: str) -> None:
+        _reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", peer.port, ssl=tls.client_context(pin)), 10)
+        writer.close()
+
+    asyncio.run(connect(peer.fingerprint))
+    with pytest.raises(tls.PinMismatch) as exc:
+        asyncio.run(connect("SHA256:" + "E" * 43))
+    assert exc.value.actual == peer.fingerprint
