@@ -48,10 +48,10 @@ def add(
     def confirm(cert: lib.Certificate) -> bool:
         if cert.ca_signed:
             err_console.print(f"{url} presents a CA-signed certificate ({cert.fingerprint}): checked against "
-                              "the CA on every connection")
+                              "the CA on every connection", soft_wrap=True)
             return True
         err_console.print(f"The authenticity of host {url} can't be established.\n"
-                          f"Its certificate fingerprint is {cert.fingerprint}.", highlight=False)
+                          f"Its certificate fingerprint is {cert.fingerprint}.", soft_wrap=True)
         if yes:
             return True
         if OPTIONS.json or not sys.stdin.isatty():
@@ -64,7 +64,7 @@ def add(
                    confirm=confirm)
     pinned = f", certificate {peer.fingerprint}" if peer.fingerprint else ""
     emit(peer.as_dict(), lambda: console.print(f"added host [bold]{peer.name}[/] at {peer.url} "
-                                               f"(store {peer.store_id}{pinned})"))
+                                               f"(store {peer.store_id}{pinned})", soft_wrap=True))
 
 
 @app.command("ls")

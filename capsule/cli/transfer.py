@@ -141,10 +141,11 @@ def serve(
     store = open_store()
     tf = token_file or store.home / "agent.token"
     ident = identity(store.home, listen, insecure_http=insecure_http, cert=cert, key=key)
-    err_console.print(f"agent for store {store.home} on {ident.scheme}://{listen} (token in {tf})")
+    # one line each, never wrapped: the fingerprint is what the user compares and copies
+    err_console.print(f"agent for store {store.home} on {ident.scheme}://{listen} (token in {tf})", soft_wrap=True)
     if ident.fingerprint:
         made = "new host key; " if ident.created else ""
-        err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", highlight=False)
+        err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", soft_wrap=True)
     store.close()
     run_serve(store.home, listen, tf, ident)
 

@@ -231,6 +231,13 @@ def test_host_add_on_the_command_line(store, peer, tmp_path, monkeypatch):
     code, out = cli("host", "add", "b", peer.url, "--fingerprint", peer.fingerprint, "--json")
     assert code == 0, out
     assert json.loads(out)["fingerprint"] == peer.fingerprint
+    hosts.remove(store, "b")
+    code, out = cli("host", "add", "b", peer.url, "--yes")  # trust on first use, said so: shown, then pinned
+    assert code == 0, out
+    assert f"Its certificate fingerprint is {peer.fingerprint}." in out and f"certificate {peer.fingerprint})" in out
+    assert hosts.get(store, "b").fingerprint == peer.fingerprint
+    code, out = cli("host", "ls", "--json")
+    assert code == 0 and [r["fingerprint"] for r in json.loads(out)] == [peer.fingerprint]
 
 
 def _new_key_at_the_same_place(tmp_path, peer: InProcessAgent) -> InProcessAgent:
