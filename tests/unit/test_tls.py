@@ -15,7 +15,7 @@ import stat
 import pytest
 from typer.testing import CliRunner
 
-from capsule import hosts, transfer
+from capsule import capsules, hosts, transfer
 from capsule.agent.serve import identity, is_loopback
 from capsule.agentclient import AgentClient
 from capsule.errors import InvalidName
@@ -26,6 +26,7 @@ from diskserver.source import HcpSource
 from hashcache.errors import HostKeyError, InvalidInput
 from hashcache.transport import Call, HttpTransport, tls
 from tests.unit.inprocess_agent import InProcessAgent
+from tests.unit.test_dashboard_api import _fake_image
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -247,7 +248,11 @@ def _new_key_at_the_same_place(tmp_path, peer: InProcessAgent) -> InProcessAgent
 
 
 def test_a_changed_host_key_is_refused_by_every_client_path(store, peer, tmp_path):
+    """After `host add`, the peer comes back at its URL with another key: push, pull and run (the pin found by
+    URL), host ls / the dashboard's peers, the console relay, the fleet, backup verify and the disk server's
+    source (stream and HTTP) all refuse it with ssh's warning naming both fingerprints; rm + add fixes it."""
     from capsule.agent import consolerelay
+    from capsule.backup import copies, verifyjob
     from capsule.fleet import hostops, members
 
     pinned = hosts.add(store, "b", peer.url, TOKEN_B, confirm=lambda _c: True).fingerprint
@@ -262,6 +267,9 @@ def test_a_changed_host_key_is_refused_by_every_client_path(store, peer, tmp_pat
             assert "capsule host rm" in str(exc.value)
 
         # transfers find the known host's pin by its URL
+        _fake_image(store)
+        capsules.create(store, "desk", "img", memory="256M")
+        refused(transfer.push, store, "desk@1", moved.url, TOKEN_B)
         refused(transfer.pull, store, moved.url, "cap@1", TOKEN_B)
         refused(transfer.run, store, moved.url, "cap@1", TOKEN_B)
         # the peer's own calls: ask_all (host ls, dashboard), console relay, backup verify, fleet
@@ -272,6 +280,10 @@ def test_a_changed_host_key_is_refused_by_every_client_path(store, peer, tmp_pat
         refused(lambda: AgentClient(peer_row.url, peer_row.token, fingerprint=peer_row.fingerprint)
                 .get_json("/v1/info"))
         refused(hostops.activity, members.Member(peer_row, "default", 0.0, None))
+        copies._table(store.catalogue)  # noqa: SLF001 - a copy recorded as made before the key changed
+        store.catalogue.query("INSERT INTO backup_copies VALUES('desk', 1, 'b', 0, 0)")
+        [_here, there] = verifyjob.run(store, ["desk"]).hosts
+        assert there.host == "b" and CHANGED in there.error and pinned in there.error
         # demand paging's source (the disk server), over the block stream and over HTTP
         token_file = tmp_path / "tok"
         token_file.write_text(TOKEN_B)
