@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from capsule import capsules, hosts, transfer
 from capsule.agent.serve import identity, is_loopback
 from capsule.agentclient import AgentClient
+from capsule.backup.retention import Policy
 from capsule.errors import InvalidName
 from capsule.store import Store
 from diskserver.chain.spec import ChainSpec, LayerSpec, RemoteSpec, SpecError
@@ -281,9 +282,11 @@ def test_a_changed_host_key_is_refused_by_every_client_path(store, peer, tmp_pat
                 .get_json("/v1/info"))
         refused(hostops.activity, members.Member(peer_row, "default", 0.0, None))
         copies._table(store.catalogue)  # noqa: SLF001 - a copy recorded as made before the key changed
-        store.catalogue.query("INSERT INTO backup_copies VALUES('desk', 1, 'b', 0, 0)")
+        store.catalogue.query("INSERT INTO backup_copies(capsule, number, target, copied, wire_bytes) "
+                              "VALUES('desk', 1, 'b', 0, 0)")
         [_here, there] = verifyjob.run(store, ["desk"]).hosts
         assert there.host == "b" and CHANGED in there.error and pinned in there.error
+        refused(copies.prune_there, store, "desk", "b", Policy(last=1))
         # demand paging's source (the disk server), over the block stream and over HTTP
         token_file = tmp_path / "tok"
         token_file.write_text(TOKEN_B)
