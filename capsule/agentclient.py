@@ -32,15 +32,17 @@ def read_token(token_file: Path | None) -> str:
 
 
 class AgentClient:
-    """Calls to one agent: its transport (HTTP over TCP unless ``transport`` is given, e.g. an in-process
-    one), optionally rate-limited, with retry of idempotent calls, and byte counting (``wire_bytes``)."""
+    """Calls to one agent: its transport (HTTP(S) over TCP unless ``transport`` is given, e.g. an in-process
+    one; over https the certificate pinned to ``fingerprint``, see :mod:`hashcache.transport.tls`), optionally
+    rate-limited, with retry of idempotent calls, and byte counting (``wire_bytes``)."""
 
     def __init__(self, url: str, token: str, timeout: float = 120.0, *, transport: Transport | None = None,
-                 retry: RetryPolicy = RETRY, rate: float | None = None) -> None:
+                 retry: RetryPolicy = RETRY, rate: float | None = None, fingerprint: str | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise InvalidName(f"agent URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
-        base: Transport = transport or HttpTransport(self.url, token, timeout=timeout, connect_timeout=30.0)
+        base: Transport = transport or HttpTransport(self.url, token, timeout=timeout, connect_timeout=30.0,
+                                                              fingerprint=fingerprint)
         if rate is not None:  # bytes per second of request and answer bodies
             base = RateLimited(base, rate)
         self._counter = Counting(Retrying(base, retry))

@@ -63,13 +63,14 @@ def token_file_for(store: Store, url: str, token: str) -> Path:
     return path
 
 
-def add_remote_layer(store: Store, manifest: Manifest, url: str, token: str) -> None:
-    """Remember a layer held by the agent at ``url``, by its (verified) manifest."""
+def add_remote_layer(store: Store, manifest: Manifest, url: str, token: str, fingerprint: str | None = None) -> None:
+    """Remember a layer held by the agent at ``url`` (its certificate pinned to ``fingerprint``), by its
+    (verified) manifest."""
     lid = manifest.digest
     if not remote_manifest_path(store, lid).exists():
         manifest.write(remote_manifest_path(store, lid), mode=OBJECT_MODE)
     info = {"id": lid, "parent": manifest.parent, "url": url, "token_file": str(token_file_for(store, url, token)),
-            "virtual_size": manifest.size, "added": time.time()}
+            "virtual_size": manifest.size, "added": time.time(), "fingerprint": fingerprint}
     write_atomic(remote_info_path(store, lid), json.dumps(info).encode(), durable=False)
 
 
@@ -90,7 +91,8 @@ def chain_spec(store: Store, chain: list[str], name: str, prefetch: bool = False
         if is_remote(store, lid):
             info = remote_info(store, lid)
             layers.append(LayerSpec(id=lid, manifest_path=str(remote_manifest_path(store, lid)),
-                                    remote=RemoteSpec(url=info["url"], token_file=info["token_file"])))
+                                    remote=RemoteSpec(url=info["url"], token_file=info["token_file"],
+                                                      fingerprint=info.get("fingerprint"))))
         else:
             layers.append(LayerSpec(id=lid, manifest_path=str(store.layer_manifest_path(lid)),
                                     local_path=str(store.layer_path(lid))))

@@ -1,5 +1,7 @@
-"""The peers a host knows (``capsule host add NAME URL``): other hosts' agents, each with its token and
-the store id it answered with when it was added. Kept in the catalogue, in a table of its own.
+"""The peers a host knows (``capsule host add NAME URL``): other hosts' agents, each with its token, the
+store id it answered with when it was added, and the fingerprint of its TLS certificate, pinned the way ssh
+pins host keys (a changed one is refused: :mod:`hashcache.transport.tls`). Kept in the catalogue, in a
+table of its own. :func:`pin_for` is how every client of a URL finds the pin of the known host there.
 
 Asking peers is concurrent and bounded by one deadline: a peer that does not answer in time is marked
 unreachable and the others are still reported."""
@@ -16,16 +18,19 @@ from urllib.parse import urlsplit
 
 from capsule.agentclient import AgentClient
 from capsule.catalogue import Catalogue
-from capsule.errors import AlreadyExists, Conflict, Error, InvalidName, NotFound, TransferFailed
+from capsule.errors import AlreadyExists, Conflict, Error, InvalidName, NotFound, TransferFailed, Unreachable
 from capsule.names import check_name
 from capsule.store import Store
+from hashcache.errors import HostKeyError
+from hashcache.transport import tls
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS peers(
     name TEXT PRIMARY KEY,
     url TEXT NOT NULL UNIQUE,
     token TEXT NOT NULL,
     store_id TEXT NOT NULL,
-    added REAL NOT NULL
+    added REAL NOT NULL,
+    fingerprint TEXT
 )"""
 ADD_TIMEOUT = 10.0
 ASK_TIMEOUT = 3.0
@@ -39,10 +44,12 @@ class Peer:
     store_id: str
     added: float
     token: str = field(repr=False)
+    fingerprint: str | None = None  # the pinned certificate (None: http://, or a CA-signed certificate)
 
     def as_dict(self) -> dict[str, Any]:
         """Everything but the token."""
-        return {"name": self.name, "url": self.url, "store_id": self.store_id, "added": self.added}
+        return {"name": self.name, "url": self.url, "store_id": self.store_id, "added": self.added,
+                "fingerprint": self.fingerprint}
 
 
 @dataclass
@@ -60,8 +67,13 @@ class PeerStatus:
 
 
 def _table(cat: Catalogue) -> Catalogue:
-    """The catalogue, with the peers table created on first use (CREATE TABLE IF NOT EXISTS)."""
+    """The catalogue, with the peers table created on first use (CREATE TABLE IF NOT EXISTS); a table made
+    before host keys gets its fingerprint column."""
     cat.ensure_table(SCHEMA)
+    if not cat.__dict__.get("_peers_pins"):
+        if not any(r["name"] == "fingerprint" for r in cat.query("PRAGMA table_info(peers)")):
+            cat.query("ALTER TABLE peers ADD COLUMN fingerprint TEXT")
+        cat.__dict__["_peers_pins"] = True
     return cat
 
 
@@ -83,8 +95,8 @@ def check_url(url: str) -> str:
     return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
 
 
-def _info(url: str, token: str, timeout: float) -> dict[str, Any]:
-    with AgentClient(url, token, timeout=timeout) as client:
+def _info(url: str, token: str, timeout: float, fingerprint: str | None = None) -> dict[str, Any]:
+    with AgentClient(url, token, timeout=timeout, fingerprint=fingerprint) as client:
         info = client.request("GET", "/v1/info", idempotent=False).json()
     if not isinstance(info, dict) or not isinstance(info.get("store_id"), str) \
             or not _STORE_ID_RE.match(info["store_id"]):
@@ -93,7 +105,8 @@ def _info(url: str, token: str, timeout: float) -> dict[str, Any]:
 
 
 def _row(r: Any) -> Peer:
-    return Peer(name=r["name"], url=r["url"], store_id=r["store_id"], added=r["added"], token=r["token"])
+    return Peer(name=r["name"], url=r["url"], store_id=r["store_id"], added=r["added"], token=r["token"],
+                fingerprint=r["fingerprint"])
 
 
 def peers(store: Store) -> list[Peer]:
@@ -109,9 +122,66 @@ def get(store: Store, name: str) -> Peer:
     return _row(rows[0])
 
 
-def add(store: Store, name: str, url: str, token: str, *, timeout: float = ADD_TIMEOUT) -> Peer:
+def pin_for(store: Store, url: str, fingerprint: str | None = None) -> str | None:
+    """The certificate fingerprint a client of ``url`` pins: ``fingerprint`` when given (``--fingerprint``),
+    else that of the known host at that URL, else None (http://, or the system's CA validation)."""
+    if fingerprint:
+        return tls.parse_fingerprint(fingerprint)
+    if not url.startswith("https://"):
+        return None  # plain HTTP has nothing to pin
+    try:
+        url = check_url(url)
+    except InvalidName:
+        return None
+    rows = _table(store.catalogue).query("SELECT fingerprint FROM peers WHERE url=?", (url,))
+    return rows[0]["fingerprint"] if rows else None
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """What ``host add`` learnt of a peer's certificate before trusting it."""
+
+    fingerprint: str
+    ca_signed: bool
+
+
+def _trust(url: str, fingerprint: str | None, confirm: Callable[[Certificate], bool] | None,
+           timeout: float) -> str | None:
+    """The pin for a new host at ``url``: the certificate it presents must have ``fingerprint`` if one is
+    given; else a CA-signed one is trusted by CA validation (no pin), and a self-signed one on first use
+    only if ``confirm`` is given and accepts its fingerprint."""
+    if not url.startswith("https://"):
+        if fingerprint:
+            raise InvalidName(f"{url} is plain HTTP: it has no certificate to pin (use https://)")
+        return None
+    try:
+        seen, ca_signed = tls.peer_certificate(url, timeout)
+    except OSError as exc:
+        raise Unreachable(f"cannot reach the agent at {url}: {exc}", refused=isinstance(exc, ConnectionRefusedError)) \
+            from exc
+    if fingerprint:
+        want = tls.parse_fingerprint(fingerprint)
+        if seen != want:
+            raise tls.explain(url, tls.PinMismatch(want, seen))
+        return want
+    if confirm is None:
+        if ca_signed:
+            return None
+        raise HostKeyError(f"the agent at {url} presents a self-signed certificate, {seen}: check it against "
+                           "the fingerprint `capsule serve` printed on that host, then pass it with --fingerprint "
+                           "(or use `capsule host add`, which asks)")
+    if not confirm(Certificate(seen, ca_signed)):
+        raise HostKeyError(f"the certificate {seen} of {url} was not accepted; nothing was added")
+    return None if ca_signed else seen
+
+
+def add(store: Store, name: str, url: str, token: str, *, timeout: float = ADD_TIMEOUT,
+        fingerprint: str | None = None, confirm: Callable[[Certificate], bool] | None = None) -> Peer:
     """Know the agent at ``url`` as ``name``: it must answer ``/v1/info`` with ``token`` (its store id is
-    recorded), and be neither this host nor a host already known."""
+    recorded), and be neither this host nor a host already known. Over https its certificate is pinned:
+    it must have ``fingerprint`` if given; else ``confirm`` sees it first (trust on first use; the CLI
+    asks the user), and without ``confirm`` a self-signed certificate is refused. A CA-signed certificate
+    is left to CA validation unless a fingerprint is given."""
     check_name(name, "host")
     url = check_url(url)
     if not token or len(token) < 16 or any(c.isspace() for c in token):
@@ -122,18 +192,19 @@ def add(store: Store, name: str, url: str, token: str, *, timeout: float = ADD_T
         raise AlreadyExists(f"a host named {name!r} is already known (`capsule host rm {name}` first)")
     if same := next((p for p in known if p.url == url), None):
         raise AlreadyExists(f"{url} is already known as host {same.name!r}")
-    info = _info(url, token, timeout)
+    pin = _trust(url, fingerprint, confirm, timeout)
+    info = _info(url, token, timeout, pin)
     if info["store_id"] == store.id:
         raise Conflict(f"{url} is this host's own agent (store {store.id})")
     if same := next((p for p in known if p.store_id == info["store_id"]), None):
         raise AlreadyExists(f"{url} serves store {info['store_id']}, already known as host {same.name!r}")
-    peer = Peer(name, url, info["store_id"], time.time(), token)
+    peer = Peer(name, url, info["store_id"], time.time(), token, pin)
     cat = _table(store.catalogue)
     with store.lock(), cat.transaction():
         if cat.query("SELECT 1 FROM peers WHERE name=? OR url=?", (name, url)):
             raise AlreadyExists(f"a host named {name!r} or at {url} was added meanwhile")
-        cat.query("INSERT INTO peers VALUES(?,?,?,?,?)", (peer.name, peer.url, peer.token, peer.store_id,
-                                                          peer.added))
+        cat.query("INSERT INTO peers(name, url, token, store_id, added, fingerprint) VALUES(?,?,?,?,?,?)",
+                  (peer.name, peer.url, peer.token, peer.store_id, peer.added, peer.fingerprint))
     return peer
 
 
@@ -171,7 +242,7 @@ def ask_all(store: Store, path: str = "/v1/info", *, timeout: float = ASK_TIMEOU
     started = time.monotonic()
 
     def one(peer: Peer) -> Any:
-        with AgentClient(peer.url, peer.token, timeout=timeout) as client:
+        with AgentClient(peer.url, peer.token, timeout=timeout, fingerprint=peer.fingerprint) as client:
             answer = client.request("GET", path, idempotent=False).json()
         if path == "/v1/info" and (not isinstance(answer, dict) or answer.get("store_id") != peer.store_id):
             raise TransferFailed(f"{peer.url} now answers as another store, not {peer.store_id}: "

@@ -95,13 +95,13 @@ class Steps:
     restore: Callable[..., Any] = lifecycle.start
 
     @staticmethod
-    def start_there(to: str, token: str, name: str, number: int) -> dict[str, Any]:
-        with AgentClient(to, token, timeout=900.0) as client:
+    def start_there(to: str, token: str, name: str, number: int, fingerprint: str | None = None) -> dict[str, Any]:
+        with AgentClient(to, token, timeout=900.0, fingerprint=fingerprint) as client:
             return client.request("POST", f"/v1/capsules/{name}/start", params={"version": number}).json()
 
     @staticmethod
-    def run_there(to: str, token: str, body: dict[str, Any]) -> dict[str, Any]:
-        with AgentClient(to, token, timeout=900.0) as client:
+    def run_there(to: str, token: str, body: dict[str, Any], fingerprint: str | None = None) -> dict[str, Any]:
+        with AgentClient(to, token, timeout=900.0, fingerprint=fingerprint) as client:
             return client.post_json("/v1/run", body)
 
     @staticmethod
@@ -109,8 +109,8 @@ class Steps:
         return _phase_totals(store, version, mode)
 
     @staticmethod
-    def reached(store: Store, version: VersionRow, to: str, token: str) -> Reached:
-        return _reached(store, version, to, token)
+    def reached(store: Store, version: VersionRow, to: str, token: str, fingerprint: str | None = None) -> Reached:
+        return _reached(store, version, to, token, fingerprint)
 
 
 def _phase_totals(store: Store, version: VersionRow, mode: str) -> dict[str, int]:
@@ -128,8 +128,11 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
             balloon_method: str = "virtio", source_url: str | None = None, source_token: str | None = None,
             prefetch: bool = False, say: Callable[[str], None] = lambda _m: None,
             on_event: Callable[[Snapshot], None] = lambda _s: None, cancel: CancelToken | None = None,
-            to_name: str | None = None, steps: Steps | None = None) -> MigrateResult:
-    """Move the running capsule ``name`` to the agent at ``to``. ``on_event`` gets a :class:`Snapshot` as
+            to_name: str | None = None, steps: Steps | None = None, fingerprint: str | None = None,
+            source_fingerprint: str | None = None) -> MigrateResult:
+    """Move the running capsule ``name`` to the agent at ``to`` (over https its certificate pinned to
+    ``fingerprint``, else to the known host's at ``to``; in demand mode the other host pins this one's
+    ``source_fingerprint``, by default this store's own host key). ``on_event`` gets a :class:`Snapshot` as
     each phase begins and as bytes move (see :mod:`capsule.migrateprogress`); ``cancel`` stops it before
     the other host is asked to start it (:class:`MigrationCancelled`, the guest running here again)."""
     if mode not in MODES:
@@ -137,7 +140,12 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
     if mode == "demand" and not (source_url and source_token):
         raise InvalidName("--mode demand needs --source-url (this host's agent, reachable from the other host) "
                           "and its token")
+    from capsule import hosts
+
     steps = steps or Steps()
+    pin = hosts.pin_for(store, to, fingerprint)
+    if mode == "demand" and source_fingerprint is None and str(source_url).startswith("https://"):
+        source_fingerprint = own_fingerprint(store)
     cancel = cancel or CancelToken()
     tracker = Tracker(name, to_name or to, planned(mode, balloon is not None), on_event)
     t0 = time.monotonic()
@@ -167,23 +175,24 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
         phase("memory")
         say(f"pushing {ref}" if mode == "full" else f"pushing the memory image of {ref}")
         if mode == "full":
-            pushed = steps.push(store, ref, to, token, progress=tracker, check=cancel.check)
+            pushed = steps.push(store, ref, to, token, progress=tracker, check=cancel.check, fingerprint=pin)
         else:
-            steps.push(store, ref, to, token, progress=tracker, check=cancel.check, files_only=True)
+            steps.push(store, ref, to, token, progress=tracker, check=cancel.check, files_only=True,
+                       fingerprint=pin)
         cancel.commit()
         tracker.no_return()
         tracker.enter("resume", f"starting it at {to_name or to}")
         if mode == "full":
             step = "start"
             say("starting it there")
-            remote = steps.start_there(to, token, name, version.number)
+            remote = steps.start_there(to, token, name, version.number, pin)
         else:
             step = "run"
             say("starting it there, disks on demand from here")
             remote = steps.run_there(to, token, {"source": source_url, "token": source_token, "ref": ref,
-                                                 "prefetch": prefetch})
+                                                 "prefetch": prefetch, "fingerprint": source_fingerprint}, pin)
     except BaseException as exc:
-        failure = _fail_back(store, version, to, token, step, exc, pushed, tracker, say, steps)
+        failure = _fail_back(store, version, to, token, step, exc, pushed, tracker, say, steps, pin)
         outcome = "cancelled" if isinstance(failure, MigrationCancelled) else "failed"
         tracker.finish(outcome, "source" if failure.restored else "unknown", str(failure))
         if not isinstance(exc, Exception):
@@ -207,7 +216,7 @@ def _may_run_there(step: str, exc: BaseException) -> bool:
 
 def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str, exc: BaseException,
                pushed: transfer.TransferReport | None, tally: Tracker, say: Callable[[str], None],
-               steps: Steps) -> MigrationFailed:
+               steps: Steps, pin: str | None = None) -> MigrationFailed:
     ref = version.ref
     what = {"push": f"pushing {ref} to {to}", "start": f"starting {ref} at {to}",
             "run": f"starting {ref} at {to} (disks on demand from here)"}[step]
@@ -228,7 +237,7 @@ def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str
         except Error as again:
             lines.append(f"starting it again here failed too ({again}); `capsule start {ref}` retries")
     # an interrupt is re-raised as it is: do not keep the user waiting on the other host
-    reached = steps.reached(store, version, to, token) if isinstance(exc, Exception) else Reached(known=False)
+    reached = steps.reached(store, version, to, token, pin) if isinstance(exc, Exception) else Reached(known=False)
     reached.sent_bytes = pushed.wire_bytes if pushed else tally.wire_bytes
     reached.recorded = reached.recorded or bool(pushed and pushed.recorded)
     lines.append(reached.describe(ref))
@@ -236,11 +245,20 @@ def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str
     return cls("; ".join(lines), version=ref, step=step, restored=restored, reached=reached, cause=exc)
 
 
-def _reached(store: Store, version: VersionRow, to: str, token: str) -> Reached:
+def own_fingerprint(store: Store) -> str | None:
+    """The fingerprint of this store's own host key (``capsule serve`` makes it), if it has one."""
+    from capsule.agent.serve import TLS_DIR
+    from hashcache.transport import tls
+
+    cert = store.home / TLS_DIR / tls.CERT_NAME
+    return tls.cert_fingerprint(cert) if cert.exists() else None
+
+
+def _reached(store: Store, version: VersionRow, to: str, token: str, fingerprint: str | None = None) -> Reached:
     layers = list(dict.fromkeys(lid for chain in version.chains for lid in chain))
     files = [version.config["kernel"], version.config["initrd"], *([version.memory] if version.memory else [])]
     try:
-        with AgentClient(to, token, timeout=30.0) as client:
+        with AgentClient(to, token, timeout=30.0, fingerprint=fingerprint) as client:
             missing = client.post_json("/v1/objects/missing", {"layers": layers, "files": files})
             lacking = set(missing.get("layers", [])) | set(missing.get("files", []))
             recorded = True

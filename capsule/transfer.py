@@ -222,14 +222,24 @@ def _pull_missing(store: Store, client: AgentClient, report: TransferReport, ite
             report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress))
 
 
+def _client(store: Store, url: str, token: str, fingerprint: str | None, transport: Transport | None = None,
+            **kw: Any) -> AgentClient:
+    """The client of the agent at ``url``, its certificate pinned to ``fingerprint`` or, without one, to the
+    known host's at that URL (:func:`capsule.hosts.pin_for`)."""
+    from capsule import hosts
+
+    return AgentClient(url, token, transport=transport, fingerprint=hosts.pin_for(store, url, fingerprint), **kw)
+
+
 def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = None,
-         progress: Progress | None = None, *, transport: Transport | None = None) -> TransferReport:
+         progress: Progress | None = None, *, transport: Transport | None = None,
+         fingerprint: str | None = None) -> TransferReport:
     """Fetch ``NAME[@V]`` from the agent at ``url`` into ``store`` (over ``transport`` if given, e.g. an
-    in-process one)."""
+    in-process one; over https pinned to ``fingerprint`` or the known host's)."""
     opts = opts or Options()
     progress = progress or Progress()
     t0 = time.monotonic()
-    with AgentClient(url, token, transport=transport) as client:
+    with _client(store, url, token, fingerprint, transport) as client:
         record = _fetch_record(client, ref)
         report = TransferReport("pull", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
@@ -312,7 +322,7 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,
          progress: Progress | None = None, *, transport: Transport | None = None, check: Check = _never,
-         files_only: bool = False) -> TransferReport:
+         files_only: bool = False, fingerprint: str | None = None) -> TransferReport:
     """Send ``NAME[@V]`` from ``store`` to the agent at ``url`` (over ``transport`` if given). The memory
     image goes first (a restore needs it first). ``check`` is called before each object and each batch
     and stops the push by raising (a cancel). ``files_only``: send the memory image, kernel and initrd
@@ -324,7 +334,7 @@ def push(store: Store, ref: str, url: str, token: str, opts: Options | None = No
     record = version_record(store, version)
     report = TransferReport("push", version.ref, url)
     layers, files = objects_of(record)
-    with AgentClient(url, token, transport=transport) as client:
+    with _client(store, url, token, fingerprint, transport) as client:
         missing = client.post_json("/v1/objects/missing", {"layers": layers, "files": [f for f, _ in files]})
         lacking = set(missing.get("layers", [])) | set(missing.get("files", []))
         items = [] if files_only else [("layer", lid, "layer") for lid in layers]
@@ -361,7 +371,7 @@ class RunReport:
 
 def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False, wait: bool = True,
         timeout: float = 180.0, opts: Options | None = None, progress: Progress | None = None,
-        say: Callable[[str], None] = lambda _m: None) -> RunReport:
+        say: Callable[[str], None] = lambda _m: None, fingerprint: str | None = None) -> RunReport:
     """Start ``NAME[@V]`` of the agent at ``url`` here without copying its disks: the memory image,
     kernel and initrd come first (HCP, eagerly: §4.1 explains why memory is not demand-paged), the
     disk layers this host lacks only as manifests; their blocks are fetched as the guest reads them."""
@@ -370,7 +380,10 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
     opts = opts or Options()
     progress = progress or Progress()
     t0 = time.monotonic()
-    with AgentClient(url, token) as client:
+    from capsule import hosts
+
+    pin = hosts.pin_for(store, url, fingerprint)
+    with AgentClient(url, token, fingerprint=pin) as client:
         record = _fetch_record(client, ref)
         report = TransferReport("run", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
@@ -386,7 +399,7 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
                 manifest = expect.manifest_from(lambda i, e=expect: (e.record(i) or (False, b""))[1])
             except ManifestMismatch as exc:
                 raise TransferFailed(f"from {url}: {exc}") from exc
-            demand.add_remote_layer(store, manifest, url, token)
+            demand.add_remote_layer(store, manifest, url, token, pin)
             remote.append(lid)
         _row, report.recorded = record_version(store, record)
         report.wire_bytes = client.wire_bytes

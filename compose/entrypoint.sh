@@ -61,4 +61,15 @@ until virsh -c qemu:///system version >/dev/null 2>&1; do
   sleep 0.2
 done
 log "libvirtd up (host uuid $(cat "$home/host-uuid")); agent on $listen"
+# On a loopback address (the hosts share the machine's loopback; the test tier talks to them over
+# http://127.0.0.1) the agent speaks plain HTTP, which capsule serve allows there only. On any other
+# address, or with CAPSULE_TLS=1, it serves TLS with the host key kept in the store volume (its
+# fingerprint is in the container's log: pin it with `capsule host add`).
+case "${listen%:*}" in
+  127.*|localhost|"[::1]") loopback=1 ;;
+  *) loopback=0 ;;
+esac
+if [ "$loopback" = 1 ] && [ "${CAPSULE_TLS:-0}" != 1 ]; then
+  exec capsule --home "$home" serve --listen "$listen" --insecure-http
+fi
 exec capsule --home "$home" serve --listen "$listen"

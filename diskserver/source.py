@@ -10,7 +10,9 @@ without one, HTTP::
 
 Transient failures (connection refused or reset, timeouts, HTTP 5xx/429) are retried with exponential
 back-off until ``retry_seconds`` have passed since the first attempt; then :class:`SourceUnavailable`
-is raised. A refusal (HTTP 4xx) or a malformed answer raises :class:`SourceError` at once. A 401 is
+is raised. Over https the source's certificate is pinned to ``fingerprint`` (both the stream and HTTP:
+:mod:`hashcache.transport.tls`); a different one is a :class:`SourceError` at once, never retried. A
+refusal (HTTP 4xx) or a malformed answer raises :class:`SourceError` at once. A 401 is
 tried once more only if the token file changed (a rotated token). The client does not check block
 content: the caller verifies every block against its manifest hash.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diskserver.errors import SourceError, SourceUnavailable
-from hashcache.errors import AuthFailed, HashcacheError, Unreachable
+from hashcache.errors import AuthFailed, HashcacheError, HostKeyError, Unreachable
 from hashcache.hcp import MAX_BATCH, unpack_blocks
 from hashcache.transport import HttpTransport, Retrying, RetryPolicy, StreamTransport, Transport, read_call
 from hashcache.transport.base import TokenSource, error_of
@@ -61,6 +63,7 @@ class HcpSource:
         level: int = 1,
         stream: bool = True,
         transport: Transport | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise SourceError(f"source URL {url!r} must start with http:// or https://")
@@ -77,7 +80,7 @@ class HcpSource:
         if transport is None:
             transport = HttpTransport(self.url, self.token, timeout=request_timeout,
                                       connect_timeout=min(5.0, request_timeout), max_connections=16,
-                                      user_agent="capsule-diskserver")
+                                      user_agent="capsule-diskserver", fingerprint=fingerprint)
             if stream:
                 transport = StreamTransport(transport, self.token, timeout=request_timeout)
         self.base = transport
@@ -107,6 +110,8 @@ class HcpSource:
         call = read_call("layer", layer_id, indices, level=self.level, compress=self.compress)
         try:
             reply = self._transport.call(call.with_timeout(self.request_timeout))
+        except HostKeyError as exc:
+            raise SourceError(f"{what}: {exc}") from exc
         except Unreachable as exc:
             raise SourceUnavailable(f"{what} is unreachable or failing: {some} could not be fetched within "
                                     f"{self.retry_seconds:g} s (last error: {exc})") from exc

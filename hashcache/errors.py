@@ -137,6 +137,15 @@ class Unreachable(Error):
         self.refused = refused  # the connection was refused: nobody listens (not worth a retry, usually)
 
 
+class HostKeyError(Error):
+    """The other host's TLS certificate is not the one pinned for it (its host key changed, or someone is in
+    the middle), or it is self-signed and no fingerprint was given for it. Never retried."""
+
+    code = "host_key"
+    exit_code = 11
+    http_status = 502
+
+
 class InvalidInput(Error):
     """A request or argument is malformed."""
 

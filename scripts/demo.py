@@ -64,10 +64,12 @@ def main() -> int:
         fresh(s)
     agents: list[AgentProcess] = []
     try:
-        agents.append(AgentProcess(b.home, b.home / "agent.token", log_path=b.home / "agent.log"))
-        url_b, token_b = agents[-1].url, agents[-1].token
-        agents.append(AgentProcess(a.home, a.home / "agent.token", log_path=a.home / "agent.log"))
-        url_a, token_a = agents[-1].url, agents[-1].token
+        # both agents speak TLS with their own host keys; each side pins the other's certificate fingerprint
+        agents.append(AgentProcess(b.home, b.home / "agent.token", log_path=b.home / "agent.log", tls=True))
+        url_b, token_b, pin_b = agents[-1].url, agents[-1].token, agents[-1].fingerprint
+        agents.append(AgentProcess(a.home, a.home / "agent.token", log_path=a.home / "agent.log", tls=True))
+        url_a, token_a, pin_a = agents[-1].url, agents[-1].token, agents[-1].fingerprint
+        step(f"agents over TLS: A {url_a} ({pin_a}), B {url_b} ({pin_b})")
 
         capsules.create(a, NAME, "tiny", memory="256M")
         boot = lifecycle.start(a, NAME)
@@ -80,7 +82,7 @@ def main() -> int:
 
         s1 = lifecycle.suspend(a, NAME)
         step(f"A: suspended → {s1.version.ref} (save {s1.save_seconds:.2f}s, seal {s1.seal_seconds:.2f}s)")
-        p1 = transfer.push(a, s1.version.ref, url_b, token_b)
+        p1 = transfer.push(a, s1.version.ref, url_b, token_b, fingerprint=pin_b)
         step(f"A → B: pushed {p1.version}: {human(p1.totals()['raw_bytes'])} of data, "
              f"{human(p1.wire_bytes)} on the wire, {p1.seconds:.2f}s")
         r1 = lifecycle.start(b, NAME)
@@ -90,7 +92,7 @@ def main() -> int:
         time.sleep(1)
 
         s2 = lifecycle.suspend(b, NAME)
-        p2 = transfer.push(b, s2.version.ref, url_a, token_a)
+        p2 = transfer.push(b, s2.version.ref, url_a, token_a, fingerprint=pin_a)
         step(f"B → A: pushed {p2.version}: only the changes travel — {human(p2.wire_bytes)} on the wire, "
              f"{len(p2.skipped)} object(s) already at A")
         r2 = lifecycle.start(a, NAME)
@@ -99,7 +101,8 @@ def main() -> int:
 
         # and once more to B, this time demand-paged: B starts at once, disk blocks follow as they are read
         guest(a, "dd if=/dev/urandom of=/dev/vda bs=4096 seek=5000 count=64 conv=notrunc 2>/dev/null; sync")
-        m3 = migrate(a, NAME, url_b, token_b, mode="demand", balloon="cache", source_url=url_a, source_token=token_a)
+        m3 = migrate(a, NAME, url_b, token_b, mode="demand", balloon="cache", source_url=url_a, source_token=token_a,
+                     fingerprint=pin_b, source_fingerprint=pin_a)
         at_b2 = int(guest(b, "cat /tmp/count"))
         step(f"A → B demand-paged (ballooned): B runs it after {m3.seconds:.2f}s, "
              f"{human(m3.remote.get('moved_bytes', 0))} moved first; the counter is at {at_b2}")

@@ -132,12 +132,15 @@ class Agent(AgentProcess):
 
 
 @pytest.fixture
-def two_hosts(tmp_path, tiny_images):
-    """Hosts A and B: two stores (both holding the tiny image) and two agents on loopback."""
+def two_hosts(request, tmp_path, tiny_images):
+    """Hosts A and B: two stores (both holding the tiny image) and two agents on loopback, with plain HTTP,
+    or with TLS (parametrize ``two_hosts`` indirectly with True: each agent's ``fingerprint`` is then what
+    its clients pin)."""
+    tls = getattr(request, "param", False)
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images, "tiny")
-    agent_a = Agent(a.home, tmp_path / "a.token")
-    agent_b = Agent(b.home, tmp_path / "b.token")
+    agent_a = Agent(a.home, tmp_path / "a.token", tls=tls)
+    agent_b = Agent(b.home, tmp_path / "b.token", tls=tls)
     yield a, b, agent_a, agent_b
     for agent in (agent_a, agent_b):
         agent.stop()

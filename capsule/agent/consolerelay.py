@@ -28,6 +28,7 @@ from capsule.agentclient import AgentClient
 from capsule.errors import Error
 from capsule.names import check_name
 from capsule.store import Store
+from hashcache.transport import tls
 
 PEER_TIMEOUT = 10.0
 
@@ -54,7 +55,8 @@ def router(store: Store, sessions: Sessions, tickets: Tickets, caller: object) -
             url = _ws_url(peer.url, grant["url"])
             upstream = await connect(url, additional_headers={"Authorization": f"Bearer {peer.token}"},
                                      subprotocols=["binary"] if kind == "screen" else None,  # type: ignore[list-item]
-                                     max_size=None, open_timeout=PEER_TIMEOUT)
+                                     max_size=None, open_timeout=PEER_TIMEOUT,
+                                     ssl=tls.client_context(peer.fingerprint) if url.startswith("wss://") else None)
         except Error as exc:
             await deny(ws, exc.http_status, f"host {host}: {exc}")
             return
@@ -62,6 +64,9 @@ def router(store: Store, sessions: Sessions, tickets: Tickets, caller: object) -
             await deny(ws, 502, f"host {host} refused its console ({exc.response.status_code})")
             return
         except (OSError, TimeoutError, WebSocketException, KeyError, TypeError) as exc:
+            if bad := tls.cause(exc):
+                await deny(ws, 502, f"host {host}: {tls.explain(peer.url, bad)}")
+                return
             await deny(ws, 502, f"host {host} does not answer for its console ({type(exc).__name__}: {exc})")
             return
         offered = ws.scope.get("subprotocols") or []
@@ -80,7 +85,7 @@ def router(store: Store, sessions: Sessions, tickets: Tickets, caller: object) -
 
 
 def _peer_ticket(peer: hosts.Peer, name: str, kind: Kind) -> dict:
-    with AgentClient(peer.url, peer.token, timeout=PEER_TIMEOUT) as client:
+    with AgentClient(peer.url, peer.token, timeout=PEER_TIMEOUT, fingerprint=peer.fingerprint) as client:
         return client.request("POST", f"/api/capsules/{name}/console-ticket", params={"kind": kind},
                               json_body={}, idempotent=False).json()
 

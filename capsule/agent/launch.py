@@ -6,8 +6,12 @@ way tests, benchmarks and the demo run an agent.
 
 The agent runs in its own session (stopping it stops everything it started), writes its log to a file
 (a pipe nobody reads would stall it once full), and is ready when ``/v1/info`` answers with its token
-(``capsule serve`` creates the token file if it is missing). Importing this module does not import the
-agent's web framework."""
+(``capsule serve`` creates the token file if it is missing).
+
+With ``tls=True`` the agent listens with TLS on its own host key (made on its first start): ``url`` is
+``https://…`` and ``fingerprint`` is its certificate's, which every client of it pins (read from the store's
+certificate, as `capsule host add` would show it). Otherwise it runs with ``--insecure-http``, which
+``capsule serve`` allows on loopback only. Importing this module does not import the agent's web framework."""
 
 from __future__ import annotations
 
@@ -26,10 +30,10 @@ from capsule.errors import Unreachable
 START_TIMEOUT = 60.0
 
 
-def serve_command(home: Path, listen: str, token_file: Path) -> list[str]:
-    """The command line of ``capsule serve`` for a store, an address and a token file."""
+def serve_command(home: Path, listen: str, token_file: Path, *, tls: bool = True) -> list[str]:
+    """The command line of ``capsule serve`` for a store, an address and a token file (TLS, or plain HTTP)."""
     return [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen", listen,
-            "--token-file", str(token_file)]
+            "--token-file", str(token_file), *([] if tls else ["--insecure-http"])]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,16 +48,18 @@ class AgentProcess:
 
     def __init__(self, home: Path, token_file: Path, port: int | None = None, *, host: str = "127.0.0.1",
                  log_path: Path | None = None, timeout: float = START_TIMEOUT,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, tls: bool = False) -> None:
         self.home = Path(home)
         self.token_file = Path(token_file)
         self.host = host
         self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
+        self.fingerprint: str | None = None  # with tls: the certificate's, once it answers
         self.log_path = log_path or self.token_file.with_suffix(".log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(serve_command(self.home, f"{host}:{self.port}", self.token_file),
+            self.proc = subprocess.Popen(serve_command(self.home, f"{host}:{self.port}", self.token_file, tls=tls),
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                          start_new_session=True, env=None if env is None else dict(env))
         try:
@@ -77,13 +83,19 @@ class AgentProcess:
     def _wait_ready(self, timeout: float) -> None:
         import httpx
 
+        from capsule.agent.serve import TLS_DIR
+        from hashcache.transport import tls
+
+        cert = self.home / TLS_DIR / tls.CERT_NAME
         deadline = time.monotonic() + timeout
         while True:
-            if self.token_file.exists():
-                with contextlib.suppress(httpx.TransportError):
+            if self.token_file.exists() and (not self.tls or cert.exists()):
+                with contextlib.suppress(httpx.TransportError, OSError, ValueError):
+                    pin = tls.cert_fingerprint(cert) if self.tls else None
                     r = httpx.get(f"{self.url}/v1/info", headers={"Authorization": f"Bearer {self.token}"},
-                                  timeout=5.0)
+                                  timeout=5.0, verify=tls.client_context(pin) if pin else True)
                     if r.status_code == 200:
+                        self.fingerprint = pin
                         return
             if self.proc.poll() is not None:
                 raise Unreachable(f"the agent for {self.home} exited with status {self.proc.returncode} "

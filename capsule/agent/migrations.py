@@ -120,7 +120,7 @@ class Migration:
                             mode=self.body.mode, balloon=self.body.balloon, started=self.started,
                             progress=self.last.as_dict(), error=self.error, remote=self.remote)
 
-    def run(self, store: Store, source_url: str, source_token: str) -> None:
+    def run(self, store: Store, source_url: str, source_token: str, source_fingerprint: str | None = None) -> None:
         b = self.body
         final: list[Snapshot] = []
 
@@ -134,7 +134,7 @@ class Migration:
             r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.mode,
                             balloon=b.balloon_policy if b.balloon else None, balloon_method=b.balloon_method,
                             source_url=source_url, source_token=source_token, on_event=on_event,
-                            cancel=self.cancel, to_name=self.peer.name)
+                            cancel=self.cancel, to_name=self.peer.name, source_fingerprint=source_fingerprint)
             self.remote = r.remote
         except Error as exc:
             self.error = exc.to_wire()
@@ -167,7 +167,8 @@ class Migrations:
         with self._lock:
             return list(reversed(self._by_id.values()))
 
-    def begin(self, store: Store, name: str, body: MigrateIn, source_url: str, source_token: str) -> Migration:
+    def begin(self, store: Store, name: str, body: MigrateIn, source_url: str, source_token: str,
+              source_fingerprint: str | None = None) -> Migration:
         peer = hosts.get(store, body.to)
         check_name(name)
         if store.catalogue.capsule(name) is None:
@@ -182,8 +183,8 @@ class Migrations:
             finished = [k for k, o in self._by_id.items() if o.finished]
             for k in finished[:max(0, len(self._by_id) - KEEP)]:
                 del self._by_id[k]
-        threading.Thread(target=m.run, args=(store, source_url, source_token), name=f"migrate-{m.id}",
-                         daemon=True).start()
+        threading.Thread(target=m.run, args=(store, source_url, source_token, source_fingerprint),
+                         name=f"migrate-{m.id}", daemon=True).start()
         return m
 
 
@@ -204,7 +205,9 @@ def router(store: Store, sessions: Sessions, token: str) -> APIRouter:
             summary="Move a running capsule to a known host")
     def start(name: str, body: MigrateIn, request: Request) -> MigrationOut:
         source = source_url_for(request) if body.mode == "demand" else ""
-        return migrations.begin(store, name, body, source, token).out()
+        # the other host pins this agent's certificate (the one it serves with, --cert included)
+        pin = getattr(request.app.state, "tls_fingerprint", None)
+        return migrations.begin(store, name, body, source, token, pin).out()
 
     @r.get("/migrations", response_model=list[MigrationOut], summary="This agent's migrations, newest first")
     def list_all() -> list[MigrationOut]:

@@ -1,14 +1,19 @@
-"""Running the agent: token handling and uvicorn."""
+"""Running the agent: token handling, its TLS identity, and uvicorn."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from capsule.errors import InvalidName
 from capsule.names import check_host
+from hashcache.transport import tls
+
+TLS_DIR = "tls"  # in the store: host.crt, host.key (0600)
 
 
 def ensure_token(token_file: Path) -> str:
@@ -33,17 +38,67 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return check_host(host or "127.0.0.1", f"--listen host in {listen!r}"), int(port)
 
 
-def serve(home: Path, listen: str, token_file: Path) -> None:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only reaches this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Identity:
+    """How the agent listens: with TLS (certificate, key, fingerprint) or, on loopback only, plain HTTP."""
+
+    cert: Path | None
+    key: Path | None
+    fingerprint: str | None
+    created: bool = False
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.cert else "http"
+
+
+def identity(home: Path, listen: str, *, insecure_http: bool = False, cert: Path | None = None,
+             key: Path | None = None) -> Identity:
+    """The agent's TLS identity: the user's ``cert``/``key`` (a CA-signed pair, checked to belong together),
+    else the host's own self-signed pair in ``STORE/tls/`` (made on first start). ``insecure_http`` (no TLS)
+    is refused unless the agent listens on loopback only."""
+    host, _port = parse_listen(listen)
+    if insecure_http:
+        if cert or key:
+            raise InvalidName("--insecure-http and --cert/--key exclude each other")
+        if not is_loopback(host):
+            raise InvalidName(f"--insecure-http is refused on {host}: without TLS the token, memory and disks "
+                              "cross the network readable by anyone on the path. Listen on 127.0.0.1 "
+                              "(or ::1), or drop --insecure-http to use TLS")
+        return Identity(None, None, None)
+    if (cert is None) != (key is None):
+        raise InvalidName("--cert and --key go together (a certificate and its private key)")
+    if cert is not None and key is not None:
+        return Identity(cert, key, tls.server_fingerprint(cert, key))
+    own = tls.ensure_host_cert(home / TLS_DIR)
+    return Identity(own.cert, own.key, own.fingerprint, own.created)
+
+
+def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = None) -> None:
     import uvicorn
 
     from capsule.agent.app import create_app
 
     host, port = parse_listen(listen)
+    ident = ident or identity(home, listen)
     app = create_app(home, ensure_token(token_file))
+    app.state.tls_fingerprint = ident.fingerprint  # what peers pin for this agent (dashboard migrations)
     from capsule.backup.scheduler import start_in_serve
     start_in_serve(home)  # scheduled backups run inside the agent (capsule/backup/scheduler.py)
     uvicorn.run(app, host=host, port=port, log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
                 access_log=False, server_header=False, date_header=False,
                 # keep idle connections well past a batch's round trip on a slow link: reopening one
                 # there means a SYN that may wait behind a full queue
-                timeout_keep_alive=75)
+                timeout_keep_alive=75,
+                ssl_certfile=str(ident.cert) if ident.cert else None,
+                ssl_keyfile=str(ident.key) if ident.key else None)

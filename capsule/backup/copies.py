@@ -69,7 +69,7 @@ def prune_there(store: Store, name: str, target: str, policy: Policy) -> list[in
     """Apply ``policy`` to the copies on ``target`` (its agent prunes, then collects what nothing there
     uses); the copies it removed are remembered, so they are neither sent again nor verified there."""
     peer = hosts.get(store, target)
-    with AgentClient(peer.url, peer.token) as client:
+    with AgentClient(peer.url, peer.token, fingerprint=peer.fingerprint) as client:
         answer = client.post_json(f"/v1/backups/{name}/prune", {"policy": policy.as_dict()})
     try:
         removed = [int(n) for n in answer["removed"]]

@@ -121,7 +121,7 @@ def run(store: Store, names: list[str] | None = None, *, remote: bool = True,
         say(f"asking {target} to re-hash {len(their_refs)} backup copies")
         try:
             peer = hosts.get(store, target)
-            with AgentClient(peer.url, peer.token, timeout=3600.0) as client:
+            with AgentClient(peer.url, peer.token, timeout=3600.0, fingerprint=peer.fingerprint) as client:
                 answer = client.post_json("/v1/verify", {"versions": their_refs})
             report = VerifyReport(answer["checked_layers"], answer["checked_files"])
             report.problems = [_problem(p) for p in answer["problems"]]

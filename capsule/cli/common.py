@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.console import Console
 from rich.markup import escape
 
@@ -81,3 +82,8 @@ def report(exc: BaseException) -> int:
                           "This is a bug in capsule: please report it, with the command you ran "
                           "(set CAPSULE_DEBUG=1 to see the traceback).")
     return exit_code_for(exc)
+
+
+FingerprintOpt = Annotated[str | None, typer.Option(
+    "--fingerprint", help="The other agent's certificate fingerprint (SHA256:…, printed by `capsule serve` there) "
+                          "to pin for this call; default: the known host's at that URL (`capsule host add`).")]

@@ -37,15 +37,18 @@ def _when(t: float | None) -> str:
 @app.command()
 def add(
     host: Annotated[str, typer.Argument(help="A short name for the host.")],
-    url: Annotated[str, typer.Argument(help="Its agent: http://HOST:PORT (see `capsule serve`).")],
+    url: Annotated[str, typer.Argument(help="Its agent: https://HOST:PORT (see `capsule serve`).")],
     token_file: Annotated[Path | None, typer.Option("--token-file", help="File holding that agent's token "
                                                                          "(default: CAPSULE_TOKEN).")] = None,
     group: Annotated[str, typer.Option("--group", "-g", help="The host's group.")] = members.DEFAULT_GROUP,
+    fingerprint: Annotated[str | None, typer.Option(
+        "--fingerprint", help="A new host's certificate fingerprint (SHA256:…, printed by `capsule serve` "
+                              "there), pinned; or add it first with `capsule host add`, which shows it.")] = None,
     json: JsonOpt = False,
 ) -> None:
     """Put a host in the fleet (it becomes a known peer too, if it is not one yet)."""
     json_flag(json)
-    m = members.add(open_store(), host, url, read_token(token_file), group)
+    m = members.add(open_store(), host, url, read_token(token_file), group, fingerprint=fingerprint)
     emit(m.as_dict(), lambda: console.print(f"added [bold]{m.name}[/] ({m.peer.url}) to group {m.group}"))
 
 
@@ -58,7 +61,7 @@ def ls(group: GroupOpt = None, json: JsonOpt = False) -> None:
 
     def human() -> None:
         if not rows:
-            console.print("no hosts in the fleet: `capsule fleet add HOST http://HOST:PORT --token-file F`")
+            console.print("no hosts in the fleet: `capsule fleet add HOST https://HOST:PORT --token-file F`")
             return
         t = Table("host", "group", "url", "last answered")
         for r in rows:

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from capsule import hosts
 from capsule.agentclient import read_token
-from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.cli.common import OPTIONS, FingerprintOpt, console, emit, err_console, json_flag, open_store
 from capsule.migrateprogress import CancelToken, Snapshot
 from capsule.units import human
 
@@ -95,6 +95,11 @@ def migrate(
     source_token_file: Annotated[Path | None, typer.Option(
         "--source-token-file", help="demand: the token of this host's agent (default STORE/agent.token).")] = None,
     prefetch: Annotated[bool, typer.Option("--prefetch", help="demand: pull the rest in the background.")] = False,
+    fingerprint: FingerprintOpt = None,
+    source_fingerprint: Annotated[str | None, typer.Option(
+        "--source-fingerprint", help="demand: the certificate fingerprint the destination pins for this host's "
+                                     "agent (default: this store's host key; give it when serving --cert).")]
+    = None,
     token_file: TokenOpt = None, json: JsonOpt = False,
 ) -> None:
     """Move a running capsule to another host: suspend here, then push and start (full) or start there at once
@@ -118,7 +123,8 @@ def migrate(
 
         r = lib.migrate(store, name, url, token, mode=mode, balloon=balloon_policy if balloon else None,
                         balloon_method=balloon_method, source_url=source_url, source_token=source_token,
-                        prefetch=prefetch, on_event=show, cancel=cancel, to_name=label)
+                        prefetch=prefetch, on_event=show, cancel=cancel, to_name=label, fingerprint=fingerprint,
+                        source_fingerprint=source_fingerprint)
     data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
             "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3),
             "progress": r.last.as_dict() if r.last else None}

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from capsule import transfer
 from capsule.agentclient import read_token
-from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.cli.common import OPTIONS, FingerprintOpt, console, emit, err_console, json_flag, open_store
 from capsule.units import human
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -89,29 +89,31 @@ def _options(no_hash: bool, no_compress: bool, level: int, inflight: int, batch:
 
 def push(
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to send.")],
-    to: Annotated[str, typer.Option("--to", help="The receiving agent, e.g. http://host:7070.")],
+    to: Annotated[str, typer.Option("--to", help="The receiving agent, e.g. https://host:7070.")],
     token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
-    inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, json: JsonOpt = False,
+    inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, fingerprint: FingerprintOpt = None,
+    json: JsonOpt = False,
 ) -> None:
     """Send a capsule version to another host: only what it lacks travels (HCP)."""
     json_flag(json)
     store = open_store()
     r = _run(transfer.push, store, ref, to, read_token(token_file),
-             _options(no_hash, no_compress, level, inflight, batch, full_hashes))
+             _options(no_hash, no_compress, level, inflight, batch, full_hashes), fingerprint=fingerprint)
     emit(r.as_dict(), lambda: _summary(r))
 
 
 def pull(
-    url: Annotated[str, typer.Argument(help="The sending agent, e.g. http://host:7070.")],
+    url: Annotated[str, typer.Argument(help="The sending agent, e.g. https://host:7070.")],
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to fetch.")],
     token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
-    inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, json: JsonOpt = False,
+    inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, fingerprint: FingerprintOpt = None,
+    json: JsonOpt = False,
 ) -> None:
     """Fetch a capsule version from another host; an interrupted pull resumes."""
     json_flag(json)
     store = open_store()
     r = _run(transfer.pull, store, url, ref, read_token(token_file),
-             _options(no_hash, no_compress, level, inflight, batch, full_hashes))
+             _options(no_hash, no_compress, level, inflight, batch, full_hashes), fingerprint=fingerprint)
     emit(r.as_dict(), lambda: _summary(r))
 
 
@@ -120,15 +122,32 @@ def serve(
     token_file: Annotated[Path | None, typer.Option(
         "--token-file", help="The token clients must present (created with a fresh token if missing; "
                              "default: STORE/agent.token).")] = None,
+    cert: Annotated[Path | None, typer.Option(
+        "--cert", help="Your own certificate (PEM, e.g. CA-signed) instead of the host's self-signed one; "
+                       "with --key.")] = None,
+    key: Annotated[Path | None, typer.Option("--key", help="The private key of --cert (PEM).")] = None,
+    insecure_http: Annotated[bool, typer.Option(
+        "--insecure-http", help="Plain HTTP without TLS: only on a loopback --listen (tests, a local proxy).")]
+    = False,
 ) -> None:
-    """Run this host's agent: HCP and management calls over HTTP, bearer-token protected."""
+    """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
+
+    On first start the host's key and a self-signed certificate are made in STORE/tls/ (the key 0600) and
+    kept. The certificate's fingerprint (SHA256:…) is printed: other hosts pin it with `capsule host add`
+    (they show it; compare it with this one) or --fingerprint, as ssh does with host keys."""
+    from capsule.agent.serve import identity
     from capsule.agent.serve import serve as run_serve
 
     store = open_store()
     tf = token_file or store.home / "agent.token"
-    err_console.print(f"agent for store {store.home} on http://{listen} (token in {tf})")
+    ident = identity(store.home, listen, insecure_http=insecure_http, cert=cert, key=key)
+    # one line each, never wrapped: the fingerprint is what the user compares and copies
+    err_console.print(f"agent for store {store.home} on {ident.scheme}://{listen} (token in {tf})", soft_wrap=True)
+    if ident.fingerprint:
+        made = "new host key; " if ident.created else ""
+        err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", soft_wrap=True)
     store.close()
-    run_serve(store.home, listen, tf)
+    run_serve(store.home, listen, tf, ident)
 
 
 @cache_app.command("prime")
@@ -182,14 +201,14 @@ def register(app: typer.Typer) -> None:
 
 def run(
     name: Annotated[str, typer.Argument(help="NAME or NAME@V on the other host.")],
-    source: Annotated[str, typer.Option("--from", help="The agent that holds it, e.g. http://work:7070.")],
+    source: Annotated[str, typer.Option("--from", help="The agent that holds it, e.g. https://work:7070.")],
     prefetch: Annotated[bool, typer.Option("--prefetch", help="Pull every remaining disk block in the "
                                                               "background, so the capsule stops depending "
                                                               "on the source host.")] = False,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until a booting guest is up.")] = True,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest (a boot over a slow "
                                                              "link reads its disk at the link's speed).")] = 180.0,
-    token_file: TokenOpt = None, json: JsonOpt = False,
+    token_file: TokenOpt = None, fingerprint: FingerprintOpt = None, json: JsonOpt = False,
 ) -> None:
     """Start a capsule of another host here at once: memory first, disk blocks as the guest reads them (§4.3)."""
     json_flag(json)
@@ -198,7 +217,7 @@ def run(
 
     with spinner(f"running {name} from {source}") as say:
         r = transfer.run(store, source, name, read_token(token_file), prefetch=prefetch, wait=wait, timeout=timeout,
-                          say=say)
+                          say=say, fingerprint=fingerprint)
     data = {"transfer": r.transfer.as_dict(), "remote_layers": r.remote_layers, "mode": r.start.mode,
             "domain": r.start.domain, "seconds": round(r.start.seconds, 3)}
     emit(data, lambda: console.print(

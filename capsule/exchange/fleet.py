@@ -63,9 +63,10 @@ def parse_pull_request(req: Any) -> tuple[str, str, str]:
 def pull_from(store: Store, req: Any, activity: Activity) -> TransferReport:
     """Pull NAME@V from the agent named in the request into this store (HCP: only what is lacking)."""
     from capsule import transfer
+    from capsule.exchange.running import request_pin
 
     source, token, ref = parse_pull_request(req)
-    report = transfer.pull(store, source, ref, token)
+    report = transfer.pull(store, source, ref, token, fingerprint=request_pin(req))
     activity.pulled(ref, source, report.wire_bytes)
     return report
 

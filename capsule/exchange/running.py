@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from capsule.errors import InvalidName
 from capsule.names import check_name
 from capsule.store import Store
+from hashcache.transport.tls import parse_fingerprint
 
 if TYPE_CHECKING:
     from capsule.lifecycle import SealResult, StartResult
@@ -50,4 +51,15 @@ def run_from(store: Store, req: Any) -> RunReport:
     from capsule import transfer
 
     source, token, ref, prefetch = parse_run_request(req)
-    return transfer.run(store, source, ref, token, prefetch=prefetch)
+    return transfer.run(store, source, ref, token, prefetch=prefetch, fingerprint=request_pin(req))
+
+
+def request_pin(req: Any) -> str | None:
+    """The source's certificate fingerprint a run or pull request gives (``"fingerprint"``), or None (then
+    this host's pin for that URL, or CA validation, applies)."""
+    pin = req.get("fingerprint") if isinstance(req, dict) else None
+    if pin is None:
+        return None
+    if not isinstance(pin, str):
+        raise InvalidName("the source's fingerprint must be a string (SHA256:…)")
+    return parse_fingerprint(pin)

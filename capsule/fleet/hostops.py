@@ -79,7 +79,7 @@ def other_content(store: Store, version: VersionRow, claimants: list[Member]) ->
     out = {}
     for m in claimants:
         try:
-            with AgentClient(m.peer.url, m.peer.token, timeout=ASK_TIMEOUT) as client:
+            with AgentClient(m.peer.url, m.peer.token, timeout=ASK_TIMEOUT, fingerprint=m.peer.fingerprint) as client:
                 theirs = client.get_json(f"/v1/capsules/{version.capsule}/versions/{version.number}")
         except Error:
             continue
@@ -106,15 +106,17 @@ def push_from_origin(store: Store, ref: str, member: Member, on_bytes: Callable[
 
 def pull_from_peer(ref: str, member: Member, source: Member) -> int:
     """The member's agent pulls ``ref`` from ``source``'s agent (given its URL and token); wire bytes."""
-    with AgentClient(member.peer.url, member.peer.token, timeout=TRANSFER_TIMEOUT) as client:
+    with AgentClient(member.peer.url, member.peer.token, timeout=TRANSFER_TIMEOUT,
+                     fingerprint=member.peer.fingerprint) as client:
         reply = client.post_json("/v1/fleet/pull", {"source": source.peer.url, "token": source.peer.token,
-                                                    "ref": ref})
+                                                    "ref": ref, "fingerprint": source.peer.fingerprint})
     return int(reply.get("wire_bytes", 0)) if isinstance(reply, dict) else 0
 
 
 def activate(member: Member, name: str, version: int, timeout: float = 180.0) -> str:
     """Run ``name@version`` on the member (its running older version stopped first); what it did."""
-    with AgentClient(member.peer.url, member.peer.token, timeout=timeout + 60) as client:
+    with AgentClient(member.peer.url, member.peer.token, timeout=timeout + 60,
+                     fingerprint=member.peer.fingerprint) as client:
         reply = client.request("POST", f"/v1/capsules/{name}/activate",
                                params={"version": version, "timeout": timeout}).json()
     return str(reply.get("did", "")) if isinstance(reply, dict) else ""
@@ -122,5 +124,6 @@ def activate(member: Member, name: str, version: int, timeout: float = 180.0) ->
 
 def activity(member: Member) -> dict[str, Any]:
     """The member's recent pulls and what it served (``GET /v1/fleet/activity``)."""
-    with AgentClient(member.peer.url, member.peer.token, timeout=ASK_TIMEOUT) as client:
+    with AgentClient(member.peer.url, member.peer.token, timeout=ASK_TIMEOUT,
+                     fingerprint=member.peer.fingerprint) as client:
         return client.get_json("/v1/fleet/activity")

@@ -71,16 +71,18 @@ def get(store: Store, host: str) -> Member:
     return members(store, names=[host])[0]
 
 
-def add(store: Store, host: str, url: str, token: str, group: str = DEFAULT_GROUP) -> Member:
+def add(store: Store, host: str, url: str, token: str, group: str = DEFAULT_GROUP, *,
+        fingerprint: str | None = None) -> Member:
     """Put ``host`` in the fleet's ``group``. A host not known yet is added as a peer (its agent must
-    answer with the token); a known one must be at the same URL."""
+    answer with the token; over https its certificate must have ``fingerprint``, or be CA-signed); a known
+    one must be at the same URL."""
     check_name(host, "host")
     check_name(group, "group")
     url = hosts.check_url(url)
     try:
         peer = hosts.get(store, host)
     except NotFound:
-        peer = hosts.add(store, host, url, token)
+        peer = hosts.add(store, host, url, token, fingerprint=fingerprint)
     else:
         if peer.url != url:
             raise Conflict(f"host {host!r} is known at {peer.url}, not {url} (`capsule host rm {host}` first)")

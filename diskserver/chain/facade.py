@@ -119,7 +119,7 @@ class Chain(BlockResolution, Fetching, Persisting):
                     raise SpecError(f"layer {ls.id[:12]}: cannot open its shadow in {spec.shadow_dir}: {exc}") from exc
                 layer.present = bytearray((layer.nblocks + 7) // 8)
                 self._refresh_presence(layer, layer.data_blocks)
-                key = (ls.remote.url, ls.remote.token_file)
+                key = (ls.remote.url, ls.remote.token_file, ls.remote.fingerprint)
                 source = self._sources.get(key)
                 if source is None:
                     rt = spec.retry
@@ -127,7 +127,7 @@ class Chain(BlockResolution, Fetching, Persisting):
                         source = HcpSource(ls.remote.url, ls.remote.token_file, retry_seconds=rt.seconds,
                                            initial_delay=rt.initial_delay, max_delay=rt.max_delay,
                                            request_timeout=rt.request_timeout, compress=spec.compress,
-                                           level=spec.compress_level)
+                                           level=spec.compress_level, fingerprint=ls.remote.fingerprint)
                     except SourceError as exc:
                         raise SpecError(f"layer {ls.id[:12]}: {exc}") from exc
                     self._sources[key] = source

@@ -14,7 +14,9 @@ from typing import Any
 
 from diskserver.errors import SpecError
 from hashcache.atomic import write_atomic
+from hashcache.errors import Error
 from hashcache.hcp import MAX_BATCH
+from hashcache.transport.tls import parse_fingerprint
 
 SPEC_VERSION = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -23,10 +25,12 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")  # ASCII only: \w would 
 
 @dataclass(frozen=True)
 class RemoteSpec:
-    """Where a remote layer comes from: an agent URL and a file holding its bearer token."""
+    """Where a remote layer comes from: an agent URL, a file holding its bearer token, and over https the
+    fingerprint its certificate is pinned to (None: CA validation)."""
 
     url: str
     token_file: str
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,11 @@ class ChainSpec:
                     raise SpecError(f"{where}: remote url {r.url!r} must start with http:// or https://")
                 if not isinstance(r.token_file, str) or not r.token_file:
                     raise SpecError(f"{where}: remote token_file is required")
+                if r.fingerprint is not None:
+                    try:
+                        parse_fingerprint(r.fingerprint)
+                    except Error as exc:
+                        raise SpecError(f"{where}: remote {exc}") from None
         if not isinstance(self.shadow_dir, str) or not self.shadow_dir:
             raise SpecError("shadow_dir is required")
         if self.size is not None and (type(self.size) is not int or self.size <= 0):
@@ -179,7 +188,8 @@ class ChainSpec:
                 "manifest_path": layer.manifest_path,
                 "local_path": layer.local_path,
                 "remote": None if layer.remote is None else {"url": layer.remote.url,
-                                                             "token_file": layer.remote.token_file},
+                                                             "token_file": layer.remote.token_file,
+                                                             "fingerprint": layer.remote.fingerprint},
             })
         return {
             "version": SPEC_VERSION,
@@ -239,10 +249,15 @@ class ChainSpec:
                 raise SpecError(f"layer {n}: unknown field(s): {', '.join(extra)}")
             remote = item.get("remote")
             if remote is not None:
-                if not isinstance(remote, dict) or set(remote) - {"url", "token_file"}:
-                    raise SpecError(f"layer {n}: remote must be {{\"url\": ..., \"token_file\": ...}}")
+                if not isinstance(remote, dict) or set(remote) - {"url", "token_file", "fingerprint"}:
+                    raise SpecError(f"layer {n}: remote must be {{\"url\": ..., \"token_file\": ..., "
+                                    "\"fingerprint\": ...}}")
+                pin = remote.get("fingerprint")
+                if pin is not None and not isinstance(pin, str):
+                    raise SpecError(f"layer {n}: remote fingerprint must be a string")
                 remote = RemoteSpec(url=remote.get("url"), token_file=path(remote.get("token_file"),
-                                                                            f"layer {n} remote token_file"))
+                                                                            f"layer {n} remote token_file"),
+                                    fingerprint=pin)
             layers.append(LayerSpec(id=item.get("id"), manifest_path=path(item.get("manifest_path"),
                                                                           f"layer {n} manifest_path"),
                                     local_path=path(item.get("local_path"), f"layer {n} local_path"),

@@ -12,6 +12,9 @@ Wrappers: :class:`Retrying` (idempotent calls only, back-off; a refused connecti
 the policy says otherwise; a 401 is never retried), :class:`Counting` (bytes on the wire),
 :class:`RateLimited` (a token bucket). :func:`check` turns an error reply into the typed error the
 peer raised (same class, same message, prefixed with the host that said it).
+
+Over https every connection (HTTP, the block stream, asyncio WebSockets) uses :mod:`hashcache.transport.tls`:
+the peer's certificate pinned by its SHA-256 fingerprint, or CA-validated when no pin is given.
 """
 
 from hashcache.transport.base import Call, Reply, Transport, check, read_call, read_token

@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 
 from hashcache.errors import Unreachable
+from hashcache.transport import tls
 from hashcache.transport.base import Call, Reply, TokenSource
 
 # a connection that stalled or broke; anything else (refused, unknown host) means nobody listens
@@ -22,19 +23,23 @@ def _token(token: TokenSource | str | Path) -> TokenSource:
 
 
 class HttpTransport:
-    """Calls over HTTP. ``client`` (an ``httpx.Client`` whose base URL is the agent) replaces the
-    default pool, e.g. with one that drives an ASGI app in-process."""
+    """Calls over HTTP(S). ``client`` (an ``httpx.Client`` whose base URL is the agent) replaces the
+    default pool, e.g. with one that drives an ASGI app in-process. Over https the peer's certificate must
+    have the ``fingerprint`` (``SHA256:…``) pinned for it, or without one pass the system's CA validation
+    (:mod:`hashcache.transport.tls`)."""
 
     def __init__(self, url: str, token: TokenSource | str | Path, *, timeout: float = 120.0,
                  connect_timeout: float = 30.0, max_connections: int = 32, user_agent: str = "capsule",
-                 client: httpx.Client | None = None) -> None:
+                 client: httpx.Client | None = None, fingerprint: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self.fingerprint = fingerprint
         self.token = _token(token)
         self.connect_timeout = connect_timeout
         # minimal headers: on a 384 kbit/s link every byte of every request counts
         self._client = client or httpx.Client(
             base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            verify=tls.client_context(fingerprint) if self.url.startswith("https://") else True)
         self._client.headers.update({"User-Agent": user_agent, "Accept": "*/*", "Accept-Encoding": "identity"})
 
     def call(self, call: Call) -> Reply:
@@ -49,6 +54,8 @@ class HttpTransport:
                                         content=call.content if call.method != "GET" else None, headers=headers,
                                         **kw)
         except httpx.TransportError as exc:
+            if bad := tls.cause(exc):
+                raise tls.explain(self.url, bad) from exc
             raise Unreachable(f"cannot reach the agent at {self.url}: {str(exc) or type(exc).__name__}",
                               refused=not isinstance(exc, STALLED)) from exc
         return Reply(resp.status_code, resp.content, resp.headers, wire_bytes(resp, len(call.content)))

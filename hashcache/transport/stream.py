@@ -17,7 +17,6 @@ import json
 import logging
 import re
 import socket
-import ssl
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -30,6 +29,7 @@ from websockets.uri import parse_uri
 
 from hashcache.errors import Unreachable
 from hashcache.hcp import decode_stream_reply, encode_stream_read
+from hashcache.transport import tls
 from hashcache.transport.base import Call, Reply, TokenSource, Transport
 
 log = logging.getLogger("hashcache.transport")
@@ -63,13 +63,13 @@ class _Connection:
     """One WebSocket on a plain socket, driven entirely by the calling thread (websockets' sans-I/O
     protocol): no reader thread to hand each reply over, which costs a GIL round trip per READ."""
 
-    def __init__(self, ws_url: str, token: str, timeout: float) -> None:
+    def __init__(self, ws_url: str, token: str, timeout: float, fingerprint: str | None = None) -> None:
         uri = parse_uri(ws_url)
         sock = socket.create_connection((uri.host, uri.port), timeout=min(5.0, timeout))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if uri.secure:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=uri.host)
+                sock = tls.client_context(fingerprint).wrap_socket(sock, server_hostname=uri.host)
             self.sock = sock
             self.proto = ClientProtocol(uri, max_size=64 << 20)
             self._events: collections.deque[object] = collections.deque()
@@ -131,11 +131,12 @@ class _Connection:
         self.sock.close()
 
 
-def socket_connector(url: str) -> Connector:
-    """Connections over TCP to the agent at ``url`` (http:// → ws://, https:// → wss://)."""
+def socket_connector(url: str, fingerprint: str | None = None) -> Connector:
+    """Connections over TCP to the agent at ``url`` (http:// → ws://, https:// → wss:// with the certificate
+    pinned to ``fingerprint``, or CA-validated without one: :func:`hashcache.transport.tls.client_context`)."""
     base = url.rstrip("/")
     ws_url = ("wss://" + base[8:] if base.startswith("https://") else "ws://" + base[7:]) + STREAM_PATH
-    return lambda token, timeout: _Connection(ws_url, token, timeout)
+    return lambda token, timeout: _Connection(ws_url, token, timeout, fingerprint)
 
 
 class StreamUnsupported(Exception):
@@ -207,7 +208,9 @@ class StreamTransport:
         self.url = inner.url
         self.token = token
         self.timeout = timeout
-        self._stream: BlockStream | None = BlockStream(connect or socket_connector(inner.url), max_idle)
+        # the stream trusts the peer exactly as the wrapped transport does (its pin, if it has one)
+        pin = getattr(inner, "fingerprint", None)
+        self._stream: BlockStream | None = BlockStream(connect or socket_connector(inner.url, pin), max_idle)
 
     @property
     def active(self) -> bool:
@@ -238,6 +241,8 @@ class StreamTransport:
             detail = "the block stream refused the token" if exc.status == 401 else exc.reason
             return Reply(exc.status, json.dumps({"detail": detail}).encode(), {}, _OPENING)
         except (OSError, TimeoutError, WebSocketException) as exc:
+            if bad := tls.cause(exc):
+                raise tls.explain(self.url, bad) from exc
             text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise Unreachable(f"cannot reach the agent at {self.url} (block stream): {text}",
                               refused=isinstance(exc, ConnectionRefusedError)) from exc

@@ -16,15 +16,35 @@ CHROMIUM = Path(os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium"))
 SCREENSHOTS = os.environ.get("CAPSULE_SCREENSHOTS")  # a directory to keep the pages' pictures in
 
 
+def spki_pin(cert_file: Path) -> str:
+    """Chromium's pin of a certificate's key: base64 of the SHA-256 of its SubjectPublicKeyInfo."""
+    import base64
+    import hashlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    key = x509.load_pem_x509_certificate(cert_file.read_bytes()).public_key()
+    spki = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return base64.b64encode(hashlib.sha256(spki).digest()).decode()
+
+
 @pytest.fixture
-def browser():
+def browser(request):
+    """Chromium; when the test's hosts serve TLS, their self-signed certificates are pinned by their keys
+    (as a user who compared the fingerprint and accepted it would), nothing else is trusted."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: browser tests drive Debian's chromium (`make setup` installs it)")
     from playwright.sync_api import sync_playwright
 
+    args = ["--no-sandbox"] if os.geteuid() == 0 else []
+    if "two_hosts" in request.fixturenames:
+        agents = request.getfixturevalue("two_hosts")[2:]
+        pins = [spki_pin(ag.home / "tls" / "host.crt") for ag in agents if ag.tls]
+        if pins:
+            args.append("--ignore-certificate-errors-spki-list=" + ",".join(pins))
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                              args=["--no-sandbox"] if os.geteuid() == 0 else [])
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=args)
         yield b
         b.close()
 
@@ -35,13 +55,17 @@ def _shot(page, tmp_path: Path, name: str) -> None:
         page.screenshot(path=str(Path(SCREENSHOTS) / f"{name}.png"), full_page=True)
 
 
+@pytest.mark.parametrize("two_hosts", [True], ids=["tls"], indirect=True)
 def test_sign_in_see_both_hosts_start_a_capsule_and_lose_a_peer(two_hosts, browser, tmp_path):
+    """Over TLS: the page at https://, its session cookie Secure, and host A's agent asking host B with B's
+    certificate pinned."""
     from playwright.sync_api import expect
 
     a, b, agent_a, agent_b = two_hosts
     capsules.create(a, "desk-a", "tiny", memory="256M")
     capsules.create(b, "desk-b", "tiny", memory="256M")
-    hosts.add(a, "home", agent_b.url, agent_b.token)
+    hosts.add(a, "home", agent_b.url, agent_b.token, fingerprint=agent_b.fingerprint)
+    assert agent_a.url.startswith("https://")
 
     page = browser.new_page(viewport={"width": 1280, "height": 800})
     page.goto(agent_a.url)
@@ -64,6 +88,8 @@ def test_sign_in_see_both_hosts_start_a_capsule_and_lose_a_peer(two_hosts, brows
     expect(peer.locator('tr[data-capsule="desk-b"] .badge')).to_have_attribute("data-state", "stopped")
     expect(page.locator("#whoami")).to_contain_text(a.id)
     expect(page.locator("#alert")).to_be_hidden()        # no error so far
+    cookies = page.context.cookies()
+    assert cookies and all(c["secure"] and c["httpOnly"] for c in cookies)  # over TLS: Secure
 
     # start it from the page: busy, then running, and the host agrees
     local.locator('button[data-action="start"]').click()

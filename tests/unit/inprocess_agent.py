@@ -1,5 +1,7 @@
 """A real agent app (``create_app``) served by uvicorn on a loopback port from a thread of the test
-process: a peer for unit tests that start no process. ``stop()`` makes the peer go away."""
+process: a peer for unit tests that start no process. ``stop()`` makes the peer go away. With ``tls_dir`` it
+serves TLS with the host key there (made if missing, as ``capsule serve`` does): ``url`` is https and
+``fingerprint`` the certificate's, which clients pin; ``port`` restarts a peer where it was."""
 
 from __future__ import annotations
 
@@ -20,13 +22,19 @@ def free_port() -> int:
 
 
 class InProcessAgent:
-    def __init__(self, home: Path, token: str) -> None:
+    def __init__(self, home: Path, token: str, *, tls_dir: Path | None = None, port: int | None = None) -> None:
+        from hashcache.transport import tls
+
         self.token = token
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or free_port()
+        cert = tls.ensure_host_cert(tls_dir) if tls_dir is not None else None
+        self.fingerprint = cert.fingerprint if cert else None
+        self.url = f"{'https' if cert else 'http'}://127.0.0.1:{self.port}"
         self.app = create_app(home, token)
+        self.app.state.tls_fingerprint = self.fingerprint
+        files = {"ssl_certfile": str(cert.cert), "ssl_keyfile": str(cert.key)} if cert else {}
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="off")
+                                lifespan="off", **files)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -25,6 +25,27 @@ def test_starts_answers_and_stops(tmp_path):
         httpx.get(f"{agent.url}/v1/info", timeout=2.0)
 
 
+def test_a_tls_agent_makes_its_host_key_once_and_hands_out_its_fingerprint(tmp_path):
+    """`capsule serve` without --insecure-http: TLS on a host key made on first start (0600) and kept across
+    restarts; the launcher gives the fingerprint clients pin, and the log names it as `host add` shows it."""
+    from hashcache.transport import tls
+
+    with AgentProcess(tmp_path / "home", tmp_path / "a.token", tls=True) as agent:
+        assert agent.url.startswith("https://") and agent.fingerprint
+        assert (tmp_path / "home" / "tls" / "host.key").stat().st_mode & 0o777 == 0o600
+        pinned = tls.client_context(agent.fingerprint)
+        r = httpx.get(f"{agent.url}/v1/info", headers={"Authorization": f"Bearer {agent.token}"}, verify=pinned)
+        assert r.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # no pin: the self-signed certificate is not trusted
+            httpx.get(f"{agent.url}/v1/info", timeout=5)
+        with pytest.raises(httpx.TransportError):  # no plain HTTP on the TLS port
+            httpx.get(agent.url.replace("https://", "http://") + "/v1/info", timeout=5)
+        first = agent.fingerprint
+        assert f"new host key; certificate fingerprint {first}" in agent.log()
+    with AgentProcess(tmp_path / "home", tmp_path / "a.token", tls=True) as again:
+        assert again.fingerprint == first  # the same key after a restart: pins stay valid
+
+
 def test_an_agent_that_cannot_start_fails_at_once_with_its_log(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

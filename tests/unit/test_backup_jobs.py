@@ -278,7 +278,7 @@ def test_a_backup_host_that_is_down_leaves_the_copy_waiting(store):
     from tests.unit.inprocess_agent import free_port
 
     store.catalogue.ensure_table(hosts.SCHEMA)      # a known host, whose agent no longer answers
-    store.catalogue.query("INSERT INTO peers VALUES('vault', ?, 'a-token-of-the-vault-0123', 'abcdef0123', 0)",
+    store.catalogue.query("INSERT INTO peers VALUES('vault', ?, 'a-token-of-the-vault-0123', 'abcdef0123', 0, NULL)",
                           (f"http://127.0.0.1:{free_port()}",))
     clock = Clock(T0)
     take = Taker(clock)

@@ -19,8 +19,9 @@ from tests.unit.test_dashboard_api import PEER_TOKEN, TOKEN, _fake_image, sign_i
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
-@pytest.fixture
-def peer(tmp_path):
+@pytest.fixture(params=[False, True], ids=["http", "tls"])
+def peer(request, tmp_path):
+    """The peer, over plain HTTP or TLS (then the relay's WebSocket to it is pinned to its certificate)."""
     store = Store.open(tmp_path / "b")
     _fake_image(store)
     capsules.create(store, "desk", "img", memory="256M")
@@ -31,7 +32,7 @@ def peer(tmp_path):
                                              accel="tcg", dir=str(inst)))
     store.close()
     server = EchoServer(inst / VNC_SOCKET)
-    agent = InProcessAgent(tmp_path / "b", PEER_TOKEN)
+    agent = InProcessAgent(tmp_path / "b", PEER_TOKEN, tls_dir=tmp_path / "b-tls" if request.param else None)
     yield agent, server
     agent.stop()
     server.stop()
@@ -40,7 +41,7 @@ def peer(tmp_path):
 @pytest.fixture
 def client(tmp_path, peer):
     store = Store.open(tmp_path / "a")
-    hosts.add(store, "home", peer[0].url, PEER_TOKEN)
+    hosts.add(store, "home", peer[0].url, PEER_TOKEN, fingerprint=peer[0].fingerprint)
     store.close()
     return TestClient(create_app(tmp_path / "a", TOKEN))
 
@@ -86,7 +87,10 @@ def test_peer_checks_its_own_session_for_the_direct_console(peer):
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
+    from hashcache.transport import tls
+
     agent, _ = peer
+    pinned = {"ssl": tls.client_context(agent.fingerprint)} if agent.fingerprint else {}
     with pytest.raises(InvalidStatus) as info:
-        connect(agent.url.replace("http", "ws") + "/api/console/desk?ticket=x", open_timeout=5)
+        connect(agent.url.replace("http", "ws", 1) + "/api/console/desk?ticket=x", open_timeout=5, **pinned)
     assert info.value.response.status_code == 401

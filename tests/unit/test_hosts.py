@@ -130,7 +130,8 @@ def test_ask_all_keeps_its_deadline_with_a_hung_peer(store, peer):
     silent = SilentPeer()
     try:
         # recorded directly: a hung host could never be added, but one can hang later
-        store.catalogue.query("INSERT INTO peers VALUES(?,?,?,?,?)", ("hung", silent.url, TOKEN_C, "00000000", 0.0))
+        store.catalogue.query("INSERT INTO peers VALUES(?,?,?,?,?,NULL)",
+                              ("hung", silent.url, TOKEN_C, "00000000", 0.0))
         t0 = time.monotonic()
         by_name = {s.peer.name: s for s in hosts.ask_all(store, timeout=1.0)}
         assert time.monotonic() - t0 < 3.0

@@ -9,9 +9,11 @@ import pytest
 
 from capsule import lifecycle
 from capsule.catalogue import VersionRow
-from capsule.errors import Cancelled
+from capsule.errors import Cancelled, InvalidInput, InvalidName
+from capsule.exchange.running import request_pin
 from capsule.migrate import MigrationCancelled, MigrationFailed, Reached, Steps, migrate
 from capsule.migrateprogress import PHASES, CancelToken, Snapshot, Tracker, planned
+from hashcache.transport import tls
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -42,7 +44,7 @@ class FakeHosts(Steps):
         v = VersionRow(name, 2, name, 1, "m" * 64, [["l" * 64]], {"kernel": "k" * 64, "initrd": "i" * 64}, "", 0.0)
         return lifecycle.SealResult(v)
 
-    def push(self, store, ref, to, token, *, progress, check, files_only=False):  # noqa: ARG002
+    def push(self, store, ref, to, token, *, progress, check, files_only=False, fingerprint=None):  # noqa: ARG002
         self.calls.append("push files" if files_only else "push")
         wire = 0
         objects = [("file", "m", "memory", MEMORY, False), ("file", "k", "kernel", BOOT // 2, True),
@@ -71,12 +73,14 @@ class FakeHosts(Steps):
         self.calls.append(f"restore {ref}")
         self.running_here = True
 
-    def start_there(self, to, token, name, number):  # noqa: ARG002
+    def start_there(self, to, token, name, number, fingerprint=None):  # noqa: ARG002
+        self.pins = [*getattr(self, "pins", []), fingerprint]
         self.calls.append(f"start {name}@{number}")
         self.running_there = True
         return {"mode": "restore"}
 
-    def run_there(self, to, token, body):  # noqa: ARG002
+    def run_there(self, to, token, body, fingerprint=None):  # noqa: ARG002
+        self.pins, self.run_body = [*getattr(self, "pins", []), fingerprint], body
         self.calls.append(f"run {body['ref']}")
         self.running_there = True
         return {"mode": "restore", "remote_layers": ["l" * 64]}
@@ -84,7 +88,7 @@ class FakeHosts(Steps):
     def sizes(self, store, version, mode):  # noqa: ARG002
         return {"memory": MEMORY + BOOT} if mode == "demand" else {"memory": MEMORY, "disk": LAYER + BOOT}
 
-    def reached(self, store, version, to, token):  # noqa: ARG002
+    def reached(self, store, version, to, token, fingerprint=None):  # noqa: ARG002
         return Reached(present=[], missing=["m"])
 
 
@@ -136,6 +140,27 @@ def test_demand_migration_has_no_disk_phase_and_pushes_only_the_files():
     _assert_forward(events)
     assert hosts.calls == ["save", "push files", "run vm@2"]
     assert r.push is None and events[-1].done_bytes == MEMORY + BOOT
+
+
+def test_a_demand_migration_over_tls_sends_the_sources_pin_and_pins_the_destination():
+    """The destination is called pinned to its fingerprint; the run request carries this host's, which the
+    destination pins when it pages the disks in from here."""
+    hosts, events = FakeHosts(), []
+    mine, theirs = "SHA256:" + "M" * 43, "ab" * 32
+    _migrate(hosts, events, mode="demand", source_url="https://a:7070", source_fingerprint=mine, fingerprint=theirs)
+    assert hosts.run_body["fingerprint"] == mine and hosts.run_body["source"] == "https://a:7070"
+    assert hosts.pins == [tls.parse_fingerprint(theirs)]
+    with pytest.raises(InvalidInput, match="invalid fingerprint"):
+        _migrate(FakeHosts(), [], mode="full", fingerprint="SHA256:nope")
+
+
+def test_run_and_pull_requests_parse_the_sources_pin():
+    assert request_pin({"source": "https://a:1"}) is None
+    assert request_pin({"fingerprint": "ab" * 32}) == tls.parse_fingerprint("ab" * 32)
+    with pytest.raises(InvalidName, match="must be a string"):
+        request_pin({"fingerprint": 7})
+    with pytest.raises(InvalidInput, match="invalid fingerprint"):
+        request_pin({"fingerprint": "SHA256:x"})
 
 
 def test_progress_moves_forward_even_when_the_transfer_reports_backwards():
@@ -203,7 +228,7 @@ def test_a_cancel_after_the_start_request_is_refused():
     started = threading.Event()
 
     class Late(FakeHosts):
-        def start_there(self, to, token_, name, number):
+        def start_there(self, to, token_, name, number, fingerprint=None):
             started.set()
             assert not token.cancel()  # too late: the other host may be starting it
             return super().start_there(to, token_, name, number)

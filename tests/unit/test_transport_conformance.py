@@ -1,6 +1,6 @@
 """One conformance suite for every transport to an agent: HTTP and the block stream over loopback TCP
-(uvicorn in a thread), and the same two driven in-process (the unit tier's transport). Each runs
-against the real agent app on a fresh store."""
+(uvicorn in a thread), plain and with TLS (the certificate pinned by its fingerprint), and the same two
+driven in-process (the unit tier's transport). Each runs against the real agent app on a fresh store."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from capsule.agentclient import AgentClient
 from capsule.errors import AuthFailed, InvalidName, NotFound, Unreachable
+from hashcache.errors import HostKeyError
 from hashcache.hcp import unpack_blocks
 from hashcache.transport import (
     Call,
@@ -22,6 +23,7 @@ from hashcache.transport import (
     StreamTransport,
     check,
     read_call,
+    tls,
 )
 from hashcache.transport.base import TokenSource
 from hashcache.transport.memory import in_process
@@ -29,14 +31,15 @@ from tests.unit.transport_fixtures import NBLOCKS, TOKEN, DroppingTransport, age
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-KINDS = ["http", "stream", "memory-http", "memory-stream"]
+KINDS = ["http", "stream", "https", "stream-tls", "memory-http", "memory-stream"]
 FAST = RetryPolicy(delays=(0.05, 0.05, 0.05))
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    with agent_app(tmp_path_factory.mktemp("agent")) as a, serve(a) as url:
-        a.url = url
+    cert = tls.ensure_host_cert(tmp_path_factory.mktemp("tls"))
+    with agent_app(tmp_path_factory.mktemp("agent")) as a, serve(a) as url, serve(a, cert) as tls_url:
+        a.url, a.tls_url, a.fingerprint = url, tls_url, cert.fingerprint
         yield a
 
 
@@ -52,6 +55,11 @@ def make(request, agent):
             t = HttpTransport(agent.url, tok, timeout=10)
         elif kind == "stream":
             t = StreamTransport(HttpTransport(agent.url, tok, timeout=10), tok, timeout=10)
+        elif kind == "https":
+            t = HttpTransport(agent.tls_url, tok, timeout=10, fingerprint=agent.fingerprint)
+        elif kind == "stream-tls":
+            t = StreamTransport(HttpTransport(agent.tls_url, tok, timeout=10, fingerprint=agent.fingerprint), tok,
+                                timeout=10)
         else:
             t = in_process(agent.dropper, tok, stream=kind == "memory-stream",
                            wrap=lambda inner: DroppingTransport(inner, agent.dropper))
@@ -163,3 +171,29 @@ def test_rate_limiting_holds_calls_back(agent):
         for _ in range(3):  # 3 × 40 blocks uncompressed = 480 KiB of answers at 10 kB/s
             check(t.call(read_call("file", agent.file_id, list(range(NBLOCKS)), level=1, compress=False)), "a")
     assert sum(slept) >= (3 * NBLOCKS * 4096 - 10_000) / 10_000 * 0.99
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_over_tls_another_certificate_is_refused_before_the_token_is_sent(agent, stream):
+    """A pin that is not the server's certificate: ssh's warning naming both fingerprints, for HTTP and for
+    the block stream, never retried (a retry cannot make it right)."""
+    wrong = "SHA256:" + "A" * 43
+    tok = TokenSource(TOKEN)
+    inner = HttpTransport(agent.tls_url, tok, timeout=10, fingerprint=wrong)
+    t = Retrying(StreamTransport(inner, tok, timeout=10) if stream else inner,
+                 RetryPolicy(delays=(0.01,) * 3, retry_refused=True))
+    seen = agent.dropper.seen
+    for call in (Call.get("/v1/info"), read_call("file", agent.file_id, [1], level=1)):
+        with pytest.raises(HostKeyError, match="REMOTE HOST IDENTIFICATION HAS CHANGED") as exc:
+            t.call(call)
+        assert wrong in str(exc.value) and agent.fingerprint in str(exc.value)
+        assert "capsule host rm" in str(exc.value) and "--fingerprint" in str(exc.value)
+    assert agent.dropper.seen == seen  # no request reached the app
+    t.close()
+
+
+def test_over_tls_without_a_pin_a_self_signed_certificate_is_not_trusted(agent):
+    t = HttpTransport(agent.tls_url, TOKEN, timeout=10)
+    with pytest.raises(HostKeyError, match=r"cannot trust the agent at https://127\.0\.0\.1:\d+.*capsule host add"):
+        t.call(Call.get("/v1/info"))
+    t.close()

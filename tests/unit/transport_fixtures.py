@@ -75,6 +75,8 @@ class AgentUnderTest:
     file_id: str
     data: list[bytes]
     url: str | None = None  # set when served over TCP
+    tls_url: str | None = None  # set when served over TCP with TLS
+    fingerprint: str | None = None  # of that TLS server's certificate
 
 
 @contextlib.contextmanager
@@ -95,11 +97,14 @@ def agent_app(home: Path) -> Iterator[AgentUnderTest]:
 
 
 @contextlib.contextmanager
-def serve(agent: AgentUnderTest) -> Iterator[str]:
-    """uvicorn on a free loopback port, in a thread; the URL."""
+def serve(agent: AgentUnderTest, cert: Any = None) -> Iterator[str]:
+    """uvicorn on a free loopback port, in a thread (with TLS if given a
+    :class:`~hashcache.transport.tls.HostCert`); the URL."""
     import uvicorn
 
-    config = uvicorn.Config(agent.dropper, host="127.0.0.1", port=0, log_level="critical", access_log=False)
+    tls = {"ssl_certfile": str(cert.cert), "ssl_keyfile": str(cert.key)} if cert else {}
+    config = uvicorn.Config(agent.dropper, host="127.0.0.1", port=0, log_level="critical", access_log=False,
+                            **tls)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -110,7 +115,7 @@ def serve(agent: AgentUnderTest) -> Iterator[str]:
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if cert else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(10)

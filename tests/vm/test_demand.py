@@ -22,15 +22,19 @@ def _fetched(store, name: str) -> int:
 
 
 @pytest.fixture
-def a_and_b(tmp_path, tiny_images):
+def a_and_b(request, tmp_path, tiny_images):
+    """Stores A and B, and A's agent: plain HTTP on loopback, or TLS (param True) with its host key."""
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images)  # holds nothing of the capsule
-    agent = Agent(a.home, tmp_path / "a.token")
+    agent = Agent(a.home, tmp_path / "a.token", tls=getattr(request, "param", False))
     yield a, b, agent
     agent.stop()
 
 
+@pytest.mark.parametrize("a_and_b", [False, True], ids=["http", "tls"], indirect=True)
 def test_run_from_another_host_reads_the_same_disk(a_and_b):
+    """Over TLS the disk server (nbdkit's embedded Python) pages blocks in over the block stream pinned to
+    A's certificate, which B learnt from the explicit fingerprint."""
     a, b, agent = a_and_b
     capsules.create(a, "cap", "tiny", memory="256M")
     lifecycle.start(a, "cap")
@@ -38,8 +42,10 @@ def test_run_from_another_host_reads_the_same_disk(a_and_b):
     digest = disk_digest(a, "cap")
     lifecycle.stop(a, "cap", force=True)
 
-    r = transfer.run(b, agent.url, "cap", agent.token)
+    r = transfer.run(b, agent.url, "cap", agent.token, fingerprint=agent.fingerprint)
     assert r.start.mode == "boot" and len(r.remote_layers) == 2
+    assert all(demand.remote_info(b, lid)["fingerprint"] == agent.fingerprint for lid in r.remote_layers)
+    assert agent.url.startswith("https://" if agent.tls else "http://")
     assert all(o.role in ("kernel", "initrd") for o in r.transfer.objects)  # no disk layer was copied
     assert disk_digest(b, "cap") == digest
     run(b, "cap", "dd if=/dev/urandom of=/dev/vda bs=4096 seek=3000 count=4 conv=notrunc 2>/dev/null; sync")

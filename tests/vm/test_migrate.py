@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from capsule import capsules, lifecycle
+from capsule import capsules, demand, lifecycle
 from capsule.migrate import MigrationFailed, migrate
 from capsule.runtime.connection import lookup_domain
 from tests.vm.helpers import COUNTER, count, run, wait_count_above
@@ -32,6 +32,25 @@ def test_migrate_keeps_the_guest_running(two_hosts, mode):
         assert r.push is None and r.remote["remote_layers"]  # the written layer stayed at A
     else:
         assert r.push is not None and any(o.kind == "layer" for o in r.push.objects)
+
+
+@pytest.mark.parametrize("two_hosts", [True], ids=["tls"], indirect=True)
+def test_a_demand_migration_over_tls_pins_both_hosts(two_hosts):
+    """A pins B by the fingerprint given; B pages A's disk in pinned to A's own host key, which migrate
+    sends with the run request (A's store's certificate, the one its agent serves)."""
+    a, b, agent_a, agent_b = two_hosts
+    capsules.create(a, "m", "tiny", memory="256M")
+    lifecycle.start(a, "m")
+    run(a, "m", COUNTER)
+    run(a, "m", "dd if=/dev/urandom of=/dev/vda bs=4096 seek=700 count=16 conv=notrunc 2>/dev/null; sync")
+    before = wait_count_above(a, "m", 5)
+    r = migrate(a, "m", agent_b.url, agent_b.token, mode="demand", fingerprint=agent_b.fingerprint,
+                source_url=agent_a.url, source_token=agent_a.token)
+    assert r.remote["mode"] == "restore" and r.remote["remote_layers"]
+    assert {demand.remote_info(b, lid)["fingerprint"] for lid in r.remote["remote_layers"]} == {agent_a.fingerprint}
+    after = count(b, "m")
+    assert before <= after < before + 30
+    assert wait_count_above(b, "m", after) > after
 
 
 class _FailingAgent:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from capsule import capsules, lifecycle, transfer
+from capsule import capsules, hosts, lifecycle, transfer
 from tests.vm.helpers import COUNTER, count, disk_digest, run, wait_count_above, write_blocks
 
 pytestmark = pytest.mark.vm
 
 
+@pytest.mark.parametrize("two_hosts", [True], ids=["tls"], indirect=True)
 def test_push_suspended_capsule_and_resume_on_destination(two_hosts):
+    """Over TLS, B's certificate pinned by an explicit fingerprint."""
     a, b, _agent_a, agent_b = two_hosts
     capsules.create(a, "mover", "tiny", memory="256M")
     lifecycle.start(a, "mover")
@@ -18,7 +20,8 @@ def test_push_suspended_capsule_and_resume_on_destination(two_hosts):
     run(a, "mover", "echo travelled > /tmp/note")
     before = wait_count_above(a, "mover", 5)
     sealed = lifecycle.suspend(a, "mover")
-    report = transfer.push(a, "mover", agent_b.url, agent_b.token)
+    assert agent_b.url.startswith("https://")
+    report = transfer.push(a, "mover", agent_b.url, agent_b.token, fingerprint=agent_b.fingerprint)
     assert report.recorded and report.version == sealed.version.ref
     # the tiny image was already at B: only the memory image (and no layer: nothing was written) travels
     assert [o.role for o in report.objects] == ["memory"]
@@ -30,8 +33,11 @@ def test_push_suspended_capsule_and_resume_on_destination(two_hosts):
     assert wait_count_above(b, "mover", after) > after
 
 
+@pytest.mark.parametrize("two_hosts", [True], ids=["tls"], indirect=True)
 def test_child_after_parent_sends_only_new_objects(two_hosts):
+    """Over TLS, B a known host: its pin comes from `host add`."""
     a, b, _agent_a, agent_b = two_hosts
+    hosts.add(a, "b", agent_b.url, agent_b.token, fingerprint=agent_b.fingerprint)
     capsules.create(a, "base", "tiny", memory="256M")
     lifecycle.start(a, "base")
     write_blocks(a, "base", 100, 64)
