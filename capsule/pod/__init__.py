@@ -1,0 +1,2 @@
+"""The host side of pods: a relay to the pod layer inside a capsule (``pods/``, through the guest
+agent), the pod operations, and pod images as sealed file objects in the store."""
