@@ -9,12 +9,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from capsule.names import check_name as validate_capsule_name
+from capsule.pod import POD_IMAGE_ROLE
 from capsule.pod.errors import BY_KIND, PodNameInvalid, PodNotFound
 from capsule.pod.relay import Progress, Relay
 from capsule.store import Store
 from pods.names import PodError, check_name, parse_ip
 
-ROLE = "pod-image"
+ROLE = POD_IMAGE_ROLE
 GUEST_INBOX = "/var/lib/pods/in"
 
 
