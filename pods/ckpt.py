@@ -55,32 +55,42 @@ def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool
 
 
 def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -> dict[str, Any]:
-    """Dump the pod into one compressed archive. The pod survives the dump; without ``leave_running``
-    it is frozen right after it (the host kills it once the image is safe, or thaws it on failure)."""
+    """Dump the pod into one compressed archive. Without ``leave_running`` CRIU kills the pod after the
+    dump with its network still locked, so no peer sees a reset: its TCP connections wait for the
+    restore. Should the archive fail, the pod is restored in place from the dump."""
     rec = pod.running(name)
-    was_frozen = pod.frozen(name)
+    if pod.frozen(name):
+        raise PodError(f"pod {name!r} is suspended; resume it before a checkpoint", "conflict")
     stamp = time.strftime("%Y%m%dT%H%M%S")
     images = WORK / "dump" / f"{name}-{stamp}-{os.getpid()}"
     images.mkdir(parents=True)
     t0 = time.monotonic()
     try:
-        args = ["dump", "-t", str(rec["init_pid"]), "-D", str(images), *CRIU_COMMON, "--leave-running"]
+        args = ["dump", "-t", str(rec["init_pid"]), "-D", str(images), *CRIU_COMMON]
+        if leave_running:
+            args.append("--leave-running")
         _criu(args, images / "dump.log", "dump", timeout)
-        if not leave_running and not was_frozen:
-            pod.set_frozen(name, True)
         dumped = time.monotonic() - t0
+        if not leave_running:
+            pod.kill_cgroup(name)  # CRIU killed them; nothing may be left behind
+            pod.forget(name)
         meta = {"format": IMAGE_FORMAT, "name": name, "ip": rec["ip"], "cmd": rec["cmd"],
-                "created": rec["created"], "checkpointed": time.time(), "frozen": was_frozen}
+                "created": rec["created"], "checkpointed": time.time()}
         (images / "pod.json").write_text(json.dumps(meta))
         out = WORK / "out" / f"{images.name}.tar.zst"
         out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(f"tar -C {images} -cf - . | zstd -q -3 -T0 -o {out}.part", shell=True, check=True)
+        try:
+            subprocess.run(f"tar -C {images} -cf - . | zstd -q -3 -T0 -o {out}.part", shell=True, check=True)
+        except subprocess.CalledProcessError:
+            if not leave_running:
+                _restore_from(images, meta, timeout)
+            raise PodError(f"could not write the image of pod {name!r} (disk full?); it runs on",
+                           "pod_failed") from None
         os.replace(f"{out}.part", out)
     finally:
         shutil.rmtree(images, ignore_errors=True)
     return {"name": name, "path": str(out), "size": out.stat().st_size, "dump_seconds": round(dumped, 3),
-            "seconds": round(time.monotonic() - t0, 3), "left_running": leave_running, "ip": rec["ip"],
-            "was_frozen": was_frozen}
+            "seconds": round(time.monotonic() - t0, 3), "left_running": leave_running, "ip": rec["ip"]}
 
 
 def _unpack(archive: Path, into: Path) -> dict[str, Any]:
@@ -101,31 +111,35 @@ def restore(archive: str, timeout: float = 120.0) -> dict[str, Any]:
     images = WORK / "restore" / f"{src.name}-{os.getpid()}"
     t0 = time.monotonic()
     try:
-        meta = _unpack(src, images)
-        name = check_name(meta["name"])
-        pod._refuse_existing(name)
-        iface = pod.choose_address(meta["ip"], name)
-        pod.ensure_bridge(iface.network)
-        pod.make_cgroup(name)
-        veth = host_veth(name)
-        pidfile = images / "restored.pid"
-        args = ["restore", "-D", str(images), *CRIU_COMMON, "--restore-detached", "--pidfile", str(pidfile),
-                "--external", f"veth[eth0]:{veth}@{BRIDGE}"]
-        try:
-            _criu(args, images / "restore.log", "restore", timeout, restoring=True)
-        except PodError:
-            pod.forget(name)
-            raise
-        init_pid = int(pidfile.read_text())
-        pod.sh(["ip", "link", "set", veth, "up"], "bring the pod's veth up")
-        pod.sh(["nsenter", "-t", str(init_pid), "-n", pod.PY, "-m", "pods.nft", "unlock"],
-               "unlock the pod's network")
-        rec = {"name": name, "ip": meta["ip"], "veth": veth, "init_pid": init_pid, "cmd": meta["cmd"],
-               "created": meta["created"], "restored": time.time()}
-        pod.save(rec)
+        rec = _restore_from(images, _unpack(src, images), timeout)
     finally:
         shutil.rmtree(images, ignore_errors=True)
     out = pod.describe(rec)
     out["seconds"] = round(time.monotonic() - t0, 3)
     return out
 
+
+def _restore_from(images: Path, meta: dict[str, Any], timeout: float) -> dict[str, Any]:
+    name = check_name(meta["name"])
+    pod._refuse_existing(name)
+    iface = pod.choose_address(meta["ip"], name)
+    pod.ensure_bridge(iface.network)
+    pod.make_cgroup(name)
+    veth = host_veth(name)
+    pidfile = images / "restored.pid"
+    pidfile.unlink(missing_ok=True)
+    args = ["restore", "-D", str(images), *CRIU_COMMON, "--restore-detached", "--pidfile", str(pidfile),
+            "--external", f"veth[eth0]:{veth}@{BRIDGE}"]
+    try:
+        _criu(args, images / "restore.log", "restore", timeout, restoring=True)
+    except PodError:
+        pod.forget(name)
+        raise
+    init_pid = int(pidfile.read_text())
+    pod.sh(["ip", "link", "set", veth, "up"], "bring the pod's veth up")
+    pod.sh(["nsenter", "-t", str(init_pid), "-n", pod.PY, "-m", "pods.nft", "unlock"],
+           "unlock the pod's network")
+    rec = {"name": name, "ip": meta["ip"], "veth": veth, "init_pid": init_pid, "cmd": meta["cmd"],
+           "created": meta["created"], "restored": time.time()}
+    pod.save(rec)
+    return rec

@@ -108,15 +108,14 @@ class CheckpointResult:
 
 def checkpoint(store: Store, ref: str, *, leave_running: bool = False, progress: Progress = None
                ) -> CheckpointResult:
-    """Dump the pod with CRIU in its capsule, copy the image here and seal it. Without
-    ``leave_running`` the pod is gone from the capsule once its image is safe here."""
+    """Dump the pod with CRIU in its capsule, copy the image here and seal it. Without ``leave_running``
+    the pod stops at the dump (its network locked, so its TCP peers wait); should the copy or the seal
+    fail, it is restarted in its capsule from the image still there."""
     t0 = time.monotonic()
     capsule, pod = parse_ref(ref)
     relay = Relay(store, capsule)
     if progress:
         progress("dumping")
-    # the guest freezes the pod after the dump (unless leave_running); it is killed only once the image
-    # is sealed here, and thawed again if anything fails before that
     dumped = relay.call("checkpoint", pod, *(["--leave-running"] if leave_running else []), timeout=180)
     tmp = store.temp_path(".pod.tar.zst")
     done = False
@@ -131,11 +130,9 @@ def checkpoint(store: Store, ref: str, *, leave_running: bool = False, progress:
         done = True
     finally:
         tmp.unlink(missing_ok=True)
+        if not done and not leave_running:
+            relay.call("restore", dumped["path"], timeout=180)  # the pod runs on where it was
         relay.sh(f"rm -f {dumped['path']}")
-        if not done and not leave_running and not dumped.get("was_frozen"):
-            relay.call("resume", pod)
-    if not leave_running:
-        relay.call("kill", pod)
     return CheckpointResult(capsule, pod, row.id, row.size, dumped["ip"], leave_running, dumped["dump_seconds"],
                             dumped["seconds"], round(copy_seconds, 3), calls, round(time.monotonic() - t0, 3))
 

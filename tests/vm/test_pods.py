@@ -15,7 +15,46 @@ from capsule.pod.relay import Relay
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-COUNTER = ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
+# the pod: a TCP server (each line numbered back) and a counter in /tmp
+SERVER = """
+import socket
+s = socket.socket()
+s.bind(("0.0.0.0", 7000))
+s.listen()
+while True:
+    c, _ = s.accept()
+    n = 0
+    try:
+        for line in c.makefile("rb"):
+            n += 1
+            c.sendall(b"%d %s" % (n, line))
+    except OSError:
+        pass
+    c.close()
+"""
+POD_CMD = ["sh", "-c", "python3 /root/pod-server.py & "
+                       "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
+# the peer, outside the pod in the capsule: one connection, line i must come back as "i i"
+CLIENT = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 7000), timeout=120)
+f = s.makefile("rb")
+log = open("/root/peer.log", "a", buffering=1)
+i = 0
+while True:
+    i += 1
+    try:
+        s.sendall(b"%d\\n" % i)
+        reply = f.readline()
+    except OSError as e:
+        log.write(f"ERROR {i} {e}\\n")
+        break
+    if reply != b"%d %d\\n" % (i, i):
+        log.write(f"BAD {i} {reply!r}\\n")
+        break
+    log.write(f"{i} {time.time():.3f}\\n")
+    time.sleep(0.2)
+"""
 
 
 def _in_pod(store, ref: str, script: str) -> str:
@@ -43,13 +82,34 @@ def _rising(store, ref: str, after: int, timeout: float = 20.0) -> int:
     return c
 
 
+def _peer_log(store, capsule: str) -> list[tuple[int, float]]:
+    lines = Relay(store, capsule).sh("cat /root/peer.log").splitlines()
+    bad = [ln for ln in lines if not ln[:1].isdigit()]
+    assert not bad, f"the TCP peer saw: {bad}"
+    return [(int(a), float(b)) for a, b in (ln.split() for ln in lines)]
+
+
+def _peer_beyond(store, capsule: str, n: int, timeout: float = 60.0) -> list[tuple[int, float]]:
+    deadline = time.monotonic() + timeout
+    while (log := _peer_log(store, capsule))[-1][0] <= n:
+        assert time.monotonic() < deadline, f"the TCP peer is stuck at {log[-1]}"
+        time.sleep(0.5)
+    return log
+
+
+def _install(store, capsule: str) -> None:
+    for name, text in (("pod-server.py", SERVER), ("peer.py", CLIENT)):
+        Relay(store, capsule).sh(f"cat > /root/{name}", stdin=text)
+
+
 def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_store):
     store = debian_store
     for name in ("pa", "pb"):
         capsules.create(store, name, "debian", memory="512M")
     lifecycle.start(store, "pa", timeout=300)
+    _install(store, "pa")
 
-    made = ops.create(store, "pa", "ctr", COUNTER, ip="198.18.0.7/24")
+    made = ops.create(store, "pa", "ctr", POD_CMD, ip="198.18.0.7/24")
     assert made["ip"] == "198.18.0.7/24" and made["state"] == "running"
     first = _rising(store, "pa/ctr", 0)
 
@@ -78,7 +138,11 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     # an address another pod holds is refused, and the pod holding it runs on
     with pytest.raises(PodAddressClash, match="198.18.0.7"):
         ops.create(store, "pa", "other", ["sleep", "100"], ip="198.18.0.7/24")
-    # checkpoint: the pod stops once its image is sealed here
+    # a TCP peer in the capsule, outside the pod, talks to it over the pod bridge
+    Relay(store, "pa").sh("setsid python3 /root/peer.py 198.18.0.7 </dev/null >/dev/null 2>&1 &")
+    talked = _peer_beyond(store, "pa", 5)[-1][0]
+
+    # checkpoint: the pod stops at the dump, its image sealed here
     before = _count(store, "pa/ctr")
     ck = ops.checkpoint(store, "pa/ctr")
     assert not ck.left_running and ck.size > 0
@@ -96,11 +160,18 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     assert _rising(store, "pa/ctr", again) > again
     assert _pids(store, "pa/ctr") == pids
     assert _in_pod(store, "pa/ctr", "hostname") == "ctr"
+    # the peer's connection lived through it: no reset, every line answered once, in order
+    log = _peer_beyond(store, "pa", talked + 5)
+    assert [i for i, _ in log] == list(range(1, len(log) + 1))
+    gap = max(b - a for (_, a), (_, b) in zip(log, log[1:], strict=False))
+    print(f"TCP peer: {len(log)} round trips on one connection, longest gap {gap:.2f} s across "
+          f"checkpoint {ck.seconds:.2f} s + restore {back['seconds']:.2f} s (image {ck.size} bytes)")
     with pytest.raises(PodExists):
         ops.restore(store, ck.image, "pa")
 
     # a checkpoint that leaves it running, restored into a second capsule on this host
     lifecycle.start(store, "pb", timeout=300)
+    _install(store, "pb")
     moving = ops.checkpoint(store, "pa/ctr", leave_running=True)
     assert moving.left_running
     assert [p["state"] for p in ops.ls(store, "pa")] == ["running"]
