@@ -47,7 +47,8 @@ class Relay:
             try:
                 return agent.call("exec", args, timeout=timeout + 5)
             except AgentError as exc:
-                raise PodLayerMissing(f"capsule {self.capsule!r}: {exc}") from exc
+                raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer ({exc}); pods need a guest "
+                                      f"with python3 and pods/, such as the debian image") from exc
 
     def call(self, *argv: str, timeout: float = 60.0) -> Any:
         """``python3 -m pods ARGV…`` in the guest; its result, or its error raised as ours."""
@@ -59,8 +60,8 @@ class Relay:
         except (ValueError, IndexError):
             err = r.get("stderr", "").strip()
             if "No module named pods" in err or "No such file" in err:
-                raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer (its image lacks pods/; "
-                                      f"use the debian image)") from None
+                raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer (its image lacks pods/); "
+                                      f"pods need a guest with python3 and pods/, such as the debian image") from None
             raise PodFailed(f"capsule {self.capsule!r}: pods {argv[0]} failed: {err[-500:]}") from None
         if reply.get("ok"):
             return reply["result"]

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from capsule import capsules, lifecycle
+from capsule.errors import Conflict
 from capsule.pod import ops
-from capsule.pod.errors import PodAddressClash, PodExists, PodNotFound, PodStateConflict
+from capsule.pod.errors import PodAddressClash, PodExists, PodLayerMissing, PodNotFound, PodStateConflict
 from capsule.pod.relay import Relay
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -190,3 +191,15 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     for ref in ("pa/ctr", "pb/ctr"):
         assert ops.kill(store, ref)["state"] == "killed"
     assert ops.ls(store) == []
+
+
+def test_a_capsule_without_the_pod_layer_says_so(store):
+    capsules.create(store, "tc", "tiny")
+    lifecycle.start(store, "tc", timeout=120)
+    with pytest.raises(PodLayerMissing, match="capsule 'tc' has no pod layer"):
+        ops.create(store, "tc", "web", ["sleep", "100"])
+    with pytest.raises(PodLayerMissing):
+        ops.ls(store, "tc")
+    capsules.create(store, "idle", "tiny")
+    with pytest.raises(Conflict, match="'idle' is not running"):
+        ops.exec_in(store, "idle/web", ["true"])
