@@ -120,5 +120,20 @@ def restore(
                                   f"({r['seconds']:.2f}s)"))
 
 
+@app.command()
+def migrate(
+    ref: RefArg,
+    to: Annotated[str, typer.Option("--to", help="Another running capsule of this host.")],
+    json: JsonOpt = False,
+) -> None:
+    """Move a pod to another capsule of this host: checkpoint, then restore there. Refused up front if
+    the name or the address is taken there; if the restore fails the pod runs again where it was."""
+    json_flag(json)
+    with progress(f"moving {ref} to {to}") as say:
+        r = ops.migrate(open_store(), ref, to, progress=say)
+    emit(r, lambda: console.print(f"pod [bold]{r['pod']}[/] moved {r['from']} → {r['to']} at {r['ip']}: "
+                                  f"checkpoint {r['checkpoint_seconds']:.2f}s, restore {r['restore_seconds']:.2f}s"))
+
+
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="pod")

@@ -8,9 +8,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from capsule.errors import Error
 from capsule.names import check_name as validate_capsule_name
 from capsule.pod import POD_IMAGE_ROLE
-from capsule.pod.errors import BY_KIND, PodNameInvalid, PodNotFound
+from capsule.pod.errors import BY_KIND, PodAddressClash, PodExists, PodNameInvalid, PodNotFound
 from capsule.pod.relay import Progress, Relay
 from capsule.store import Store
 from pods.names import PodError, check_name, parse_ip
@@ -168,3 +169,34 @@ def restore(store: Store, image: str, into: str, progress: Progress = None) -> d
         relay.sh(f"rm -f {guest_path}")
     return {"capsule": into, "image": file_id, **result, "copy_seconds": round(copy_seconds, 3),
             "copy_calls": calls, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[str, Any]:
+    """Move a pod to another running capsule of this host: checkpoint (the pod stops), restore there.
+    The target is checked first (the name free, the address free); should the restore still fail, the
+    pod is restored in its own capsule again and the error raised."""
+    t0 = time.monotonic()
+    capsule, pod = parse_ref(ref)
+    validate_capsule_name(to)
+    if to == capsule:
+        raise PodNameInvalid(f"pod {ref} is in {to!r} already")
+    source = {p["name"]: p for p in Relay(store, capsule).call("ls")}
+    if pod not in source:
+        raise PodNotFound(f"capsule {capsule!r}: no pod {pod!r} in this capsule")
+    for other in Relay(store, to).call("ls"):
+        if other["state"] == "exited":
+            continue
+        if other["name"] == pod:
+            raise PodExists(f"capsule {to!r}: a pod {pod!r} runs there already; {ref} stays where it is")
+        if other["ip"].split("/")[0] == source[pod]["ip"].split("/")[0]:
+            raise PodAddressClash(f"capsule {to!r}: pod {other['name']!r} holds {other['ip']}; "
+                                  f"{ref} stays where it is")
+    ck = checkpoint(store, ref, progress=progress)
+    try:
+        moved = restore(store, ck.image, to, progress=progress)
+    except Error:
+        restore(store, ck.image, capsule, progress=progress)  # the pod runs on where it was
+        raise
+    return {"pod": pod, "from": capsule, "to": to, "image": ck.image, "size": ck.size,
+            "checkpoint_seconds": ck.seconds, "restore_seconds": moved["seconds"],
+            "seconds": round(time.monotonic() - t0, 3), "state": moved["state"], "ip": moved["ip"]}

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.tools
 def test_pod_help_names_every_verb(tmp_path):
     r = capsule(tmp_path, "pod", "--help")
     assert r.returncode == 0
-    for verb in ("create", "exec", "ls", "suspend", "resume", "kill", "checkpoint", "restore"):
+    for verb in ("create", "exec", "ls", "suspend", "resume", "kill", "checkpoint", "restore", "migrate"):
         assert verb in r.stdout
 
 
@@ -30,6 +30,8 @@ def test_pod_help_names_every_verb(tmp_path):
     (["pod", "restore", "zzz", "--into", "ghost"], 2, "at least 6 hex digits"),
     (["pod", "restore", "abcdef12", "--into", "ghost"], 3, "no pod image 'abcdef12'"),
     (["pod", "checkpoint", "ghost/web"], 3, "no capsule 'ghost'"),
+    (["pod", "migrate", "ghost/web", "--to", "ghost"], 2, "already"),
+    (["pod", "migrate", "ghost/web", "--to", "other"], 3, "no capsule 'ghost'"),
 ])
 def test_pod_errors_have_exit_codes_and_messages(tmp_path, args, code, needle):
     r = capsule(tmp_path, *args)

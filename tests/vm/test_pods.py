@@ -1,6 +1,7 @@
 """Pods in real Debian guests, driven from the host: a counter in a pod (its own PID namespace, /tmp,
 host name, address), exec into it, suspend/resume with the freezer, checkpoint → kill → restore with
-the same PIDs and the count going on, and a restore into a second capsule on the same host."""
+the same PIDs and the count going on (a TCP peer's connection too), a restore into a second capsule on
+the same host, and a migration there."""
 
 from __future__ import annotations
 
@@ -188,8 +189,23 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     assert _rising(store, "pa/ctr", _count(store, "pa/ctr")) > 0
     assert {p["capsule"] for p in ops.ls(store)} == {"pa", "pb"}
 
-    for ref in ("pa/ctr", "pb/ctr"):
-        assert ops.kill(store, ref)["state"] == "killed"
+    # migrate: refused up front while the name runs there, the pod untouched (not even restarted)
+    init_pa = {p["name"]: p for p in ops.ls(store, "pa")}["ctr"]["init_pid"]
+    with pytest.raises(PodExists, match="stays where it is"):
+        ops.migrate(store, "pa/ctr", "pb")
+    assert {p["name"]: p for p in ops.ls(store, "pa")}["ctr"]["init_pid"] == init_pa
+    # then moved: gone from pa, running in pb with its PIDs and its count going on
+    assert ops.kill(store, "pb/ctr")["state"] == "killed"
+    last = _count(store, "pa/ctr")
+    moved = ops.migrate(store, "pa/ctr", "pb")
+    assert moved["to"] == "pb" and moved["state"] == "running" and moved["ip"] == "198.18.0.7/24"
+    assert ops.ls(store, "pa") == []
+    assert _count(store, "pb/ctr") >= last
+    assert _pids(store, "pb/ctr") == pids
+    print(f"pod migrate pa → pb: {moved['seconds']:.2f} s (checkpoint {moved['checkpoint_seconds']:.2f} s, "
+          f"restore {moved['restore_seconds']:.2f} s, image {moved['size']} bytes)")
+
+    assert ops.kill(store, "pb/ctr")["state"] == "killed"
     assert ops.ls(store) == []
 
 
