@@ -53,6 +53,7 @@ bench: setup
 	$(PY) bench/diskserver_micro.py
 	$(PY) bench/demand_bench.py --rate-kbit 100000 --rtt-ms 1
 	$(PY) bench/dashboard_migrate.py
+	$(PY) bench/pods_bench.py
 
 # Separate Capsule hosts in containers (docker-compose.yml): each its own root file system,
 # store, libvirtd and agent on a loopback port. The `hosts` test tier runs against them.

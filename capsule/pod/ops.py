@@ -117,6 +117,12 @@ def checkpoint(store: Store, ref: str, *, leave_running: bool = False, progress:
     relay = Relay(store, capsule)
     if progress:
         progress("dumping")
+    with relay.session():
+        return _checkpoint(store, relay, capsule, pod, leave_running, progress, t0)
+
+
+def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_running: bool, progress: Progress,
+                t0: float) -> CheckpointResult:
     dumped = relay.call("checkpoint", pod, *(["--leave-running"] if leave_running else []), timeout=180)
     tmp = store.temp_path(".pod.tar.zst")
     done = False
@@ -159,14 +165,15 @@ def restore(store: Store, image: str, into: str, progress: Progress = None) -> d
     guest_path = f"{GUEST_INBOX}/{file_id}.tar.zst"
     if progress:
         progress("copying the image in")
-    calls = relay.upload(store.file_path(file_id), guest_path, progress)
-    copy_seconds = time.monotonic() - t0
-    if progress:
-        progress("restoring")
-    try:
-        result = relay.call("restore", guest_path, timeout=180)
-    finally:
-        relay.sh(f"rm -f {guest_path}")
+    with relay.session():
+        calls = relay.upload(store.file_path(file_id), guest_path, progress)
+        copy_seconds = time.monotonic() - t0
+        if progress:
+            progress("restoring")
+        try:
+            result = relay.call("restore", guest_path, timeout=180)
+        finally:
+            relay.sh(f"rm -f {guest_path}")
     return {"capsule": into, "image": file_id, **result, "copy_seconds": round(copy_seconds, 3),
             "copy_calls": calls, "seconds": round(time.monotonic() - t0, 3)}
 

@@ -5,10 +5,11 @@ within the agent's limits (requests ≤ 64 KiB a line, replies ≤ 8 MiB of outp
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,30 @@ class Relay:
     def __init__(self, store: Store, capsule: str) -> None:
         self.capsule = capsule
         self.sock = agent_socket(store, capsule)
+        self._agent: GuestAgent | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """One agent connection for many calls: each new connection is a host (dis)connect the guest's
+        agent notices by polling, and a request sent across one can be dropped (PROTOCOL.md)."""
+        if self._agent is not None:
+            yield
+            return
+        with GuestAgent(self.sock, timeout=10.0) as agent:
+            self._agent = agent
+            try:
+                yield
+            finally:
+                self._agent = None
 
     def _exec(self, argv: list[str], timeout: float, stdin: str | None = None) -> dict[str, Any]:
         args: dict[str, Any] = {"argv": argv, "timeout_s": timeout, "max_output_bytes": OUTPUT_CAP}
         if stdin is not None:
             args["stdin"] = stdin
-        with GuestAgent(self.sock, timeout=10.0) as agent:
+        with self.session():
+            assert self._agent is not None
             try:
-                return agent.call("exec", args, timeout=timeout + 5)
+                return self._agent.call("exec", args, timeout=timeout + 5)
             except AgentError as exc:
                 raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer ({exc}); pods need a guest "
                                       f"with python3 and pods/, such as the debian image") from exc
@@ -79,7 +96,7 @@ class Relay:
         q = shlex.quote(guest_path)
         digest = hashlib.sha256()
         calls = 0
-        with dest.open("wb") as out:
+        with self.session(), dest.open("wb") as out:
             offset = 0
             while offset < size:
                 b64 = self.sh(f"dd if={q} bs=1M iflag=skip_bytes,count_bytes skip={offset} count={DOWN_CHUNK} "
@@ -93,7 +110,7 @@ class Relay:
                 calls += 1
                 if progress:
                     progress(f"{offset >> 10} of {size >> 10} KiB")
-        theirs = self.sh(f"sha256sum {q}").split()[0]
+            theirs = self.sh(f"sha256sum {q}").split()[0]
         if theirs != digest.hexdigest():
             raise PodFailed(f"capsule {self.capsule!r}: {guest_path} changed while it was copied")
         return calls
@@ -106,14 +123,14 @@ class Relay:
         digest = hashlib.sha256()
         calls = 0
         size = src.stat().st_size
-        with src.open("rb") as f:
+        with self.session(), src.open("rb") as f:
             while chunk := f.read(UP_CHUNK):
                 digest.update(chunk)
                 self.sh(f"base64 -d >> {part}", stdin=base64.b64encode(chunk).decode())
                 calls += 1
                 if progress:
                     progress(f"{f.tell() >> 10} of {size >> 10} KiB")
-        theirs = self.sh(f"sha256sum {part}").split()[0]
+            theirs = self.sh(f"sha256sum {part}").split()[0]
         if theirs != digest.hexdigest():
             raise PodFailed(f"capsule {self.capsule!r}: the pod image arrived damaged")
         self.sh(f"mv {part} {q}")
