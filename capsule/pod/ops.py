@@ -11,7 +11,7 @@ from typing import Any
 from capsule.errors import Error
 from capsule.names import check_name as validate_capsule_name
 from capsule.pod import POD_IMAGE_ROLE
-from capsule.pod.errors import BY_KIND, PodAddressClash, PodExists, PodNameInvalid, PodNotFound
+from capsule.pod.errors import BY_KIND, PodAddressClash, PodExists, PodLayerMissing, PodNameInvalid, PodNotFound
 from capsule.pod.relay import Progress, Relay
 from capsule.store import Store
 from pods.names import PodError, check_name, parse_ip
@@ -63,12 +63,16 @@ def exec_in(store: Store, ref: str, cmd: list[str], timeout: float = 30.0) -> di
 
 
 def ls(store: Store, capsule: str | None = None) -> list[dict[str, Any]]:
-    """The pods of one running capsule, or of every running capsule of this store."""
-    names = [capsule] if capsule else [i.capsule for i in store.catalogue.instances()]
+    """The pods of one running capsule, or of every running capsule of this store that has the pod layer."""
+    if capsule:
+        validate_capsule_name(capsule)
+        return [{"capsule": capsule, **p} for p in Relay(store, capsule).call("ls")]
     out = []
-    for name in names:
-        validate_capsule_name(name)
-        out += [{"capsule": name, **p} for p in Relay(store, name).call("ls")]
+    for inst in store.catalogue.instances():
+        try:
+            out += [{"capsule": inst.capsule, **p} for p in Relay(store, inst.capsule).call("ls")]
+        except PodLayerMissing:
+            continue  # a guest without pods (the tiny image) has none to list
     return out
 
 

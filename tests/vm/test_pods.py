@@ -178,6 +178,12 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     moving = ops.checkpoint(store, "pa/ctr", leave_running=True)
     assert moving.left_running
     assert [p["state"] for p in ops.ls(store, "pa")] == ["running"]
+    # pb has a pod on that address: the restore is refused there, and nothing of it is left in pb
+    ops.create(store, "pb", "blocker", ["sleep", "1000"], ip="198.18.0.7/24")
+    with pytest.raises(PodAddressClash, match="taken by pod 'blocker'"):
+        ops.restore(store, moving.image, "pb")
+    assert [p["name"] for p in ops.ls(store, "pb")] == ["blocker"]
+    ops.kill(store, "pb/blocker")
     there = ops.restore(store, moving.image, "pb")
     assert there["capsule"] == "pb" and there["ip"] == "198.18.0.7/24"
     c_b = _count(store, "pb/ctr")
@@ -216,6 +222,7 @@ def test_a_capsule_without_the_pod_layer_says_so(store):
         ops.create(store, "tc", "web", ["sleep", "100"])
     with pytest.raises(PodLayerMissing):
         ops.ls(store, "tc")
+    assert ops.ls(store) == []  # listing every capsule passes over the ones without pods
     capsules.create(store, "idle", "tiny")
     with pytest.raises(Conflict, match="'idle' is not running"):
         ops.exec_in(store, "idle/web", ["true"])
