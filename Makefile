@@ -14,7 +14,7 @@ demo: setup
 	$(PY) scripts/demo.py
 
 test: setup
-	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
+	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: host venv web
@@ -43,7 +43,7 @@ agent:
 	$(MAKE) -C guest-balloon
 
 lint: venv
-	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
+	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
 
 bench: setup
 	$(PY) bench/hashcache_micro.py
