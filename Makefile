@@ -8,10 +8,15 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup host venv web lint bench clean-venv agent compose-up compose-down compose-build
+.PHONY: demo demo-compose test setup host venv web lint bench bench-live clean-venv agent compose-up compose-down compose-build
 
 demo: setup
 	$(PY) scripts/demo.py
+
+# The same story between the compose hosts (separate root file systems, stores, libvirtds; see the README
+# for why it is not `make demo` itself). Brings them up first (`make compose-up`) and leaves them running.
+demo-compose: setup
+	$(PY) scripts/demo_compose.py
 
 test: setup
 	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
@@ -53,13 +58,19 @@ bench: setup
 	$(PY) bench/diskserver_micro.py
 	$(PY) bench/demand_bench.py --rate-kbit 100000 --rtt-ms 1
 	$(PY) bench/dashboard_migrate.py
+	$(PY) bench/console_latency.py
+	$(PY) bench/desktop_boot.py
 	$(PY) bench/pods_bench.py
+
+# B2 live between the compose hosts (own compose project capsule-b2; needs root: tc on lo)
+bench-live: setup
+	$(PY) -m bench.livemigrate
 
 # Separate Capsule hosts in containers (docker-compose.yml): each its own root file system,
 # store, libvirtd and agent on a loopback port. The `hosts` test tier runs against them.
 COMPOSE := PATH=/usr/bin:/usr/sbin:$$PATH COMPOSE_PROJECT_NAME=capsule docker-compose
 
-compose-up: host
+compose-up: host web
 	@bash compose/up.sh
 
 compose-down:

@@ -10,7 +10,9 @@ cache save when a running capsule moves, for two guests:
 
 Peer: libvirt's own migration stream of the same guest, zstd-compressed
 (`virsh save --image-format zstd`: the stream native migration with
-compression sends), at the same link's goodput.
+compression sends), at the same link's goodput. Measured rather than
+computed, live between two separate hosts over a shaped link (``virsh migrate
+--live`` plain and multifd + zstd against ``capsule migrate``): bench/livemigrate.py.
 
 For each of none / balloon (agent) / balloon (virtio) / primed / balloon +
 primed: the memory image's non-zero bytes, HCP bytes on the wire to a host

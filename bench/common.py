@@ -1,10 +1,14 @@
-"""Shared benchmark plumbing: JSON results and a short table."""
+"""Shared benchmark plumbing: JSON results, a short table, and stores holding the tiny test image."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
+import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,21 @@ from rich.console import Console
 from rich.table import Table
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_stores(*paths: Path) -> list[Any]:
+    """New stores at ``paths``, each holding the tiny image (built once into the test images store,
+    ``CAPSULE_TEST_IMAGES`` or .cache/test-images, if it is not there yet)."""
+    from capsule import images
+    from capsule.store import Store
+
+    src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+    images.build(src, "tiny", "tiny")
+    stores = [Store.open(p) for p in paths]
+    for s in stores:
+        images.import_image(src, s, "tiny")
+    return stores
 
 
 def write_result(name: str, data: dict[str, Any]) -> Path:
@@ -34,3 +53,17 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def stop_groups(procs: list[subprocess.Popen[Any]], wait: float = 5.0) -> None:
+    """End each process (started with ``start_new_session``) with its whole group: TERM, then KILL."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(wait)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+    procs.clear()

@@ -24,13 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, table, write_result  # noqa: E402
-from capsule import capsules, hosts, images, lifecycle  # noqa: E402
+from bench.common import median, table, tiny_stores, write_result  # noqa: E402
+from capsule import capsules, hosts, lifecycle  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.migrate import migrate  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
 from capsule.runtime.console import ConsoleSession  # noqa: E402
-from capsule.store import Store  # noqa: E402
 
 COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
 CHROMIUM = os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium")
@@ -74,13 +73,7 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory(prefix="capsule-bench-") as tmp:
-        images_home = Path(os.environ.get("CAPSULE_TEST_IMAGES", Path(__file__).resolve().parent.parent
-                                          / ".cache" / "test-images"))
-        src = Store.open(images_home)
-        images.build(src, "tiny", "tiny")
-        a, b = Store.open(Path(tmp) / "a"), Store.open(Path(tmp) / "b")
-        for s in (a, b):
-            images.import_image(src, s, "tiny")
+        a, b = tiny_stores(Path(tmp) / "a", Path(tmp) / "b")
         agent_a = AgentProcess(a.home, Path(tmp) / "a.token")
         agent_b = AgentProcess(b.home, Path(tmp) / "b.token")
         rows: dict[str, list[float]] = {k: [] for k in ("cli_wall", "cli_library", "page_wall", "page_library")}

@@ -10,11 +10,10 @@ Set-up and tear-down leave nothing behind (namespaces, veths, processes)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import secrets
-import signal
 import subprocess
+
+from bench.common import stop_groups
 
 
 def _ip(*args: str) -> None:
@@ -77,14 +76,6 @@ class Star:
         return subprocess.run(["ip", "netns", "exec", self.names[i], *cmd], **kw)
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-        self.procs.clear()
+        stop_groups(self.procs, wait=10)
         for ns in [*self.names, self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

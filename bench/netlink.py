@@ -14,16 +14,15 @@ LAN = 100 Mbit/s, 1 ms RTT.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.common import stop_groups
 
 HERE = Path(__file__).resolve().parent
 DSL = {"rate_kbit": 384, "rtt_ms": 20.0}
@@ -72,15 +71,7 @@ class SlowLink:
         self.close()
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(5)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-        self.procs.clear()
+        stop_groups(self.procs)
         for ns in (self.ns_a, self.ns_b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 

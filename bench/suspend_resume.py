@@ -13,7 +13,6 @@ rounds. Also reports memory-image allocated bytes against RAM.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,10 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, table, write_result  # noqa: E402
-from capsule import capsules, images, lifecycle  # noqa: E402
+from bench.common import median, table, tiny_stores, write_result  # noqa: E402
+from capsule import capsules, lifecycle  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
-from capsule.store import Store  # noqa: E402
 
 TOUCH = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
 
@@ -41,12 +39,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="capsule-bench-") as tmp:
-        images_home = Path(os.environ.get("CAPSULE_TEST_IMAGES", Path(__file__).resolve().parent.parent
-                                          / ".cache" / "test-images"))
-        src = Store.open(images_home)
-        images.build(src, "tiny", "tiny")
-        store = Store.open(Path(tmp) / "store")
-        images.import_image(src, store, "tiny")
+        [store] = tiny_stores(Path(tmp) / "store")
         capsules.create(store, "bench", "tiny", memory="256M")
         lifecycle.start(store, "bench")
         from capsule.runtime.console import ConsoleSession

@@ -380,6 +380,16 @@ class Catalogue:
                 self.db.execute(ddl)
                 done.add(ddl)
 
+    def ensure_column(self, table: str, column: str, decl: str) -> None:
+        """Add a column a module's table gained after some catalogues were made (once per open catalogue)."""
+        with self._rlock:
+            done = self.__dict__.setdefault("_ensured_columns", set())
+            if (table, column) in done:
+                return
+            if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            done.add((table, column))
+
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         """One statement for a module that owns its table; rows as ``sqlite3.Row``."""
         return self._exec(sql, args)

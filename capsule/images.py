@@ -1,4 +1,4 @@
-"""Guest images in the store: build (tiny, debian) and list. An image is a
+"""Guest images in the store: build (tiny, debian, desktop) and list. An image is a
 sealed root layer plus a sealed kernel and initrd for direct boot."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from pathlib import Path
 from capsule import qemuimg
 from capsule.catalogue import ImageRow
 from capsule.errors import AlreadyExists, CapsuleError, InvalidName, RuntimeFailure
-from capsule.imagebuild import BuiltImage, ImageBuildError, build_debian, build_tiny
+from capsule.imagebuild import BuiltImage, ImageBuildError, build_debian, build_desktop, build_tiny
 from capsule.names import check_name
 from capsule.store import Store
 from capsule.storemodes import OBJECT_MODE
 
-KINDS = ("tiny", "debian")
+KINDS = ("tiny", "debian", "desktop")
+DEFAULT_DISK_SIZE = {"debian": "2G", "desktop": "3G"}
 Say = Callable[[str], None]
 
 
@@ -27,9 +28,10 @@ def image_cache_dir(store: Store) -> Path:
 
 
 def build(store: Store, kind: str, name: str, *, rebuild: bool = False, say: Say = lambda _m: None,
-          disk_size: str = "2G") -> tuple[ImageRow, bool]:
+          disk_size: str | None = None) -> tuple[ImageRow, bool]:
     """Build image ``name`` of ``kind``; a no-op returning (row, False) when it
-    already exists unless ``rebuild``."""
+    already exists unless ``rebuild``. ``disk_size``: the root disk of a debian
+    or desktop image (default ``DEFAULT_DISK_SIZE``)."""
     check_name(name, "image")
     if kind not in KINDS:
         raise InvalidName(f"unknown image kind {kind!r}: choose one of {', '.join(KINDS)}")
@@ -47,8 +49,7 @@ def build(store: Store, kind: str, name: str, *, rebuild: bool = False, say: Say
     try:
         t0 = time.monotonic()
         try:
-            built: BuiltImage = (build_tiny(work, progress=say) if kind == "tiny"
-                                 else build_debian(work, progress=say, disk_size=disk_size))
+            built = _build(kind, work, say, disk_size or DEFAULT_DISK_SIZE.get(kind, "2G"))
         except ImageBuildError as exc:
             raise RuntimeFailure(f"building the {kind} image failed: {exc}") from exc
         build_seconds = time.monotonic() - t0
@@ -59,6 +60,14 @@ def build(store: Store, kind: str, name: str, *, rebuild: bool = False, say: Say
         else:
             os.environ["CAPSULE_IMAGE_CACHE"] = old_env
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _build(kind: str, work: Path, say: Say, disk_size: str) -> BuiltImage:
+    if kind == "tiny":
+        return build_tiny(work, progress=say)
+    if kind == "desktop":
+        return build_desktop(work, progress=say, disk_size=disk_size)
+    return build_debian(work, progress=say, disk_size=disk_size)
 
 
 def _install(store: Store, name: str, kind: str, built: BuiltImage, build_seconds: float, say: Say) -> ImageRow:

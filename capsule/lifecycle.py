@@ -14,6 +14,7 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
+from capsule import compact as compact_mod
 from capsule import demand, memimage, qemuimg, watch
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
@@ -31,6 +32,7 @@ from hashcache.qcow2 import Qcow2Image
 
 Say = Callable[[str], None]
 BOOT_TIMEOUT = 180.0
+USER_NETWORK = "user-network"   # in the instance's directory: it was booted with a NIC (update make only)
 
 
 def _quiet(_msg: str) -> None:
@@ -55,6 +57,7 @@ class SealResult:
     save_seconds: float = 0.0
     seal_seconds: float = 0.0
     balloon: balloon_mod.BalloonResult | None = None
+    zero_marks_dropped: int = 0         # stop(compact=True): discarded blocks the parent already read as zero
 
 
 def accel_for(store: Store, refresh: bool = False) -> AccelDecision:
@@ -103,8 +106,10 @@ def _check_objects(store: Store, version: VersionRow) -> None:
 
 
 def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TIMEOUT, prefetch: bool = False,
-          say: Say = _quiet) -> StartResult:
-    """Boot an inactive version or restore an active one, on fresh leaves."""
+          boot: bool = False, network: str | None = None, say: Say = _quiet) -> StartResult:
+    """Boot an inactive version or restore an active one, on fresh leaves. ``boot``: boot even an active
+    version (its memory image is not used; its disks are as they were saved). ``network``: a booted guest
+    gets a NIC on QEMU's user-mode network (``ADDRESS/PREFIX``, see ``domainxml.add_user_network``)."""
     with store.lock():
         version = resolve(store, ref)
         cat = store.catalogue
@@ -121,11 +126,14 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
         if lookup_domain(domain) is not None:
             raise Conflict(f"a libvirt domain named {domain} already exists; remove it with virsh first")
         _check_objects(store, version)
-        if version.memory:  # refuse an image this host would not restore before anything is made
+        memory = None if boot else version.memory
+        if memory:  # refuse an image this host would not restore before anything is made
             memimage.check(store, version.config, store.file_path(version.memory), name=domain, uuid=cap.uuid,
                            disks=len(version.chains), instance_dir=store.instance_dir(name))
         decision = accel_for(store)
         inst_dir, log, agent_sock = _instance_files(store, name)
+        if network:
+            (inst_dir / USER_NETWORK).write_text(network)
         leaves: list[Path] = []
         try:
             servers = demand.start_servers(store, inst_dir, version.chains, prefetch)
@@ -140,7 +148,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 leaves.append(leaf)
             t0 = time.monotonic()
             forked = False
-            if version.memory:
+            if memory:
                 mode = "restore"
                 say(f"restoring {version.ref} from its memory image")
                 restored = memimage.restore(store, version.ref, version.config, store.file_path(version.memory),
@@ -154,6 +162,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 accel = decision.accel
                 spec = memimage.machine_spec(store, version.config, name=domain, uuid=cap.uuid, accel=accel,
                                              disks=leaves, console_log=log, agent_socket=agent_sock)
+                spec.user_network = network
                 say(f"booting {version.ref} ({accel})")
                 try:
                     connect().createXML(build(spec), 0)
@@ -196,16 +205,23 @@ def _running_instance(store: Store, name: str) -> tuple[InstanceRow, libvirt.vir
     return inst, dom
 
 
-def _seal_leaves(store: Store, inst: InstanceRow, say: Say,
-                 sealed: list[LayerRow] | None = None) -> tuple[list[list[str]], list[LayerRow]]:
+def _seal_leaves(store: Store, inst: InstanceRow, say: Say, sealed: list[LayerRow] | None = None,
+                 compacted: list[int] | None = None) -> tuple[list[list[str]], list[LayerRow]]:
     """Seal every non-empty leaf; an untouched leaf is dropped and its chain
-    kept. ``sealed`` collects each leaf's layer as soon as it is installed."""
+    kept. ``sealed`` collects each leaf's layer as soon as it is installed.
+    With ``compacted`` (a list), leaves first lose the zero marks their chains already read as zero
+    (``capsule.compact``), and the number dropped per leaf is appended to it."""
     chains: list[list[str]] = []
     done: list[LayerRow] = [] if sealed is None else sealed
     for leaf_s, chain in zip(inst.leaves, inst.chains, strict=True):
         leaf = Path(leaf_s)
         if demand.chain_needs_server(store, chain):
             demand.repoint_leaf(leaf, chain[-1])
+        if compacted is not None:
+            done_c = compact_mod.compact_leaf(store, leaf, chain)
+            compacted.append(done_c.dropped)
+            if done_c.dropped:
+                say(f"{leaf.name}: {done_c.dropped} discarded blocks the parent already reads as zero dropped")
         say(f"sealing {leaf.name}")
         row = store.seal_layer(leaf, chain[-1])
         done.append(row)
@@ -253,6 +269,9 @@ def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | 
     step begins; if ``phase`` raises (a cancel), the guest keeps running."""
     with store.lock():
         inst, dom = _running_instance(store, name)
+        if (Path(inst.dir) / USER_NETWORK).exists():
+            raise Conflict(f"{name} runs with a NIC for `capsule update make`, which a memory image cannot keep; "
+                           "let the update finish (or interrupt it)")
         agent_sock = Path(inst.dir) / "agent.sock"
         ballooned: balloon_mod.BalloonResult | None = None
         if balloon is not None:
@@ -356,10 +375,11 @@ def snapshot(store: Store, name: str, *, balloon: str | None = None,
 
 
 def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False, discard: bool = False,
-         say: Say = _quiet) -> SealResult:
+         compact: bool = False, note: str = "stopped", say: Say = _quiet) -> SealResult:
     """Shut the guest down (forced after ``timeout``), then keep its disk
     changes as a new inactive version — or drop them (``discard``: a fleet
-    host's system disk, replaced by the fleet's next version)."""
+    host's system disk, replaced by the fleet's next version). ``compact``: leaves
+    lose the zero marks their chains already read as zero before they are sealed."""
     with store.lock():
         resolve(store, name)
         inst = store.catalogue.instance(name)
@@ -387,16 +407,17 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
                 Path(leaf).unlink(missing_ok=True)
             shutil.rmtree(inst.dir, ignore_errors=True)
             return SealResult(None, [], None, 0.0, time.monotonic() - t1)
-        chains, layers = _seal_leaves(store, inst, say)
+        dropped: list[int] = []
+        chains, layers = _seal_leaves(store, inst, say, compacted=dropped if compact else None)
         demand.stop_servers(Path(inst.dir))
         if layers:
-            version: VersionRow | None = _record(store, inst, chains, layers, None, "stopped")
+            version: VersionRow | None = _record(store, inst, chains, layers, None, note)
         else:
             with store.catalogue.transaction():
                 store.catalogue.delete_instance(name)
             version = None
         shutil.rmtree(inst.dir, ignore_errors=True)
-        return SealResult(version, layers, None, 0.0, time.monotonic() - t1)
+        return SealResult(version, layers, None, 0.0, time.monotonic() - t1, zero_marks_dropped=sum(dropped))
 
 
 def console_log(store: Store, name: str) -> Path:

@@ -41,6 +41,12 @@ def create_leaf(path: Path, backing: Path) -> None:
     os.chmod(path, LEAF_MODE)
 
 
+def create_empty(path: Path, size: int) -> None:
+    """An empty root layer of ``size`` bytes (a new data disk: reads as zeros, no blocks)."""
+    _run(["create", "-q", "-f", "qcow2", "-o", LAYER_OPTIONS, str(path), str(size)], f"creating empty disk {path.name}")
+    os.chmod(path, LEAF_MODE)
+
+
 def create_leaf_on(path: Path, backing: str, backing_format: str) -> None:
     """A new empty leaf over any backing QEMU understands (e.g. a ``json:`` NBD export)."""
     _run(["create", "-q", "-f", "qcow2", "-o", LAYER_OPTIONS, "-b", backing, "-F", backing_format, str(path)],

@@ -15,6 +15,12 @@ from capsule.lifecycle import SealResult, StartResult
 from capsule.store import Store
 
 
+def _disk_size(store: Store, chain: list[str]) -> int | None:
+    """The disk's size as the guest sees it (its top layer's virtual size), None if unknown here."""
+    row = store.catalogue.layer(chain[-1]) if chain else None
+    return row.virtual_size if row else None
+
+
 def version_dict(store: Store, v: VersionRow, *, progress: bool = True) -> dict[str, Any]:
     """A version: its disks' layer chains (with sizes; remote layers with their source and, when
     ``progress``, how many of their blocks are here — that reads the layer's manifest), memory image,
@@ -40,7 +46,8 @@ def version_dict(store: Store, v: VersionRow, *, progress: bool = True) -> dict[
         "parent": f"{v.parent_capsule}@{v.parent_version}" if v.parent_capsule else None,
         "memory": {"id": v.memory, "size": mem.size, "allocated": mem.allocated,
                    "stored_bytes": mem.stored_bytes} if mem else None,
-        "disks": layers, "config": v.config, "note": v.note, "created": v.created,
+        "disks": layers, "disk_sizes": [_disk_size(store, chain) for chain in v.chains],
+        "system": (v.config.get("system") or {}).get("ref"), "config": v.config, "note": v.note, "created": v.created,
     }
 
 

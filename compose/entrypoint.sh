@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # A Capsule host container: virtlogd and libvirtd of its own, then the capsule agent.
 # Environment: CAPSULE_HOME (the store, a volume), CAPSULE_LISTEN (HOST:PORT of the agent).
+# Off unless set, for libvirt's own migration between hosts (bench/livemigrate.py):
+#   CAPSULE_LIBVIRT_TCP=127.0.0.1:PORT  libvirtd also listens on this loopback port, without
+#       authentication (anyone on this machine can then drive this host's libvirt: a bench only);
+#       refused for any address but 127.0.0.1
+#   CAPSULE_MIGRATION_PORTS=MIN-MAX  QEMU's incoming migration and NBD ports on this host
+#       (hosts share the machine's network stack: give each host its own range)
 set -euo pipefail
 
 home=${CAPSULE_HOME:-/var/lib/capsule}
@@ -22,8 +28,30 @@ rm -f /etc/libvirt/qemu/networks/autostart/*.xml
 # A new container starts with nothing running: pid files of the last one are stale.
 rm -f /run/libvirtd.pid /run/virtlogd.pid
 
+sed -i '/^migration_port_m\(in\|ax\) *=/d' /etc/libvirt/qemu.conf
+if [ -n "${CAPSULE_MIGRATION_PORTS:-}" ]; then
+  if ! [[ $CAPSULE_MIGRATION_PORTS =~ ^([0-9]+)-([0-9]+)$ ]]; then
+    log "CAPSULE_MIGRATION_PORTS must be MIN-MAX, not '$CAPSULE_MIGRATION_PORTS'"
+    exit 1
+  fi
+  printf 'migration_port_min = %s\nmigration_port_max = %s\n' "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" \
+    >> /etc/libvirt/qemu.conf
+fi
+sed -i '/^\(listen_tcp\|listen_tls\|listen_addr\|tcp_port\|auth_tcp\) *=/d' /etc/libvirt/libvirtd.conf
+libvirtd_args=(-d)
+if [ -n "${CAPSULE_LIBVIRT_TCP:-}" ]; then
+  if ! [[ $CAPSULE_LIBVIRT_TCP =~ ^127\.0\.0\.1:([0-9]+)$ ]]; then
+    log "CAPSULE_LIBVIRT_TCP must be 127.0.0.1:PORT (no authentication: loopback only), not '$CAPSULE_LIBVIRT_TCP'"
+    exit 1
+  fi
+  printf 'listen_tcp = 1\nlisten_tls = 0\nlisten_addr = "127.0.0.1"\ntcp_port = "%s"\nauth_tcp = "none"\n' \
+    "${BASH_REMATCH[1]}" >> /etc/libvirt/libvirtd.conf
+  libvirtd_args+=(--listen)
+  log "libvirtd also on qemu+tcp://$CAPSULE_LIBVIRT_TCP/system, without authentication"
+fi
+
 virtlogd -d
-libvirtd -d
+libvirtd "${libvirtd_args[@]}"
 deadline=$((SECONDS + 30))
 until virsh -c qemu:///system version >/dev/null 2>&1; do
   if [ $SECONDS -ge $deadline ]; then

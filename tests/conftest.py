@@ -1,5 +1,5 @@
 """Shared fixtures: an image store built once per machine (tiny, and Debian
-on demand), fresh per-test stores that import those images, and clean-up of
+and the desktop on demand), fresh per-test stores that import those images, and clean-up of
 every libvirt domain a test store started."""
 
 from __future__ import annotations
@@ -69,6 +69,13 @@ def debian_images(tiny_images):
     return tiny_images
 
 
+@pytest.fixture(scope="session")
+def desktop_images(tiny_images):
+    """The test image store with the desktop image (the Debian guest plus a graphical session) built."""
+    _ensure_image(tiny_images, "desktop")
+    return tiny_images
+
+
 def _destroy_domains(store) -> None:
     import libvirt
 
@@ -103,6 +110,14 @@ def store(tmp_path, tiny_images) -> Iterator:
 @pytest.fixture
 def debian_store(tmp_path, debian_images) -> Iterator:
     s = make_store(tmp_path / "store", debian_images, "debian", "tiny")
+    yield s
+    _destroy_domains(s)
+    s.close()
+
+
+@pytest.fixture
+def desktop_store(tmp_path, desktop_images) -> Iterator:
+    s = make_store(tmp_path / "store", desktop_images, "desktop")
     yield s
     _destroy_domains(s)
     s.close()

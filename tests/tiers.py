@@ -27,7 +27,8 @@ import pytest
 TIERS = ("unit", "tools", "vm", "hosts", "browser")
 UNIT_TIMEOUT = 60.0
 # fixtures that need the test image store: a test asking for one is not a unit test
-IMAGE_FIXTURES = frozenset({"tiny_images", "debian_images", "store", "debian_store", "two_hosts"})
+IMAGE_FIXTURES = frozenset({"tiny_images", "debian_images", "desktop_images", "store", "debian_store",
+                            "desktop_store", "two_hosts"})
 
 
 def _image_fixtures_used(item: pytest.Item) -> set[str]:

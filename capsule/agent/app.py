@@ -28,6 +28,7 @@ Fleet (capsule/exchange/fleet.py)::
     POST /v1/capsules/{name}/activate?version=V  run NAME@V here (a running older version is stopped)
     POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)
     POST /v1/verify                              re-hash what some versions reference (backup verify jobs)
+    POST /v1/backups/{name}/prune                apply a retention policy to the backup copies held here
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
 from capsule.agent import dashboard
+from capsule.backup import runner as backup_runner
+from capsule.backup.retention import Policy
 from capsule.errors import AuthFailed, Error, Internal, InvalidName
 from capsule.exchange import fleet, running
 from capsule.exchange.receiving import (
@@ -275,6 +278,15 @@ def create_app(home: Path, token: str) -> FastAPI:
         if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs) or len(refs) > MAX_VERIFY:
             raise InvalidName(f'malformed verify request: give {{"versions": ["NAME@V", ...]}} (at most {MAX_VERIFY})')
         return (await asyncio.to_thread(verify_versions, store, refs)).as_dict()
+
+    @app.post("/v1/backups/{name}/prune", dependencies=deps)
+    async def prune_copies(name: str, request: Request) -> dict[str, Any]:
+        req = await json_body(request, "prune request")
+        if not isinstance(req, dict) or not isinstance(req.get("policy"), dict):
+            raise InvalidName('malformed prune request: give {"policy": {"daily": 30, ...}}')
+        policy = Policy.from_dict(req["policy"])
+        dry_run = bool(req.get("dry_run", False))
+        return (await asyncio.to_thread(backup_runner.prune, store, name, policy=policy, dry_run=dry_run)).as_dict()
 
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     return app

@@ -19,6 +19,7 @@ answers what the CLI prints under ``--json`` (``capsule.views``); this module ho
     POST   /api/capsules/{name}/rm          {version, promote}
     POST   /api/capsules/{name}/console-ticket, WS /api/console/{name}: the live console (``console.py``)
     POST   /api/capsules/{name}/migrate     {to, mode, balloon} → a migration; /api/migrations/… (migrations.py)
+    GET    /api/backups, POST /api/backups/{name}/run|restore, /api/backups/verify (backupsapi.py)
 
 Installed into the agent by :func:`install` (one call in ``create_app``). New ``/api`` routes go into
 :func:`api_router`, before its catch-all (which answers 401 to a caller without a session, and 404 to one
@@ -36,7 +37,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
-from capsule.agent import console, migrations
+from capsule.agent import backupsapi, console, migrations
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -79,6 +80,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     app.state.sessions = sessions
     console.install(app, store, sessions)  # the live console (capsule/agent/console.py), before the catch-all
     app.include_router(migrations.router(store, sessions, token))  # before api_router's catch-all
+    app.include_router(backupsapi.router(store, sessions))          # (also)
     app.include_router(api_router(store, sessions))
 
     @app.get("/", include_in_schema=False)

@@ -1,7 +1,8 @@
 """Off-host copies (``--to HOST``): after each run, every backup of the capsule not yet on the backup host
 is pushed there with HCP (``transfer.push``: only the blocks that host lacks travel), oldest first. Which
 backups are there is kept in a table of its own. If the host is down the copies wait for the next run;
-the local backups are untouched either way. A backup pruned here before it was copied is not copied."""
+the local backups are untouched either way. A backup pruned here before it was copied is not copied.
+After the copies the backup host applies its own policy (the job's ``--to-keep``, or the same as here)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capsule import hosts, transfer
+from capsule.agentclient import AgentClient
 from capsule.backup import jobs
+from capsule.backup.retention import Policy
 from capsule.catalogue import Catalogue
 from capsule.errors import Error
 from capsule.store import Store
@@ -21,6 +24,7 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS backup_copies(
     target TEXT NOT NULL,
     copied REAL NOT NULL,
     wire_bytes INTEGER NOT NULL,
+    pruned REAL,
     PRIMARY KEY(capsule, number, target)
 )"""
 
@@ -31,6 +35,7 @@ class CopyResult:
     copied: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     wire_bytes: int = 0
+    pruned: list[int] = field(default_factory=list)   # removed there by its policy
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -39,21 +44,37 @@ class CopyResult:
 
 def _table(cat: Catalogue) -> Catalogue:
     cat.ensure_table(SCHEMA)
+    cat.ensure_column("backup_copies", "pruned", "REAL")       # catalogues made before it existed
     return cat
 
 
 def copied(store: Store, name: str, target: str) -> set[int]:
+    """The backups copied to ``target`` once (pruned there since or not: never sent again)."""
     rows = _table(store.catalogue).query("SELECT number FROM backup_copies WHERE capsule=? AND target=?",
                                          (name, target))
     return {r["number"] for r in rows}
 
 
 def copied_to(store: Store, name: str) -> dict[str, set[int]]:
-    """Every backup host that holds copies of ``name``'s backups, with their numbers."""
+    """Every backup host that holds copies of ``name``'s backups, with the numbers it still holds."""
     out: dict[str, set[int]] = {}
-    for r in _table(store.catalogue).query("SELECT target, number FROM backup_copies WHERE capsule=?", (name,)):
+    for r in _table(store.catalogue).query("SELECT target, number FROM backup_copies WHERE capsule=? AND "
+                                           "pruned IS NULL", (name,)):
         out.setdefault(r["target"], set()).add(r["number"])
     return out
+
+
+def prune_there(store: Store, name: str, target: str, policy: Policy) -> list[int]:
+    """Apply ``policy`` to the copies on ``target`` (its agent prunes, then collects what nothing there
+    uses); the copies it removed are remembered, so they are neither sent again nor verified there."""
+    peer = hosts.get(store, target)
+    with AgentClient(peer.url, peer.token) as client:
+        answer = client.post_json(f"/v1/backups/{name}/prune", {"policy": policy.as_dict()})
+    removed = [int(n) for n in answer["removed"]]
+    for n in removed:
+        store.catalogue.query("UPDATE backup_copies SET pruned=? WHERE capsule=? AND number=? AND target=?",
+                              (time.time(), name, n, target))
+    return removed
 
 
 def push_pending(store: Store, name: str, target: str) -> CopyResult:
@@ -73,8 +94,8 @@ def push_pending(store: Store, name: str, target: str) -> CopyResult:
             result.error = f"copy of {v.ref} to {target} failed: {exc}; retried at the next run"
             result.waiting = [w.number for w in todo[i:]]
             return result
-        store.catalogue.query("INSERT OR REPLACE INTO backup_copies VALUES(?,?,?,?,?)",
-                              (name, v.number, target, time.time(), report.wire_bytes))
+        store.catalogue.query("INSERT OR REPLACE INTO backup_copies(capsule, number, target, copied, wire_bytes) "
+                              "VALUES(?,?,?,?,?)", (name, v.number, target, time.time(), report.wire_bytes))
         result.copied.append(v.number)
         result.wire_bytes += report.wire_bytes
     return result

@@ -37,7 +37,8 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS backup_jobs(
     last_bytes INTEGER,
     last_pause REAL,
     last_version INTEGER,
-    last_error TEXT
+    last_error TEXT,
+    target_policy TEXT
 )"""
 MODES = ("memory", "disk-only")
 NOTE_PREFIX = "backup"
@@ -70,6 +71,12 @@ class Job:
     last_pause: float | None = None
     last_version: int | None = None
     last_error: str | None = None
+    target_policy: Policy | None = None  # the backup host's own policy (None: the same as here)
+
+    @property
+    def there_policy(self) -> Policy:
+        """The policy the backup host applies to its copies."""
+        return self.target_policy or self.policy
 
     @property
     def event(self) -> CalendarEvent:
@@ -79,18 +86,22 @@ class Job:
         d = dict(self.__dict__)
         d["policy"] = self.policy.as_dict()
         d["policy_text"] = self.policy.describe()
+        d["target_policy"] = self.target_policy.as_dict() if self.target_policy else None
+        d["target_policy_text"] = self.there_policy.describe() if self.target else None
         d["normalized"] = self.event.normalized()
         return d
 
 
 def _table(cat: Catalogue) -> Catalogue:
     cat.ensure_table(SCHEMA)
+    cat.ensure_column("backup_jobs", "target_policy", "TEXT")     # catalogues made before it existed
     return cat
 
 
 def _job(row: Any) -> Job:
     d = dict(row)
     d["policy"] = Policy.from_dict(json.loads(d["policy"]))
+    d["target_policy"] = Policy.from_dict(json.loads(d["target_policy"])) if d.get("target_policy") else None
     return Job(**d)
 
 
@@ -113,7 +124,8 @@ def get(store: Store, name: str) -> Job:
 
 
 def schedule(store: Store, name: str, every: str, policy: Policy, *, mode: str = "memory",
-             target: str | None = None, now: float | None = None) -> tuple[Job, bool]:
+             target: str | None = None, target_policy: Policy | None = None, now: float | None = None
+             ) -> tuple[Job, bool]:
     """Create or change the backup schedule of ``name``; returns (job, created). Everything is checked
     before anything is written: the capsule, the calendar (it must elapse again), the mode, the target."""
     check_name(name)
@@ -127,16 +139,20 @@ def schedule(store: Store, name: str, every: str, policy: Policy, *, mode: str =
         raise CalendarError(f"{every!r} ({event.normalized()}) never elapses after now: nothing would run")
     if target is not None:
         hosts.get(store, check_name(target, "host"))
+    elif target_policy is not None:
+        raise Conflict("a backup host's policy (--to-keep) needs a backup host: give --to HOST")
+    there = json.dumps(target_policy.as_dict()) if target_policy is not None else None
     cat = _table(store.catalogue)
     with cat.transaction():
         old = find(store, name)
         if old is None:
-            cat.query("INSERT INTO backup_jobs(capsule, calendar, policy, mode, target, created, next_run) "
-                      "VALUES(?,?,?,?,?,?,?)", (name, every, json.dumps(policy.as_dict()), mode, target, now,
-                                                 next_run.timestamp()))
+            cat.query("INSERT INTO backup_jobs(capsule, calendar, policy, mode, target, created, next_run, "
+                      "target_policy) VALUES(?,?,?,?,?,?,?,?)",
+                      (name, every, json.dumps(policy.as_dict()), mode, target, now, next_run.timestamp(), there))
         else:
-            cat.query("UPDATE backup_jobs SET calendar=?, policy=?, mode=?, target=?, next_run=? WHERE capsule=?",
-                      (every, json.dumps(policy.as_dict()), mode, target, next_run.timestamp(), name))
+            cat.query("UPDATE backup_jobs SET calendar=?, policy=?, mode=?, target=?, next_run=?, target_policy=? "
+                      "WHERE capsule=?", (every, json.dumps(policy.as_dict()), mode, target, next_run.timestamp(),
+                                          there, name))
     return get(store, name), old is None
 
 

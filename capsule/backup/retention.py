@@ -98,6 +98,26 @@ class Policy:
             raise PolicyError(f"unknown retention rule(s): {', '.join(sorted(unknown))}")
         return cls(**d)
 
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """``daily=30,weekly=12,within=1y`` (the --keep-* rules without their prefix)."""
+        d: dict[str, Any] = {}
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            rule, sep, value = part.partition("=")
+            rule = rule.strip().removeprefix("keep-")
+            if not sep or rule not in (*RULES, "within"):
+                raise PolicyError(f"{part!r}: give rules like daily=30,weekly=12,within=1y "
+                                  f"(rules: {', '.join((*RULES, 'within'))})")
+            if rule == "within":
+                d[rule] = value.strip()
+            elif not value.strip().isascii() or not value.strip().isdigit():
+                raise PolicyError(f"{part!r}: {rule} takes a whole number")
+            else:
+                d[rule] = int(value)
+        if not d:
+            raise PolicyError("an empty policy: give rules like daily=30,weekly=12,within=1y")
+        return cls.from_dict(d)
+
     def describe(self) -> str:
         parts = [f"keep-{r} {getattr(self, r)}" for r in RULES if getattr(self, r)]
         if self.within:

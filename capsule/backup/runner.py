@@ -22,10 +22,10 @@ from typing import Any
 
 from capsule import capsules, hierarchy, lifecycle
 from capsule.backup import copies, diskonly, jobs
-from capsule.backup.retention import Decision, Snapshot, apply
+from capsule.backup.retention import Decision, Policy, Snapshot, apply
 from capsule.catalogue import VersionRow
 from capsule.errors import Conflict, Error
-from capsule.names import parse_ref
+from capsule.names import check_name, parse_ref
 from capsule.store import Store
 
 Say = Callable[[str], None]
@@ -134,6 +134,11 @@ def run(store: Store, name: str, *, take: Taker = take_snapshot, clock: Callable
             copy = copies.push_pending(store, name, job.target)
             if copy.error:
                 error, status = (f"{error}; {copy.error}" if error else copy.error), "not copied"
+            else:
+                try:
+                    copy.pruned = copies.prune_there(store, name, job.target, job.there_policy)
+                except Error as exc:
+                    error = f"{error + '; ' if error else ''}pruning the copies on {job.target} failed: {exc}"
         seconds = time.monotonic() - t0
         jobs.finish(store, name, started=started, ok=error is None, duration=seconds, version=taken.version.number,
                     nbytes=taken.nbytes, pause=taken.pause, error=error, result=status)
@@ -143,14 +148,19 @@ def run(store: Store, name: str, *, take: Taker = take_snapshot, clock: Callable
         lock.release()
 
 
-def prune(store: Store, name: str, *, dry_run: bool = False, tz: tzinfo | None = None) -> PruneResult:
-    """Apply the job's policy to the capsule's backups. Never removed: the capsule's latest version and the
-    version its running instance stands on (kept with the reason 'latest version' / 'running')."""
-    job = jobs.get(store, name)
+def prune(store: Store, name: str, *, policy: Policy | None = None, dry_run: bool = False,
+          tz: tzinfo | None = None) -> PruneResult:
+    """Apply the job's policy (or ``policy``: a backup host's copies have no job there) to the capsule's
+    backups. Never removed: the capsule's latest version and the version its running instance stands on
+    (kept with the reason 'latest version' / 'running')."""
+    if policy is None:
+        policy = jobs.get(store, name).policy
+    else:
+        capsules.resolve(store, check_name(name))
     with store.lock(purpose=f"backup prune {name}"):
         cat = store.catalogue
         versions = jobs.backups(store, name)
-        decisions = apply([Snapshot(v.number, v.created) for v in versions], job.policy, tz)
+        decisions = apply([Snapshot(v.number, v.created) for v in versions], policy, tz)
         inst = cat.instance(name)
         latest = cat.latest_version(name)
         for d in decisions:
@@ -177,6 +187,11 @@ class Restored:
     capsule: str
     version: VersionRow
     start: lifecycle.StartResult | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "capsule": self.capsule, "version": self.version.ref,
+                "mode": self.start.mode if self.start else None,
+                "seconds": self.start.seconds if self.start else None}
 
 
 def restore(store: Store, ref: str, *, as_name: str | None = None, start: bool = True,

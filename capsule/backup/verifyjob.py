@@ -190,7 +190,8 @@ def due(store: Store, now: float) -> bool:
 
 
 def run_job(store: Store, *, clock: Callable[[], float] = time.time) -> VerifyResult | None:
-    """One run of the job, its result recorded; None if a run is already going in this process."""
+    """One run of the job, its result recorded (if the job exists); None if a run is already going in this
+    process."""
     if not _running.acquire(blocking=False):
         return None
     try:

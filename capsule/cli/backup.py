@@ -61,6 +61,10 @@ def schedule(
     to: Annotated[str | None, typer.Option("--to", help="A known host (`capsule host add`) to copy each backup "
                                                         "to with HCP (only what it lacks travels); if it is "
                                                         "down, the copies wait for the next run.")] = None,
+    to_keep: Annotated[str | None, typer.Option("--to-keep", help="The backup host's own policy for its copies, "
+                                                                  "e.g. 'daily=30,weekly=12,monthly=24' (the "
+                                                                  "--keep-* rules; default: the same as here). "
+                                                                  "It prunes after every copy.")] = None,
     memory: Annotated[bool, typer.Option("--memory", help="Snapshot with memory (the default): the guest pauses "
                                                           "while it is saved and resumes where it was.")] = False,
     disk_only: Annotated[bool, typer.Option("--disk-only", help="Disks only, no memory: the guest's file "
@@ -80,6 +84,8 @@ def schedule(
       capsule backup schedule desk --every daily --keep-daily 7 --keep-weekly 4 --keep-monthly 6
 
       capsule backup schedule build --every '*:0/15' --keep-last 8 --keep-within 2d
+
+      capsule backup schedule desk --every daily --keep-daily 7 --to vault --to-keep daily=30,monthly=12
     """
     json_flag(json)
     if memory and disk_only:
@@ -87,11 +93,15 @@ def schedule(
     policy = Policy(last=keep_last, hourly=keep_hourly, daily=keep_daily, weekly=keep_weekly,
                     monthly=keep_monthly, yearly=keep_yearly, within=keep_within)
     store = open_store()
-    job, created = jobs.schedule(store, name, every, policy, mode="disk-only" if disk_only else "memory", target=to)
+    there = Policy.parse(to_keep) if to_keep is not None else None
+    job, created = jobs.schedule(store, name, every, policy, mode="disk-only" if disk_only else "memory", target=to,
+                                 target_policy=there)
 
     def human_view() -> None:
         console.print(f"{'scheduled' if created else 'rescheduled'} backups of [bold]{name}[/]: "
                       f"{job.event.normalized()} ({job.mode}); {job.policy.describe()}")
+        if job.target:
+            console.print(f"  copied to {job.target}, which keeps {job.there_policy.describe()}")
         console.print(f"  next run {_when(job.next_run)}")
 
     emit(job.as_dict() | {"created_now": created}, human_view)
@@ -134,7 +144,9 @@ def ls(
                       else f"[red]{j.last_result}[/]: {j.last_error}")
             if j.running_since is not None:
                 result = "[yellow]running[/]"
-            t.add_row(j.capsule, j.event.normalized(), j.policy.describe(), j.target or "-", _when(j.next_run),
+            there = f" ({j.target_policy.describe()})" if j.target_policy else ""
+            t.add_row(j.capsule, j.event.normalized(), j.policy.describe(), f"{j.target}{there}" if j.target else "-",
+                      _when(j.next_run),
                       _when(j.last_run), result, "-" if j.last_duration is None else f"{j.last_duration:.1f}s",
                       "-" if j.last_pause is None else f"{j.last_pause:.2f}s",
                       "-" if j.last_bytes is None else human(j.last_bytes))
@@ -183,6 +195,8 @@ def run(
             if result.copy and result.copy.copied:
                 console.print(f"  copied {', '.join(f'@{n}' for n in result.copy.copied)} to {result.copy.target} "
                               f"({human(result.copy.wire_bytes)} on the wire)")
+            if result.copy and result.copy.pruned:
+                console.print(f"  pruned {', '.join(f'@{n}' for n in result.copy.pruned)} on {result.copy.target}")
         else:
             console.print(f"[red]backup of {name} failed[/]: {result.error}")
 
@@ -246,8 +260,7 @@ def restore(
     store = open_store()
     with progress(f"restoring {ref}") as say:
         r = runner.restore(store, ref, as_name=as_name, say=say)
-    data = {"source": r.source, "capsule": r.capsule, "version": r.version.ref,
-            "mode": r.start.mode if r.start else None, "seconds": r.start.seconds if r.start else None}
+    data = r.as_dict()
     emit(data, lambda: console.print(f"restored {ref} as [bold]{r.version.ref}[/], running "
                                      f"({data['mode']}, {data['seconds']:.1f}s)"))
 

@@ -30,12 +30,22 @@ def create(
     free_page_reporting: Annotated[bool, typer.Option(
         "--free-page-reporting/--no-free-page-reporting",
         help="Let the guest report free pages, which QEMU then drops (they cost nothing to save).")] = True,
+    data_disk: Annotated[list[str] | None, typer.Option(
+        "--data-disk", help="Add an empty data disk of this size (vdb, then vdc, …; repeatable), e.g. 20G. "
+                            "`capsule update apply` replaces the system disk and keeps these.")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Create a capsule from an image. The image's root layer is shared, not copied."""
+    """Create a capsule from an image. The image's root layer is shared, not copied.
+
+    Examples:
+
+      capsule create alice --image deb --memory 1G --cpus 2
+
+      capsule create bob --image deb --data-disk 20G      # vda: the system, vdb: bob's data
+    """
     json_flag(json)
     store = open_store()
-    v = lib.create(store, name, image, memory, cpus, free_page_reporting)
+    v = lib.create(store, name, image, memory, cpus, free_page_reporting, data_disks=data_disk or ())
     emit(version_dict(store, v), lambda: console.print(f"created [bold]{v.ref}[/] from image {image}"))
 
 
@@ -97,7 +107,10 @@ def show(
             chain = " → ".join(
                 f"{short(x['id'])} (remote, {x['remote']['blocks_local']}/{x['remote']['blocks']} blocks here)"
                 if "remote" in x else f"{short(x['id'])} ({human(x['stored_bytes'] or 0)})" for x in disk)
-            console.print(f"  disk {i}    {chain}")
+            size = data["disk_sizes"][i]
+            role = ("system" + (f" {data['system']}" if data["system"] else "")) if i == 0 else "data"
+            sized = f", {human(size)}" if size else ""
+            console.print(f"  disk {i}    vd{chr(97 + i)}, {role}{sized}: {chain}")
         remote = depends_on(data)
         console.print(f"  depends   on {', '.join(remote)} (`capsule localize` once all blocks are here)"
                       if remote else "  depends   on no other host")

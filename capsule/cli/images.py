@@ -17,14 +17,22 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 @app.command()
 def build(
-    kind: Annotated[str, typer.Argument(help="tiny (busybox initramfs, boots in seconds) or debian "
-                                             "(bookworm with systemd, python3, criu).")],
+    kind: Annotated[str, typer.Argument(help="tiny (busybox initramfs, boots in seconds), debian "
+                                             "(bookworm with systemd, python3, criu) or desktop (debian plus "
+                                             "X, the JWM window manager, xterm and the Dillo browser, logged "
+                                             "in by itself on the screen).")],
     name: Annotated[str, typer.Argument(help="Name to store the image under.")],
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Build again even if it exists.")] = False,
-    disk_size: Annotated[str, typer.Option("--disk-size", help="Root disk size (debian).")] = "2G",
+    disk_size: Annotated[str | None, typer.Option(
+        "--disk-size", help="Root disk size (debian: 2G, desktop: 3G by default).")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Build a guest image into the store (a no-op if it exists, unless --rebuild)."""
+    """Build a guest image into the store (a no-op if it exists, unless --rebuild).
+
+    Needs root, mmdebstrap and apt access to Debian bookworm for debian and desktop.
+    Examples: `capsule image build tiny tiny`, `capsule image build desktop desk`, then
+    `capsule create d1 --image desk --memory 1G`, `capsule start d1`: start returns once the
+    desktop is on the capsule's screen (the dashboard's console shows it)."""
     json_flag(json)
     store = open_store()
     with progress(f"building {kind} image {name}") as say:

@@ -2,6 +2,7 @@
 
 python -m capsule.imagebuild tiny /tmp/img/tiny --boot
 python -m capsule.imagebuild debian /tmp/img/debian --disk-size 3G --extra vim-tiny --boot
+python -m capsule.imagebuild desktop /tmp/img/desktop --boot
 
 --boot also pings the guest agent over its virtio-serial port.
 """
@@ -15,13 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import ImageBuildError, build_debian, build_tiny
+from . import ImageBuildError, build_debian, build_desktop, build_tiny
 from .qemuboot import GuestError, SerialGuest
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m capsule.imagebuild", description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=("tiny", "debian"))
+    ap.add_argument("kind", choices=("tiny", "debian", "desktop"))
     ap.add_argument("workdir", type=Path, help="fresh directory for the outputs")
     ap.add_argument("--disk-size", default="2G", help="debian: size of the raw root disk")
     ap.add_argument("--extra", action="append", default=[], help="debian: extra package (repeatable)")
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.kind == "tiny":
             img = build_tiny(args.workdir, progress)
+        elif args.kind == "desktop":
+            img = build_desktop(args.workdir, progress, disk_size=args.disk_size)
         else:
             img = build_debian(args.workdir, progress, disk_size=args.disk_size, extra_packages=args.extra)
     except ImageBuildError as exc:
@@ -46,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.boot:
         progress("booting with qemu -accel tcg")
         try:
-            with SerialGuest.boot(img, snapshot=True, log_path=args.workdir / "boot-console.log") as guest:
+            # the desktop needs a screen (a standard VGA card, as a capsule's) and room for X
+            screen = {"memory_mb": 1024, "extra_args": ["-vga", "std"]} if args.kind == "desktop" else {}
+            with SerialGuest.boot(img, snapshot=True, log_path=args.workdir / "boot-console.log", **screen) as guest:
                 result["boot_seconds_to_marker"] = round(guest.wait_for_marker(img.marker, args.boot_timeout), 2)
                 result["boot_seconds_to_shell"] = round(guest.wait_for_shell(60), 2)
                 result["guest_uname"] = guest.run("uname -a")

@@ -40,7 +40,7 @@ class ImageBuildError(Error):
 
 @dataclass
 class BuiltImage:
-    kind: str  # "tiny" | "debian"
+    kind: str  # "tiny" | "debian" | "desktop"
     kernel: Path  # vmlinuz
     initrd: Path  # initramfs / initrd.img
     disk_raw: Path  # raw root disk (no partition table), sparse

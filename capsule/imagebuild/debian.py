@@ -1,4 +1,8 @@
-"""The "debian" guest: a bookworm system with systemd, built by mmdebstrap, on a bare ext4 disk."""
+"""The "debian" guest: a bookworm system with systemd, built by mmdebstrap, on a bare ext4 disk.
+
+One builder for every Debian-based image: a :class:`Flavour` says what an image adds to the plain guest
+(its kernel package, packages, dpkg path filters, initrd modules, commands in the chroot, files written
+into the tree, its marker). ``DEBIAN`` is the plain guest; ``desktop.DESKTOP`` adds a graphical session."""
 
 from __future__ import annotations
 
@@ -7,9 +11,9 @@ import re
 import shlex
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
 from .common import (
     AGENT_PORT,
@@ -31,8 +35,8 @@ from .common import (
     safe_rmtree,
     say,
 )
+from .debtools import SUITE, dir_bytes, host_apt_sources, installed_packages, prune_deb_cache
 
-SUITE = "bookworm"
 DISK_LABEL = "capsule-root"
 HOSTNAME = "capsule-guest"
 FSTAB_ROOT = "/dev/vda / ext4 defaults 0 1"
@@ -41,7 +45,6 @@ BASE_PACKAGES = (
     "systemd-sysv",
     "udev",
     "dbus",
-    "linux-image-cloud-amd64",
     "initramfs-tools",
     "zstd",
     "e2fsprogs",
@@ -51,6 +54,7 @@ BASE_PACKAGES = (
     "criu",
     "kmod",
 )
+KERNEL_PACKAGE = "linux-image-cloud-amd64"
 DEBIAN_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 quiet panic=-1"
 """Under TCG the boot (~11 s to the marker) is mostly udev and systemd; fsck.mode=skip and
 i8042 tweaks were measured and gained nothing, so the command line stays plain."""
@@ -136,43 +140,38 @@ DPKG_EXCLUDES = (
 )
 
 
-def host_apt_sources() -> list[Path]:
-    """The host's own apt source files that serve bookworm (apt's configured locations)."""
-    out = run(
-        ["apt-config", "shell", "SL", "Dir::Etc::sourcelist/f", "SP", "Dir::Etc::sourceparts/d"],
-        "read apt configuration",
-    ).stdout.decode()
-    found = dict(re.findall(r"^(SL|SP)='([^']*)'", out, re.M))
-    files: list[Path] = []
-    if found.get("SL"):
-        files.append(Path(found["SL"]))
-    if found.get("SP") and Path(found["SP"]).is_dir():
-        parts = Path(found["SP"])
-        files += sorted(p for p in parts.iterdir() if p.suffix in (".list", ".sources"))
-    keep = []
-    for f in files:
-        try:
-            text = f.read_text(errors="replace")
-        except OSError:
-            continue
-        active = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-        if any(SUITE in ln for ln in active) and not re.search(r"^\s*Enabled:\s*no", text, re.M | re.I):
-            keep.append(f)
-    if not keep:
-        raise ImageBuildError(
-            f"no apt source for Debian {SUITE} on this host "
-            f"(looked at {', '.join(map(str, files)) or 'nothing'}); configure apt for {SUITE} first"
-        )
-    return keep
+@dataclass(frozen=True)
+class Flavour:
+    """What an image adds to the plain Debian guest (the plain guest is ``DEBIAN``)."""
+
+    kind: str
+    kernel_package: str = KERNEL_PACKAGE
+    packages: tuple[str, ...] = ()
+    dpkg_excludes: tuple[str, ...] = ()  # dpkg path filters on top of DPKG_EXCLUDES (files never unpacked)
+    initrd_modules: tuple[str, ...] = ()  # forced into the initrd and loaded early, on top of INITRD_MODULES
+    initrd_modules_only: bool = False  # initramfs-tools MODULES=list: only those (not "most" of the kernel's)
+    chroot_commands: tuple[str, ...] = ()  # shell commands run in the finished tree's chroot, in order
+    configure: Callable[[Path], None] | None = None  # writes its files into the tree, after the guest's own
+    cmdline: str = DEBIAN_CMDLINE
+    marker: str = MARKER
+
+    def all_packages(self, extra: Sequence[str] = ()) -> list[str]:
+        return list(dict.fromkeys([*BASE_PACKAGES, self.kernel_package, *self.packages, *extra]))
+
+    def modules(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys([*INITRD_MODULES, *self.initrd_modules]))
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
+DEBIAN = Flavour("debian")
+
+
+def write_file(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(mode)
 
 
-def _enable(system: Path, unit: str, target: str = "multi-user.target") -> None:
+def enable_unit(system: Path, unit: str, target: str = "multi-user.target") -> None:
     """What `systemctl enable` does for a unit in /etc/systemd/system with WantedBy=target."""
     wants = system / f"{target}.wants"
     wants.mkdir(parents=True, exist_ok=True)
@@ -185,18 +184,18 @@ def _enable(system: Path, unit: str, target: str = "multi-user.target") -> None:
 def _configure_tree(root: Path, agent: Path) -> None:
     """Capsule's settings, written straight into the unpacked tree (after mmdebstrap finished)."""
     etc = root / "etc"
-    _write(etc / "hostname", HOSTNAME + "\n")
-    _write(
+    write_file(etc / "hostname", HOSTNAME + "\n")
+    write_file(
         etc / "hosts",
         f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     )
-    _write(etc / "fstab", "# <device> <mount point> <type> <options> <dump> <pass>\n" + FSTAB_ROOT + "\n")
+    write_file(etc / "fstab", "# <device> <mount point> <type> <options> <dump> <pass>\n" + FSTAB_ROOT + "\n")
     # no leftovers of the build host: resolver and identity
     resolv = etc / "resolv.conf"
     if resolv.is_symlink() or resolv.exists():
         resolv.unlink()
     resolv.write_text("")
-    _write(etc / "machine-id", "")  # empty: systemd makes one at first boot (no first-boot prompts)
+    write_file(etc / "machine-id", "")  # empty: systemd makes one at first boot (no first-boot prompts)
     dbus_id = root / "var/lib/dbus/machine-id"
     if dbus_id.exists() and not dbus_id.is_symlink():
         dbus_id.unlink()
@@ -206,18 +205,18 @@ def _configure_tree(root: Path, agent: Path) -> None:
     lines = [re.sub(r"^root:[^:]*:", "root::", ln) for ln in lines]
     shadow.write_text("\n".join(lines) + "\n")
     # serial console: autologin root
-    _write(etc / "systemd/system/serial-getty@ttyS0.service.d/autologin.conf", AUTOLOGIN_DROPIN)
+    write_file(etc / "systemd/system/serial-getty@ttyS0.service.d/autologin.conf", AUTOLOGIN_DROPIN)
     # readiness marker
     system = etc / "systemd/system"
-    _write(system / "capsule-ready.service", READY_UNIT)
-    _enable(system, "capsule-ready.service")
+    write_file(system / "capsule-ready.service", READY_UNIT)
+    enable_unit(system, "capsule-ready.service")
     # the guest agent, started at boot and restarted whenever it exits
     dest = root / AGENT_PATH.lstrip("/")
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(agent, dest)
     dest.chmod(0o755)
-    _write(system / "capsule-agent.service", AGENT_UNIT)
-    _enable(system, "capsule-agent.service")
+    write_file(system / "capsule-agent.service", AGENT_UNIT)
+    enable_unit(system, "capsule-agent.service")
     # the pod layer (pods/): `python3 -m pods` as root, driven by the host through the agent
     pods = root / POD_LAYER_PATH.lstrip("/")
     if pods.exists():
@@ -232,7 +231,7 @@ def _configure_tree(root: Path, agent: Path) -> None:
             target.unlink()
         target.symlink_to("/dev/null")
     # a quieter, smaller journal
-    _write(etc / "systemd/journald.conf.d/capsule.conf", "[Journal]\nSystemMaxUse=32M\n")
+    write_file(etc / "systemd/journald.conf.d/capsule.conf", "[Journal]\nSystemMaxUse=32M\n")
     # apt lists (mmdebstrap cleans them too; be sure)
     lists = root / "var/lib/apt/lists"
     if lists.is_dir():
@@ -243,58 +242,16 @@ def _configure_tree(root: Path, agent: Path) -> None:
                 shutil.rmtree(p)
 
 
-def _prune_deb_cache(debs: Path, installed: dict[str, str]) -> None:
-    """Keep only the .debs of the versions just installed, so the cache does not grow forever."""
-    wanted = {f"{pkg}_{quote(ver, safe='+.~-')}_" for pkg, ver in installed.items()}
-    for deb in debs.glob("*.deb"):
-        name, ver, _ = deb.name.split("_", 2)
-        if f"{name}_{ver}_" not in wanted:
-            deb.unlink()
-
-
-def _installed_packages(root: Path) -> dict[str, str]:
-    out = run(
-        [
-            "dpkg-query",
-            f"--admindir={root / 'var/lib/dpkg'}",
-            "-W",
-            "-f",
-            "${Package} ${Version} ${Status}\n",
-        ],
-        "list installed packages",
-    ).stdout.decode()
-    pkgs = {}
-    for line in out.splitlines():
-        parts = line.split(" ", 2)
-        if len(parts) == 3 and parts[2].endswith(" installed"):
-            pkgs[parts[0]] = parts[1]
-    return pkgs
-
-
-def _dir_bytes(root: Path) -> int:
-    total = 0
-    seen: set[tuple[int, int]] = set()
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, f))
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            total += st.st_size
-    return total
-
-
 def build_debian(
     workdir: Path,
     progress: Progress | None = None,
     disk_size: str = "2G",
     extra_packages: Sequence[str] = (),
+    flavour: Flavour = DEBIAN,
 ) -> BuiltImage:
-    """Build a Debian bookworm guest (systemd, cloud kernel, criu) as kernel + initrd + raw ext4 disk."""
-    require_root("building the Debian guest image")
+    """Build a Debian bookworm guest (systemd, cloud kernel, criu) as kernel + initrd + raw ext4 disk;
+    ``flavour`` adds what another kind of image needs on top (see :class:`Flavour`)."""
+    require_root(f"building the {flavour.kind} guest image")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for tool, pkg in (("mmdebstrap", "mmdebstrap"), ("mkfs.ext4", "e2fsprogs")):
@@ -310,15 +267,15 @@ def build_debian(
     agent = agent_binary(progress)  # before the long mmdebstrap run: a missing compiler fails fast
     agent_meta = agent_info(agent)
     sources = host_apt_sources()
-    packages = list(dict.fromkeys([*BASE_PACKAGES, *extra_packages]))
-    debcache = cache_dir(workdir) / "debian-debs"
+    packages = flavour.all_packages(extra_packages)
+    debcache = cache_dir(workdir) / f"{flavour.kind}-debs"  # per kind: each build keeps only its own .debs
     debcache.mkdir(parents=True, exist_ok=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="debian-", dir=workdir))
     try:
         tree = tmp / "tree"
         hook = tmp / "capsule-virtio"
-        hook.write_text(INITRAMFS_HOOK.replace("@MODULES@", " ".join(INITRD_MODULES)))
+        hook.write_text(INITRAMFS_HOOK.replace("@MODULES@", " ".join(flavour.modules())))
         hook.chmod(0o755)
         initrd_list = tmp / "initrd-list.txt"
         newcache = tmp / "debs"
@@ -331,14 +288,17 @@ def build_debian(
             "--variant=minbase",
             "--include=" + ",".join(packages),
             '--aptopt=Acquire::Languages "none"',
-            *(f"--dpkgopt={o}" for o in DPKG_EXCLUDES),
+            *(f"--dpkgopt={o}" for o in (*DPKG_EXCLUDES, *flavour.dpkg_excludes)),
             "--skip=essential/unlink",
             # reuse the .debs of the last build
             f'--setup-hook=mkdir -p "$1/var/cache/apt/archives/partial" && find {q(str(debcache))} '
             '-maxdepth 1 -name "*.deb" -exec cp -t "$1/var/cache/apt/archives/" {} +',
             # before the kernel is installed: our initramfs-tools hook, so the first initrd has virtio
             f'--essential-hook=mkdir -p "$1/etc/initramfs-tools/hooks" && '
-            f'cp {q(str(hook))} "$1/etc/initramfs-tools/hooks/capsule-virtio"',
+            f'cp {q(str(hook))} "$1/etc/initramfs-tools/hooks/capsule-virtio"'
+            + (' && mkdir -p "$1/etc/initramfs-tools/conf.d" && echo MODULES=list '
+               '> "$1/etc/initramfs-tools/conf.d/capsule.conf"' if flavour.initrd_modules_only else ""),
+            *(f'--customize-hook=chroot "$1" sh -ec {q(c)}' for c in flavour.chroot_commands),
             f"--customize-hook=sync-out /var/cache/apt/archives {q(str(newcache))}",
             f'--customize-hook=chroot "$1" sh -c "lsinitramfs /boot/initrd.img-*" > {q(str(initrd_list))}',
             SUITE,
@@ -363,13 +323,13 @@ def build_debian(
         )
         clock.lap("mmdebstrap")
 
-        installed = _installed_packages(tree)
+        installed = installed_packages(tree)
         # refresh the .deb cache from this build
         for old in debcache.glob("*.deb"):
             old.unlink()
         for deb in newcache.glob("*.deb"):
             os.replace(deb, debcache / deb.name)
-        _prune_deb_cache(debcache, installed)
+        prune_deb_cache(debcache, installed)
 
         kernels = sorted((tree / "boot").glob("vmlinuz-*"))
         initrds = sorted((tree / "boot").glob("initrd.img-*"))
@@ -386,7 +346,9 @@ def build_debian(
         shutil.copyfile(initrds[0], initrd)
 
         _configure_tree(tree, agent)
-        tree_bytes = _dir_bytes(tree)
+        if flavour.configure is not None:
+            flavour.configure(tree)
+        tree_bytes = dir_bytes(tree)
         clock.lap("configure")
 
         disk = workdir / "disk.raw"
@@ -417,7 +379,7 @@ def build_debian(
         safe_rmtree(tmp)
 
     extras = list(extra_packages)
-    say(progress, f"debian image ready in {clock.total():.0f} s")
+    say(progress, f"{flavour.kind} image ready in {clock.total():.0f} s")
     info = {
         "suite": SUITE,
         "kernel_release": release,
@@ -425,8 +387,8 @@ def build_debian(
         "packages_requested": packages,
         "extra_packages": extras,
         "package_count": len(installed),
-        "packages": {p: installed[p] for p in (*BASE_PACKAGES, *extras) if p in installed},
-        "initrd_has": [m for m in INITRD_MODULES if re.search(rf"/{m}\.ko", listing)],
+        "packages": {p: installed[p] for p in packages if p in installed},
+        "initrd_has": [m for m in flavour.modules() if re.search(rf"/{m}\.ko", listing)],
         "agent_version": agent_meta["version"],
         "agent_protocol": agent_meta["protocol"],
         "agent_sha256": agent_meta["sha256"],
@@ -446,4 +408,4 @@ def build_debian(
         "build_seconds": clock.total(),
         "build_steps": clock.laps,
     }
-    return BuiltImage("debian", kernel, initrd, disk, DEBIAN_CMDLINE, MARKER, info)
+    return BuiltImage(flavour.kind, kernel, initrd, disk, flavour.cmdline, flavour.marker, info)

@@ -28,6 +28,7 @@ class MachineSpec:
     free_page_reporting: bool = True
     emulator: str | None = None   # None: libvirt's default
     vnc_socket: Path | None = None  # the screen: a VGA card and a VNC server on this unix socket; None: no screen
+    user_network: str | None = None  # "ADDRESS/PREFIX": a virtio NIC on QEMU's user-mode network (outbound only)
 
 
 def _disk_target(i: int) -> str:
@@ -48,6 +49,16 @@ def add_screen(devices: ET.Element, vnc_socket: Path) -> None:
     ET.SubElement(graphics, "listen", type="socket", socket=str(vnc_socket))
     video = ET.SubElement(devices, "video")
     ET.SubElement(video, "model", type="vga", vram="16384", heads="1", primary="yes")
+
+
+def add_user_network(devices: ET.Element, network: str) -> None:
+    """A virtio NIC on QEMU's user-mode network (slirp: NAT inside the QEMU process, outbound connections
+    only, nothing on the host's own network). ``network`` is the guest side's ``ADDRESS/PREFIX``: the
+    gateway is its .2, the DNS forwarder its .3, the guest takes .15 (slirp's layout)."""
+    address, _, prefix = network.partition("/")
+    nic = ET.SubElement(devices, "interface", type="user")
+    ET.SubElement(nic, "ip", family="ipv4", address=address, prefix=prefix or "24")
+    ET.SubElement(nic, "model", type="virtio")
 
 
 def build(spec: MachineSpec) -> str:
@@ -91,6 +102,8 @@ def build(spec: MachineSpec) -> str:
     channel = ET.SubElement(devices, "channel", type="unix")
     ET.SubElement(channel, "source", mode="bind", path=str(spec.agent_socket))
     ET.SubElement(channel, "target", type="virtio", name=AGENT_CHANNEL)
+    if spec.user_network is not None:
+        add_user_network(devices, spec.user_network)
     if spec.vnc_socket is not None:
         add_screen(devices, spec.vnc_socket)
     balloon = ET.SubElement(devices, "memballoon", model="virtio",

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.hosts.compose import Host, compose, docker_ready, up
+from scripts.composehosts import TEST, docker_ready
 
 SEED = "seed"
 
@@ -19,12 +19,12 @@ def hosts():
     CAPSULE_KEEP_HOSTS=1 keeps them for a look."""
     if why := docker_ready():
         pytest.fail(why)
-    compose("down", "--volumes", "--timeout", "5")
-    up()
-    a, b = Host("host-a"), Host("host-b")
+    TEST.compose("down", "--volumes", "--timeout", "5")
+    TEST.up()
+    a, b = TEST.host("host-a"), TEST.host("host-b")
     yield a, b
     if os.environ.get("CAPSULE_KEEP_HOSTS") != "1":
-        compose("down", "--volumes", "--timeout", "5")
+        TEST.compose("down", "--volumes", "--timeout", "5")
 
 
 @pytest.fixture(scope="session")

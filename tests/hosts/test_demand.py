@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.hosts.compose import wait_for
+from scripts.composehosts import wait_for
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(600)]
 

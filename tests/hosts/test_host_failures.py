@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hosts.compose import wait_for
+from scripts.composehosts import wait_for
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]
 

@@ -82,3 +82,59 @@ def test_the_verify_route_refuses_malformed_requests(store, body):
         assert httpx.post(f"{agent.url}/v1/verify", content=b'{"versions": []}').status_code == 401
     finally:
         agent.stop()
+
+
+def test_a_backup_hosts_policy_is_parsed_checked_and_kept(store):
+    from capsule import hosts  # noqa: F401 - (the target must be a known host)
+    from capsule.backup import jobs
+    from capsule.backup.retention import Policy, PolicyError
+
+    assert Policy.parse("daily=30, weekly=12,keep-monthly=24,within=1y") == Policy(daily=30, weekly=12, monthly=24,
+                                                                                   within="1y")
+    for bad in ("", "daily", "daily=x", "hourly=-1", "fortnightly=2", "within=soon", "daily=١"):
+        with pytest.raises(PolicyError):
+            Policy.parse(bad)
+    with pytest.raises(Exception, match="needs a backup host"):
+        jobs.schedule(store, "desk", "daily", Policy(last=1), target_policy=Policy(daily=30), now=T0)
+    assert jobs.jobs(store) == []
+
+
+def test_a_catalogue_from_before_the_backup_hosts_policy_still_works(tmp_path):
+    import sqlite3
+
+    from capsule.backup import jobs
+    from capsule.backup.retention import Policy
+
+    s = Store.open(tmp_path / "old")
+    s.catalogue.add_capsule(CapsuleRow("desk", "u-1", "tiny", None, None, T0))
+    s.close()
+    db = sqlite3.connect(tmp_path / "old" / "catalogue.sqlite")
+    db.execute(jobs.SCHEMA.replace(",\n    target_policy TEXT", ""))
+    db.execute("INSERT INTO backup_jobs(capsule, calendar, policy, mode, created, next_run) "
+               "VALUES('desk', 'daily', '{\"last\": 2}', 'memory', ?, ?)", (T0, T0 + 50400))
+    db.commit()
+    db.close()
+    s = Store.open(tmp_path / "old")
+    try:
+        [job] = jobs.jobs(s)
+        assert job.policy == Policy(last=2) and job.target_policy is None and job.there_policy == Policy(last=2)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"policy": "daily=3"}', b'{"policy": {"daily": -1}}',
+                                  b'{"policy": {"fortnightly": 2}}', b'{"policy": {"daily": 1}, "x": 1}'])
+def test_the_prune_route_refuses_malformed_requests(store, body):
+    agent = InProcessAgent(store.home, "t0ken-sixteen-chars")
+    try:
+        r = httpx.post(f"{agent.url}/v1/backups/desk/prune", content=body,
+                       headers={"Authorization": "Bearer t0ken-sixteen-chars"})
+        if body.endswith(b'"x": 1}'):          # unknown keys beside a good policy are ignored
+            assert r.status_code == 200 and r.json()["removed"] == []
+        else:
+            assert r.status_code == 400 and r.json()["error"] in ("invalid_name", "policy_error"), r.text
+        r = httpx.post(f"{agent.url}/v1/backups/..%2Fx/prune", content=b'{"policy": {"daily": 1}}',
+                       headers={"Authorization": "Bearer t0ken-sixteen-chars"})
+        assert r.status_code in (400, 404)
+    finally:
+        agent.stop()

@@ -72,7 +72,9 @@ ROUTES = [("GET", "/api/capsules"), ("GET", "/api/hosts"), ("GET", "/api/tree"),
           ("POST", f"/api/capsules/{SECRET}/start"), ("POST", f"/api/capsules/{SECRET}/stop"),
           ("POST", f"/api/capsules/{SECRET}/suspend"), ("POST", f"/api/capsules/{SECRET}/snapshot"),
           ("POST", f"/api/capsules/{SECRET}/derive"), ("POST", f"/api/capsules/{SECRET}/rm"),
-          ("GET", f"/api/capsules/{SECRET}"), ("GET", "/api/no-such-call")]
+          ("GET", f"/api/capsules/{SECRET}"), ("GET", "/api/no-such-call"),
+          ("GET", "/api/backups"), ("POST", f"/api/backups/{SECRET}/run"), ("POST", f"/api/backups/{SECRET}/restore"),
+          ("POST", "/api/backups/verify")]
 
 
 def _assert_bare_401(r) -> None:
@@ -278,3 +280,42 @@ def test_page_is_served_without_a_session_and_reveals_nothing(client):
     assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
     assert client.get("/web/js/app.js").status_code == 200
     assert client.get("/web/../capsule/hosts.py").status_code == 404
+
+
+def test_backups_panel_data_and_refusals(client, home):
+    """GET /api/backups: each schedule with its backups (newest first) and the verify job; a run, a restore
+    and a verify refuse bad input as the CLI does, and change nothing."""
+    from capsule.backup import jobs, verifyjob
+    from capsule.backup.retention import Policy
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert client.get("/api/backups", headers=auth).json() == {"jobs": [], "verify": None}
+    store = Store.open(home)
+    try:
+        jobs.schedule(store, SECRET, "daily", Policy(daily=7))
+        verifyjob.schedule(store, "Sun 04:00")
+    finally:
+        store.close()
+    data = client.get("/api/backups", headers=auth).json()
+    [job] = data["jobs"]
+    assert job["capsule"] == SECRET and job["policy_text"] == "keep-daily 7" and job["backups"] == []
+    assert data["verify"]["calendar"] == "Sun 04:00" and data["verify"]["last_result"] is None
+    csrf = sign_in(client)
+    r = client.post("/api/backups/ghost/run", headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 404 and "no backup schedule" in r.json()["detail"]
+    r = client.post(f"/api/backups/{SECRET}/restore", json={"version": 9}, headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 404 and "has no version 9" in r.json()["detail"]
+    r = client.post(f"/api/backups/{SECRET}/restore", json={"version": 1, "as_name": "../x"},
+                    headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 400
+    r = client.post(f"/api/backups/{SECRET}/restore", json={"version": 0}, headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 400
+    assert client.post(f"/api/backups/{SECRET}/run").status_code == 403        # no CSRF token
+    r = client.post("/api/backups/verify", headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 200 and r.json()["ok"] and r.json()["hosts"][0]["backups"] == []
+    store = Store.open(home)
+    try:
+        assert [v.ref for v in store.catalogue.versions(SECRET)] == [f"{SECRET}@1"]
+        assert [c.name for c in store.catalogue.capsules()] == [SECRET]
+    finally:
+        store.close()

@@ -94,3 +94,27 @@ def test_verify_here_and_on_the_backup_host(two_hosts):
         assert done.next_run > clock[0]
     finally:
         back.stop()
+
+
+def test_the_backup_host_keeps_its_own_longer_policy(two_hosts):
+    a, b, _agent_a, agent_b = two_hosts
+    hosts.add(a, "vault", agent_b.url, agent_b.token)
+    capsules.create(a, "desk", "tiny", memory="256M")
+    lifecycle.start(a, "desk")
+    jobs.schedule(a, "desk", "hourly", Policy(last=1), mode="disk-only", target="vault",
+                  target_policy=Policy(last=3))
+    runs = [runner.run(a, "desk") for _ in range(5)]
+    assert all(r.ok for r in runs), [r.error for r in runs]
+    numbers = [r.version for r in runs]
+    assert [v.number for v in jobs.backups(a, "desk")] == numbers[-1:]            # here: the last one
+    assert [v.number for v in jobs.backups(b, "desk")] == numbers[-3:]            # there: the last three
+    assert runs[-1].copy.copied == [numbers[-1]] and runs[-1].copy.pruned == [numbers[-4]]
+    # pruned copies are not sent again, and verify asks the backup host only for what it still holds
+    again = runner.run(a, "desk")
+    assert again.copy.copied == [again.version]
+    check = verifyjob.run(a)
+    assert check.ok, check.summary()
+    assert check.hosts[1].backups == [f"desk@{n}" for n in [*numbers[-2:], again.version]]
+    # the backup host's copies of pruned versions were collected there: what remains still verifies
+    r = cli(b, "--json", "verify")
+    assert r.returncode == 0, r.stdout + r.stderr

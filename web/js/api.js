@@ -77,3 +77,9 @@ export const peerConsoleTicket = (host, name, kind = "screen") =>
 export const migrate = (name, body) => call("POST", `capsules/${encodeURIComponent(name)}/migrate`, body);
 export const migration = (id) => call("GET", `migrations/${encodeURIComponent(id)}`);
 export const cancelMigration = (id) => call("POST", `migrations/${encodeURIComponent(id)}/cancel`);
+
+// backups (capsule/agent/backupsapi.py)
+export const backups = () => call("GET", "backups");
+export const runBackup = (name) => call("POST", `backups/${encodeURIComponent(name)}/run`, {});
+export const restoreBackup = (name, body) => call("POST", `backups/${encodeURIComponent(name)}/restore`, body);
+export const verifyBackups = () => call("POST", "backups/verify", {});

@@ -4,6 +4,7 @@
 import * as api from "./api.js";
 import { bytes, h, when } from "./format.js";
 import { openMigrate } from "./migrate.js";
+import { renderBackups } from "./backups.js";
 import { renderTree } from "./tree.js";
 
 const REFRESH_MS = 3000;
@@ -74,6 +75,7 @@ function showSignIn(message = "") {
   $("sign-in").hidden = false;
   $("hosts").hidden = true;
   $("tree").hidden = true;
+  $("backups").hidden = true;
   $("sign-out").hidden = true;
   $("whoami").textContent = "";
   $("refreshed").textContent = "";
@@ -86,6 +88,7 @@ function showDashboard(session) {
   $("sign-in").hidden = true;
   $("hosts").hidden = false;
   $("tree").hidden = false;
+  $("backups").hidden = false;
   $("sign-out").hidden = false;
   $("whoami").textContent = `host ${session.store_id}`;
   render();
@@ -135,9 +138,14 @@ async function refresh() {
       if (err.status === 401) throw err;
       $("tree-selection").textContent = `The hierarchy failed: ${err.message}`;
     });
+    const backups = api.backups().then((data) => renderBackups(data, backupHooks), (err) => {
+      if (err.status === 401) throw err;
+      $("backups-view").textContent = `The backups failed: ${err.message}`;
+    });
     view.local = await api.capsules();
     render();
     await tree;
+    await backups;
     await peers;
     $("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}`;
     render();
@@ -148,6 +156,12 @@ async function refresh() {
     view.loading = false;
   }
 }
+
+// the backups panel's buttons (backups.js): an error is shown, a change refreshes the whole page
+const backupHooks = {
+  onChange: () => { view.loading = false; refresh(); },
+  onError: (err) => (err && err.status === 401 ? showSignIn("Your session ended: sign in again.") : showError(err)),
+};
 
 async function act(capsule, action) {
   if (action.run) return action.run(capsule);

@@ -1,8 +1,9 @@
-"""The compose hosts (docker-compose.yml) as test objects.
+"""The compose hosts (docker-compose.yml) driven from this machine: by `make demo-compose` and by the
+`hosts` test tier, each with a compose project (and loopback ports) of its own.
 
-Each host is a container with its own root file system, store, libvirtd and agent.
-What happens *on* a host runs there with that host's own CLI (``docker exec … capsule``);
-everything between hosts goes over the network, agent to agent, with tokens."""
+Each host is a container with its own root file system, store, libvirtd and agent. What happens *on* a
+host runs there with that host's own CLI (``docker exec … capsule``); everything between hosts goes over
+the network, agent to agent, with tokens."""
 
 from __future__ import annotations
 
@@ -10,17 +11,15 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 # Debian's client and compose (another `docker` may come first on PATH)
 DOCKER = "/usr/bin/docker"
-# A compose project of its own, on ports of its own: the tests never touch the hosts of
-# `make compose-up` (project `capsule`, ports 7171/7172) or their stores.
-PROJECT = "capsule-test"
-LISTEN = {"CAPSULE_HOST_A_LISTEN": "127.0.0.1:7271", "CAPSULE_HOST_B_LISTEN": "127.0.0.1:7272"}
+T = TypeVar("T")
 
 # Run inside a host: a shell command in a guest, through the guest's serial console there.
 _GUEST_SHELL = """
@@ -34,7 +33,11 @@ finally:
 """
 
 
-class HostCommandFailed(AssertionError):
+class ComposeError(Exception):
+    """Something about the compose hosts went wrong (a command failed, a wait timed out)."""
+
+
+class HostCommandFailed(ComposeError):
     def __init__(self, host: str, args: list[str], proc: subprocess.CompletedProcess[str]) -> None:
         self.returncode = proc.returncode
         self.stdout = proc.stdout
@@ -43,32 +46,52 @@ class HostCommandFailed(AssertionError):
                          f"stdout: {proc.stdout.strip()}\nstderr: {proc.stderr.strip()}")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    return os.environ | {"PATH": "/usr/bin:/usr/sbin:" + os.environ.get("PATH", ""),
-                         "COMPOSE_PROJECT_NAME": PROJECT} | LISTEN | extra
+@dataclass(frozen=True)
+class Project:
+    """One set of compose hosts: the compose project's name and the agents' loopback addresses
+    (``CAPSULE_HOST_A_LISTEN`` …; empty: docker-compose.yml's defaults, 7171 and 7172)."""
+
+    name: str
+    listen: dict[str, str] = field(default_factory=dict)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return os.environ | {"PATH": "/usr/bin:/usr/sbin:" + os.environ.get("PATH", ""),
+                             "COMPOSE_PROJECT_NAME": self.name} | self.listen | extra
+
+    def compose(self, *args: str, timeout: float = 300) -> str:
+        proc = subprocess.run(["docker-compose", *compose_files(), *args], cwd=ROOT, env=self.env(),
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise HostCommandFailed("docker-compose", list(args), proc)
+        return proc.stdout
+
+    def up(self, *services: str, timeout: float = 1200, show: bool = False) -> None:
+        """`make compose-up` (compose/up.sh): the base image if missing, the host image (cached), start,
+        wait for the agents. ``show``: its progress goes to this process's stderr."""
+        out = None if show else subprocess.PIPE
+        proc = subprocess.run(["bash", str(ROOT / "compose" / "up.sh"), *services], cwd=ROOT, env=self.env(),
+                              stdout=out, stderr=out, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise HostCommandFailed("compose/up.sh", list(services), proc)
+
+    def host(self, service: str) -> Host:
+        return Host(service, self)
 
 
-def _files() -> list[str]:
+# `make compose-up`'s hosts (agents on 7171 and 7172, or CAPSULE_HOST_A_LISTEN/…_B_LISTEN): the demo's
+DEMO = Project(os.environ.get("COMPOSE_PROJECT_NAME") or "capsule")
+# The `hosts` test tier's: never the hosts of `make compose-up` or their stores (another run beside this one
+# sets CAPSULE_TEST_COMPOSE_PROJECT and CAPSULE_TEST_HOST_A_LISTEN/…_B_LISTEN)
+TEST = Project(os.environ.get("CAPSULE_TEST_COMPOSE_PROJECT") or "capsule-test",
+               {"CAPSULE_HOST_A_LISTEN": os.environ.get("CAPSULE_TEST_HOST_A_LISTEN") or "127.0.0.1:7271",
+                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272"})
+
+
+def compose_files() -> list[str]:
     files = ["-f", str(ROOT / "docker-compose.yml")]
     if os.path.exists("/dev/kvm"):
         files += ["-f", str(ROOT / "docker-compose.kvm.yml")]
     return files
-
-
-def compose(*args: str, timeout: float = 300) -> str:
-    proc = subprocess.run(["docker-compose", *_files(), *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise HostCommandFailed("docker-compose", list(args), proc)
-    return proc.stdout
-
-
-def up(*services: str, timeout: float = 1200) -> None:
-    """`make compose-up`: base image if missing, host image (cached), start, wait for the agents."""
-    proc = subprocess.run(["bash", str(ROOT / "compose" / "up.sh"), *services], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise HostCommandFailed("compose/up.sh", list(services), proc)
 
 
 def docker_ready() -> str | None:
@@ -82,14 +105,17 @@ def docker_ready() -> str | None:
 @dataclass
 class Host:
     service: str     # compose service, e.g. host-a
+    project: Project
     _container: str | None = None
 
     @property
     def container(self) -> str:
         """The id of the service's current container (a new one after remove() and start())."""
         if self._container is None:
-            cid = compose("ps", "-q", self.service).strip()
-            assert cid, f"{self.service} has no container"
+            cid = self.project.compose("ps", "-q", self.service).strip()
+            if not cid:
+                raise ComposeError(f"{self.service} has no container (project {self.project.name}): "
+                                   f"run `make compose-up`")
             self._container = cid
         return self._container
 
@@ -97,7 +123,8 @@ class Host:
               check: bool = True) -> subprocess.CompletedProcess[str]:
         # `-e NAME` without a value passes NAME from our environment: a token never shows on a command line
         cmd = [DOCKER, "exec", *(a for k in (env or {}) for a in ("-e", k)), self.container, *args]
-        proc = subprocess.run(cmd, env=_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=self.project.env(**(env or {})), capture_output=True, text=True,
+                              timeout=timeout)
         if check and proc.returncode != 0:
             raise HostCommandFailed(self.service, args, proc)
         return proc
@@ -123,7 +150,8 @@ class Host:
 
         r = httpx.request(method, self.url + path, json=body, timeout=timeout,
                           headers={"Authorization": f"Bearer {self.token}"})
-        assert r.status_code == 200, f"{self.service} {method} {path}: {r.status_code} {r.text}"
+        if r.status_code != 200:
+            raise ComposeError(f"{self.service} {method} {path}: {r.status_code} {r.text}")
         return r.json()
 
     def capsule(self, *args: str, token: str | None = None, env: dict[str, str] | None = None,
@@ -139,22 +167,29 @@ class Host:
         """This host's CLI with --json, without waiting for it."""
         extra = {"CAPSULE_TOKEN": token} if token is not None else {}
         return subprocess.Popen([DOCKER, "exec", *(a for k in extra for a in ("-e", k)), self.container,
-                                 "capsule", "--json", *args], env=_env(**extra), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                 "capsule", "--json", *args], env=self.project.env(**extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def capsule_fails(self, *args: str, token: str | None = None, timeout: float = 300) -> HostCommandFailed:
         extra = {"CAPSULE_TOKEN": token} if token is not None else {}
         proc = self._exec(["capsule", *args], env=extra, timeout=timeout, check=False)
-        assert proc.returncode != 0, f"{self.service}: `capsule {' '.join(args)}` succeeded: {proc.stdout}"
+        if proc.returncode == 0:
+            raise ComposeError(f"{self.service}: `capsule {' '.join(args)}` succeeded: {proc.stdout}")
         return HostCommandFailed(self.service, list(args), proc)
 
+    def states(self) -> dict[str, dict[str, Any]]:
+        """`capsule ls` on this host: each capsule's line by name."""
+        return {c["name"]: c for c in self.capsule("ls")}
+
     def domain(self, name: str) -> str:
-        states = {c["name"]: c for c in self.capsule("ls")}
-        assert name in states and states[name]["domain"], f"{name} is not running on {self.service}: {states}"
+        states = self.states()
+        if name not in states or not states[name]["domain"]:
+            raise ComposeError(f"{name} is not running on {self.service}: {states}")
         return states[name]["domain"]
 
     def state(self, name: str) -> str | None:
-        return {c["name"]: c["state"] for c in self.capsule("ls")}.get(name)
+        s = self.states().get(name)
+        return s["state"] if s else None
 
     def domstate(self, name: str) -> str:
         """libvirt's state and reason, e.g. 'paused (I/O error)'."""
@@ -168,8 +203,8 @@ class Host:
     def guest_background(self, name: str, command: str, timeout: float) -> subprocess.Popen[str]:
         """Like guest(), without waiting: the process ends when the command has run in the guest."""
         args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_SHELL, self.domain(name), command, str(timeout)]
-        return subprocess.Popen([DOCKER, "exec", self.container, *args], env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen([DOCKER, "exec", self.container, *args], env=self.project.env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def disk_digest(self, name: str, blocks: int = 2048, timeout: float = 120) -> str:
         out = self.guest(name, f"echo 3 > /proc/sys/vm/drop_caches; "
@@ -177,7 +212,7 @@ class Host:
         return out.split()[0]
 
     def running(self) -> bool:
-        if not compose("ps", "-q", self.service).strip():
+        if not self.project.compose("ps", "-q", self.service).strip():
             return False
         proc = subprocess.run([DOCKER, "inspect", "-f", "{{.State.Running}}", self.container],
                               capture_output=True, text=True, timeout=60)
@@ -185,19 +220,19 @@ class Host:
 
     def stop(self) -> None:
         """The machine goes away (its store volume stays)."""
-        compose("stop", "-t", "5", self.service)
+        self.project.compose("stop", "-t", "5", self.service)
 
     def remove(self) -> None:
         """The container is removed entirely: root file system, libvirtd, guests; only the volume stays."""
-        compose("rm", "--stop", "--force", self.service)
+        self.project.compose("rm", "--stop", "--force", self.service)
         self._container = None
 
     def start(self) -> None:
-        up(self.service)
+        self.project.up(self.service)
         self._container = None
 
 
-def wait_for(check, timeout: float, what: str, interval: float = 0.3):  # noqa: ANN001, ANN201
+def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.3) -> T:
     """Poll ``check()`` until it returns something true, or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -205,5 +240,5 @@ def wait_for(check, timeout: float, what: str, interval: float = 0.3):  # noqa: 
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
+            raise ComposeError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
         time.sleep(interval)

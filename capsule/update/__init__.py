@@ -1,0 +1,1 @@
+"""Software updates made inside a capsule (``update make``) and applied to users' capsules (``update apply``)."""
