@@ -19,7 +19,7 @@ demo-compose: setup
 	$(PY) scripts/demo_compose.py
 
 test: setup
-	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
+	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: host venv web
@@ -48,7 +48,7 @@ agent:
 	$(MAKE) -C guest-balloon
 
 lint: venv
-	$(PY) -m ruff check capsule hashcache diskserver tests bench scripts
+	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
 
 bench: setup
 	$(PY) bench/hashcache_micro.py
@@ -60,6 +60,7 @@ bench: setup
 	$(PY) bench/dashboard_migrate.py
 	$(PY) bench/console_latency.py
 	$(PY) bench/desktop_boot.py
+	$(PY) bench/pods_bench.py
 
 # B2 live between the compose hosts (own compose project capsule-b2; needs root: tc on lo)
 bench-live: setup

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from capsule.cli import backup, capsules, fleet, hosts, images, migrate, runtime, transfer, update
+from capsule.cli import backup, capsules, fleet, hosts, images, migrate, pod, runtime, transfer, update
 from capsule.cli.common import OPTIONS, report
 
 app = typer.Typer(
@@ -42,6 +42,7 @@ migrate.register(app)
 hosts.register(app)
 fleet.register(app)
 backup.register(app)
+pod.register(app)
 update.register(app)
 app.add_typer(images.app, name="image", help="Build and list guest images.")
 

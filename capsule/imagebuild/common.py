@@ -288,3 +288,23 @@ def agent_info(binary: Path) -> dict[str, object]:
         "sha256": hashlib.sha256(data).hexdigest(),
         "bytes": len(data),
     }
+
+
+POD_LAYER_SOURCE = Path(__file__).resolve().parents[2] / "pods"
+POD_LAYER_PATH = "/usr/lib/python3/dist-packages/pods"  # on every python3 of Debian's path
+
+
+def pod_layer_files() -> list[Path]:
+    """The pod layer's sources (``pods/*.py``), the files installed into the Debian guest."""
+    files = sorted(POD_LAYER_SOURCE.glob("*.py"))
+    if not files:
+        raise ImageBuildError(f"the pod layer's sources are missing ({POD_LAYER_SOURCE})")
+    return files
+
+
+def pod_layer_sha256() -> str:
+    """One digest over the pod layer's file names and contents: an image holding another is stale."""
+    h = hashlib.sha256()
+    for f in pod_layer_files():
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()

@@ -18,6 +18,7 @@ from pathlib import Path
 from .common import (
     AGENT_PORT,
     MARKER,
+    POD_LAYER_PATH,
     BuiltImage,
     ImageBuildError,
     Progress,
@@ -26,6 +27,8 @@ from .common import (
     agent_info,
     cache_dir,
     file_size_info,
+    pod_layer_files,
+    pod_layer_sha256,
     require_root,
     run,
     run_streaming,
@@ -214,6 +217,14 @@ def _configure_tree(root: Path, agent: Path) -> None:
     dest.chmod(0o755)
     write_file(system / "capsule-agent.service", AGENT_UNIT)
     enable_unit(system, "capsule-agent.service")
+    # the pod layer (pods/): `python3 -m pods` as root, driven by the host through the agent
+    pods = root / POD_LAYER_PATH.lstrip("/")
+    if pods.exists():
+        shutil.rmtree(pods)
+    pods.mkdir(parents=True)
+    for src in pod_layer_files():
+        shutil.copyfile(src, pods / src.name)
+        (pods / src.name).chmod(0o644)
     for unit in MASKED_UNITS:
         target = system / unit
         if target.is_symlink() or target.exists():
@@ -384,6 +395,8 @@ def build_debian(
         "agent_bytes": agent_meta["bytes"],
         "agent_path": AGENT_PATH,
         "agent_unit": "capsule-agent.service",
+        "pods_sha256": pod_layer_sha256(),
+        "pods_path": POD_LAYER_PATH,
         "tree_bytes": tree_bytes,
         "disk_size": disk_size,
         "disk_label": DISK_LABEL,

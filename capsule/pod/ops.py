@@ -1,0 +1,213 @@
+"""Pod operations, one library call per CLI verb: a pod is named ``CAPSULE/POD``; its image (after
+``checkpoint``) is a sealed file object of role ``pod-image`` in this host's store, so it travels
+with HCP like any memory image."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from capsule.errors import Error
+from capsule.names import check_name as validate_capsule_name
+from capsule.pod import POD_IMAGE_ROLE
+from capsule.pod.errors import BY_KIND, PodAddressClash, PodExists, PodLayerMissing, PodNameInvalid, PodNotFound
+from capsule.pod.relay import Progress, Relay
+from capsule.store import Store
+from pods.names import PodError, check_name, parse_ip
+
+ROLE = POD_IMAGE_ROLE
+GUEST_INBOX = "/var/lib/pods/in"
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """``CAPSULE/POD`` → (capsule, pod), both checked."""
+    capsule, sep, pod = ref.partition("/")
+    if not sep or not capsule or not pod:
+        raise PodNameInvalid(f"{ref!r}: name a pod as CAPSULE/POD")
+    validate_capsule_name(capsule)
+    return capsule, check_pod_name(pod)
+
+
+def check_pod_name(name: str) -> str:
+    try:
+        return check_name(name)
+    except PodError as exc:
+        raise PodNameInvalid(str(exc)) from None
+
+
+def check_ip(ip: str | None) -> str | None:
+    if ip is None:
+        return None
+    try:
+        return str(parse_ip(ip))
+    except PodError as exc:
+        raise BY_KIND.get(exc.kind, PodNameInvalid)(str(exc)) from None
+
+
+def create(store: Store, capsule: str, pod: str, cmd: list[str], ip: str | None = None) -> dict[str, Any]:
+    validate_capsule_name(capsule)
+    check_pod_name(pod)
+    ip = check_ip(ip)
+    if not cmd:
+        raise PodNameInvalid("a pod needs a command: capsule pod create CAPSULE POD -- CMD…")
+    extra = ["--ip", ip] if ip else []
+    return {"capsule": capsule, **Relay(store, capsule).call("create", *extra, pod, "--", *cmd)}
+
+
+def exec_in(store: Store, ref: str, cmd: list[str], timeout: float = 30.0) -> dict[str, Any]:
+    capsule, pod = parse_ref(ref)
+    if not cmd:
+        raise PodNameInvalid("nothing to run: capsule pod exec CAPSULE/POD -- CMD…")
+    return Relay(store, capsule).call("exec", "--timeout", str(timeout), pod, "--", *cmd, timeout=timeout + 10)
+
+
+def ls(store: Store, capsule: str | None = None) -> list[dict[str, Any]]:
+    """The pods of one running capsule, or of every running capsule of this store that has the pod layer."""
+    if capsule:
+        validate_capsule_name(capsule)
+        return [{"capsule": capsule, **p} for p in Relay(store, capsule).call("ls")]
+    out = []
+    for inst in store.catalogue.instances():
+        try:
+            out += [{"capsule": inst.capsule, **p} for p in Relay(store, inst.capsule).call("ls")]
+        except PodLayerMissing:
+            continue  # a guest without pods (the tiny image) has none to list
+    return out
+
+
+def _verb(store: Store, verb: str, ref: str) -> dict[str, Any]:
+    capsule, pod = parse_ref(ref)
+    return {"capsule": capsule, **Relay(store, capsule).call(verb, pod)}
+
+
+def suspend(store: Store, ref: str) -> dict[str, Any]:
+    return _verb(store, "suspend", ref)
+
+
+def resume(store: Store, ref: str) -> dict[str, Any]:
+    return _verb(store, "resume", ref)
+
+
+def kill(store: Store, ref: str) -> dict[str, Any]:
+    return _verb(store, "kill", ref)
+
+
+@dataclass
+class CheckpointResult:
+    capsule: str
+    pod: str
+    image: str          # the sealed file object's id
+    size: int
+    ip: str
+    left_running: bool
+    dump_seconds: float      # CRIU's dump in the guest
+    guest_seconds: float     # dump + archive in the guest
+    copy_seconds: float      # guest → store
+    copy_calls: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def checkpoint(store: Store, ref: str, *, leave_running: bool = False, progress: Progress = None
+               ) -> CheckpointResult:
+    """Dump the pod with CRIU in its capsule, copy the image here and seal it. Without ``leave_running``
+    the pod stops at the dump (its network locked, so its TCP peers wait); should the copy or the seal
+    fail, it is restarted in its capsule from the image still there."""
+    t0 = time.monotonic()
+    capsule, pod = parse_ref(ref)
+    relay = Relay(store, capsule)
+    if progress:
+        progress("dumping")
+    with relay.session():
+        return _checkpoint(store, relay, capsule, pod, leave_running, progress, t0)
+
+
+def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_running: bool, progress: Progress,
+                t0: float) -> CheckpointResult:
+    dumped = relay.call("checkpoint", pod, *(["--leave-running"] if leave_running else []), timeout=180)
+    tmp = store.temp_path(".pod.tar.zst")
+    done = False
+    try:
+        t1 = time.monotonic()
+        calls = relay.download(dumped["path"], dumped["size"], tmp, progress)
+        copy_seconds = time.monotonic() - t1
+        row = store.seal_file(tmp, ROLE)
+        with store.catalogue.transaction():
+            if store.catalogue.file(row.id) is None:
+                store.catalogue.add_file(row)
+        done = True
+    finally:
+        tmp.unlink(missing_ok=True)
+        if not done and not leave_running:
+            relay.call("restore", dumped["path"], timeout=180)  # the pod runs on where it was
+        relay.sh(f"rm -f {dumped['path']}")
+    return CheckpointResult(capsule, pod, row.id, row.size, dumped["ip"], leave_running, dumped["dump_seconds"],
+                            dumped["seconds"], round(copy_seconds, 3), calls, round(time.monotonic() - t0, 3))
+
+
+def resolve_image(store: Store, ref: str) -> str:
+    """A pod image by its id or a unique prefix of it (at least 6 hex digits)."""
+    if len(ref) < 6 or any(c not in "0123456789abcdef" for c in ref):
+        raise PodNameInvalid(f"{ref!r}: a pod image is named by its id (at least 6 hex digits)")
+    hits = [f.id for f in store.catalogue.files() if f.role == ROLE and f.id.startswith(ref)]
+    if not hits:
+        raise PodNotFound(f"no pod image {ref!r} in this store (`capsule pod checkpoint` makes one)")
+    if len(hits) > 1:
+        raise PodNameInvalid(f"{ref!r} names {len(hits)} pod images; give more digits")
+    return hits[0]
+
+
+def restore(store: Store, image: str, into: str, progress: Progress = None) -> dict[str, Any]:
+    """Restart a pod from its image in a running capsule (the one it came from or another)."""
+    t0 = time.monotonic()
+    file_id = resolve_image(store, image)
+    validate_capsule_name(into)
+    relay = Relay(store, into)
+    guest_path = f"{GUEST_INBOX}/{file_id}.tar.zst"
+    if progress:
+        progress("copying the image in")
+    with relay.session():
+        calls = relay.upload(store.file_path(file_id), guest_path, progress)
+        copy_seconds = time.monotonic() - t0
+        if progress:
+            progress("restoring")
+        try:
+            result = relay.call("restore", guest_path, timeout=180)
+        finally:
+            relay.sh(f"rm -f {guest_path}")
+    return {"capsule": into, "image": file_id, **result, "copy_seconds": round(copy_seconds, 3),
+            "copy_calls": calls, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[str, Any]:
+    """Move a pod to another running capsule of this host: checkpoint (the pod stops), restore there.
+    The target is checked first (the name free, the address free); should the restore still fail, the
+    pod is restored in its own capsule again and the error raised."""
+    t0 = time.monotonic()
+    capsule, pod = parse_ref(ref)
+    validate_capsule_name(to)
+    if to == capsule:
+        raise PodNameInvalid(f"pod {ref} is in {to!r} already")
+    source = {p["name"]: p for p in Relay(store, capsule).call("ls")}
+    if pod not in source:
+        raise PodNotFound(f"capsule {capsule!r}: no pod {pod!r} in this capsule")
+    for other in Relay(store, to).call("ls"):
+        if other["state"] == "exited":
+            continue
+        if other["name"] == pod:
+            raise PodExists(f"capsule {to!r}: a pod {pod!r} runs there already; {ref} stays where it is")
+        if other["ip"].split("/")[0] == source[pod]["ip"].split("/")[0]:
+            raise PodAddressClash(f"capsule {to!r}: pod {other['name']!r} holds {other['ip']}; "
+                                  f"{ref} stays where it is")
+    ck = checkpoint(store, ref, progress=progress)
+    try:
+        moved = restore(store, ck.image, to, progress=progress)
+    except Error:
+        restore(store, ck.image, capsule, progress=progress)  # the pod runs on where it was
+        raise
+    return {"pod": pod, "from": capsule, "to": to, "image": ck.image, "size": ck.size,
+            "checkpoint_seconds": ck.seconds, "restore_seconds": moved["seconds"],
+            "seconds": round(time.monotonic() - t0, 3), "state": moved["state"], "ip": moved["ip"]}

@@ -1,0 +1,78 @@
+"""``python3 -m pods COMMAND …``: the pod layer's command line in the guest. Prints one JSON object,
+``{"ok": true, "result": …}`` or ``{"ok": false, "kind": …, "error": …}``; exit 0 or 3."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pods import VERSION, ckpt, pod
+from pods.names import PodError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m pods", description="Pods in this capsule.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("version")
+    c = sub.add_parser("create")
+    c.add_argument("name")
+    c.add_argument("--ip")
+    c.add_argument("cmd", nargs=argparse.REMAINDER)
+    e = sub.add_parser("exec")
+    e.add_argument("name")
+    e.add_argument("--timeout", type=float, default=30.0)
+    e.add_argument("cmd", nargs=argparse.REMAINDER)
+    sub.add_parser("ls")
+    for verb in ("suspend", "resume", "kill", "show"):
+        sub.add_parser(verb).add_argument("name")
+    k = sub.add_parser("checkpoint")
+    k.add_argument("name")
+    k.add_argument("--leave-running", action="store_true")
+    r = sub.add_parser("restore")
+    r.add_argument("archive")
+    return p
+
+
+def _cmd(args: argparse.Namespace) -> list[str]:
+    return args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+
+
+def run(args: argparse.Namespace) -> Any:
+    match args.command:
+        case "version":
+            return {"version": VERSION}
+        case "create":
+            return pod.create(args.name, _cmd(args), args.ip)
+        case "exec":
+            return pod.exec_in(args.name, _cmd(args), args.timeout)
+        case "ls":
+            return pod.all_pods()
+        case "show":
+            return pod.describe(pod.load(args.name))
+        case "suspend" | "resume":
+            return pod.set_frozen(args.name, args.command == "suspend")
+        case "kill":
+            return pod.kill(args.name)
+        case "checkpoint":
+            return ckpt.checkpoint(args.name, args.leave_running)
+        case "restore":
+            return ckpt.restore(args.archive)
+    raise PodError(f"unknown command {args.command}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        out = {"ok": True, "result": run(args)}
+    except PodError as exc:
+        out = {"ok": False, "kind": exc.kind, "error": str(exc)}
+    except OSError as exc:
+        out = {"ok": False, "kind": "pod_failed", "error": str(exc)}
+    print(json.dumps(out))
+    return 0 if out["ok"] else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Checkpoint and restore of a pod with CRIU: the whole tree under the pod's init, with its
+namespaces; established TCP connections kept (``--tcp-established``) and the pod's network locked
+(nftables) from the dump until the restore. A pod image is one ``.tar.zst``: CRIU's images + pod.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from pods import pod
+from pods.init import mountpoints
+from pods.names import BRIDGE, PodError, check_name, host_veth
+
+WORK = Path("/var/lib/pods")
+CRIU_COMMON = ["--tcp-established", "--network-lock", "nftables", "--file-locks", "--manage-cgroups=soft",
+               "-v2"]
+IMAGE_FORMAT = 1
+
+
+RESTORE_ROOT = WORK / "root"
+# the mounts CRIU's restore must see in its own namespace; the rest (tracefs, autofs, configfs …) trip it
+CRIU_KEEPS = ("/", "/dev", "/dev/pts", "/dev/shm", "/proc", "/sys", "/sys/fs/cgroup", "/run", "/run/lock")
+
+
+def _restore_wrapper() -> list[str]:
+    """CRIU's restore runs in a private mount namespace holding only mounts it understands, with the
+    capsule's root bound at RESTORE_ROOT for ``--root`` (it restores the pod's mounts on top of it)."""
+    drop = " ".join(shlex.quote(p) for p in mountpoints() if p not in CRIU_KEEPS)
+    script = (f"for m in {drop}; do umount -l \"$m\" 2>/dev/null; done; "
+              f"mount --bind / {shlex.quote(str(RESTORE_ROOT))} && exec criu \"$@\"")
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "criu"]
+
+
+def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool = False) -> None:
+    if restoring:
+        RESTORE_ROOT.mkdir(parents=True, exist_ok=True)
+        args = [*args, "--mntns-compat-mode", "--root", str(RESTORE_ROOT)]
+    wrapper = _restore_wrapper() if restoring else ["criu"]
+    try:
+        r = subprocess.run([*wrapper, *args, "-o", str(log)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise PodError(f"criu {what} did not finish in {timeout:.0f} s", "guest_timeout") from None
+    if r.returncode != 0:
+        tail = ""
+        if log.exists():
+            errs = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln]
+            tail = "; ".join(errs[-4:])
+        raise PodError(f"criu {what} failed (exit {r.returncode}): {tail or r.stderr.strip()}", "criu_failed")
+
+
+def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -> dict[str, Any]:
+    """Dump the pod into one compressed archive. Without ``leave_running`` CRIU kills the pod after the
+    dump with its network still locked, so no peer sees a reset: its TCP connections wait for the
+    restore. Should the archive fail, the pod is restored in place from the dump."""
+    rec = pod.running(name)
+    if pod.frozen(name):
+        raise PodError(f"pod {name!r} is suspended; resume it before a checkpoint", "conflict")
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    images = WORK / "dump" / f"{name}-{stamp}-{os.getpid()}"
+    images.mkdir(parents=True)
+    t0 = time.monotonic()
+    try:
+        args = ["dump", "-t", str(rec["init_pid"]), "-D", str(images), *CRIU_COMMON]
+        if leave_running:
+            args.append("--leave-running")
+        _criu(args, images / "dump.log", "dump", timeout)
+        dumped = time.monotonic() - t0
+        if not leave_running:
+            pod.kill_cgroup(name)  # CRIU killed them; nothing may be left behind
+            pod.forget(name)
+        meta = {"format": IMAGE_FORMAT, "name": name, "ip": rec["ip"], "cmd": rec["cmd"],
+                "created": rec["created"], "checkpointed": time.time()}
+        (images / "pod.json").write_text(json.dumps(meta))
+        out = WORK / "out" / f"{images.name}.tar.zst"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run(f"tar -C {images} -cf - . | zstd -q -3 -T0 -o {out}.part", shell=True, check=True)
+        except subprocess.CalledProcessError:
+            if not leave_running:
+                _restore_from(images, meta, timeout)
+            raise PodError(f"could not write the image of pod {name!r} (disk full?); it runs on",
+                           "pod_failed") from None
+        os.replace(f"{out}.part", out)
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
+    return {"name": name, "path": str(out), "size": out.stat().st_size, "dump_seconds": round(dumped, 3),
+            "seconds": round(time.monotonic() - t0, 3), "left_running": leave_running, "ip": rec["ip"]}
+
+
+def _unpack(archive: Path, into: Path) -> dict[str, Any]:
+    into.mkdir(parents=True)
+    subprocess.run(f"zstd -q -d -c {archive} | tar -C {into} -xf -", shell=True, check=True)
+    try:
+        meta = json.loads((into / "pod.json").read_text())
+    except (OSError, ValueError):
+        raise PodError(f"{archive.name} is not a pod image (no pod.json)", "integrity") from None
+    if meta.get("format") != IMAGE_FORMAT:
+        raise PodError(f"pod image format {meta.get('format')!r} is not {IMAGE_FORMAT}", "integrity")
+    return meta
+
+
+def restore(archive: str, timeout: float = 120.0) -> dict[str, Any]:
+    """Restart a pod from its image in this capsule, with its PIDs, address and connections."""
+    src = Path(archive)
+    images = WORK / "restore" / f"{src.name}-{os.getpid()}"
+    t0 = time.monotonic()
+    try:
+        rec = _restore_from(images, _unpack(src, images), timeout)
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
+    out = pod.describe(rec)
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def _restore_from(images: Path, meta: dict[str, Any], timeout: float) -> dict[str, Any]:
+    name = check_name(meta["name"])
+    pod._refuse_existing(name)
+    iface = pod.choose_address(meta["ip"], name)
+    pod.ensure_bridge(iface.network)
+    pod.make_cgroup(name)
+    veth = host_veth(name)
+    pidfile = images / "restored.pid"
+    pidfile.unlink(missing_ok=True)
+    args = ["restore", "-D", str(images), *CRIU_COMMON, "--restore-detached", "--pidfile", str(pidfile),
+            "--external", f"veth[eth0]:{veth}@{BRIDGE}"]
+    try:
+        _criu(args, images / "restore.log", "restore", timeout, restoring=True)
+    except PodError:
+        pod.forget(name)
+        raise
+    init_pid = int(pidfile.read_text())
+    pod.sh(["ip", "link", "set", veth, "up"], "bring the pod's veth up")
+    pod.sh(["nsenter", "-t", str(init_pid), "-n", pod.PY, "-m", "pods.nft", "unlock"],
+           "unlock the pod's network")
+    rec = {"name": name, "ip": meta["ip"], "veth": veth, "init_pid": init_pid, "cmd": meta["cmd"],
+           "created": meta["created"], "restored": time.time()}
+    pod.save(rec)
+    return rec

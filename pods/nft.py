@@ -1,0 +1,48 @@
+"""nftables through libnftables (CRIU's own dependency; the guest has no ``nft`` binary).
+
+``python3 -m pods.nft unlock`` (run inside a pod's network namespace) removes the lock tables a
+checkpoint left: CRIU names its lock table after the root task's PID at dump time, so the restore,
+whose root has another PID in the capsule, cannot find it and the pod would stay cut off."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import sys
+
+LOCK_TABLE = re.compile(r"^table inet (CRIU-\d+)", re.M)
+
+
+def run(command: str) -> str:
+    lib = ctypes.CDLL("libnftables.so.1")
+    lib.nft_ctx_new.restype = ctypes.c_void_p
+    lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
+    lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+    for fn in ("nft_ctx_buffer_output", "nft_ctx_buffer_error", "nft_ctx_get_output_buffer",
+               "nft_ctx_get_error_buffer", "nft_ctx_free"):
+        getattr(lib, fn).argtypes = [ctypes.c_void_p]
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ctx = lib.nft_ctx_new(0)
+    try:
+        lib.nft_ctx_buffer_output(ctx)
+        lib.nft_ctx_buffer_error(ctx)
+        rc = lib.nft_run_cmd_from_buffer(ctx, command.encode())
+        out = (lib.nft_ctx_get_output_buffer(ctx) or b"").decode()
+        if rc != 0:
+            raise OSError(f"nft {command}: {(lib.nft_ctx_get_error_buffer(ctx) or b'').decode().strip()}")
+        return out
+    finally:
+        lib.nft_ctx_free(ctx)
+
+
+def unlock() -> list[str]:
+    tables = LOCK_TABLE.findall(run("list tables"))
+    for table in tables:
+        run(f"delete table inet {table}")
+    return tables
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["unlock"]:
+        sys.exit("usage: python3 -m pods.nft unlock")
+    print(" ".join(unlock()))

@@ -1,0 +1,140 @@
+"""The host's relay to the pod layer, against a fake guest agent: each error kind the guest reports
+comes back as its typed error, a guest without the pod layer says so, and files cross in chunks
+that keep to the agent's request-line limit and are checked end to end."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capsule.errors import CapsuleError, IntegrityError
+from capsule.pod import errors as perr
+from capsule.pod.relay import UP_CHUNK, Relay
+
+pytestmark = pytest.mark.unit
+LINE_LIMIT = 65536  # the agent's request line limit (guest-balloon/PROTOCOL.md)
+
+
+def _fake(tmp_path: Path, answer: Callable[[dict[str, Any]], dict[str, Any]], seen: list) -> Relay:
+    path = tmp_path / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(8)
+
+    def serve() -> None:
+        while True:
+            conn, _ = listener.accept()
+            seen.append("connect")
+            with conn:
+                buf = b""
+                while True:
+                    chunk = conn.recv(1 << 16)
+                    if not chunk:
+                        break
+                    buf += chunk
+                    while b"\n" in buf:
+                        line, _, buf = buf.partition(b"\n")
+                        if not line.strip():
+                            continue
+                        seen.append(len(line))
+                        req = json.loads(line)
+                        reply = {"id": req["id"], "ok": True, "result": answer(req["args"])}
+                        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    relay = Relay.__new__(Relay)
+    relay.capsule, relay.sock, relay._agent = "deb", path, None
+    return relay
+
+
+def _exec(stdout: str = "", stderr: str = "", code: int = 0) -> dict[str, Any]:
+    return {"exit_code": code, "stdout": stdout, "stderr": stderr, "timed_out": False}
+
+
+@pytest.mark.parametrize(("kind", "cls"), sorted(perr.BY_KIND.items()))
+def test_each_guest_error_kind_is_raised_as_its_class(tmp_path, kind, cls):
+    reply = json.dumps({"ok": False, "kind": kind, "error": "it went wrong"})
+    relay = _fake(tmp_path, lambda _a: _exec(reply + "\n", code=3), [])
+    with pytest.raises(cls, match="capsule 'deb': it went wrong") as err:
+        relay.call("show", "web")
+    assert isinstance(err.value, CapsuleError)
+    assert cls is IntegrityError or err.value.code.startswith("pod_")
+
+
+def test_result_and_arguments_go_through(tmp_path):
+    asked = []
+
+    def answer(args):
+        asked.append(args["argv"])
+        return _exec(json.dumps({"ok": True, "result": {"name": "web"}}) + "\n")
+
+    relay = _fake(tmp_path, answer, [])
+    assert relay.call("show", "web") == {"name": "web"}
+    assert asked == [["python3", "-m", "pods", "show", "web"]]
+
+
+def test_a_guest_without_the_pod_layer_says_so(tmp_path):
+    relay = _fake(tmp_path, lambda _a: _exec("", "/usr/bin/python3: No module named pods\n", 1), [])
+    with pytest.raises(perr.PodLayerMissing, match="no pod layer"):
+        relay.call("ls")
+
+
+def test_upload_keeps_to_the_line_limit_and_checks_the_digest(tmp_path):
+    data = bytes(range(256)) * ((3 * UP_CHUNK) // 256 + 7)
+    src = tmp_path / "image"
+    src.write_bytes(data)
+    got = bytearray()
+    sizes: list[int] = []
+
+    def answer(args):
+        script = args["argv"][-1]
+        if script.startswith("base64 -d"):
+            got.extend(base64.b64decode(args["stdin"]))
+        if script.startswith("sha256sum"):
+            return _exec(hashlib.sha256(bytes(got)).hexdigest() + "  x\n")
+        return _exec()
+
+    relay = _fake(tmp_path, answer, sizes)
+    calls = relay.upload(src, "/var/lib/pods/in/x.tar.zst")
+    assert bytes(got) == data
+    assert calls == -(-len(data) // UP_CHUNK)
+    assert max(n for n in sizes if n != "connect") < LINE_LIMIT
+    # the chunks and the check share one agent connection (the mkdir before and the rename after have theirs)
+    assert sizes.count("connect") == 3
+
+
+def test_upload_that_arrives_damaged_is_refused(tmp_path):
+    src = tmp_path / "image"
+    src.write_bytes(b"x" * 1000)
+
+    def answer(args):
+        if args["argv"][-1].startswith("sha256sum"):
+            return _exec("0" * 64 + "  x\n")
+        return _exec()
+
+    with pytest.raises(perr.PodFailed, match="damaged"):
+        _fake(tmp_path, answer, []).upload(src, "/var/lib/pods/in/x")
+
+
+def test_download_reassembles_chunks_and_checks_the_digest(tmp_path):
+    data = b"pod image " * 5000
+
+    def answer(args):
+        script = args["argv"][-1]
+        if script.startswith("dd "):
+            skip = int(script.split("skip=")[1].split()[0])
+            count = 20000  # a guest that sends less than asked: the relay goes on from where it got
+            return _exec(base64.b64encode(data[skip:skip + count]).decode())
+        return _exec(hashlib.sha256(data).hexdigest() + "  x\n")
+
+    dest = tmp_path / "out"
+    calls = _fake(tmp_path, answer, []).download("/x", len(data), dest)
+    assert dest.read_bytes() == data and calls == -(-len(data) // 20000)
