@@ -25,6 +25,7 @@ the raw disk and the memory image of each snapshot, repository growth. Paper: me
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -228,21 +229,23 @@ def chart(rows: list[dict[str, Any]], path: Path, minutes: int) -> None:
 
     inc = [r for r in rows if r["snapshot"] > 0]
     xs = [r["snapshot"] for r in inc]
-    shown = ["after hashing", "hashing + zstd -3", "HCP wire", "libvirt incremental", "borg (zstd,3) growth"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    shown = {"after hashing": "tab:blue", "hashing + zstd -3": "tab:orange", "HCP wire": "tab:green",
+             "libvirt incremental": "tab:red", "libvirt incremental + zstd": "tab:pink",
+             "borg (zstd,3) growth": "tab:purple"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), sharey=True)
     for ax, kind, col in zip(axes, ("disk", "memory"), (0, 1), strict=True):
         labels = [s for s in shown if COLUMNS[s][col] is not None]
         width = 0.8 / len(labels)
+        lo, hi = PAPER_MB[kind]
+        ax.axhspan(lo, hi, color="grey", alpha=0.2, zorder=0, label=f"paper, gzip ({lo}–{hi} MB)")
         for k, label in enumerate(labels):
             ys = [max(y, 1e-3) for y in _series(inc, COLUMNS[label][col])]
-            ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], ys, width, label=label)
-        lo, hi = PAPER_MB[kind]
-        ax.axhspan(lo, hi, color="grey", alpha=0.2, label=f"paper, gzip ({lo}–{hi} MB)")
+            ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], ys, width, label=label, color=shown[label], zorder=2)
         ax.set_yscale("log")
         ax.set_title(f"{kind}, per snapshot")
         ax.set_xlabel("snapshot (one a minute)")
         ax.set_xticks(xs)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     axes[0].set_ylabel("MB (log)")
     fig.suptitle(f"B4: backups of a working desktop, one a minute for {minutes} min")
     fig.tight_layout()
@@ -256,7 +259,13 @@ def main() -> None:
     ap.add_argument("--memory", default="512M", help="the guest's memory")
     ap.add_argument("--no-libvirt", action="store_true", help="leave out the libvirt incremental backup peer")
     ap.add_argument("--no-borg", action="store_true", help="leave out the borg peer")
+    ap.add_argument("--replot", action="store_true", help="only draw the chart again from the JSON result")
     args = ap.parse_args()
+    if args.replot:
+        data = json.loads((RESULTS / "backup_series.json").read_text())
+        chart(data["snapshots"], RESULTS / "backup_series.png", data["minutes"])
+        print(f"→ {RESULTS / 'backup_series.png'}")
+        return
     if not args.no_borg and shutil.which("borg") is None:
         sys.exit("the borg peer needs borg: apt-get install borgbackup (or give --no-borg)")
     work = Path(tempfile.mkdtemp(prefix="capsule-b4-"))
