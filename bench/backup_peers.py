@@ -67,7 +67,8 @@ class LibvirtIncremental:
         seconds = time.monotonic() - t0
         _virsh("checkpoint-delete", domain, self.checkpoint)
         self.checkpoint = None
-        extents = json.loads(subprocess.run(["qemu-img", "map", "--output=json", str(target)], check=True,
+        # the increment's backing file is the running leaf (QEMU holds its lock): -U, and only depth 0 counts
+        extents = json.loads(subprocess.run(["qemu-img", "map", "-U", "--output=json", str(target)], check=True,
                                             capture_output=True, text=True).stdout)
         data = allocated_bytes(extents)
         zst = subprocess.run(["zstd", "-3", "-q", "-c", str(target)], check=True, capture_output=True).stdout
