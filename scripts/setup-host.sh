@@ -70,6 +70,8 @@ install_packages() {
     # `make web`; any node >= 18 will do); a Capsule host image (--image) needs neither
     pkg_ok chromium || missing_base+=(chromium)
     command -v npm >/dev/null || missing_base+=(nodejs npm)
+    # borg: a peer in bench/backup_series.py (B4)
+    pkg_ok borgbackup || missing_base+=(borgbackup)
   fi
   # QEMU and libvirt must come from backports (QEMU >= 10, libvirt >= 11.3)
   if pkg_ok qemu-system-x86; then
