@@ -71,10 +71,11 @@ def clear_local(store: Store, name: str) -> None:
 
 
 def add_peer(host: Host, peer: Host) -> dict[str, Any]:
-    """``host`` knows ``peer`` by its service name (replacing what it knew: a peer's token changes with its
-    store); run on ``host`` with its own CLI."""
-    if any(p["name"] == peer.service for p in host.capsule("host", "ls", "--offline")):
-        host.capsule("host", "rm", peer.service)
+    """``host`` knows ``peer`` by its service name (replacing what it knew of that name or that address: a
+    peer's token changes with its store); run on ``host`` with its own CLI."""
+    for known in host.capsule("host", "ls", "--offline"):
+        if known["name"] == peer.service or known["url"] == peer.url:    # also the same host by another name
+            host.capsule("host", "rm", known["name"])
     return host.capsule("host", "add", peer.service, peer.url, token=peer.token)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from scripts.demo_compose import add_peer
+
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]
 
 MARK_BLOCK = 300
@@ -21,10 +23,12 @@ def _disk_mark(host, name: str) -> str:
                             "count=1 2>/dev/null | head -c 9")
 
 
-def _know_b(a, b) -> None:
-    """Host A knows host B as `vault` (the hosts are shared by the session's tests)."""
-    if "vault" not in {p["name"] for p in a.capsule("host", "ls")}:
-        a.capsule("host", "add", "vault", b.url, token=b.token)
+def _know_b(a, b) -> str:
+    """Host A knows host B by its service name, as the demo's peering does (the hosts are shared by the
+    session's tests); that name."""
+    if b.service not in {p["name"] for p in a.capsule("host", "ls", "--offline")}:
+        add_peer(a, b)
+    return b.service
 
 
 def _running_version(host, name: str) -> int | None:
@@ -33,9 +37,9 @@ def _running_version(host, name: str) -> int | None:
 
 def test_backups_copied_to_a_backup_host_that_keeps_its_own_policy(fresh):
     a, b, name = fresh
-    _know_b(a, b)
+    vault = _know_b(a, b)
     a.capsule("start", name)
-    a.capsule("backup", "schedule", name, "--every", "hourly", "--keep-last", "1", "--disk-only", "--to", "vault",
+    a.capsule("backup", "schedule", name, "--every", "hourly", "--keep-last", "1", "--disk-only", "--to", vault,
               "--to-keep", "last=2")
     numbers = []
     for text in ("backup-01", "backup-02", "backup-03"):
@@ -51,7 +55,7 @@ def test_backups_copied_to_a_backup_host_that_keeps_its_own_policy(fresh):
 
     verified = a.capsule("backup", "verify")
     assert verified["ok"], verified
-    assert [h["host"] for h in verified["hosts"]] == ["here", "vault"]
+    assert [h["host"] for h in verified["hosts"]] == ["here", vault]
     assert verified["hosts"][1]["backups"] == [f"{name}@{n}" for n in numbers[-2:]]
 
     # the backup host starts a copy A no longer keeps, as it was then
@@ -64,9 +68,9 @@ def test_backups_copied_to_a_backup_host_that_keeps_its_own_policy(fresh):
 
 def test_a_fleet_rollout_activates_the_new_version_on_the_other_host_and_rolls_back(fresh):
     a, b, name = fresh
-    _know_b(a, b)
-    if "vault" not in {m["name"] for m in a.capsule("fleet", "ls")}:
-        a.capsule("fleet", "add", "vault", b.url, token=b.token)
+    peer = _know_b(a, b)
+    if peer not in {m["name"] for m in a.capsule("fleet", "ls")}:
+        a.capsule("fleet", "add", peer, b.url, token=b.token)
     first = a.capsule("fleet", "push", f"{name}@1")
     assert first["completed"] and not first["stopped"], first
     b.capsule("start", name)
