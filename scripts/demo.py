@@ -131,7 +131,7 @@ def main() -> int:
         out.print("[green]demo OK[/]" if ok else "[red]the counter did not continue[/]")
         if ok and sys.stdin.isatty() and os.environ.get("CAPSULE_DEMO_WAIT", "1") != "0":
             try:
-                dashboard(a, b, (url_a, token_a), (url_b, token_b))
+                dashboard(a, b, (url_a, token_a, pin_a), (url_b, token_b, pin_b))
             except Error as exc:            # the optional step: the demo itself went well
                 out.print(f"[yellow]the dashboard step did not come up:[/] {exc}")
         return 0 if ok else 1
@@ -145,13 +145,15 @@ def main() -> int:
             agent.stop()
 
 
-def dashboard(a: Store, b: Store, agent_a: tuple[str, str], agent_b: tuple[str, str]) -> None:
+def dashboard(a: Store, b: Store, agent_a: tuple[str, str, str | None], agent_b: tuple[str, str, str | None]
+              ) -> None:
     """Leave both hosts up, each the other's peer, with a desktop capsule running on B beside the demo's,
     and say where the page is: Migrate… moves them (the console follows), until Enter or Ctrl-C."""
-    for here, name, (url, token) in ((a, "host-b", agent_b), (b, "host-a", agent_a)):
-        if name in {p.name for p in hosts.peers(here)}:      # from an earlier run: its agent's port changed
-            hosts.remove(here, name)
-        hosts.add(here, name, url, token)
+    for here, name, (url, token, pin) in ((a, "host-b", agent_b), (b, "host-a", agent_a)):
+        for known in hosts.peers(here):       # from an earlier run: its agent's port and key may differ
+            if known.name == name or known.url == url:
+                hosts.remove(here, known.name)
+        hosts.add(here, name, url, token, fingerprint=pin)
     desk = os.environ.get("CAPSULE_DEMO_DESKTOP", "1") != "0"
     if desk:
         t = time.monotonic()
@@ -167,7 +169,10 @@ def dashboard(a: Store, b: Store, agent_a: tuple[str, str], agent_b: tuple[str, 
               + (f"'{DESK}' (a desktop: window manager, terminal, browser) and " if desk else "")
               + f"'{NAME}' (its counter on screen) run there: Console shows a screen; Migrate… → host-a moves a "
               f"capsule with its progress, and the console follows it. Host A's page: {agent_a[0]}/ (token "
-              f"{agent_a[1]}).\n[dim]Enter or Ctrl-C stops both hosts (CAPSULE_DEMO_WAIT=0 skips this step).[/]")
+              f"{agent_a[1]}).\n"
+              + (f"Your browser warns about the hosts' self-signed certificates: host B's fingerprint is "
+                 f"{agent_b[2]}, host A's {agent_a[2]}.\n" if agent_b[2] else "")
+              + "[dim]Enter or Ctrl-C stops both hosts (CAPSULE_DEMO_WAIT=0 skips this step).[/]")
     with contextlib.suppress(KeyboardInterrupt, EOFError):
         input()
 
