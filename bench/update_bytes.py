@@ -58,6 +58,10 @@ LABELS = {"deb_bytes": ".deb fetched", "hcp_wire_bytes": "HCP wire", "zstd_bytes
           "rsync_bytes": "rsync -z image", "casync_bytes": "casync new chunks", "ostree_bytes": "OSTree delta"}
 
 
+def layer_blocks(store: Store, layer_id: str) -> set[int]:
+    return {i for i, zero, _h in store.layer_manifest(layer_id).records() if not zero}
+
+
 def layer_zstd(store: Store, layer_id: str) -> int:
     manifest = store.layer_manifest(layer_id)
     indices = [i for i, zero, _h in manifest.records() if not zero]
@@ -89,6 +93,7 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
     new_raw = work / "new" / "disk.raw"
     new_raw.parent.mkdir(exist_ok=True)
     qemuimg.flatten_to_raw(a.layer_path(res.version.chains[0][-1]), new_raw)
+    row["layer_overhead"] = peers.overhead(new_raw, layer_blocks(a, layer["id"]))
     row["rsync"] = peers.rsync_delta(old_raw, new_raw, work)
     row["rsync_bytes"] = row["rsync"]["sent_bytes"]
     if cas is not None:

@@ -50,6 +50,33 @@ def goals(row: dict[str, Any], peers: list[str], min_install: int = 10_000_000, 
     return {"hcp_le_0.8_debs": vs_debs, "hcp_smallest": not beaten_by, "peers_not_larger": beaten_by}
 
 
+def block_numbers(text: str) -> set[int]:
+    """The block numbers debugfs ``blocks`` printed (space-separated, one line per file)."""
+    return {int(x) for x in text.split() if x.isdigit()}
+
+
+def overhead(raw: Path, layer_blocks: set[int]) -> dict[str, int]:
+    """Bytes of the layer's own blocks (4 KiB disk blocks; the file system starts at offset 0 with 4 KiB
+    blocks) that are the ext4 journal (inode 8) and the systemd journal files (/var/log/journal/*/*)."""
+    def dbg(req: str) -> str:
+        return subprocess.run(["debugfs", "-c", "-R", req, str(raw)], capture_output=True, text=True).stdout
+    bs = re.search(r"Block size:\s+(\d+)", dbg("stats"))
+    if bs is None or int(bs.group(1)) != 4096:
+        return {}
+    ext4 = block_numbers(dbg("blocks <8>"))
+    sysj: set[int] = set()
+    for sub in _ls(dbg("ls -p /var/log/journal")):
+        for f in _ls(dbg(f"ls -p /var/log/journal/{sub}")):
+            sysj |= block_numbers(dbg(f"blocks /var/log/journal/{sub}/{f}"))
+    return {"ext4_journal_bytes": len(ext4 & layer_blocks) * 4096,
+            "systemd_journal_bytes": len(sysj & layer_blocks) * 4096}
+
+
+def _ls(text: str) -> list[str]:
+    names = [ln.split("/")[5] for ln in text.splitlines() if ln.count("/") >= 6]
+    return [n for n in names if n not in (".", "..")]
+
+
 def _files(root: Path, suffix: str) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in root.rglob(f"*{suffix}")}
 
@@ -58,7 +85,7 @@ def rsync_delta(old: Path, new: Path, work: Path) -> dict[str, Any]:
     """rsync -z of ``new`` onto a copy of ``old`` through a pipe remote shell; rsync's own counts."""
     dest = work / "rsync-dest"
     dest.mkdir()
-    shutil.copyfile(old, dest / new.name, follow_symlinks=True)
+    subprocess.run(["cp", "--sparse=always", str(old), str(dest / new.name)], check=True)
     rsh = work / "pipe-rsh"
     rsh.write_text('#!/bin/sh\nshift\nexec "$@"\n')       # drop the host name; run the remote rsync here
     rsh.chmod(0o755)
@@ -137,4 +164,5 @@ def versions() -> dict[str, str]:
         except (OSError, IndexError):
             return "missing"
     return {"rsync": first(["rsync", "--version"]), "casync": first(["casync", "--version"]),
-            "ostree": first(["ostree", "--version"])[:60]}
+            "ostree": next((ln.split("'")[1] for ln in subprocess.run(["ostree", "--version"], capture_output=True,
+                            text=True).stdout.splitlines() if "Version:" in ln and "'" in ln), "missing")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.update_peers import goals, new_chunk_bytes, rsync_stats
+from bench.update_peers import _ls, block_numbers, goals, new_chunk_bytes, rsync_stats
 
 pytestmark = pytest.mark.unit
 
@@ -51,3 +51,9 @@ def test_goals_ratio_applies_only_to_installs_of_10_mb_and_more():
     small = {"deb_bytes": 400_000, "hcp_wire_bytes": 900_000, "zstd_bytes": 800_000}
     g = goals(small, peers)                     # rsync not measured: not counted
     assert g["hcp_le_0.8_debs"] is None and g["hcp_smallest"] is False and g["peers_not_larger"] == ["zstd_bytes"]
+
+
+def test_block_numbers_and_listing_parse_debugfs_output():
+    assert block_numbers("1024 1025 1026 \n77\n") == {1024, 1025, 1026, 77}
+    ls = "/2/040755/0/0/./4096/\n/2/040755/0/0/../4096/\n/131/100640/0/101/system.journal/8388608/\n"
+    assert _ls(ls) == ["system.journal"]
