@@ -90,7 +90,7 @@ def rsync_delta(old: Path, new: Path, work: Path) -> dict[str, Any]:
     rsh.write_text('#!/bin/sh\nshift\nexec "$@"\n')       # drop the host name; run the remote rsync here
     rsh.chmod(0o755)
     t0 = time.monotonic()
-    out = subprocess.run(["rsync", "-z", "--stats", "--inplace", "--no-whole-file", "--rsh", str(rsh),
+    out = subprocess.run(["rsync", "-z", "--stats", "--ignore-times", "--inplace", "--no-whole-file", "--rsh", str(rsh),
                           str(new), f"localhost:{dest}/"], check=True, capture_output=True, text=True).stdout
     stats = rsync_stats(out)
     shutil.rmtree(dest)
