@@ -144,7 +144,7 @@ def show(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="null,jq,nginx-light,ruby",
+    ap.add_argument("--cases", default="null,jq,nginx-light,ruby,python3-numpy,mousepad",
                     help=f"comma-separated, from {', '.join(CASES)}")
     ap.add_argument("--memory", default="1G", help="the update guest's memory (apt's files sit in tmpfs)")
     ap.add_argument("--no-ostree", action="store_true", help="leave out the OSTree static delta peer")
