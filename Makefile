@@ -62,6 +62,7 @@ bench: setup
 	$(PY) bench/desktop_boot.py
 	$(PY) bench/pods_bench.py
 	$(PY) bench/backup_series.py
+	$(PY) bench/update_bytes.py
 
 # B2 live between the compose hosts (own compose project capsule-b2; needs root: tc on lo)
 bench-live: setup

@@ -72,6 +72,9 @@ install_packages() {
     command -v npm >/dev/null || missing_base+=(nodejs npm)
     # borg: a peer in bench/backup_series.py (B4)
     pkg_ok borgbackup || missing_base+=(borgbackup)
+    # ostree (static deltas) and casync (content-defined chunks): peers in bench/update_bytes.py (B1)
+    pkg_ok ostree || missing_base+=(ostree)
+    pkg_ok casync || missing_base+=(casync)
   fi
   # QEMU and libvirt must come from backports (QEMU >= 10, libvirt >= 11.3)
   if pkg_ok qemu-system-x86; then

@@ -1,0 +1,221 @@
+"""B1, software updates (Collective §5.1, Fig. 5): the bytes an update costs to send, Capsule against peers.
+
+For each case, ``capsule update make`` derives a child of the Debian test image (1 GiB of memory: apt's
+files sit in tmpfs), installs real packages from the machine's Debian source inside a real boot (or, for
+the "null" update, only boots, runs ``true`` and shuts down), and seals the new layer. Side by side:
+- .deb bytes: what apt fetched (measured in its tmpfs before it was dropped);
+- HCP wire bytes: the new version pushed to a second store (with its agent) that holds the parent;
+- zstd -3 of the layer: its allocated (non-zero) blocks as one stream;
+- rsync -z: the new flattened raw disk against the old one, through a pipe remote shell (bytes sent);
+- casync: chunks of the new raw image a store seeded with the old one lacks (zstd chunks, + the index);
+  desync is the same scheme in Go and is used when its module can be fetched (it could not: see the JSON);
+- OSTree static delta (``--inline``) between commits of the two root trees (debugfs ``rdump``).
+
+Goals (issue 11): HCP ≤ 0.8 × the .deb bytes on installs of 10 MB and more; HCP the smallest of all.
+
+    .venv/bin/python bench/update_bytes.py [--cases jq,nginx-light,null] [--no-ostree] [--replot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import update_peers as peers  # noqa: E402
+from bench.backup_accounting import compressed_sizes  # noqa: E402
+from bench.common import RESULTS, table, write_result  # noqa: E402
+from capsule import capsules, hosts, images, qemuimg, transfer  # noqa: E402
+from capsule.agent.launch import AgentProcess  # noqa: E402
+from capsule.objectio import BlockReader  # noqa: E402
+from capsule.store import Store  # noqa: E402
+from capsule.update import make as making  # noqa: E402
+from tests.conftest import _destroy_domains  # noqa: E402
+
+MB = 1e6
+BASE = "base"
+HOST = "fleet1"
+# case → packages to install (None: the null update); smallest first
+CASES: dict[str, list[str] | None] = {
+    "null": None,
+    "jq": ["jq"],
+    "nginx-light": ["nginx-light"],
+    "ruby": ["ruby"],
+    "python3-numpy": ["python3-numpy"],
+    "mousepad": ["mousepad"],
+}
+PEERS = ["zstd_bytes", "rsync_bytes", "casync_bytes", "ostree_bytes"]
+LABELS = {"deb_bytes": ".deb fetched", "hcp_wire_bytes": "HCP wire", "zstd_bytes": "zstd -3 of layer",
+          "rsync_bytes": "rsync -z image", "casync_bytes": "casync new chunks", "ostree_bytes": "OSTree delta"}
+
+
+def layer_blocks(store: Store, layer_id: str) -> set[int]:
+    return {i for i, zero, _h in store.layer_manifest(layer_id).records() if not zero}
+
+
+def layer_zstd(store: Store, layer_id: str) -> int:
+    manifest = store.layer_manifest(layer_id)
+    indices = [i for i, zero, _h in manifest.records() if not zero]
+
+    def blocks():
+        with BlockReader(store, "layer", layer_id) as reader:
+            for k in range(0, len(indices), 256):
+                yield b"".join(reader.read(indices[k:k + 256]))
+    return compressed_sizes(blocks()).zstd
+
+
+def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, work: Path, old_raw: Path,
+             cas: peers.Casync | None, ost: peers.OSTree | None) -> dict[str, Any]:
+    name = f"u-{case}"
+    print(f"== {case}: update make {BASE} --name {name} " + (f"--install {' '.join(pkgs)}" if pkgs else "--run true"),
+          flush=True)
+    res = making.make(a, BASE, name=name, install=pkgs or [], run=[] if pkgs else ["true"],
+                      say=lambda m: print(f"   {m}", flush=True))
+    assert res.version is not None
+    (layer,) = res.layers
+    row: dict[str, Any] = {"case": case, "packages": pkgs or [], "version": res.version.ref,
+                           "make_seconds": round(res.seconds, 1), "deb_bytes": res.apt_debs_bytes,
+                           "apt_need_to_get_bytes": res.apt_need_to_get, "layer": layer}
+    rep = transfer.push(a, res.version.ref, agent.url, agent.token)
+    row["hcp_wire_bytes"] = rep.wire_bytes
+    row["hcp"] = {"raw_bytes": rep.totals()["raw_bytes"], "cache_bytes": rep.totals()["cache_bytes"],
+                  "seconds": round(rep.seconds, 1)}
+    row["zstd_bytes"] = layer_zstd(a, layer["id"])
+    new_raw = work / "new" / "disk.raw"
+    new_raw.parent.mkdir(exist_ok=True)
+    qemuimg.flatten_to_raw(a.layer_path(res.version.chains[0][-1]), new_raw)
+    row["layer_overhead"] = peers.overhead(new_raw, layer_blocks(a, layer["id"]))
+    row["rsync"] = peers.rsync_delta(old_raw, new_raw, work)
+    row["rsync_bytes"] = row["rsync"]["sent_bytes"]
+    if cas is not None:
+        row["casync"] = cas.delta(new_raw, case)
+        row["casync_bytes"] = row["casync"]["sent_bytes"]
+    if ost is not None:
+        root = work / f"root-{case}"
+        peers.rdump_root(new_raw, root)
+        row["ostree"] = ost.delta(root, case)
+        row["ostree_bytes"] = row["ostree"]["sent_bytes"]
+        shutil.rmtree(root, ignore_errors=True)
+    new_raw.unlink()
+    row["goals"] = peers.goals(row, PEERS)
+    print("   " + ", ".join(f"{LABELS[k]} {row[k] / MB:.2f} MB" for k in LABELS if k in row), flush=True)
+    return row
+
+
+def chart(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in LABELS if any(k in r for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(rows)), 5))
+    width = 0.8 / len(keys)
+    for j, k in enumerate(keys):
+        ys = [max(r.get(k, 0) / MB, 1e-3) for r in rows]
+        ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(rows))], ys, width, label=LABELS[k])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["case"] for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("MB sent (log)")
+    ax.set_title("B1: bytes to move a machine to the updated version")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def show(rows: list[dict[str, Any]]) -> None:
+    keys = [k for k in LABELS if any(k in r for r in rows)]
+    table("B1: MB per update (10^6 bytes)", ["case", *[LABELS[k] for k in keys], "HCP ≤ 0.8×debs", "HCP smallest"],
+          [[r["case"], *[f"{r[k] / MB:.2f}" if k in r else "—" for k in keys],
+            {None: "n/a (<10 MB)", True: "yes", False: "no"}[r["goals"]["hcp_le_0.8_debs"]],
+            "yes" if r["goals"]["hcp_smallest"] else f"no ({', '.join(r['goals']['peers_not_larger'])})"]
+           for r in rows])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="null,jq,nginx-light,ruby,python3-numpy,mousepad",
+                    help=f"comma-separated, from {', '.join(CASES)}")
+    ap.add_argument("--memory", default="1G", help="the update guest's memory (apt's files sit in tmpfs)")
+    ap.add_argument("--no-ostree", action="store_true", help="leave out the OSTree static delta peer")
+    ap.add_argument("--no-casync", action="store_true", help="leave out the casync peer")
+    ap.add_argument("--replot", action="store_true", help="only draw the chart again from the JSON result")
+    args = ap.parse_args()
+    png = RESULTS / "update_bytes.png"
+    if args.replot:
+        data = json.loads((RESULTS / "update_bytes.json").read_text())
+        chart(data["cases"], png)
+        show(data["cases"])
+        return
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        sys.exit(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    for tool, flag in (("ostree", args.no_ostree), ("casync", args.no_casync)):
+        if not flag and shutil.which(tool) is None:
+            sys.exit(f"the {tool} peer needs {tool}: apt-get install {tool} (or give --no-{tool})")
+    work = Path(tempfile.mkdtemp(prefix="capsule-b1-"))
+    agent: AgentProcess | None = None
+    stores: list[Store] = []
+    rows: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    try:
+        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+        images.build(src, "debian", "debian")
+        a, b = Store.open(work / "a"), Store.open(work / "b")
+        stores += [a, b]
+        images.import_image(src, a, "debian")
+        images.import_image(src, b, "debian")
+        b.close()
+        agent = AgentProcess(b.home, work / "b.token")
+        hosts.add(a, HOST, agent.url, agent.token)
+        base = capsules.create(a, BASE, "debian", memory=args.memory)
+        transfer.push(a, base.ref, agent.url, agent.token)           # the fleet host holds the parent
+        old_raw = work / "old" / "disk.raw"
+        old_raw.parent.mkdir()
+        qemuimg.flatten_to_raw(a.layer_path(base.chains[0][-1]), old_raw)
+        cas = None if args.no_casync else peers.Casync(old_raw, work)
+        ost = None
+        if not args.no_ostree:
+            peers.rdump_root(old_raw, work / "root-old")
+            ost = peers.OSTree(work / "root-old", work)
+            shutil.rmtree(work / "root-old", ignore_errors=True)
+        for case in cases:
+            rows.append(run_case(a, case, CASES[case], agent, work, old_raw, cas, ost))
+            RESULTS.mkdir(exist_ok=True)
+            chart(rows, png)
+            write_result("update_bytes", _result(rows, args, cas, ost, t0))
+        show(rows)
+        print(f"→ {RESULTS / 'update_bytes.json'}\n→ {png}")
+    finally:
+        if agent is not None:
+            agent.stop()
+        for s in stores:
+            _destroy_domains(s)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _result(rows: list[dict[str, Any]], args: argparse.Namespace, cas: Any, ost: Any, t0: float) -> dict[str, Any]:
+    return {"memory": args.memory, "tools": peers.versions(), "cases": rows, "chart": "update_bytes.png",
+            "casync_seed_seconds": cas.seed_seconds if cas else None,
+            "ostree_old_commit_seconds": ost.commit_seconds if ost else None,
+            "desync": "not measured: `go install github.com/folbricht/desync/cmd/desync@latest` failed — the Go "
+                      "module proxy answered 403 'This module version is not available' and GOPROXY=direct "
+                      "cannot reach the source host; casync (same scheme, from Debian) stands in",
+            "goals": "HCP <= 0.8 x .deb bytes on installs >= 10 MB; HCP smallest of all peers",
+            "seconds": round(time.monotonic() - t0, 1),
+            "note": "MB = 10^6 bytes; every peer's figure is what it would send to a host holding the parent"}
+
+
+if __name__ == "__main__":
+    main()
