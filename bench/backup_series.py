@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import backup_peers  # noqa: E402
 from bench.backup_accounting import Seen, compressed_sizes  # noqa: E402
-from bench.common import RESULTS, table, write_result  # noqa: E402
-from capsule import capsules, hosts, images, lifecycle, qemuimg, transfer  # noqa: E402
+from bench.common import RESULTS, image_stores, table, write_result  # noqa: E402
+from capsule import capsules, hosts, lifecycle, qemuimg, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.backup import jobs, runner  # noqa: E402
 from capsule.backup.retention import Policy  # noqa: E402
@@ -274,12 +274,9 @@ def main() -> None:
     rec = Recorder()
     transfer.push = rec.push          # type: ignore[assignment]  # the copies' per-object reports
     try:
-        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
-        images.build(src, "debian", "debian")
-        a, b = Store.open(work / "a"), Store.open(work / "b")
+        # the backup host holds the image the capsule came from
+        a, b = image_stores("debian", work / "a", work / "b")
         stores += [a, b]
-        images.import_image(src, a, "debian")
-        images.import_image(src, b, "debian")      # the backup host holds the image the capsule came from
         b.close()
         agent = AgentProcess(b.home, work / "b.token")
         hosts.add(a, HOST, agent.url, agent.token)

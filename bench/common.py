@@ -20,18 +20,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def tiny_stores(*paths: Path) -> list[Any]:
-    """New stores at ``paths``, each holding the tiny image (built once into the test images store,
-    ``CAPSULE_TEST_IMAGES`` or .cache/test-images, if it is not there yet)."""
+def image_stores(kind: str, *paths: Path) -> list[Any]:
+    """New stores at ``paths``, each holding the test image of ``kind`` (tiny, debian, …), built once into
+    the test images store (``CAPSULE_TEST_IMAGES`` or .cache/test-images) if it is not there yet."""
     from capsule import images
     from capsule.store import Store
 
     src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
-    images.build(src, "tiny", "tiny")
+    images.build(src, kind, kind)
     stores = [Store.open(p) for p in paths]
     for s in stores:
-        images.import_image(src, s, "tiny")
+        images.import_image(src, s, kind)
     return stores
+
+
+def tiny_stores(*paths: Path) -> list[Any]:
+    """New stores at ``paths``, each holding the tiny image."""
+    return image_stores("tiny", *paths)
 
 
 def write_result(name: str, data: dict[str, Any]) -> Path:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -33,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import update_peers as peers  # noqa: E402
 from bench.backup_accounting import compressed_sizes  # noqa: E402
-from bench.common import RESULTS, table, write_result  # noqa: E402
-from capsule import capsules, hosts, images, qemuimg, transfer  # noqa: E402
+from bench.common import RESULTS, image_stores, table, write_result  # noqa: E402
+from capsule import capsules, hosts, qemuimg, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.objectio import BlockReader  # noqa: E402
 from capsule.store import Store  # noqa: E402
@@ -170,12 +169,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
-        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
-        images.build(src, "debian", "debian")
-        a, b = Store.open(work / "a"), Store.open(work / "b")
+        a, b = image_stores("debian", work / "a", work / "b")
         stores += [a, b]
-        images.import_image(src, a, "debian")
-        images.import_image(src, b, "debian")
         b.close()
         agent = AgentProcess(b.home, work / "b.token")
         hosts.add(a, HOST, agent.url, agent.token)
