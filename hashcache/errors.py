@@ -137,6 +137,25 @@ class Unreachable(Error):
         self.refused = refused  # the connection was refused: nobody listens (not worth a retry, usually)
 
 
+class Overloaded(Error):
+    """The other host's agent refused the request for now: this client holds too many connections at once,
+    or tried to sign in too often. Retry after the time the reply gives (``retry_after`` seconds)."""
+
+    code = "overloaded"
+    exit_code = 12
+    http_status = 429
+    status_default = True
+
+
+class RequestTimeout(Error):
+    """A request did not arrive in time (its headers trickled in too slowly): the agent closed the connection."""
+
+    code = "request_timeout"
+    exit_code = 12
+    http_status = 408
+    status_default = True
+
+
 class HostKeyError(Error):
     """The other host's TLS certificate is not the one pinned for it (its host key changed, or someone is in
     the middle), or it is self-signed and no fingerprint was given for it. Never retried."""

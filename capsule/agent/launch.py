@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from capsule.errors import Unreachable
@@ -30,10 +30,12 @@ from capsule.errors import Unreachable
 START_TIMEOUT = 60.0
 
 
-def serve_command(home: Path, listen: str, token_file: Path, *, tls: bool = True) -> list[str]:
-    """The command line of ``capsule serve`` for a store, an address and a token file (TLS, or plain HTTP)."""
+def serve_command(home: Path, listen: str, token_file: Path, *, tls: bool = True,
+                  extra: Sequence[str] = ()) -> list[str]:
+    """The command line of ``capsule serve`` for a store, an address and a token file (TLS, or plain HTTP);
+    ``extra``: more of its options (e.g. limits)."""
     return [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "serve", "--listen", listen,
-            "--token-file", str(token_file), *([] if tls else ["--insecure-http"])]
+            "--token-file", str(token_file), *([] if tls else ["--insecure-http"]), *extra]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,7 +50,7 @@ class AgentProcess:
 
     def __init__(self, home: Path, token_file: Path, port: int | None = None, *, host: str = "127.0.0.1",
                  log_path: Path | None = None, timeout: float = START_TIMEOUT,
-                 env: Mapping[str, str] | None = None, tls: bool = False) -> None:
+                 env: Mapping[str, str] | None = None, tls: bool = False, extra: Sequence[str] = ()) -> None:
         self.home = Path(home)
         self.token_file = Path(token_file)
         self.host = host
@@ -59,7 +61,8 @@ class AgentProcess:
         self.log_path = log_path or self.token_file.with_suffix(".log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(serve_command(self.home, f"{host}:{self.port}", self.token_file, tls=tls),
+            self.proc = subprocess.Popen(serve_command(self.home, f"{host}:{self.port}", self.token_file, tls=tls,
+                                                       extra=extra),
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                          start_new_session=True, env=None if env is None else dict(env))
         try:

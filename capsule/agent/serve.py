@@ -9,6 +9,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from capsule.agent.limits import Limits
 from capsule.errors import InvalidName
 from capsule.names import check_host
 from hashcache.transport import tls
@@ -84,10 +85,12 @@ def identity(home: Path, listen: str, *, insecure_http: bool = False, cert: Path
     return Identity(own.cert, own.key, own.fingerprint, own.created)
 
 
-def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = None) -> None:
+def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = None,
+          limits: Limits | None = None) -> None:
     import uvicorn
 
     from capsule.agent.app import create_app
+    from capsule.agent.limits import BodyLimit, guarded_protocols
 
     host, port = parse_listen(listen)
     ident = ident or identity(home, listen)
@@ -95,10 +98,14 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
     app.state.tls_fingerprint = ident.fingerprint  # what peers pin for this agent (dashboard migrations)
     from capsule.backup.scheduler import start_in_serve
     start_in_serve(home)  # scheduled backups run inside the agent (capsule/backup/scheduler.py)
-    uvicorn.run(app, host=host, port=port, log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
+    limits = limits or Limits()
+    http_protocol, ws_protocol = guarded_protocols(limits)  # per-client connections, slow headers, WS messages
+    uvicorn.run(BodyLimit(app, limits.max_body), host=host, port=port,
+                log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
                 access_log=False, server_header=False, date_header=False,
                 # keep idle connections well past a batch's round trip on a slow link: reopening one
                 # there means a SYN that may wait behind a full queue
                 timeout_keep_alive=75,
+                http=http_protocol, ws=ws_protocol, ws_max_size=limits.ws_max_message,
                 ssl_certfile=str(ident.cert) if ident.cert else None,
                 ssl_keyfile=str(ident.key) if ident.key else None)

@@ -18,6 +18,7 @@ from rich.progress import (
 from rich.table import Table
 
 from capsule import transfer
+from capsule.agent.limits import Limits
 from capsule.agentclient import read_token
 from capsule.cli.common import OPTIONS, FingerprintOpt, console, emit, err_console, json_flag, open_store
 from capsule.units import human
@@ -129,6 +130,14 @@ def serve(
     insecure_http: Annotated[bool, typer.Option(
         "--insecure-http", help="Plain HTTP without TLS: only on a loopback --listen (tests, a local proxy).")]
     = False,
+    max_connections_per_client: Annotated[int, typer.Option(
+        "--max-connections-per-client", min=1,
+        help="Connections one client address may hold at once (HTTP and WebSocket); one more is answered "
+             "429 and closed, other clients are served as before.")] = Limits.per_client,
+    header_timeout: Annotated[float, typer.Option(
+        "--header-timeout", min=0.1,
+        help="Seconds a connection has to send a request's headers (after it opens, or after its last answer): "
+             "a client trickling them (slow-loris) is answered 408 and closed.")] = Limits.header_timeout,
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
@@ -147,7 +156,8 @@ def serve(
         made = "new host key; " if ident.created else ""
         err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", soft_wrap=True)
     store.close()
-    run_serve(store.home, listen, tf, ident)
+    run_serve(store.home, listen, tf, ident,
+              Limits(per_client=max_connections_per_client, header_timeout=header_timeout))
 
 
 @cache_app.command("prime")

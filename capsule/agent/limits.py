@@ -1,0 +1,212 @@
+"""What one client may ask of the agent, bounded where the connection is made.
+
+Bodies of uploads have their own limits in the routes that read them (a manifest, a batch of blocks);
+every other request body is bounded here (`BodyLimit`). Below the web framework, uvicorn's HTTP protocol is
+wrapped (`guarded_protocols`) so that
+
+* one client address holds at most ``per_client`` connections at once (HTTP and WebSocket alike): one more
+  is answered ``429`` with a JSON error saying so and closed, and other clients are served as before;
+* a connection must complete a request's headers within ``header_timeout`` seconds of being opened, or, on a
+  kept-alive connection, of the first byte of its next request: a slow-loris client that trickles its
+  headers is answered ``408`` and closed instead of holding the connection for ever (uvicorn keeps a
+  connection whose headers never end); an idle kept-alive connection is left to uvicorn's keep-alive timeout;
+* a WebSocket message is at most ``ws_max_message`` bytes (a block-stream request or a console frame is far
+  smaller): over it the connection is closed with code 1009, "message too big".
+
+The limits are per agent process (`Limits`); `capsule serve` takes them from its options. Importing this
+module does not import the web server (the CLI reads the defaults from it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from capsule.errors import InvalidName, RequestTooLarge
+from hashcache.errors import Error, Overloaded, RequestTimeout
+
+#: Routes whose bodies are bounded by the route itself (the receiving side of push: manifests and batches).
+OWN_LIMIT_PREFIXES = ("/v1/recv/",)
+
+
+@dataclass(frozen=True)
+class Limits:
+    per_client: int = 64             # connections at once from one address
+    header_timeout: float = 20.0     # seconds to complete a request's headers
+    max_body: int = 1 << 20          # bytes of any request body without a limit of its own
+    ws_max_message: int = 1 << 20    # bytes of one WebSocket message
+
+    def __post_init__(self) -> None:
+        if self.per_client < 1 or self.header_timeout <= 0 or self.max_body < 1 or self.ws_max_message < 1024:
+            raise InvalidName(f"limits out of range: {self}")
+
+
+def _raw_reply(exc: Error, reason: bytes, extra: list[tuple[bytes, bytes]]) -> bytes:
+    """An HTTP/1.1 answer written straight to the connection, below the web framework: the error's status and
+    its usual JSON body (``{"error": code, "detail": message}``), then the connection closes."""
+    body = json.dumps(exc.to_wire()).encode()
+    head = [f"HTTP/1.1 {exc.http_status} ".encode() + reason, b"content-type: application/json",
+            b"content-length: " + str(len(body)).encode(), b"connection: close",
+            *(name + b": " + value for name, value in extra)]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+class _Counts:
+    """Connections per client address, shared by the HTTP and WebSocket protocol objects of one server."""
+
+    def __init__(self) -> None:
+        self.by_address: Counter[str] = Counter()
+
+    def take(self, address: str, limit: int) -> bool:
+        if self.by_address[address] >= limit:
+            return False
+        self.by_address[address] += 1
+        return True
+
+    def give(self, address: str) -> None:
+        self.by_address[address] -= 1
+        if self.by_address[address] <= 0:
+            del self.by_address[address]
+
+
+def _address(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
+
+
+def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyncio.Protocol]]:
+    """uvicorn's HTTP (h11) and WebSocket protocol classes with ``limits`` applied: pass them to uvicorn as
+    ``http=`` and ``ws=``, with ``ws_max_size=limits.ws_max_message``."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    counts = _Counts()
+    ws_base: Any = AutoWebSocketsProtocol
+    assert ws_base is not None, "uvicorn found no WebSocket library (websockets is a dependency)"
+
+    class GuardedHTTP(H11Protocol):
+        _counted: str | None = None
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            super().connection_made(transport)  # type: ignore[arg-type]
+            address = _address(transport)
+            if not counts.take(address, limits.per_client):
+                self.transport.write(_raw_reply(Overloaded(
+                    f"too many connections from {address} at once (at most {limits.per_client}); "
+                    "close some or wait for them to finish"), b"Too Many Requests", [(b"retry-after", b"1")]))
+                self.transport.close()
+                return
+            self._counted = address
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(limits.header_timeout, self._headers_too_slow)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            self.transport.write(_raw_reply(RequestTimeout(
+                f"the request's headers did not arrive within {limits.header_timeout:g} s"), b"Request Timeout", []))
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._counted is None:
+                return  # refused: whatever it sends is dropped
+            super().data_received(data)
+            if self.transport.is_closing():
+                self._disarm_header_timer()
+            elif self.conn.their_state is h11.IDLE:
+                # headers begun but incomplete (on a new connection the timer runs since it opened; on a
+                # kept-alive one, idle until now under uvicorn's keep-alive timeout, since this first byte)
+                self._arm_header_timer()
+            else:
+                self._disarm_header_timer()
+
+        def handle_websocket_upgrade(self, event: h11.Request) -> None:
+            # the WebSocket protocol object takes the connection over, and its count with it
+            self._disarm_header_timer()
+            address, self._counted = self._counted, None
+            super().handle_websocket_upgrade(event)
+            if address is not None:
+                counts.give(address)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            if self._counted is not None:
+                counts.give(self._counted)
+                self._counted = None
+            super().connection_lost(exc)
+
+    class GuardedWebSocket(ws_base):  # type: ignore[misc, valid-type]
+        _counted: str | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            # called by GuardedHTTP.handle_websocket_upgrade, after it has freed its own count; taking it
+            # again here cannot be refused by more than the connection just freed
+            address = _address(transport)
+            if counts.take(address, limits.per_client + 1):
+                self._counted = address
+            super().connection_made(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._counted is not None:
+                counts.give(self._counted)
+                self._counted = None
+            super().connection_lost(exc)
+
+    return GuardedHTTP, GuardedWebSocket
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes (by its Content-Length, or as it streams) is
+    answered 413 before the route sees it, except on routes with a limit of their own."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(OWN_LIMIT_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            await self._too_large(send)
+            return
+        seen = 0
+
+        async def counted() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    # raised inside the route's reading of its body: the framework's one mapping of
+                    # HTTP errors answers it (413 → RequestTooLarge's code), not this middleware
+                    from starlette.exceptions import HTTPException
+                    raise HTTPException(status_code=413, detail=self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"request body over {self.limit} bytes, this agent's limit for it"
+
+    async def _too_large(self, send: Any) -> None:
+        exc = RequestTooLarge(self._message())
+        body = json.dumps(exc.to_wire()).encode()
+        await send({"type": "http.response.start", "status": exc.http_status,
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

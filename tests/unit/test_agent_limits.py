@@ -1,0 +1,150 @@
+"""The agent's limits on one client (capsule/agent/limits.py), against a real `capsule serve` process:
+connections per client address, a slow-loris client's trickled headers, request bodies and WebSocket
+messages. Over a limit the client is told so clearly, and the agent keeps serving everyone else."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
+
+from capsule.agent.launch import AgentProcess
+from capsule.agent.limits import Limits
+
+pytestmark = [pytest.mark.tools, pytest.mark.timeout(120)]
+
+
+def _agent(tmp_path, *extra: str) -> AgentProcess:
+    return AgentProcess(tmp_path / "home", tmp_path / "a.token", extra=extra)
+
+
+def _info(agent: AgentProcess, local_address: str = "127.0.0.1") -> httpx.Response:
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=local_address), timeout=10.0) as c:
+        return c.get(f"{agent.url}/v1/info", headers={"Authorization": f"Bearer {agent.token}"})
+
+
+def _open(agent: AgentProcess, source: str = "127.0.0.1") -> socket.socket:
+    s = socket.create_connection((agent.host, agent.port), timeout=10.0, source_address=(source, 0))
+    return s
+
+
+def _read_reply(s: socket.socket, deadline: float = 15.0) -> bytes:
+    """Everything the agent sends until it closes the connection."""
+    s.settimeout(deadline)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
+def _json_of(reply: bytes) -> dict:
+    return json.loads(reply.partition(b"\r\n\r\n")[2])
+
+
+def test_one_client_over_its_connections_is_told_so_and_others_are_served(tmp_path):
+    with _agent(tmp_path, "--max-connections-per-client", "4", "--header-timeout", "60") as agent:
+        held = [_open(agent) for _ in range(4)]
+        for s in held:
+            s.sendall(b"GET /v1/info HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        time.sleep(0.3)
+        extra = _open(agent)
+        reply = _read_reply(extra)
+        assert reply.startswith(b"HTTP/1.1 429 ")
+        body = _json_of(reply)
+        assert body["error"] == "overloaded" and "at most 4" in body["detail"]
+        # another address is served as before while this one is at its limit
+        assert _info(agent, "127.0.0.2").status_code == 200
+        for s in held:
+            s.close()
+        time.sleep(0.3)
+        # the closed connections were given back: the same address is served again, many times over
+        for _ in range(10):
+            assert _info(agent).status_code == 200
+
+
+def test_trickled_headers_are_cut_off_with_408_on_a_new_and_a_kept_alive_connection(tmp_path):
+    with _agent(tmp_path, "--header-timeout", "1") as agent:
+        slow = _open(agent)
+        started = time.monotonic()
+        got = b""
+        slow.settimeout(0.3)
+        for piece in [b"GET /v1/info HTTP/1.1\r\n", b"Host: x\r\n", *[b"X-Pad: y\r\n"] * 40]:
+            try:
+                slow.sendall(piece)
+                got += slow.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if got:
+                break
+        got += _read_reply(slow)
+        assert got.startswith(b"HTTP/1.1 408 ") and _json_of(got)["error"] == "request_timeout"
+        assert time.monotonic() - started < 10  # cut off, not served for the 12 s the trickle would take
+
+        # a kept-alive connection: one whole request, then the next one's headers trickle
+        kept = _open(agent)
+        kept.sendall(f"GET /v1/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {agent.token}\r\n\r\n".encode())
+        kept.settimeout(10)
+        first = b""
+        while b'"store_id"' not in first:  # the whole first answer (its body comes after its head)
+            first += kept.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b"}")
+        kept.sendall(b"GET /v1/info HTTP/1.1\r\n")
+        assert _read_reply(kept).startswith(b"HTTP/1.1 408 ")
+        # a client that finishes its headers in time is not affected
+        assert _info(agent).status_code == 200
+        # an idle kept-alive connection is not cut off by the header timeout (uvicorn's keep-alive rules it)
+        with httpx.Client(timeout=10.0) as c:
+            first = c.get(f"{agent.url}/v1/info", headers={"Authorization": f"Bearer {agent.token}"})
+            time.sleep(2.5)
+            again = c.get(f"{agent.url}/v1/info", headers={"Authorization": f"Bearer {agent.token}"})
+            assert first.status_code == again.status_code == 200
+            assert again.extensions["network_stream"] is first.extensions["network_stream"]  # the same one
+
+
+def test_a_body_over_the_limit_is_refused_before_the_route_and_the_agent_keeps_serving(tmp_path):
+    big = b'{"versions": ["' + b"a" * (Limits.max_body + 10) + b'"]}'
+    with _agent(tmp_path) as agent:
+        headers = {"Authorization": f"Bearer {agent.token}", "Content-Type": "application/json"}
+        r = httpx.post(f"{agent.url}/v1/verify", content=big, headers=headers, timeout=30)
+        assert r.status_code == 413 and r.json()["error"] == "too_large"
+        assert str(Limits.max_body) in r.json()["detail"]
+
+        def chunks():  # no Content-Length: counted as it streams
+            for i in range(0, len(big), 65536):
+                yield big[i:i + 65536]
+        r = httpx.post(f"{agent.url}/v1/verify", content=chunks(), headers=headers, timeout=30)
+        assert r.status_code == 413 and r.json()["error"] == "too_large"
+        # a body within the limit still reaches the route (which answers it: nothing to verify)
+        r = httpx.post(f"{agent.url}/v1/verify", json={"versions": []}, headers=headers, timeout=30)
+        assert r.status_code == 200
+        assert _info(agent).status_code == 200
+
+
+def test_a_websocket_message_over_the_limit_closes_that_connection_only_and_counts_are_given_back(tmp_path):
+    with _agent(tmp_path, "--max-connections-per-client", "3") as agent:
+        url = agent.url.replace("http", "ws", 1) + "/v1/objects/stream"
+        auth = {"Authorization": f"Bearer {agent.token}"}
+        with ws_connect(url, additional_headers=auth) as ws:
+            ws.send(b"\0" * (Limits.ws_max_message + 1))
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # message too big
+        # WebSocket connections count against the client's limit and are given back when they close
+        for _ in range(8):
+            with ws_connect(url, additional_headers=auth) as ws:
+                ws.send(b"\x01")  # a malformed READ: answered with an error reply, the connection stays
+                assert ws.recv(timeout=10)
+        with contextlib.ExitStack() as held:
+            for _ in range(3):
+                held.enter_context(ws_connect(url, additional_headers=auth))
+            assert _read_reply(_open(agent)).startswith(b"HTTP/1.1 429 ")
+        time.sleep(0.3)
+        assert _info(agent).status_code == 200
