@@ -284,7 +284,9 @@ def test_servers_are_managed_through_their_pid_file(source, sockdir):
         with pytest.raises(ServerError, match="already running"):
             DiskServer(b / "disk.json", sockdir / "d.sock", b / "d.log").start()
         handle.stop()
-        assert not server.alive() and not (sockdir / "d.sock").exists()
+        assert not handle.alive() and not (sockdir / "d.sock").exists()
+        # nbdkit is gone; the waiting shell it ran under (this process's child) exits right after it
+        wait_until(lambda: not server.alive(), 10, "the starter's waiting shell to exit after nbdkit")
     finally:
         server.stop()
 
