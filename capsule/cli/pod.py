@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from capsule.cli.common import console, emit, json_flag, open_store, progress, short
-from capsule.pod import ops
+from capsule.cli.common import FingerprintOpt, console, emit, json_flag, open_store, peer_destination, progress, short
+from capsule.pod import ops, remote
 from capsule.units import human
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 RefArg = Annotated[str, typer.Argument(help="The pod as CAPSULE/POD.")]
 CmdArg = Annotated[list[str], typer.Argument(help="The command, after `--`.")]
+TokenOpt = Annotated[Path | None, typer.Option("--token-file", help="With --host URL: the file holding that agent's "
+                                                                    "token (default: CAPSULE_TOKEN).")]
 
 app = typer.Typer(help="Pods: groups of processes inside a running capsule with their own PIDs, mounts "
                        "(private /tmp), host name, IPC, cgroup and IP address (Zap); checkpointed with CRIU "
@@ -123,16 +126,33 @@ def restore(
 @app.command()
 def migrate(
     ref: RefArg,
-    to: Annotated[str, typer.Option("--to", help="Another running capsule of this host.")],
+    to: Annotated[str, typer.Option("--to", help="The running capsule to move it into (on this host, or on "
+                                                 "--host).")],
+    host: Annotated[str | None, typer.Option(
+        "--host", help="The capsule is on another host: a known host's name (`capsule host ls`) or its agent "
+                       "URL (with --token-file).")] = None,
+    token_file: TokenOpt = None,
+    fingerprint: FingerprintOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Move a pod to another capsule of this host: checkpoint, then restore there. Refused up front if
-    the name or the address is taken there; if the restore fails the pod runs again where it was."""
+    """Move a pod to another capsule, on this host or another: checkpoint (the pod stops, its TCP peers
+    wait), then restore there with its PIDs, files and address. With --host the image travels with HCP
+    and the other host's agent restores it. Refused up front if the name or the address is taken there;
+    if sending or restoring fails the pod runs again where it was."""
     json_flag(json)
-    with progress(f"moving {ref} to {to}") as say:
-        r = ops.migrate(open_store(), ref, to, progress=say)
-    emit(r, lambda: console.print(f"pod [bold]{r['pod']}[/] moved {r['from']} → {r['to']} at {r['ip']}: "
-                                  f"checkpoint {r['checkpoint_seconds']:.2f}s, restore {r['restore_seconds']:.2f}s"))
+    store = open_store()
+    with progress(f"moving {ref} to {to}{f' on {host}' if host else ''}") as say:
+        if host is None:
+            r = ops.migrate(store, ref, to, progress=say)
+        else:
+            url, token, label = peer_destination(store, host, token_file)
+            r = remote.migrate(store, ref, to, url, token, fingerprint=fingerprint, progress=say)
+            r["host"] = label
+    where = f"{r['to']} on {r['host']}" if host else r["to"]
+    sent = f", {human(r['wire_bytes'])} on the wire" if host else ""
+    emit(r, lambda: console.print(f"pod [bold]{r['pod']}[/] moved {r['from']} → {where} at {r['ip']}: "
+                                  f"checkpoint {r['checkpoint_seconds']:.2f}s, restore "
+                                  f"{r['restore_seconds']:.2f}s{sent}"))
 
 
 def register(root: typer.Typer) -> None:

@@ -182,6 +182,28 @@ def restore(store: Store, image: str, into: str, progress: Progress = None) -> d
             "copy_calls": calls, "seconds": round(time.monotonic() - t0, 3)}
 
 
+def source_pod(store: Store, ref: str) -> dict[str, Any]:
+    """The pod ``CAPSULE/POD`` as its capsule lists it (name, address, state …)."""
+    capsule, pod = parse_ref(ref)
+    source = {p["name"]: p for p in Relay(store, capsule).call("ls")}
+    if pod not in source:
+        raise PodNotFound(f"capsule {capsule!r}: no pod {pod!r} in this capsule")
+    return source[pod]
+
+
+def check_target(pod: dict[str, Any], there: list[dict[str, Any]], to: str, ref: str) -> None:
+    """Refuse, before anything stops, a move of ``pod`` into capsule ``to`` whose pods (``there``) hold its
+    name or its address."""
+    for other in there:
+        if other["state"] == "exited":
+            continue
+        if other["name"] == pod["name"]:
+            raise PodExists(f"capsule {to!r}: a pod {pod['name']!r} runs there already; {ref} stays where it is")
+        if other["ip"].split("/")[0] == pod["ip"].split("/")[0]:
+            raise PodAddressClash(f"capsule {to!r}: pod {other['name']!r} holds {other['ip']}; "
+                                  f"{ref} stays where it is")
+
+
 def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[str, Any]:
     """Move a pod to another running capsule of this host: checkpoint (the pod stops), restore there.
     The target is checked first (the name free, the address free); should the restore still fail, the
@@ -191,17 +213,7 @@ def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[
     validate_capsule_name(to)
     if to == capsule:
         raise PodNameInvalid(f"pod {ref} is in {to!r} already")
-    source = {p["name"]: p for p in Relay(store, capsule).call("ls")}
-    if pod not in source:
-        raise PodNotFound(f"capsule {capsule!r}: no pod {pod!r} in this capsule")
-    for other in Relay(store, to).call("ls"):
-        if other["state"] == "exited":
-            continue
-        if other["name"] == pod:
-            raise PodExists(f"capsule {to!r}: a pod {pod!r} runs there already; {ref} stays where it is")
-        if other["ip"].split("/")[0] == source[pod]["ip"].split("/")[0]:
-            raise PodAddressClash(f"capsule {to!r}: pod {other['name']!r} holds {other['ip']}; "
-                                  f"{ref} stays where it is")
+    check_target(source_pod(store, ref), Relay(store, to).call("ls"), to, ref)
     ck = checkpoint(store, ref, progress=progress)
     try:
         moved = restore(store, ck.image, to, progress=progress)
