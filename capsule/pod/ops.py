@@ -52,7 +52,8 @@ def create(store: Store, capsule: str, pod: str, cmd: list[str], ip: str | None 
     if not cmd:
         raise PodNameInvalid("a pod needs a command: capsule pod create CAPSULE POD -- CMD…")
     extra = ["--ip", ip] if ip else []
-    return {"capsule": capsule, **Relay(store, capsule).call("create", *extra, pod, "--", *cmd)}
+    # (a first create in a capsule starts python, sets up the bridge and the cgroup: slow on a busy TCG guest)
+    return {"capsule": capsule, **Relay(store, capsule).call("create", *extra, pod, "--", *cmd, timeout=180)}
 
 
 def exec_in(store: Store, ref: str, cmd: list[str], timeout: float = 30.0) -> dict[str, Any]:
