@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from capsule.cli.common import FingerprintOpt, console, emit, json_flag, open_store, peer_destination, progress, short
-from capsule.pod import ops, remote
+from capsule.pod import group, ops, remote
+from capsule.pod.errors import PodNameInvalid
 from capsule.units import human
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -153,6 +154,43 @@ def migrate(
     emit(r, lambda: console.print(f"pod [bold]{r['pod']}[/] moved {r['from']} → {where} at {r['ip']}: "
                                   f"checkpoint {r['checkpoint_seconds']:.2f}s, restore "
                                   f"{r['restore_seconds']:.2f}s{sent}"))
+
+
+@app.command("checkpoint-group")
+def checkpoint_group(
+    refs: Annotated[list[str], typer.Argument(help="The pods, as CAPSULE/POD, two or more (capsules of this host).")],
+    json: JsonOpt = False,
+) -> None:
+    """Checkpoint pods that talk to each other as one consistent group (ZapC): every member's network is
+    locked first, then all are dumped at once (their TCP connections with them), and one group image is
+    recorded. The pods stop; `pod restore-group` restarts them together and their conversations go on."""
+    json_flag(json)
+    with progress(f"checkpointing {len(refs)} pods as a group"):
+        r = group.checkpoint_group(open_store(), refs)
+    emit(r, lambda: console.print(f"group image [bold]{short(r['group'])}[/]: {len(r['members'])} pods, "
+                                  f"locked in {r['lock_seconds']:.2f}s, {r['seconds']:.2f}s in all"))
+
+
+@app.command("restore-group")
+def restore_group(
+    image: Annotated[str, typer.Argument(help="The group image's id (or a unique prefix, ≥ 6 digits).")],
+    into: Annotated[list[str] | None, typer.Option(
+        "--into", help="POD=CAPSULE: restart that member in another running capsule (repeatable); the "
+                       "others go back to their own capsules.")] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Restart every pod of a group image at once, each in its capsule or where --into says; all or none."""
+    json_flag(json)
+    moves: dict[str, str] = {}
+    for item in into or []:
+        pod, sep, capsule = item.partition("=")
+        if not sep or not pod or not capsule:
+            raise PodNameInvalid(f"--into {item!r}: give POD=CAPSULE")
+        moves[pod] = capsule
+    with progress(f"restoring group {short(image)}"):
+        r = group.restore_group(open_store(), image, moves)
+    emit(r, lambda: console.print("\n".join(f"pod [bold]{m['capsule']}/{m['pod']}[/] runs again at {m['ip']}"
+                                            for m in r["members"]) + f"\n({r['seconds']:.2f}s)"))
 
 
 def register(root: typer.Typer) -> None:
