@@ -125,8 +125,8 @@ def read_group(store: Store, ref: str) -> dict[str, Any]:
             validate_capsule_name(m["capsule"])
             ops.check_pod_name(m["pod"])
             ops.resolve_image(store, m["image"])
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
-        raise PodFailed(f"group image {hits[0][:12]} is malformed: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError, AssertionError, Error) as exc:
+        raise PodFailed(f"group image {hits[0][:12]} is malformed or names what is not here: {exc}") from exc
     return {"id": hits[0], **record}
 
 
