@@ -28,6 +28,17 @@ _USER_RE = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 LEGACY = "host-token"    # how the audit log names the old single token
 
 
+_DURATION = re.compile(r"([0-9]{1,6})([hdw])")
+
+
+def parse_duration(text: str) -> float:
+    """``12h``, ``30d``, ``8w`` → seconds."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None or int(m[1]) == 0:
+        raise InvalidName(f"--expires {text[:20]!r}: give hours, days or weeks, e.g. 12h, 30d, 8w")
+    return int(m[1]) * {"h": 3600, "d": 86400, "w": 7 * 86400}[m[2]]
+
+
 def check_user(name: str) -> str:
     if not isinstance(name, str) or not _USER_RE.fullmatch(name):
         raise InvalidName(f"user name {str(name)[:40]!r}: use 1-32 characters, lower-case letters, digits, "
