@@ -56,9 +56,10 @@ class Outcome:
 def audited_command(argv: list[str]) -> Iterator[Outcome]:
     """Around the whole command: the line is written when it ends (``Outcome.failed`` says how it failed)."""
     cmd, capsule = command_of(argv)
-    changes = bool(cmd) and cmd[min(len(cmd) - 1, 1 if cmd[0] in GROUPS else 0)] not in LOOKING and "--help" not in argv and not (
-        cmd == ["verify"] and "--fix-modes" not in argv)
     outcome = Outcome()
+    verb = (cmd[1] if len(cmd) > 1 else None) if cmd and cmd[0] in GROUPS else (cmd[0] if cmd else None)
+    changes = verb is not None and verb not in LOOKING and "--help" not in argv and not (
+        verb == "verify" and "--fix-modes" not in argv)
     try:
         yield outcome
     except SystemExit as exc:
