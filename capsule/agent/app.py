@@ -134,8 +134,9 @@ def create_app(home: Path, token: str) -> FastAPI:
         return {"store_id": store.id, "version": capsule_version}
 
     @app.get("/v1/capsules")
-    def capsules() -> list[dict[str, Any]]:
-        return capsule_list(store)
+    def capsules(request: Request) -> list[dict[str, Any]]:
+        mine = authz.visible(request, store)     # an owner's: only theirs
+        return [c for c in capsule_list(store) if mine is None or c["name"] in mine]
 
     @app.get("/v1/capsules/{name}/versions/{number}")
     def version(name: str, number: str) -> dict[str, Any]:

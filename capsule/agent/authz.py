@@ -295,9 +295,9 @@ class Guard:
             if not rule.public:
                 api = scope["path"].startswith("/api/") or scope["path"] == "/api"
                 caller = self.authenticate(conn, api)
+                state["caller"] = caller
                 capsule = self.capsule_of(rule, params)
                 check(self.store, caller.principal, rule, capsule)
-                state["caller"] = caller
         except (Error, HTTPException) as exc:
             reply = _reply(exc)
             if audited:
