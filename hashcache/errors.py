@@ -130,7 +130,7 @@ class Forbidden(Error):
     theirs). The message says what the call needs."""
 
     code = "forbidden"
-    exit_code = 16
+    exit_code = 18
     http_status = 403
     status_default = True
 
