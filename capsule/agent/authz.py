@@ -92,7 +92,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/api/session"): Rule(public=True),           # sign-in: audited, bounded (sessions.Attempts)
     ("GET", "/api/session"): ANY,
     ("DELETE", "/api/session"): ANY,
-    ("GET", "/api/capsules"): LOOK,
+    ("GET", "/api/capsules"): LOOK_OR_HOST,        # also a peer's dashboard asking with this host's token
     ("GET", "/api/hosts"): LOOK,
     ("GET", "/api/tree"): LOOK_STAFF,
     ("POST", "/api/capsules/{name}/start"): ACT,

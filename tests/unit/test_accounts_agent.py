@@ -155,11 +155,12 @@ def test_a_host_token_does_hcp_and_push_but_not_start_stop_or_users(world):
         ws.send_bytes(b"\x00")
         assert ws.receive_bytes()[:1] != b"\x00"                                 # a refusal, as a reply
     for method, path in (("POST", f"/v1/capsules/{SECRET}/start"), ("POST", f"/v1/capsules/{SECRET}/stop"),
-                         ("POST", f"/api/capsules/{SECRET}/stop"), ("GET", "/api/capsules"),
+                         ("POST", f"/api/capsules/{SECRET}/stop"), ("GET", "/api/tree"),
                          ("POST", "/v1/run")):
         r = client.request(method, path, headers=h, json={})
         assert r.status_code == 403 and r.json()["error"] == "forbidden", (method, path, r.text)
         assert "scope" in r.json()["detail"]
+    assert client.get("/api/capsules", headers=h).status_code == 200        # a peer's dashboard lists them
     for who in ("alice", "operator"):       # HCP needs the host scope
         assert client.get(f"/v1/objects/layer/{oid}", headers=bearer(t[who])).status_code == 403
         with pytest.raises(WebSocketDenialResponse), client.websocket_connect("/v1/objects/stream",

@@ -63,7 +63,7 @@ EXPECTED = {
     ("POST", "/v1/capsules/{name}/stop"): "act",
     ("GET", "/api/session"): "signed-in",
     ("DELETE", "/api/session"): "signed-in",
-    ("GET", "/api/capsules"): "look",
+    ("GET", "/api/capsules"): "look-or-host",
     ("GET", "/api/hosts"): "look",
     ("GET", "/api/tree"): "look-staff",
     **{("POST", f"/api/capsules/{{name}}/{verb}"): "act"
