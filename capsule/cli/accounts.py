@@ -60,8 +60,13 @@ def user_add(
     json_flag(json)
     store = open_store()
     password = None if no_password else _password(password_stdin)
+    first_admin = role == "admin" and not users.admin_exists(store)
     u = users.add(store, name, role, password)
-    emit(u.as_dict(), lambda: console.print(f"added user [bold]{u.name}[/] ({u.role})"))
+    emit(u.as_dict() | {"host_token_retired": first_admin},
+         lambda: console.print(f"added user [bold]{u.name}[/] ({u.role})"))
+    if first_admin:
+        err_console.print("the first admin: the agent's token file no longer works; scripts and peers need a "
+                          "user's token (`capsule token create --user NAME --scope …`)", soft_wrap=True)
 
 
 @user_app.command("ls")
