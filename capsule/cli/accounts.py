@@ -120,7 +120,12 @@ def token_create(
                                                                   "revoked).")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Make a token and print it once: it is stored only as a hash and cannot be shown again."""
+    """Make a token and print it once: it is stored only as a hash and cannot be shown again.
+
+    For a peer that pushes here, pulls from here or keeps backup copies here:
+    `capsule token create --user ops --scope host --expires 90d > ops.token`, then on the other host
+    `capsule host add NAME https://THIS-HOST:PORT --token-file ops.token`. Add `capsules` to the scopes if
+    capsules migrate here or fleet rollouts activate versions here."""
     json_flag(json)
     t, secret = tokens.create(open_store(), user, scope, parse_duration(expires) if expires else None)
     emit(t.as_dict() | {"token": secret}, lambda: (
