@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -291,14 +292,20 @@ class Guard:
         remote = scope["client"][0] if scope.get("client") else None
         state = scope.setdefault("state", {})
         capsule: str | None = None
+
+        def admit() -> str | None:     # catalogue reads: in a thread, never holding up the event loop
+            caller = self.authenticate(conn, scope["path"].startswith("/api/") or scope["path"] == "/api")
+            state["caller"] = caller
+            name = self.capsule_of(rule, params)
+            state["capsule"] = name
+            check(self.store, caller.principal, rule, name)
+            return name
+
         try:
             if not rule.public:
-                api = scope["path"].startswith("/api/") or scope["path"] == "/api"
-                caller = self.authenticate(conn, api)
-                state["caller"] = caller
-                capsule = self.capsule_of(rule, params)
-                check(self.store, caller.principal, rule, capsule)
+                capsule = await anyio.to_thread.run_sync(admit)
         except (Error, HTTPException) as exc:
+            capsule = state.get("capsule")
             reply = _reply(exc)
             if audited:
                 c = state.get("caller")
@@ -329,7 +336,6 @@ class Guard:
         finally:
             c = state.get("caller")
             who = c.principal.who if c else state.get("audit_who") or "anonymous"
-            capsule = capsule or state.get("audit_capsule")
             audit.record(self.store.home, who=who, action=action, capsule=capsule, remote=remote,
                          result="ok" if seen["status"] < 400 else _code(seen["status"], seen["body"]))
 
