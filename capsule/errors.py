@@ -4,12 +4,21 @@ the one root :class:`Error` lives: hashcache and diskserver errors derive from i
 
 from __future__ import annotations
 
-from hashcache.errors import AuthFailed, Error, Internal, InvalidInput, PeerError, Unreachable
+from hashcache.errors import (
+    AuthFailed,
+    Error,
+    Forbidden,
+    Internal,
+    InvalidInput,
+    PeerError,
+    TooManyAttempts,
+    Unreachable,
+)
 
 __all__ = ["AlreadyExists", "AuthFailed", "CapsuleError", "Cancelled", "Conflict", "EnvironmentProblem", "Error",
-           "GuestTimeout", "IntegrityError", "Internal", "InvalidInput", "InvalidName", "NotFound", "PeerError",
-           "RequestTooLarge", "RuntimeFailure",
-           "SealedObjectError", "StorageFull", "TransferFailed", "Unreachable"]
+           "Forbidden", "GuestTimeout", "IntegrityError", "Internal", "InvalidInput", "InvalidName", "NotFound",
+           "PeerError", "RequestTooLarge", "RuntimeFailure",
+           "SealedObjectError", "StorageFull", "TooManyAttempts", "TransferFailed", "Unreachable"]
 
 
 class CapsuleError(Error):

@@ -125,6 +125,16 @@ class AuthFailed(Error):
     status_default = True
 
 
+class Forbidden(Error):
+    """The caller is known, but its role or its token's scopes do not allow this call (or the capsule is not
+    theirs). The message says what the call needs."""
+
+    code = "forbidden"
+    exit_code = 18
+    http_status = 403
+    status_default = True
+
+
 class Unreachable(Error):
     """The other host's agent cannot be reached (refused, reset, timed out)."""
 
@@ -145,6 +155,18 @@ class Overloaded(Error):
     exit_code = 12
     http_status = 429
     status_default = True
+
+
+class TooManyAttempts(Overloaded):
+    """Too many failed sign-ins from one address or for one user in a short time: wait ``retry_after`` seconds."""
+
+    code = "too_many_attempts"
+    status_default = False
+    fields = ("retry_after",)
+
+    def __init__(self, message: str, *, retry_after: int = 60) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestTimeout(Error):

@@ -5,11 +5,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class SignIn(BaseModel):
-    token: str = Field(max_length=512, description="The host's agent token (its token file's contents).")
+    token: str | None = Field(None, max_length=512,
+                              description="The host's agent token (its token file's contents): only while this "
+                                          "host has no admin user.")
+    user: str | None = Field(None, max_length=64, description="A user name (`capsule user add`).")
+    password: str | None = Field(None, max_length=1024, description="That user's password.")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> SignIn:
+        if (self.token is None) == (self.user is None and self.password is None):
+            raise ValueError("give either a user and password, or the host's token")
+        if self.token is None and (self.user is None or self.password is None):
+            raise ValueError("give both the user and the password")
+        return self
 
 
 class SessionOut(BaseModel):
@@ -17,6 +29,8 @@ class SessionOut(BaseModel):
     csrf: str | None = Field(description="Send as the X-CSRF-Token header with every POST/DELETE "
                                          "(None for a bearer-token caller, which needs none).")
     expires_in: float | None = Field(description="Seconds until the session ends unless used.")
+    user: str | None = Field(None, description="The user signed in (None: the host's token).")
+    role: str | None = Field(None, description="Its role: owner, operator or admin.")
 
 
 class RemoteOut(BaseModel):

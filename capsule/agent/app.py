@@ -1,5 +1,7 @@
-"""The host agent's HTTP API (FastAPI). Every request carries a bearer token;
-the agent only ever serves objects of its own store, named by validated ids.
+"""The host agent's HTTP API (FastAPI). Every request carries a bearer token (a user's token, or the host's
+token while no admin user exists); what each call needs — role, token scope, owning the capsule — is checked
+before any route by :mod:`capsule.agent.authz`, which also writes the audit line of every change. The agent only
+ever serves objects of its own store, named by validated ids.
 
 HCP calls (stateless, §4.4.3)::
 
@@ -39,20 +41,19 @@ Fleet (capsule/exchange/fleet.py)::
 from __future__ import annotations
 
 import asyncio
-import hmac
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, HTTPException, Request, Response, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
-from capsule.agent import dashboard
+from capsule.agent import authz, dashboard
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
-from capsule.errors import AuthFailed, Error, Internal, InvalidName
+from capsule.errors import AuthFailed, Error, Internal, InvalidName, TooManyAttempts
 from capsule.exchange import fleet, running
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
@@ -87,18 +88,14 @@ def create_app(home: Path, token: str) -> FastAPI:
     objects = ObjectServer(store)
     activity = fleet.Activity()
     inbox = Inbox(store)
-    expected = f"Bearer {token}".encode()
-
-    def auth(request: Request) -> None:
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
-            raise AuthFailed("missing or wrong bearer token")
-
     # One mapping from errors to answers: {"error": code, "detail": message, ...fields}, the class's status.
     @app.exception_handler(Error)
     async def _errors(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Error)
-        return _error_reply(exc, {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthFailed) else None)
+        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthFailed) else None
+        if isinstance(exc, TooManyAttempts):
+            headers = {"Retry-After": str(exc.retry_after)}
+        return _error_reply(exc, headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_errors(_request: Request, exc: Exception) -> JSONResponse:
@@ -136,37 +133,38 @@ def create_app(home: Path, token: str) -> FastAPI:
         except ValueError as exc:
             raise InvalidName(f"malformed {what}: {exc}") from exc
 
-    deps = [Depends(auth)]
+    # who may call what is checked before any route, in one place: capsule/agent/authz.py (RULES)
 
-    @app.get("/v1/info", dependencies=deps)
+    @app.get("/v1/info")
     def info() -> dict[str, Any]:
         return {"store_id": store.id, "version": capsule_version}
 
-    @app.get("/v1/capsules", dependencies=deps)
-    def capsules() -> list[dict[str, Any]]:
-        return capsule_list(store)
+    @app.get("/v1/capsules")
+    def capsules(request: Request) -> list[dict[str, Any]]:
+        mine = authz.visible(request, store)     # an owner's: only theirs
+        return [c for c in capsule_list(store) if mine is None or c["name"] in mine]
 
-    @app.get("/v1/capsules/{name}/versions/{number}", dependencies=deps)
+    @app.get("/v1/capsules/{name}/versions/{number}")
     def version(name: str, number: str) -> dict[str, Any]:
         return version_of(store, name, number)
 
-    @app.post("/v1/objects/missing", dependencies=deps)
+    @app.post("/v1/objects/missing")
     async def objects_missing(request: Request) -> dict[str, list[str]]:
         req = await json_body(request, "request")
         if not isinstance(req, dict):
             raise InvalidName("malformed request: expected a JSON object")
         return missing(store, req.get("layers", []), req.get("files", []))
 
-    @app.get("/v1/objects/{kind}/{oid}", dependencies=deps)
+    @app.get("/v1/objects/{kind}/{oid}")
     def lookup(kind: str, oid: str) -> dict[str, Any]:
         return objects.lookup(kind, oid)
 
-    @app.get("/v1/objects/{kind}/{oid}/records", dependencies=deps)
+    @app.get("/v1/objects/{kind}/{oid}/records")
     def records(kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS, hash_len: int = 32) -> Response:
         payload, n = objects.records(kind, oid, start, count, hash_len)
         return Response(payload, media_type="application/octet-stream", headers={"X-Capsule-Records": str(n)})
 
-    @app.post("/v1/objects/{kind}/{oid}/read", dependencies=deps)
+    @app.post("/v1/objects/{kind}/{oid}/read")
     async def read(kind: str, oid: str, request: Request, level: int = 3, compress: bool = True) -> Response:
         indices = objects.indices(kind, oid, await body(request, 1 << 20))
         payload = await asyncio.to_thread(objects.read, kind, oid, indices, level, compress)
@@ -177,7 +175,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     @app.websocket("/v1/objects/stream")
     async def stream(ws: WebSocket) -> None:
         """READ requests over one WebSocket. A refusal is a reply, and the connection stays usable."""
-        if not hmac.compare_digest(ws.headers.get("authorization", "").encode(), expected):
+        if authz.caller_of(ws) is None:      # (the guard refused it already: this never happens)
             # a 401 like every other call (a plain close before accept would be a 403, which is also
             # what any server without this route answers: clients take that for "no stream here")
             if "websocket.http.response" in ws.scope.get("extensions", {}):
@@ -214,7 +212,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         return await asyncio.to_thread(objects.read, kind, oid, indices, level or 1, level > 0)
 
     # -- receiving: state lives on disk (capsule/exchange/receiving.py), none in the protocol ----------
-    @app.post("/v1/recv/{kind}/{oid}/begin", dependencies=deps)
+    @app.post("/v1/recv/{kind}/{oid}/begin")
     async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True, part: int = 0,
                          parts: int = 1) -> Response:
         """Part ``part`` of ``parts`` of the manifest → the indices of the blocks still needed."""
@@ -224,29 +222,29 @@ def create_app(home: Path, token: str) -> FastAPI:
             return Response(b"", headers={"X-Capsule-Present": "1"})
         return Response(encode_plan(needed), media_type="application/octet-stream")
 
-    @app.post("/v1/recv/{kind}/{oid}/blocks", dependencies=deps)
+    @app.post("/v1/recv/{kind}/{oid}/blocks")
     async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True) -> dict[str, int]:
         raw = await body(request, MAX_BLOCKS_UPLOAD)
         return {"stored": await asyncio.to_thread(inbox.accept_upload, kind, oid, raw, compress)}
 
-    @app.post("/v1/recv/{kind}/{oid}/commit", dependencies=deps)
+    @app.post("/v1/recv/{kind}/{oid}/commit")
     async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:
         installed = await asyncio.to_thread(inbox.commit, kind, oid, role)
         return {"installed": oid, "already": not installed}
 
-    @app.post("/v1/versions", dependencies=deps)
+    @app.post("/v1/versions")
     async def versions(request: Request) -> dict[str, Any]:
         record = await json_body(request, "version record")
         row, created = await asyncio.to_thread(record_version, store, record)
         return {"version": row.ref, "created": created}
 
     # -- running (the destination side of `capsule migrate`) ---------------------------------------
-    @app.post("/v1/capsules/{name}/start", dependencies=deps)
+    @app.post("/v1/capsules/{name}/start")
     async def start_capsule(name: str, version: int | None = None, timeout: float = 180.0) -> dict[str, Any]:
         r = await asyncio.to_thread(running.start, store, name, version, timeout)
         return {"version": r.version.ref, "mode": r.mode, "domain": r.domain, "seconds": r.seconds}
 
-    @app.post("/v1/run", dependencies=deps)
+    @app.post("/v1/run")
     async def run_from(request: Request) -> dict[str, Any]:
         """Start here a capsule of another host, its disks paged in on demand."""
         req = await json_body(request, "run request")
@@ -255,7 +253,7 @@ def create_app(home: Path, token: str) -> FastAPI:
                 "seconds": r.start.seconds, "moved_bytes": r.transfer.wire_bytes, "remote_layers": r.remote_layers}
 
     # -- fleet (capsule/exchange/fleet.py) -------------------------------------------------------------
-    @app.post("/v1/fleet/pull", dependencies=deps)
+    @app.post("/v1/fleet/pull")
     async def fleet_pull(request: Request) -> dict[str, Any]:
         """Pull NAME@V from another agent (a fleet rollout's fan-out: this host passes a version on)."""
         req = await json_body(request, "pull request")
@@ -263,21 +261,21 @@ def create_app(home: Path, token: str) -> FastAPI:
         return {"version": r.version, "source": r.url, "wire_bytes": r.wire_bytes, "recorded": r.recorded,
                 "objects": len(r.objects), "skipped": len(r.skipped)}
 
-    @app.get("/v1/fleet/activity", dependencies=deps)
+    @app.get("/v1/fleet/activity")
     def fleet_activity() -> dict[str, Any]:
         return activity.as_dict()
 
-    @app.post("/v1/capsules/{name}/activate", dependencies=deps)
+    @app.post("/v1/capsules/{name}/activate")
     async def activate_capsule(name: str, version: int, timeout: float = 180.0) -> dict[str, Any]:
         return {"did": await asyncio.to_thread(fleet.activate, store, name, version, timeout)}
 
-    @app.post("/v1/capsules/{name}/stop", dependencies=deps)
+    @app.post("/v1/capsules/{name}/stop")
     async def stop_capsule(name: str, discard: bool = False) -> dict[str, Any]:
         r = await asyncio.to_thread(running.stop, store, name, discard)
         return {"version": r.version.ref if r.version else None, "discarded": discard}
 
     # -- verify (a backup host's copies re-hashed for their source's verify job) ----------------------
-    @app.post("/v1/verify", dependencies=deps)
+    @app.post("/v1/verify")
     async def verify_here(request: Request) -> dict[str, Any]:
         req = await json_body(request, "verify request")
         refs = req.get("versions") if isinstance(req, dict) else None
@@ -287,7 +285,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         users = users_of(store, refs)
         return report.as_dict() | {"used_by": {p.id: users.get(p.id, []) for p in report.problems}}
 
-    @app.post("/v1/backups/{name}/prune", dependencies=deps)
+    @app.post("/v1/backups/{name}/prune")
     async def prune_copies(name: str, request: Request) -> dict[str, Any]:
         req = await json_body(request, "prune request")
         if not isinstance(req, dict) or not isinstance(req.get("policy"), dict):
@@ -310,4 +308,6 @@ def create_app(home: Path, token: str) -> FastAPI:
         return await asyncio.to_thread(pod_ops.restore, store, req["image"], req["into"])
 
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
+    authz.check_rules(app)      # every route has its rule, or no agent
+    app.add_middleware(authz.Guard, fastapi=app, store=store, sessions=app.state.sessions, token=token)
     return app

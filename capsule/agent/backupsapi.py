@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from capsule.agent import authz
 from capsule.agent.sessions import Sessions
 from capsule.backup import jobs, runner, verifyjob
 from capsule.errors import Conflict
@@ -91,8 +92,10 @@ def router(store: Store, sessions: Sessions) -> APIRouter:
     r = APIRouter(prefix="/api", tags=["backups"], dependencies=[Depends(caller)])
 
     @r.get("/backups", response_model=BackupsOut, summary="Backup schedules, their backups and the verify job")
-    async def backups() -> dict[str, Any]:
-        return await asyncio.to_thread(overview, store)
+    async def backups(request: Request) -> dict[str, Any]:
+        out = await asyncio.to_thread(overview, store)
+        mine = authz.visible(request, store)
+        return out if mine is None else out | {"jobs": [j for j in out["jobs"] if j["capsule"] in mine]}
 
     @r.post("/backups/verify", summary="Re-hash what the backups reference, here and on the backup hosts")
     async def verify() -> dict[str, Any]:
@@ -107,9 +110,11 @@ def router(store: Store, sessions: Sessions) -> APIRouter:
         return (await asyncio.to_thread(runner.run, store, check_name(name))).as_dict()
 
     @r.post("/backups/{name}/restore", summary="Start a backup, as a new capsule or as the capsule's latest")
-    async def restore(name: str, body: RestoreIn) -> dict[str, Any]:
+    async def restore(name: str, body: RestoreIn, request: Request) -> dict[str, Any]:
         as_name = check_name(body.as_name) if body.as_name is not None else None   # "" is refused, never "latest"
         done = await asyncio.to_thread(runner.restore, store, f"{check_name(name)}@{body.version}", as_name=as_name)
+        if as_name is not None:
+            authz.adopt(request, store, as_name)      # a new capsule: the caller's
         return done.as_dict()
 
     return r

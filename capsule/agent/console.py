@@ -192,13 +192,9 @@ async def admit(sessions: Sessions, tickets: Tickets, ws: WebSocket, key: str, t
 
 
 def ws_caller(sessions: Sessions, ws: WebSocket) -> Caller | None:
-    """The bearer token or a live session, like every API call; None when neither."""
-    auth = ws.headers.get("authorization")
-    if auth is not None:
-        scheme, _, token = auth.partition(" ")
-        return Caller(None) if scheme == "Bearer" and sessions.check_token(token) else None
-    session = sessions.lookup(ws.cookies.get(sessions.cookie))
-    return None if session is None else Caller(session)
+    """Who the guard (:mod:`capsule.agent.authz`) found the handshake to come from (a session or a bearer token,
+    allowed this capsule's console); None when neither."""
+    return ws.scope.get("state", {}).get("caller")
 
 
 def same_origin(ws: WebSocket) -> bool:

@@ -1,11 +1,13 @@
 """The dashboard: its JSON API under ``/api/`` and the page (``web/``) at ``/``.
 
-Every ``/api`` call needs a session (sign in with the host's token: ``POST /api/session``) or the token as
-a bearer token; without one the answer is 401 and nothing else. Each action is the library call the
-CLI makes (``capsule.lifecycle``, ``capsule.capsules``, ``capsule.hierarchy``, ``capsule.hosts``) and
-answers what the CLI prints under ``--json`` (``capsule.views``); this module holds no logic of its own.
+Every ``/api`` call needs a session (sign in with a user name and password, or with the host's token while no admin
+user exists: ``POST /api/session``) or a token as a bearer token; without one the answer is 401 and nothing else.
+What each call needs (role, scope, owning the capsule) is in :mod:`capsule.agent.authz`, which checks it first.
+Each action is the library call the CLI makes (``capsule.lifecycle``, ``capsule.capsules``, ``capsule.hierarchy``,
+``capsule.hosts``) and answers what the CLI prints under ``--json`` (``capsule.views``); this module holds no
+logic of its own.
 
-    POST   /api/session                     sign in {"token"} → cookie + CSRF token
+    POST   /api/session                     sign in {"user", "password"} or {"token"} → cookie + CSRF token
     GET    /api/session                     who is signed in (and the CSRF token again)
     DELETE /api/session                     sign out
     GET    /api/capsules                    this host's capsules: state, versions, sizes, depends-on
@@ -37,7 +39,9 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
-from capsule.agent import backupsapi, console, migrations
+from capsule.accounts import tokens, users
+from capsule.accounts.model import legacy_principal
+from capsule.agent import authz, backupsapi, console, migrations
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -55,7 +59,8 @@ from capsule.agent.apimodels import (
     TreeOut,
     VersionOut,
 )
-from capsule.agent.sessions import Caller, Sessions, check_same_origin, unauthorized
+from capsule.agent.sessions import Attempts, Caller, Sessions, check_same_origin, unauthorized
+from capsule.errors import AuthFailed
 from capsule.names import check_name
 from capsule.store import Store
 
@@ -78,10 +83,12 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     """Add the dashboard to an agent app: the API, the page at ``/`` and its files under ``/web/``."""
     sessions = Sessions(token, store.id)
     app.state.sessions = sessions
+    app.state.sign_in_attempts = Attempts()
     console.install(app, store, sessions)  # the live console (capsule/agent/console.py), before the catch-all
-    app.include_router(migrations.router(store, sessions, token))  # before api_router's catch-all
+    app.state.migrations = migrations.Migrations()      # authz finds a migration's capsule here
+    app.include_router(migrations.router(store, sessions, token, app.state.migrations))  # before api_router's catch-all
     app.include_router(backupsapi.router(store, sessions))          # (also)
-    app.include_router(api_router(store, sessions))
+    app.include_router(api_router(store, sessions, app.state.sign_in_attempts))
 
     @app.get("/", include_in_schema=False)
     def page() -> FileResponse:
@@ -91,7 +98,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
         app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
 
-def api_router(store: Store, sessions: Sessions) -> APIRouter:
+def api_router(store: Store, sessions: Sessions, attempts: Attempts) -> APIRouter:
     def caller(request: Request, response: Response) -> Caller:
         response.headers["Cache-Control"] = "no-store"
         request.state.caller = sessions.authenticate(request)
@@ -102,21 +109,39 @@ def api_router(store: Store, sessions: Sessions) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["dashboard"], dependencies=signed_in)
 
     def session_out(c: Caller) -> SessionOut:
+        who = {"user": c.principal.user, "role": c.principal.role}
         if c.session is None:
-            return SessionOut(store_id=store.id, csrf=None, expires_in=None)
-        return SessionOut(store_id=store.id, csrf=c.session.csrf, expires_in=sessions.expires_in(c.session))
+            return SessionOut(store_id=store.id, csrf=None, expires_in=None, **who)
+        return SessionOut(store_id=store.id, csrf=c.session.csrf, expires_in=sessions.expires_in(c.session), **who)
 
     # -- sign-in ---------------------------------------------------------------------------------------
-    @public.post("/session", response_model=SessionOut, summary="Sign in with the host's token")
+    @public.post("/session", response_model=SessionOut, summary="Sign in with a user name and password "
+                                                                 "(or the host's token, until an admin exists)")
     def sign_in(body: SignIn, request: Request, response: Response) -> SessionOut:
+        """Failed attempts are bounded per client address and per user name (429 with Retry-After)."""
         response.headers["Cache-Control"] = "no-store"
         check_same_origin(request)
-        if not sessions.check_token(body.token):
+        keys = [f"address:{request.client.host if request.client else '?'}"]
+        if body.user is not None:
+            keys.append(f"user:{body.user}")
+            request.state.audit_who = body.user
+        attempts.check(*keys)
+        if body.user is not None:
+            principal = users.sign_in(store, body.user, body.password or "")
+        elif sessions.check_token(body.token or ""):
+            if users.admin_exists(store):
+                raise AuthFailed(tokens.LEGACY_GONE)
+            principal = legacy_principal()
+        else:
+            principal = None
+        if principal is None:
+            attempts.failed(*keys)
             raise unauthorized()
-        s = sessions.create()
+        s = sessions.create(principal)
         response.set_cookie(sessions.cookie, s.sid, max_age=int(sessions.lifetime), path="/", httponly=True,
                             samesite="strict", secure=request.url.scheme == "https")
-        return session_out(Caller(s))
+        request.state.audit_who = principal.who
+        return session_out(Caller(s, principal))
 
     @router.get("/session", response_model=SessionOut, summary="The current session")
     def session(request: Request) -> SessionOut:
@@ -133,17 +158,22 @@ def api_router(store: Store, sessions: Sessions) -> APIRouter:
         return response
 
     # -- what is where ---------------------------------------------------------------------------------
-    @router.get("/capsules", response_model=list[CapsuleOut], summary="This host's capsules")
-    async def capsule_list() -> list[dict[str, Any]]:
+    @router.get("/capsules", response_model=list[CapsuleOut], summary="This host's capsules (an owner's: theirs)")
+    async def capsule_list(request: Request) -> list[dict[str, Any]]:
         def work() -> list[dict[str, Any]]:
-            return views.overview(store, hosts.name_for_url(hosts.peers(store)))
+            rows = views.overview(store, hosts.name_for_url(hosts.peers(store)))
+            mine = authz.visible(request, store)
+            return rows if mine is None else [r for r in rows if r["name"] in mine]
 
         return await asyncio.to_thread(work)
 
     @router.get("/hosts", response_model=list[HostOut], summary="The peers and their capsules")
-    async def host_list() -> list[dict[str, Any]]:
+    async def host_list(request: Request) -> list[dict[str, Any]]:
         """Every peer is asked at once for its ``/api/capsules``; one that does not answer within a few
-        seconds, or answers something unusable, is marked unreachable with the reason."""
+        seconds, or answers something unusable, is marked unreachable with the reason. An owner sees none (the
+        peers' capsules are not theirs here)."""
+        if authz.visible(request, store) is not None:
+            return []
         statuses = await asyncio.to_thread(hosts.ask_all, store, "/api/capsules", timeout=PEER_TIMEOUT)
         out = []
         for st in statuses:
@@ -187,9 +217,10 @@ def api_router(store: Store, sessions: Sessions) -> APIRouter:
         return views.seal_dict(r)
 
     @router.post("/capsules/{name}/derive", response_model=VersionOut, summary="Derive a child capsule")
-    async def derive(name: str, body: DeriveIn) -> dict[str, Any]:
+    async def derive(name: str, body: DeriveIn, request: Request) -> dict[str, Any]:
         ref = check_name(name) if body.version is None else f"{check_name(name)}@{body.version}"
         v = await asyncio.to_thread(capsules.derive, store, ref, body.child)
+        authz.adopt(request, store, body.child)     # the child is the caller's
         return views.version_dict(store, v, progress=False)
 
     @router.post("/capsules/{name}/rm", response_model=RmOut, summary="Remove a capsule or one version")

@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from capsule import hosts
 from capsule import migrate as lib
+from capsule.accounts import tokens
+from capsule.agent import authz
 from capsule.agent.sessions import Caller, Sessions
 from capsule.errors import Conflict, Error, Internal, NotFound
 from capsule.migrateprogress import CancelToken, Snapshot, planned
@@ -193,12 +195,12 @@ def source_url_for(request: Request) -> str:
     return hosts.check_url(os.environ.get("CAPSULE_AGENT_URL") or str(request.base_url))
 
 
-def router(store: Store, sessions: Sessions, token: str) -> APIRouter:
+def router(store: Store, sessions: Sessions, token: str, migrations: Migrations | None = None) -> APIRouter:
     def caller(request: Request, response: Response) -> Caller:
         response.headers["Cache-Control"] = "no-store"
         return sessions.authenticate(request)
 
-    migrations = Migrations()
+    migrations = migrations or Migrations()
     r = APIRouter(prefix="/api", tags=["migrations"], dependencies=[Depends(caller)])
 
     @r.post("/capsules/{name}/migrate", response_model=MigrationOut, status_code=202,
@@ -207,11 +209,14 @@ def router(store: Store, sessions: Sessions, token: str) -> APIRouter:
         source = source_url_for(request) if body.mode == "demand" else ""
         # the other host pins this agent's certificate (the one it serves with, --cert included)
         pin = getattr(request.app.state, "tls_fingerprint", None)
-        return migrations.begin(store, name, body, source, token, pin).out()
+        # what the other host pages the disks in with: the old token, or (once accounts exist) a host grant
+        grant = tokens.source_token(store, token) if body.mode == "demand" else token
+        return migrations.begin(store, name, body, source, grant, pin).out()
 
     @r.get("/migrations", response_model=list[MigrationOut], summary="This agent's migrations, newest first")
-    def list_all() -> list[MigrationOut]:
-        return [m.out() for m in migrations.all()]
+    def list_all(request: Request) -> list[MigrationOut]:
+        mine = authz.visible(request, store)
+        return [m.out() for m in migrations.all() if mine is None or m.capsule in mine]
 
     @r.get("/migrations/{mid}", response_model=MigrationOut, summary="One migration and its progress")
     def one(mid: str) -> MigrationOut:

@@ -7,8 +7,12 @@ page of another origin cannot read). Sessions live in this agent process's memor
 signs everyone out. A session ends after ``idle`` seconds without a request, and ``lifetime`` seconds
 after sign-in in any case.
 
+Sign-in is with a user name and password (``capsule user add``), or with the host's token while no admin user
+exists; the session carries the :class:`Principal` it acts as. Failed sign-ins are bounded per client address and
+per user name (:class:`Attempts`: ``MAX_FAILURES`` a minute, then 429 with ``Retry-After``).
+
 Scripts send ``Authorization: Bearer TOKEN`` instead (a browser never adds that header by itself, so
-those requests need no CSRF token)."""
+those requests need no CSRF token). Checking either is :mod:`capsule.agent.authz`'s job, before any route."""
 
 from __future__ import annotations
 
@@ -16,17 +20,22 @@ import hmac
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
+
+from capsule.accounts.model import Principal, legacy_principal
+from capsule.errors import TooManyAttempts
 
 IDLE = 30 * 60.0
 LIFETIME = 12 * 3600.0
 MAX_SESSIONS = 256
 CSRF_HEADER = "x-csrf-token"
 UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+MAX_FAILURES = 5        # failed sign-ins per WINDOW seconds, per client address and per user name
+WINDOW = 60.0
 
 
 def unauthorized() -> HTTPException:
@@ -45,6 +54,7 @@ class Session:
     csrf: str
     created: float
     seen: float
+    principal: Principal
 
     def expires(self, idle: float, lifetime: float) -> float:
         return min(self.seen + idle, self.created + lifetime)
@@ -52,9 +62,11 @@ class Session:
 
 @dataclass
 class Caller:
-    """Who made a request: a signed-in page (with its session) or a script with the bearer token."""
+    """Who made a request: a signed-in page (with its session) or a script with a bearer token, and the principal
+    it acts as."""
 
     session: Session | None
+    principal: Principal
 
     @property
     def bearer(self) -> bool:
@@ -67,7 +79,6 @@ class Sessions:
     def __init__(self, token: str, store_id: str, *, idle: float = IDLE, lifetime: float = LIFETIME,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._token = token.encode()
-        self._bearer = f"Bearer {token}".encode()
         self.idle = idle
         self.lifetime = lifetime
         self.clock = clock
@@ -80,9 +91,9 @@ class Sessions:
     def check_token(self, token: str) -> bool:
         return hmac.compare_digest(token.encode(), self._token)
 
-    def create(self) -> Session:
+    def create(self, principal: Principal | None = None) -> Session:
         now = self.clock()
-        s = Session(secrets.token_urlsafe(32), secrets.token_urlsafe(32), now, now)
+        s = Session(secrets.token_urlsafe(32), secrets.token_urlsafe(32), now, now, principal or legacy_principal())
         with self._lock:
             self._by_id[s.sid] = s
             while len(self._by_id) > MAX_SESSIONS:
@@ -114,22 +125,45 @@ class Sessions:
 
     # -- per request -------------------------------------------------------------------------------
     def authenticate(self, request: Request) -> Caller:
-        """The bearer token or a live session, else 401. A state-changing request on a session also
-        needs its CSRF token in the header and must not come from another site, else 403."""
-        auth = request.headers.get("authorization")
-        if auth is not None:
-            if hmac.compare_digest(auth.encode(), self._bearer):
-                return Caller(None)
+        """Who the guard (:mod:`capsule.agent.authz`) found this request to come from; 401 without one."""
+        caller = request.scope.get("state", {}).get("caller")
+        if caller is None:
             raise unauthorized()
-        session = self.lookup(request.cookies.get(self.cookie))
-        if session is None:
-            raise unauthorized()
-        if request.method in UNSAFE:
-            check_same_origin(request)
-            sent = request.headers.get(CSRF_HEADER, "")
-            if not hmac.compare_digest(sent.encode(), session.csrf.encode()):
-                raise forbidden("missing or wrong CSRF token (send the X-CSRF-Token header the sign-in gave)")
-        return Caller(session)
+        return caller
+
+
+class Attempts:
+    """Failed sign-ins, bounded: at most ``limit`` per ``window`` seconds per key (a client address, a user
+    name); over it, :class:`TooManyAttempts` until the oldest failure leaves the window."""
+
+    def __init__(self, limit: int = MAX_FAILURES, window: float = WINDOW,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window, self.clock = limit, window, clock
+        self._lock = threading.Lock()
+        self._failures: dict[str, deque[float]] = {}
+
+    def check(self, *keys: str) -> None:
+        now = self.clock()
+        with self._lock:
+            for key in keys:
+                q = self._failures.get(key)
+                while q and q[0] <= now - self.window:
+                    q.popleft()
+                if q is not None and not q:
+                    del self._failures[key]
+                elif q is not None and len(q) >= self.limit:
+                    wait = max(1, int(q[0] + self.window - now + 0.999))
+                    raise TooManyAttempts(f"too many failed sign-ins for {key.split(':', 1)[0]} "
+                                          f"({self.limit} in {self.window:.0f} s): try again in {wait} s",
+                                          retry_after=wait)
+
+    def failed(self, *keys: str) -> None:
+        now = self.clock()
+        with self._lock:
+            if len(self._failures) > 10_000:      # a flood of made-up names must not grow this without end
+                self._failures.clear()
+            for key in keys:
+                self._failures.setdefault(key, deque()).append(now)
 
 
 def check_same_origin(request: Request) -> None:

@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from capsule.cli import backup, capsules, fleet, hosts, images, migrate, pod, runtime, transfer, update
+from capsule.cli import accounts, backup, capsules, fleet, hosts, images, migrate, pod, runtime, transfer, update
+from capsule.cli.audited import audited_command
 from capsule.cli.common import OPTIONS, report
 
 app = typer.Typer(
@@ -44,18 +45,21 @@ fleet.register(app)
 backup.register(app)
 pod.register(app)
 update.register(app)
+accounts.register(app)
 app.add_typer(images.app, name="image", help="Build and list guest images.")
 
 
 def main() -> None:
-    try:
-        app()
-    except SystemExit:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
-        if os.environ.get("CAPSULE_DEBUG") and not isinstance(exc, KeyboardInterrupt):
-            traceback.print_exc()
-        sys.exit(report(exc))
+    with audited_command(sys.argv[1:]) as outcome:     # a local change leaves its line in the store's audit log
+        try:
+            app()
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
+            outcome.failed(exc)
+            if os.environ.get("CAPSULE_DEBUG") and not isinstance(exc, KeyboardInterrupt):
+                traceback.print_exc()
+            sys.exit(report(exc))
 
 
 if __name__ == "__main__":

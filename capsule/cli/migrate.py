@@ -93,7 +93,8 @@ def migrate(
     source_url: Annotated[str | None, typer.Option("--source-url", help="demand: this host's agent URL as the "
                                                                         "destination reaches it.")] = None,
     source_token_file: Annotated[Path | None, typer.Option(
-        "--source-token-file", help="demand: the token of this host's agent (default STORE/agent.token).")] = None,
+        "--source-token-file", help="demand: the token the destination reads this host's disks with (default: "
+                                    "STORE/agent.token, or once users exist a new host-only grant).")] = None,
     prefetch: Annotated[bool, typer.Option("--prefetch", help="demand: pull the rest in the background.")] = False,
     fingerprint: FingerprintOpt = None,
     source_fingerprint: Annotated[str | None, typer.Option(
@@ -112,7 +113,12 @@ def migrate(
     url, token, label = peer_destination(store, to, token_file)
     source_token = None
     if mode == "demand":
-        source_token = read_token(source_token_file or store.home / "agent.token")
+        if source_token_file is not None:
+            source_token = read_token(source_token_file)
+        else:   # the agent's token while it works, else a host-only grant of this host (capsule token ls: @host)
+            from capsule.accounts import tokens
+            legacy = store.home / "agent.token"
+            source_token = tokens.source_token(store, read_token(legacy) if legacy.exists() else None)
     cancel = CancelToken()
     quiet = OPTIONS.json or not err_console.is_terminal
     view = None if quiet else Live(console=err_console, refresh_per_second=8)

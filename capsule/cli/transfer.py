@@ -141,6 +141,9 @@ def serve(
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
+    Callers are users with tokens (`capsule user`, `capsule token`); until the first admin user exists the
+    token file's token acts as the admin. Every change is written to STORE/audit.log (`capsule audit`).
+
     On first start the host's key and a self-signed certificate are made in STORE/tls/ (the key 0600) and
     kept. The certificate's fingerprint (SHA256:…) is printed: other hosts pin it with `capsule host add`
     (they show it; compare it with this one) or --fingerprint, as ssh does with host keys."""
@@ -151,7 +154,10 @@ def serve(
     tf = token_file or store.home / "agent.token"
     ident = identity(store.home, listen, insecure_http=insecure_http, cert=cert, key=key)
     # one line each, never wrapped: the fingerprint is what the user compares and copies
-    err_console.print(f"agent for store {store.home} on {ident.scheme}://{listen} (token in {tf})", soft_wrap=True)
+    from capsule.accounts import users
+    who = ("users and their tokens: the token file is retired since the first admin (`capsule user ls`)"
+           if users.admin_exists(store) else f"token in {tf}")
+    err_console.print(f"agent for store {store.home} on {ident.scheme}://{listen} ({who})", soft_wrap=True)
     if ident.fingerprint:
         made = "new host key; " if ident.created else ""
         err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", soft_wrap=True)

@@ -150,3 +150,35 @@ def test_refusals_are_shown_and_sign_out_ends_the_session(two_hosts, browser):
     page.reload()
     expect(page.locator("#sign-in")).to_be_visible()
     assert page.request.get(f"{agent_a.url}/api/capsules").status == 401
+
+
+@pytest.mark.parametrize("two_hosts", [True], ids=["tls"], indirect=True)
+def test_sign_in_as_a_user_shows_only_their_capsules(two_hosts, browser):
+    """Once an admin exists the host's token is refused with the reason; a wrong password is refused; an owner
+    signed in with name and password sees its own capsule and not another's."""
+    from playwright.sync_api import expect
+
+    from capsule.accounts import owners, users
+
+    a, _b, agent_a, _agent_b = two_hosts
+    capsules.create(a, "mine", "tiny", memory="256M")
+    capsules.create(a, "theirs", "tiny", memory="256M")
+    users.add(a, "root", "admin", "the admin's password")
+    users.add(a, "alice", "owner", "alice's password")
+    owners.set_owner(a, "mine", "alice")
+
+    page = browser.new_page()
+    page.goto(agent_a.url)
+    page.fill("#token", agent_a.token)
+    page.click("#sign-in-form button[type=submit]")
+    expect(page.locator("#sign-in-error")).to_contain_text("capsule token create")
+    page.fill("#user", "alice")
+    page.fill("#password", "not alice's password")
+    page.click("#sign-in-form button[type=submit]")
+    expect(page.locator("#sign-in-error")).to_contain_text("Wrong user name or password")
+    page.fill("#password", "alice's password")
+    page.click("#sign-in-form button[type=submit]")
+    expect(page.locator('section[data-host="local"] tr[data-capsule="mine"]')).to_be_visible()
+    expect(page.locator("#whoami")).to_contain_text("alice (owner)")
+    expect(page.locator('tr[data-capsule="theirs"]')).to_have_count(0)
+    expect(page.locator("#tree")).to_be_hidden()

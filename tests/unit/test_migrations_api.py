@@ -164,3 +164,33 @@ def test_demand_mode_gives_the_other_host_this_agent_as_the_source(world, monkey
                        headers=h).status_code == 202
     wait_until(lambda: len(stand_in.calls) == 2, 10, "the second migration never started")
     assert stand_in.calls[1]["source_url"] == "http://work.example:7070"
+
+
+def test_once_accounts_exist_demand_mode_hands_out_a_host_only_grant(world, home):  # noqa: F811
+    """The old token is retired by the first admin: the other host pages the disks in with a grant of this host
+    that allows host-to-host calls only (and an owner migrates only its own capsule)."""
+    from capsule.accounts import owners, tokens, users
+
+    client, _csrf, stand_in, _peer = world
+    store = Store.open(home)
+    users.add(store, "root", "admin")
+    users.add(store, "alice", "owner")
+    _, alice = tokens.create(store, "alice", "read,capsules")
+    auth = {"Authorization": f"Bearer {alice}"}
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=auth)
+    assert r.status_code == 403 and r.json()["error"] == "forbidden" and not stand_in.calls
+    owners.set_owner(store, SECRET, "alice")
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=auth)
+    assert r.status_code == 202, r.text
+    wait_until(lambda: stand_in.calls, 10, "the migration never started")
+    grant = stand_in.calls[0]["source_token"]
+    assert grant != TOKEN
+    p = tokens.resolve(store, grant, TOKEN)
+    assert p.scopes == {"host"} and p.user == tokens.HOST_USER
+    assert client.get("/v1/objects/layer/" + "ab" * 32, headers={"Authorization": f"Bearer {grant}"}
+                      ).status_code == 404                                   # HCP: allowed (nothing there)
+    assert client.post(f"/v1/capsules/{SECRET}/stop", headers={"Authorization": f"Bearer {grant}"}
+                       ).status_code == 403
+    assert [m["capsule"] for m in client.get("/api/migrations", headers=auth).json()] == [SECRET]
+    stand_in.go.set()
+    store.close()

@@ -43,8 +43,9 @@ function describe(status, data) {
   return `the host answered ${status}`;
 }
 
-export async function signIn(token) {
-  const s = await call("POST", "session", { token });
+// body: {user, password}, or {token} (the host's token, while the host has no admin user)
+export async function signIn(body) {
+  const s = await call("POST", "session", body);
   csrf = s.csrf;
   return s;
 }

@@ -80,17 +80,18 @@ function showSignIn(message = "") {
   $("whoami").textContent = "";
   $("refreshed").textContent = "";
   $("sign-in-error").textContent = message;
-  $("token").focus();
+  $("user").focus();
 }
 
 function showDashboard(session) {
   view.session = session;
   $("sign-in").hidden = true;
   $("hosts").hidden = false;
-  $("tree").hidden = false;
+  $("tree").hidden = session.role === "owner";
   $("backups").hidden = false;
   $("sign-out").hidden = false;
-  $("whoami").textContent = `host ${session.store_id}`;
+  $("whoami").textContent = session.user ? `${session.user} (${session.role}) on host ${session.store_id}`
+    : `host ${session.store_id}`;
   render();
   refresh();
   view.timer = setInterval(refresh, REFRESH_MS);
@@ -103,14 +104,18 @@ function stopRefreshing() {
 
 $("sign-in-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
-  const field = $("token");
+  const user = $("user").value.trim();
+  const body = user ? { user, password: $("password").value } : { token: $("token").value.trim() };
   try {
-    const session = await api.signIn(field.value.trim());
-    field.value = "";
+    const session = await api.signIn(body);
+    for (const id of ["password", "token"]) $(id).value = "";
     clearError();
     showDashboard(session);
   } catch (err) {
-    $("sign-in-error").textContent = err.status === 401 ? "That is not this host's token." : err.message;
+    const wrong = user ? "Wrong user name or password." : "That is not this host's token.";
+    // a 401 with a reason (the host's token retired by the first admin) says it; a bare one says nothing more
+    const retired = err.status === 401 && /capsule token create/.test(err.message);
+    $("sign-in-error").textContent = err.status === 401 && !retired ? wrong : err.message;
   }
 });
 
@@ -134,7 +139,9 @@ async function refresh() {
     const peers = api.peers().then(
       (list) => { view.peers = list; view.peersError = null; },
       (err) => { if (err.status === 401) throw err; view.peersError = err.message; });
-    const tree = api.tree().then(renderTree, (err) => {
+    // the whole hierarchy is for operators and admins: an owner sees only its capsules
+    const owner = view.session && view.session.role === "owner";
+    const tree = owner ? Promise.resolve() : api.tree().then(renderTree, (err) => {
       if (err.status === 401) throw err;
       $("tree-selection").textContent = `The hierarchy failed: ${err.message}`;
     });
