@@ -39,6 +39,7 @@ KINDS = {
     "act": {"admin", "operator", "owner", "legacy"},
     "act-staff": {"admin", "operator", "legacy"},
     "look-migration": {"admin", "operator", "owner", "read", "legacy"},
+    "look-staff-or-host": {"admin", "operator", "read", "host", "legacy"},
 }
 EXPECTED = {
     ("GET", "/v1/info"): "look-or-host",
@@ -61,6 +62,8 @@ EXPECTED = {
     ("POST", "/v1/run"): "act-staff",
     ("POST", "/v1/capsules/{name}/activate"): "act",
     ("POST", "/v1/capsules/{name}/stop"): "act",
+    ("GET", "/v1/pods"): "look-staff-or-host",
+    ("POST", "/v1/pods/restore"): "host",
     ("GET", "/api/session"): "signed-in",
     ("DELETE", "/api/session"): "signed-in",
     ("GET", "/api/capsules"): "look-or-host",
