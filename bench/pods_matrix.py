@@ -1,0 +1,167 @@
+"""Issue 13's pod figures, one run, under TCG when the host has no KVM (the accel is in the result): for pods
+of ``--procs`` processes holding ``--sizes`` MiB of memory in all (random bytes, shared out among the
+processes: the worst case for an image), in Debian capsules
+
+* checkpoint to the capsule's disk (CRIU's dump and the image's archive, in the guest, the pod left running)
+  and restart from it (the pod killed, CRIU's restore from that image);
+* migration to another capsule on the same host (``capsule pod migrate --to``): time and image bytes;
+* migration to a capsule on another host (two stores, the other's agent) over loopback ("LAN") and, for the
+  pods of ``--slow-sizes`` MiB only, over a 384 kbit/s, 20 ms link (network namespaces, ``tbf``; the
+  CLI runs in A, the other agent in B): time and bytes on the wire, against the zstd -3 size of the
+  pod's memory (the issue's goal: at most that).
+
+Zap's anchors: ~963 ms checkpoint and ~811 ms restart of a desktop pod (2002 hardware); Laadan–Nieh < 600 ms.
+
+    .venv/bin/python -m bench.pods_matrix [--procs 1,10,50] [--sizes 10,50,200] [--slow-sizes 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zstandard
+
+from bench.common import table, write_result
+from capsule import capsules, images, lifecycle
+from capsule.agent.launch import AgentProcess, serve_command
+from capsule.agent.serve import TLS_DIR
+from capsule.pod import ops, remote
+from capsule.pod.relay import Relay
+from capsule.store import Store
+from hashcache.transport import tls
+
+ROOT = Path(__file__).resolve().parent.parent
+# N processes (the first and N - 1 children) each holding its share of random memory; ready once all are
+HOLD = """
+import os, time
+n, mib = {procs}, {mib}
+share = max(1, (mib << 20) // n)
+for i in range(n - 1):
+    if os.fork() == 0:
+        b = os.urandom(share)
+        open(f"/tmp/ready.{{i}}", "w").write("1")
+        time.sleep(1e9)
+b = os.urandom(share)
+while len([f for f in os.listdir("/tmp") if f.startswith("ready.")]) < n - 1:
+    time.sleep(0.2)
+open("/tmp/ready", "w").write("1")
+time.sleep(1e9)
+"""
+
+
+def _wait_ready(store: Store, ref: str, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ops.exec_in(store, ref, ["cat", "/tmp/ready"])["exit_code"] != 0:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{ref} never filled its memory")
+        time.sleep(1.0)
+
+
+def _zstd_of_random(mib: int) -> int:
+    return len(zstandard.ZstdCompressor(level=3).compress(os.urandom(mib << 20)))
+
+
+def _case(a: Store, b: Store, agent_b: AgentProcess, procs: int, mib: int, slow: dict | None) -> dict:
+    pod = f"p{procs}x{mib}"
+    ops.create(a, "pa", pod, ["python3", "-c", HOLD.format(procs=procs, mib=mib)])
+    _wait_ready(a, f"pa/{pod}")
+    relay = Relay(a, "pa")
+    # to the capsule's disk and back: CRIU in the guest only
+    dumped = relay.call("checkpoint", pod, "--leave-running", timeout=900)
+    ops.kill(a, f"pa/{pod}")
+    t0 = time.monotonic()
+    relay.call("restore", dumped["path"], timeout=900)
+    restart_s = time.monotonic() - t0
+    relay.sh(f"rm -f {dumped['path']}")
+    # to the other capsule of this host, then to the other host's capsule over loopback
+    same = ops.migrate(a, f"pa/{pod}", "pb")
+    lan = remote.migrate(a, f"pb/{pod}", "hb", agent_b.url, agent_b.token)
+    row = {"procs": procs, "mib": mib, "image_bytes": dumped["size"], "zstd_memory_bytes": _zstd_of_random(mib),
+           "checkpoint_to_disk_s": dumped["seconds"], "dump_s": dumped["dump_seconds"],
+           "restart_from_disk_s": round(restart_s, 3), "migrate_same_host_s": same["seconds"],
+           "migrate_lan_s": lan["seconds"], "lan_wire_bytes": lan["wire_bytes"]}
+    ops.kill(b, f"hb/{pod}")
+    if slow is not None:
+        ops.create(a, "pa", pod, ["python3", "-c", HOLD.format(procs=procs, mib=mib)])
+        _wait_ready(a, f"pa/{pod}")
+        t0 = time.monotonic()
+        before = slow["link"].wire_bytes()
+        out = slow["link"].exec_a([sys.executable, "-m", "capsule.cli.main", "--home", str(a.home), "--json", "pod",
+                                   "migrate", f"pa/{pod}", "--to", "hb", "--host", slow["url"], "--token-file",
+                                   str(slow["token_file"]), "--fingerprint", slow["fingerprint"]],
+                                  capture_output=True, text=True, cwd=ROOT)
+        if out.returncode != 0:
+            raise SystemExit(f"pod migrate over the slow link failed: {out.stderr[-2000:]}")
+        r = json.loads(out.stdout)
+        row |= {"migrate_384k_s": round(time.monotonic() - t0, 3),
+                "slow_link_bytes": slow["link"].wire_bytes() - before, "slow_wire_bytes": r["wire_bytes"]}
+        ops.kill(b, f"hb/{pod}")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--procs", default="1,10,50")
+    ap.add_argument("--sizes", default="10,50,200", help="MiB of memory in each pod, comma-separated")
+    ap.add_argument("--slow-sizes", default="10", help="sizes also moved over 384 kbit/s ('' for none)")
+    ap.add_argument("--memory", default="1G", help="each capsule's memory")
+    ap.add_argument("--images", default=os.environ.get("CAPSULE_TEST_IMAGES", str(ROOT / ".cache/test-images")))
+    args = ap.parse_args()
+    procs = [int(x) for x in args.procs.split(",")]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    slow_sizes = {int(x) for x in args.slow_sizes.split(",") if x}
+    from bench.netlink import DSL, SlowLink
+
+    with tempfile.TemporaryDirectory(prefix="pods-matrix-") as tmp:
+        work = Path(tmp)
+        src = Store.open(Path(args.images))
+        a, b = Store.open(work / "a"), Store.open(work / "b")
+        for s in (a, b):
+            images.import_image(src, s, "debian")
+        for s, name in ((a, "pa"), (a, "pb"), (b, "hb")):
+            capsules.create(s, name, "debian", memory=args.memory)
+        accel = ""
+        rows, out = [], []
+        with AgentProcess(b.home, work / "b.token") as agent_b, SlowLink(**DSL) as link:
+            # off loopback the agent speaks TLS (its own host key, made on this first start); the CLI pins it
+            slow_agent = link.spawn_b(serve_command(b.home, f"{link.ip_b}:7070", work / "b.token"),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            link.wait_port_b(7070)
+            pin = tls.cert_fingerprint(b.home / TLS_DIR / tls.CERT_NAME)
+            slow = {"link": link, "url": f"https://127.0.0.1:{link.proxy_b(7070)}", "token_file": work / "b.token",
+                    "fingerprint": pin}
+            try:
+                for s, name in ((a, "pa"), (a, "pb"), (b, "hb")):
+                    accel = lifecycle.start(s, name, timeout=600).accel
+                for n in procs:
+                    for mib in sizes:
+                        r = _case(a, b, agent_b, n, mib, slow if mib in slow_sizes else None)
+                        out.append(r)
+                        rows.append([n, mib, f"{r['image_bytes'] / 2**20:.1f}", r["checkpoint_to_disk_s"],
+                                     r["restart_from_disk_s"], r["migrate_same_host_s"], r["migrate_lan_s"],
+                                     f"{r['lan_wire_bytes'] / r['zstd_memory_bytes']:.2f}",
+                                     r.get("migrate_384k_s", "-")])
+                        print(json.dumps(r), flush=True)
+            finally:
+                slow_agent.terminate()
+                for s, name in ((a, "pa"), (a, "pb"), (b, "hb")):
+                    lifecycle.stop(s, name, force=True, discard=True)
+        table(f"pods ({accel}): checkpoint/restart in the capsule, migration to a capsule here, on another "
+              "host (loopback) and over 384 kbit/s",
+              ["procs", "MiB", "image MiB", "ckpt→disk s", "restart s", "same host s", "LAN s",
+               "LAN wire / zstd(mem)", "384k s"], rows)
+        path = write_result("pods_matrix", {"accel": accel, "capsule_memory": args.memory, "cases": out,
+                                            "anchors": {"zap_checkpoint_s": 0.963, "zap_restart_s": 0.811,
+                                                        "laadan_nieh_s": 0.6}})
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
