@@ -253,12 +253,15 @@ fn compress_many<'py>(py: Python<'py>, parts: Vec<PyBuffer<u8>>, level: i32) -> 
 }
 
 fn decompress_one(payload: &[u8], limit: usize) -> Result<Vec<u8>, String> {
+    // The first frame only, as python-zstandard's ``ZstdDecompressor.decompress`` reads a payload.
+    let end = zstd::zstd_safe::find_frame_compressed_size(payload).map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
     let mut d = zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?;
-    d.decompress(payload, limit).map_err(|e| e.to_string())
+    d.decompress(&payload[..end], limit).map_err(|e| e.to_string())
 }
 
-/// ``decompress(payload, limit) -> bytes``: the zstd frames of ``payload`` decoded; more than
-/// ``limit`` bytes of output, or anything that is not zstd, raises ZstdError.
+/// ``decompress(payload, limit) -> bytes``: the first zstd frame of ``payload`` decoded (what
+/// follows it is ignored, as python-zstandard does); more than ``limit`` bytes of output, or
+/// anything that is not zstd, raises ZstdError.
 #[pyfunction]
 fn decompress<'py>(py: Python<'py>, payload: PyBuffer<u8>, limit: usize) -> PyResult<Bound<'py, PyBytes>> {
     let view = View::of(&payload)?;
