@@ -305,6 +305,164 @@ fn pwrite_runs(py: Python<'_>, fd: i32, indices: Vec<u64>, data: PyBuffer<u8>, d
     res.map_err(|e| PyOSError::new_err(e.to_string()))
 }
 
+// -- the hash cache's table (hashcache/cache/format.py, table.py) -----------------------------------
+
+const BUCKET: usize = 4096;
+const ENTRY: usize = 32;
+const KEY: usize = 8;
+
+fn crc32(data: &[u8]) -> u32 {
+    // zlib's CRC-32 (IEEE 802.3, reflected), bit by bit over 20-byte entry heads: cheap enough.
+    let mut crc = !0u32;
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (!(crc & 1)).wrapping_add(1));
+        }
+    }
+    !crc
+}
+
+/// ``cache_candidates(table, bucket_count, buckets_offset, prefixes) -> bytes``: per 8-byte hash
+/// prefix, the first intact entry of its bucket whose key matches (slot order), as 24 bytes
+/// ``i64 position (-1: none), u64 offset, u64 file id``. Reference:
+/// ``hashcache.cache.table.BucketTable._candidates`` (its first element).
+#[pyfunction]
+fn cache_candidates<'py>(py: Python<'py>, table: PyBuffer<u8>, bucket_count: u64, buckets_offset: usize,
+                         prefixes: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let view = View::of(&table)?;
+    if prefixes.len() % KEY != 0 || view.len < buckets_offset + bucket_count as usize * BUCKET {
+        return Err(PyValueError::new_err("cache_candidates: table or prefixes have the wrong size"));
+    }
+    let pv = View { ptr: prefixes.as_ptr(), len: prefixes.len() };
+    let out = py.allow_threads(|| {
+        let t = view.slice();
+        let ps = pv.slice();
+        let mut out = Vec::with_capacity(ps.len() / KEY * 24);
+        for p in ps.chunks(KEY) {
+            let v = u64::from_be_bytes(p.try_into().unwrap());
+            let bucket = ((v as u128 * bucket_count as u128) >> 64) as usize;
+            let start = buckets_offset + bucket * BUCKET;
+            let key: [u8; KEY] = if v == 0 { [1, 0, 0, 0, 0, 0, 0, 0] } else { p.try_into().unwrap() };
+            let mut found: (i64, u64, u64) = (-1, 0, 0);
+            for slot in 0..BUCKET / ENTRY {
+                let e = &t[start + slot * ENTRY..start + (slot + 1) * ENTRY];
+                if e[..KEY] != key {
+                    continue;
+                }
+                let off = u64::from_le_bytes(e[8..16].try_into().unwrap());
+                let fid = u32::from_le_bytes(e[16..20].try_into().unwrap());
+                let check = u32::from_le_bytes(e[20..24].try_into().unwrap());
+                if fid != 0 && crc32(&e[..20]) == check {
+                    found = ((start + slot * ENTRY) as i64, off, fid as u64);
+                    break;
+                }
+            }
+            out.extend_from_slice(&found.0.to_le_bytes());
+            out.extend_from_slice(&found.1.to_le_bytes());
+            out.extend_from_slice(&found.2.to_le_bytes());
+        }
+        out
+    });
+    Ok(PyBytes::new_bound(py, &out))
+}
+
+/// ``read_verified(fd, offsets, prefixes) -> list[tuple[bytes, bytes] | None]``: per offset of an
+/// open file, the 4 KiB block there (a short last block zero-padded) and its BLAKE3 hash if that
+/// hash starts with the offset's 8-byte prefix; None otherwise (mismatch, beyond the end, or a read
+/// error: the caller asks the reference path, which tells these apart). Reads and hashes on every
+/// core. Reference: ``hashcache.cache.lookup.VerifiedLookup._read_verified``.
+#[pyfunction]
+fn read_verified<'py>(py: Python<'py>, fd: i32, offsets: Vec<u64>, prefixes: &[u8]) -> PyResult<Bound<'py, PyList>> {
+    if prefixes.len() != offsets.len() * KEY {
+        return Err(PyValueError::new_err("read_verified: one 8-byte prefix per offset"));
+    }
+    let pv = View { ptr: prefixes.as_ptr(), len: prefixes.len() };
+    // Per task of up to 64 offsets: one buffer, one pread per run of adjacent offsets.
+    type Task = (Vec<u8>, Vec<Option<[u8; HASH]>>);
+    let parts: Vec<Task> = py.allow_threads(|| {
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let ps = pv.slice();
+        offsets
+            .par_chunks(TASK_BLOCKS)
+            .enumerate()
+            .map(|(t, offs)| {
+                let mut buf = vec![0u8; offs.len() * BLOCK];
+                let mut readable = vec![false; offs.len()];
+                let mut k = 0;
+                while k < offs.len() {
+                    let mut end = k + 1;
+                    while end < offs.len() && offs[end] == offs[k] + ((end - k) * BLOCK) as u64 {
+                        end += 1;
+                    }
+                    let run = &mut buf[k * BLOCK..end * BLOCK];
+                    let mut got = 0;
+                    while got < run.len() {
+                        match file.read_at(&mut run[got..], offs[k] + got as u64) {
+                            Ok(0) => break,
+                            Ok(n) => got += n,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                            Err(_) => break, // blocks not read are reported as not found
+                        }
+                    }
+                    for (j, r) in readable[k..end].iter_mut().enumerate() {
+                        *r = got > j * BLOCK;
+                    }
+                    k = end;
+                }
+                let hashes = buf
+                    .chunks(BLOCK)
+                    .enumerate()
+                    .map(|(k, d)| {
+                        let i = t * TASK_BLOCKS + k;
+                        let h = *blake3::hash(d).as_bytes();
+                        (readable[k] && h[..KEY] == ps[i * KEY..(i + 1) * KEY]).then_some(h)
+                    })
+                    .collect();
+                (buf, hashes)
+            })
+            .collect()
+    });
+    let mut items: Vec<PyObject> = Vec::with_capacity(offsets.len());
+    for (buf, hashes) in &parts {
+        for (k, h) in hashes.iter().enumerate() {
+            items.push(match h {
+                Some(h) => (PyBytes::new_bound(py, &buf[k * BLOCK..(k + 1) * BLOCK]), PyBytes::new_bound(py, h)).into_py(py),
+                None => py.None(),
+            });
+        }
+    }
+    Ok(PyList::new_bound(py, items))
+}
+
+/// ``hash_at(fd, indices) -> bytes``: BLAKE3 of the 4 KiB block at each index of an open file
+/// (beyond its end reads as zero), concatenated; every core. Reference: ``hash_block(shadow.read(i))``.
+#[pyfunction]
+fn hash_at<'py>(py: Python<'py>, fd: i32, indices: Vec<u64>) -> PyResult<Bound<'py, PyBytes>> {
+    let out = py.allow_threads(|| -> std::io::Result<Vec<u8>> {
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let mut out = vec![0u8; indices.len() * HASH];
+        out.par_chunks_mut(HASH * TASK_BLOCKS).zip(indices.par_chunks(TASK_BLOCKS)).try_for_each(|(o, ix)| {
+            let mut buf = [0u8; BLOCK];
+            for (slot, &i) in o.chunks_mut(HASH).zip(ix.iter()) {
+                let mut got = 0;
+                while got < BLOCK {
+                    let k = file.read_at(&mut buf[got..], i * BLOCK as u64 + got as u64)?;
+                    if k == 0 {
+                        break;
+                    }
+                    got += k;
+                }
+                buf[got..].fill(0);
+                slot.copy_from_slice(blake3::hash(&buf).as_bytes());
+            }
+            Ok::<(), std::io::Error>(())
+        })?;
+        Ok(out)
+    });
+    Ok(PyBytes::new_bound(py, &out.map_err(|e| PyOSError::new_err(e.to_string()))?))
+}
+
 #[pymodule]
 fn capsule_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BLOCK_SIZE", BLOCK)?;
@@ -320,5 +478,8 @@ fn capsule_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compress_many, m)?)?;
     m.add_function(wrap_pyfunction!(decompress, m)?)?;
     m.add_function(wrap_pyfunction!(pwrite_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_candidates, m)?)?;
+    m.add_function(wrap_pyfunction!(read_verified, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_at, m)?)?;
     Ok(())
 }
