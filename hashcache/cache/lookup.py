@@ -102,7 +102,9 @@ class VerifiedLookup:
         and hashes of the hits run in the compiled extension (all cores, one pass per file); anything
         unusual — a primed block, a file that must be re-validated, a block that does not verify —
         goes through :meth:`lookup_prefix` itself, the reference. No read-ahead (the batch says what
-        is wanted)."""
+        is wanted), so a block whose own table entry is gone is not found through a neighbour's hit,
+        as the per-block path's read-ahead may find it; with read-ahead off the two agree exactly
+        (tests/unit/test_native_cache.py)."""
         for p in prefixes:
             if not isinstance(p, bytes) or len(p) != KEY_SIZE:
                 raise ValueError(f"a hash prefix is {KEY_SIZE} bytes")
