@@ -96,11 +96,14 @@ def measure(root: Path, work: Path, size: int, layer_size: int) -> dict[str, flo
     raw = a.file_manifest(row.id).stored_bytes
     agents = [AgentProcess(s.home, work / f"{s.home.name}.token", env=env) for s in (c, d)]
     try:
-        for agent, key in zip(agents, ("hcp_all_novel_MBps", "hcp_all_known_MBps"), strict=True):
+        for agent, key in zip(agents, ("hcp_all_novel", "hcp_all_known"), strict=True):
             with AgentClient(agent.url, agent.token) as client:
-                seconds = _timed(lambda cl=client: transfer._push_object(
-                    a, cl, "file", row.id, "memory", transfer.Options(), transfer.Progress()))
-            out[key] = raw / seconds / 1e6
+                t = time.perf_counter()
+                report = transfer._push_object(a, client, "file", row.id, "memory", transfer.Options(),
+                                               transfer.Progress())
+                seconds = time.perf_counter() - t
+            out[f"{key}_MBps"] = raw / seconds / 1e6
+            out[f"{key}_fetched_MiB"] = report.fetched_bytes / 2**20 if report else -1.0
     finally:
         for agent in agents:
             agent.stop()
