@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-compose test setup host venv web lint bench bench-live clean-venv agent compose-up compose-down compose-build
+.PHONY: demo demo-compose test setup host venv native web lint bench bench-quick bench-live clean-venv agent compose-up compose-down compose-build
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-setup: host venv web
+setup: host venv native web
 
 host:
 	@bash scripts/setup-host.sh
@@ -36,6 +36,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
+# The compiled hot paths (native/: Rust, PyO3 + maturin, built by cargo — found on PATH or in
+# ~/.cargo/bin), installed into the virtualenv as the separate distribution capsule-native. Rebuilt
+# only when the crate changes; cargo keeps its build directory, so a rebuild compiles only what changed.
+native: $(VENV)/.native
+
+$(VENV)/.native: $(VENV)/.installed scripts/build-native.sh native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
+	@bash scripts/build-native.sh $(PY)
+	@touch $@
+
 # The page's browser libraries (noVNC), exactly as web/package-lock.json pins them; served by the agent.
 web: web/node_modules/.package-lock.json
 
@@ -46,6 +55,10 @@ web/node_modules/.package-lock.json: web/package.json web/package-lock.json
 # when the binary is missing or older than agent.c, so nothing above depends on it.
 agent:
 	$(MAKE) -C guest-balloon
+
+# The issue's speed ratios in one table, a few minutes, no guest (bench/quick.py → bench/results/quick.json)
+bench-quick: setup
+	$(PY) bench/quick.py
 
 lint: venv
 	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
@@ -72,7 +85,7 @@ bench-live: setup
 # store, libvirtd and agent on a loopback port. The `hosts` test tier runs against them.
 COMPOSE := PATH=/usr/bin:/usr/sbin:$$PATH COMPOSE_PROJECT_NAME=capsule docker-compose
 
-compose-up: host web
+compose-up: host native web
 	@bash compose/up.sh
 
 compose-down:

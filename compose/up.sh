@@ -17,6 +17,11 @@ if ! docker info >/dev/null 2>&1; then
   exit 1
 fi
 t0=$SECONDS
+# the host image installs the compiled extension's wheel that `make native` leaves in native/dist
+if ! compgen -G "native/dist/capsule_native-*.whl" >/dev/null; then
+  log "building the compiled extension (native/)"
+  bash scripts/build-native.sh "${PYTHON:-.venv/bin/python}"
+fi
 bash compose/base.sh
 t1=$SECONDS
 log "building the host image"

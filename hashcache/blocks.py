@@ -16,11 +16,17 @@ Throughput, one core (Python 3.11, blake3 1.0.11, x86-64 with AVX2, data in cach
 The loops are list comprehensions over memoryview slices with the bound methods hoisted into locals:
 the cheapest per-block path pure Python offers (``map`` chains and ``bytes`` slices measured no
 better). ``bench/hashing.py`` reproduces the numbers.
+
+``hash_blocks`` and ``scan_blocks`` now run in the compiled extension (:mod:`hashcache.native`: GIL
+released, both cores); the pure-Python loops above stay as ``py_hash_blocks`` / ``py_scan_blocks``,
+the reference the extension is tested against (``tests/unit/test_native_blocks.py``).
 """
 
 from __future__ import annotations
 
 from blake3 import blake3
+
+from hashcache import native
 
 #: Anything the hashing functions accept.
 BytesLike = bytes | bytearray | memoryview
@@ -74,8 +80,10 @@ def _as_view(buf: BytesLike, length: int | None) -> memoryview:
     return view
 
 
-def hash_blocks(buf: BytesLike, length: int | None = None) -> list[bytes]:
-    """Hash every block of ``buf[:length]``; the last block is zero-padded if short.
+def py_hash_blocks(buf: BytesLike, length: int | None = None) -> list[bytes]:
+    """Reference (pure Python) of :func:`hash_blocks`.
+
+    Hash every block of ``buf[:length]``; the last block is zero-padded if short.
 
     Returns one 32-byte hash per block, in order (``ceil(length / BLOCK_SIZE)`` of them).
     """
@@ -89,8 +97,8 @@ def hash_blocks(buf: BytesLike, length: int | None = None) -> list[bytes]:
     return out
 
 
-def scan_blocks(buf: BytesLike, length: int | None = None) -> list[bytes | None]:
-    """Like :func:`hash_blocks`, but an all-zero block yields None instead of being hashed."""
+def py_scan_blocks(buf: BytesLike, length: int | None = None) -> list[bytes | None]:
+    """Reference (pure Python) of :func:`scan_blocks`: an all-zero block yields None, others their hash."""
     view = _as_view(buf, length)
     n = len(view)
     full = n - n % BLOCK_SIZE
@@ -103,3 +111,17 @@ def scan_blocks(buf: BytesLike, length: int | None = None) -> list[bytes | None]
         tail = view[full:]
         out.append(None if zp(tail) else hash_block(tail))
     return out
+
+
+def hash_blocks(buf: BytesLike, length: int | None = None) -> list[bytes]:
+    """Hash every block of ``buf[:length]``; the last block is zero-padded if short.
+
+    Returns one 32-byte hash per block, in order (``ceil(length / BLOCK_SIZE)`` of them).
+    """
+    flat = native.hash_blocks(_as_view(buf, length))
+    return [flat[o : o + HASH_SIZE] for o in range(0, len(flat), HASH_SIZE)]
+
+
+def scan_blocks(buf: BytesLike, length: int | None = None) -> list[bytes | None]:
+    """Like :func:`hash_blocks`, but an all-zero block yields None instead of being hashed."""
+    return native.scan_blocks(_as_view(buf, length))

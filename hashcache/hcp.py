@@ -28,6 +28,7 @@ from typing import Protocol
 
 import zstandard
 
+from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
 from hashcache.manifest import RECORD_SIZE, Manifest
@@ -133,10 +134,18 @@ def _decompress(payload: bytes, max_output_size: int) -> bytes:
 
 
 def pack_blocks(blocks: Iterable[bytes], level: int = DEFAULT_LEVEL, compress: bool = True) -> bytes:
+    """Blocks concatenated, as one zstd frame if ``compress`` (by the extension, GIL released: the
+    frame ``_reference_pack`` makes with python-zstandard, byte for byte)."""
     raw = b"".join(blocks)
     if not compress:
         return raw
-    return _compress(raw, level)
+    return native.compress(raw, level)
+
+
+def _reference_pack(blocks: Iterable[bytes], level: int = DEFAULT_LEVEL, compress: bool = True) -> bytes:
+    """Reference (python-zstandard) of :func:`pack_blocks`."""
+    raw = b"".join(blocks)
+    return _compress(raw, level) if compress else raw
 
 
 def unpack_blocks(payload: bytes, count: int, compressed: bool = True) -> list[bytes]:
@@ -145,11 +154,29 @@ def unpack_blocks(payload: bytes, count: int, compressed: bool = True) -> list[b
     want = count * BLOCK_SIZE
     if compressed:
         try:
+            raw = native.decompress(payload, want)
+        except native.ZstdError as exc:
+            raise ProtocolError(f"bad zstd payload: {exc}") from exc
+    else:
+        raw = payload
+    return _split(raw, count)
+
+
+def _reference_unpack(payload: bytes, count: int, compressed: bool = True) -> list[bytes]:
+    """Reference (python-zstandard) of :func:`unpack_blocks`: the same blocks, the same refusals."""
+    want = count * BLOCK_SIZE
+    if compressed:
+        try:
             raw = _decompress(payload, want)
         except zstandard.ZstdError as exc:
             raise ProtocolError(f"bad zstd payload: {exc}") from exc
     else:
         raw = payload
+    return _split(raw, count)
+
+
+def _split(raw: bytes, count: int) -> list[bytes]:
+    want = count * BLOCK_SIZE
     if len(raw) != want:
         raise ProtocolError(f"payload holds {len(raw)} bytes, expected {count} blocks")
     mv = memoryview(raw)
@@ -440,6 +467,38 @@ class Receiver:
         cache, and one block per distinct hash (repeats are copied locally)."""
         missing = self.shadow.missing(self._nonzero)
         self.stats.resumed_bytes = (len(self._nonzero) - len(missing)) * BLOCK_SIZE
+        many = getattr(self.cache, "lookup_prefix_many", None)
+        if many is None or self.manifest.hash_len != PREFIX_SIZE:
+            return self._reference_plan(missing, on_progress)
+        # The hash cache looks a whole window up at once (bucket search, reads and hashes in the
+        # compiled extension); same blocks, same order, same counts as _reference_plan.
+        still: list[int] = []
+        seen: set[bytes] = set()
+        record = self.manifest.record
+        for w in range(0, len(missing), LOCAL_BATCH):
+            firsts: list[tuple[int, bytes]] = []
+            for index in missing[w:w + LOCAL_BATCH]:
+                rec = record(index)
+                assert rec is not None
+                h = rec[1]
+                if h in seen and self._dedupe:
+                    continue
+                seen.add(h)
+                firsts.append((index, h))
+            batch: list[tuple[int, bytes]] = []
+            for (index, h), hit in zip(firsts, many([h for _i, h in firsts]) if firsts else [], strict=True):
+                if hit is None or len(hit[0]) != BLOCK_SIZE or hit[1][:PREFIX_SIZE] != h:
+                    still.append(index)
+                    continue
+                data = hit[0]
+                batch.append((index, data))
+                batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index and not self.shadow.has(j))
+            self._store(batch, "cache_bytes", on_progress)
+        return still
+
+    def _reference_plan(self, missing: list[int], on_progress: Callable[[int], None] | None) -> list[int]:
+        """Reference (one lookup per block) of :meth:`plan`; also the path for caches without batches
+        and for full 32-byte hashes."""
         still: list[int] = []
         seen: set[bytes] = set()
         batch: list[tuple[int, bytes]] = []
@@ -478,11 +537,14 @@ class Receiver:
         return data
 
     def finish(self) -> Manifest:
-        """Once complete: the full manifest, its hashes computed from the received blocks, checked
-        against the object's digest (which names it). Raises ManifestMismatch otherwise."""
+        """Once complete: the full manifest, its hashes computed from the received blocks (by the
+        extension, all cores; reference: ``hash_block(shadow.read(i))`` per block), checked against the
+        object's digest (which names it). Raises ManifestMismatch otherwise."""
         if not self.complete():
             raise ProtocolError(f"{self.name}: blocks are still missing")
-        return self.manifest.manifest_from(lambda i: hash_block(self.shadow.read(i)))
+        flat = self.shadow.hash_blocks(self._nonzero)
+        at = {i: flat[k * 32:(k + 1) * 32] for k, i in enumerate(self._nonzero)}
+        return self.manifest.manifest_from(at.__getitem__)
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
                on_progress: Callable[[int], None] | None) -> None:
@@ -502,14 +564,22 @@ class Receiver:
             raise ProtocolError(f"{self.name}: asked for {len(indices)} blocks, got {len(blocks)}")
         good: list[tuple[int, bytes]] = []
         try:
-            for index, data in zip(indices, blocks, strict=True):
+            expected: list[bytes] = []
+            for index in indices:
                 rec = self.manifest.record(index)
                 if rec is None or rec[0]:
-                    raise ProtocolError(f"{self.name}: block {index} is not a data block of this object")
-                if hash_block(data)[:len(rec[1])] != rec[1]:
-                    raise ManifestMismatch(f"{self.name}: block {index} does not match its manifest hash",
-                                           object_name=self.name, block=index)
-                good.append((index, data))
+                    break  # the reference loop below names it, after keeping the blocks before it
+                expected.append(rec[1])
+            if len(expected) == len(indices) and all(len(b) == BLOCK_SIZE for b in blocks):
+                # the extension hashes the batch on every core; the loop below is its reference
+                bad = native.verify_blocks(b"".join(blocks), b"".join(expected), self.manifest.hash_len)
+                n_ok = len(blocks) if bad < 0 else bad
+                good.extend(zip(indices[:n_ok], blocks[:n_ok], strict=True))
+                if bad >= 0:
+                    raise ManifestMismatch(f"{self.name}: block {indices[bad]} does not match its manifest hash",
+                                           object_name=self.name, block=indices[bad])
+                return
+            self._reference_verify(indices, blocks, good)
         finally:
             self._store(good, "fetched_bytes", on_progress)
             dups = self._duplicates()
@@ -517,6 +587,18 @@ class Receiver:
                       for j in dups.get((self.manifest.record(index) or (False, b""))[1], ())
                       if j != index and not self.shadow.has(j)]
             self._store(copies, "cache_bytes", on_progress)
+
+    def _reference_verify(self, indices: Sequence[int], blocks: Sequence[bytes],
+                          good: list[tuple[int, bytes]]) -> None:
+        """Reference (pure Python) of the batch check in :meth:`accept`; appends verified blocks to ``good``."""
+        for index, data in zip(indices, blocks, strict=True):
+            rec = self.manifest.record(index)
+            if rec is None or rec[0]:
+                raise ProtocolError(f"{self.name}: block {index} is not a data block of this object")
+            if hash_block(data)[:len(rec[1])] != rec[1]:
+                raise ManifestMismatch(f"{self.name}: block {index} does not match its manifest hash",
+                                       object_name=self.name, block=index)
+            good.append((index, data))
 
     def complete(self) -> bool:
         return not self.shadow.missing(self._nonzero)

@@ -4,10 +4,12 @@ read-ahead keeps the blocks after a hit in memory, keyed by their own hash."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Sequence
 
 from blake3 import blake3
 
+from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, HASH_SIZE, ZERO_BLOCK, scan_blocks
 from hashcache.cache.format import (
     _HITS,
@@ -15,10 +17,13 @@ from hashcache.cache.format import (
     _RA_HITS,
     _UNAVAILABLE,
     _ZERO_HASH,
+    BUCKETS_OFFSET,
     KEY_SIZE,
     READAHEAD_INITIAL,
     _check_hash,
 )
+
+_CANDIDATE = struct.Struct("<qQQ")  # native.cache_candidates: position (-1: none), offset, file id
 
 
 class VerifiedLookup:
@@ -91,6 +96,53 @@ class VerifiedLookup:
             self._count(_MISSES)
             self._maybe_flush()
             return None
+
+    def lookup_prefix_many(self, prefixes: Sequence[bytes]) -> list[tuple[bytes, bytes] | None]:
+        """:meth:`lookup_prefix` for a batch, results in input order: the bucket search and the reads
+        and hashes of the hits run in the compiled extension (all cores, one pass per file); anything
+        unusual — a primed block, a file that must be re-validated, a block that does not verify —
+        goes through :meth:`lookup_prefix` itself, the reference. No read-ahead (the batch says what
+        is wanted), so a block whose own table entry is gone is not found through a neighbour's hit,
+        as the per-block path's read-ahead may find it; with read-ahead off the two agree exactly
+        (tests/unit/test_native_cache.py)."""
+        for p in prefixes:
+            if not isinstance(p, bytes) or len(p) != KEY_SIZE:
+                raise ValueError(f"a hash prefix is {KEY_SIZE} bytes")
+        out: list[tuple[bytes, bytes] | None] = [None] * len(prefixes)
+        slow: list[int] = []
+        with self._lock:
+            self._check_open()
+            primed = self._primed_prefix
+            found = native.cache_candidates(self._mm, self.bucket_count, BUCKETS_OFFSET, b"".join(prefixes))
+            by_file: dict[int, list[tuple[int, int, int]]] = {}
+            for i, (pos, off, fid) in enumerate(_CANDIDATE.iter_unpack(found)):
+                if prefixes[i] in primed:
+                    slow.append(i)
+                elif pos < 0:
+                    self._count(_MISSES)
+                else:
+                    by_file.setdefault(fid, []).append((off, i, pos))
+            validated: set[int] = set()
+            for fid, hits in by_file.items():
+                fd = self._fd_for(fid, validated)
+                if fd is None:
+                    slow.extend(i for _off, i, _pos in hits)
+                    continue
+                hits.sort()
+                got = native.read_verified(fd, [off for off, _i, _pos in hits],
+                                           b"".join(prefixes[i] for _off, i, _pos in hits))
+                self.disk_reads += len(hits)
+                for (_off, i, pos), hit in zip(hits, got, strict=True):
+                    if hit is not None:
+                        out[i] = hit
+                        self._bump_uses(pos)
+                        self._count(_HITS)
+                    else:
+                        slow.append(i)
+            self._maybe_flush()
+        for i in sorted(slow):
+            out[i] = self.lookup_prefix(prefixes[i])
+        return out
 
     def _lookup(self, h: bytes, validated: set[int]) -> bytes | None:
         if h == _ZERO_HASH:

@@ -1,0 +1,485 @@
+//! Capsule's per-block hot paths, compiled: BLAKE3 of 4 KiB blocks into manifest records, zstd
+//! batches, verification of received blocks, and writing runs of blocks into a shadow.
+//!
+//! Every function here has a pure-Python reference in `hashcache/` that defines its output byte for
+//! byte (`hashcache.blocks`, `hashcache.manifest`, `hashcache.hcp`, `hashcache.shadow`); the property
+//! tests in `tests/unit/test_native_*.py` hold the two to the same answers. The GIL is released for
+//! all block work, and work on independent blocks is spread over the cores with rayon.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::FromRawFd;
+use std::mem::ManuallyDrop;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+use rayon::prelude::*;
+
+const BLOCK: usize = 4096;
+const HASH: usize = 32;
+const RECORD: usize = 8 + HASH;
+/// Blocks one rayon task hashes (256 KiB): small enough to spread a batch over the cores, large
+/// enough that scheduling costs nothing next to the hashing.
+const TASK_BLOCKS: usize = 64;
+static ZERO: [u8; BLOCK] = [0u8; BLOCK];
+
+create_exception!(capsule_native, ShortRead, PyOSError, "The file ended before the requested range.");
+create_exception!(capsule_native, ZstdError, PyValueError, "A zstd payload could not be decoded.");
+
+/// A read-only view of a Python buffer that may cross into a GIL-free section.
+struct View {
+    ptr: *const u8,
+    len: usize,
+}
+unsafe impl Send for View {}
+unsafe impl Sync for View {}
+
+impl View {
+    fn of(buf: &PyBuffer<u8>) -> PyResult<View> {
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err("buffer must be C-contiguous"));
+        }
+        Ok(View { ptr: buf.buf_ptr() as *const u8, len: buf.len_bytes() })
+    }
+    /// Safety: the PyBuffer this came from is alive (it pins the memory) for the slice's life.
+    fn slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+fn is_zero(data: &[u8]) -> bool {
+    data.len() <= BLOCK && data == &ZERO[..data.len()] || data.len() > BLOCK && data.iter().all(|&b| b == 0)
+}
+
+/// BLAKE3 of one block, zero-padded to a full block if short.
+fn hash_block(data: &[u8]) -> [u8; HASH] {
+    if data.len() == BLOCK {
+        return *blake3::hash(data).as_bytes();
+    }
+    let mut padded = [0u8; BLOCK];
+    padded[..data.len()].copy_from_slice(data);
+    *blake3::hash(&padded).as_bytes()
+}
+
+/// Per block of `data`: None for an all-zero block, else its hash. Parallel over the cores.
+fn scan(data: &[u8]) -> Vec<Option<[u8; HASH]>> {
+    let chunks: Vec<&[u8]> = data.chunks(BLOCK).collect();
+    let mut out: Vec<Option<[u8; HASH]>> = vec![None; chunks.len()];
+    out.par_chunks_mut(TASK_BLOCKS).zip(chunks.par_chunks(TASK_BLOCKS)).for_each(|(o, c)| {
+        for (slot, block) in o.iter_mut().zip(c.iter()) {
+            *slot = if is_zero(block) { None } else { Some(hash_block(block)) };
+        }
+    });
+    out
+}
+
+/// Manifest records (u64 LE `index<<1|zero`, 32-byte hash) of consecutive blocks from `first`.
+fn records_into(out: &mut Vec<u8>, first: u64, scanned: &[Option<[u8; HASH]>], zero_flag: bool) {
+    for (i, h) in scanned.iter().enumerate() {
+        let index = first + i as u64;
+        match h {
+            Some(h) => {
+                out.extend_from_slice(&(index << 1).to_le_bytes());
+                out.extend_from_slice(h);
+            }
+            None if zero_flag => {
+                out.extend_from_slice(&(index << 1 | 1).to_le_bytes());
+                out.extend_from_slice(&[0u8; HASH]);
+            }
+            None => {}
+        }
+    }
+}
+
+/// ``hash_blocks(buf) -> bytes``: the 32-byte hash of every block of ``buf``, concatenated (the last
+/// block zero-padded if short). Reference: ``hashcache.blocks.hash_blocks``.
+#[pyfunction]
+fn hash_blocks<'py>(py: Python<'py>, buf: PyBuffer<u8>) -> PyResult<Bound<'py, PyBytes>> {
+    let view = View::of(&buf)?;
+    let out = py.allow_threads(|| {
+        let data = view.slice();
+        let chunks: Vec<&[u8]> = data.chunks(BLOCK).collect();
+        let mut out = vec![0u8; chunks.len() * HASH];
+        out.par_chunks_mut(TASK_BLOCKS * HASH).zip(chunks.par_chunks(TASK_BLOCKS)).for_each(|(o, c)| {
+            for (slot, block) in o.chunks_mut(HASH).zip(c.iter()) {
+                slot.copy_from_slice(&hash_block(block));
+            }
+        });
+        out
+    });
+    Ok(PyBytes::new_bound(py, &out))
+}
+
+/// ``scan_blocks(buf) -> list[bytes | None]``. Reference: ``hashcache.blocks.scan_blocks``.
+#[pyfunction]
+fn scan_blocks<'py>(py: Python<'py>, buf: PyBuffer<u8>) -> PyResult<Bound<'py, PyList>> {
+    let view = View::of(&buf)?;
+    let scanned = py.allow_threads(|| scan(view.slice()));
+    let items: Vec<PyObject> = scanned
+        .iter()
+        .map(|h| match h {
+            Some(h) => PyBytes::new_bound(py, h).into_any().unbind(),
+            None => py.None(),
+        })
+        .collect();
+    Ok(PyList::new_bound(py, items))
+}
+
+/// ``scan_records(buf, first, zero_flag) -> bytes``: manifest records of the blocks of ``buf``,
+/// numbered from ``first``; an all-zero block is flagged (``zero_flag``, a layer) or left out (a
+/// file). Reference: ``scan_blocks`` + ``hashcache.manifest._RecordBuilder.add_hashes``.
+#[pyfunction]
+fn scan_records<'py>(py: Python<'py>, buf: PyBuffer<u8>, first: u64, zero_flag: bool) -> PyResult<Bound<'py, PyBytes>> {
+    let view = View::of(&buf)?;
+    let out = py.allow_threads(|| {
+        let scanned = scan(view.slice());
+        let mut out = Vec::with_capacity(scanned.len() * RECORD);
+        records_into(&mut out, first, &scanned, zero_flag);
+        out
+    });
+    Ok(PyBytes::new_bound(py, &out))
+}
+
+/// ``file_records(fd, start, end, zero_flag) -> bytes``: records of the blocks of the byte range
+/// ``[start, end)`` of an open file (``start`` block-aligned), read with pread in 1 MiB pieces by
+/// all cores. Raises ShortRead if the file ends before ``end``. Reference: the loop of
+/// ``hashcache.manifest.manifest_of_file``.
+#[pyfunction]
+fn file_records<'py>(py: Python<'py>, fd: i32, start: u64, end: u64, zero_flag: bool) -> PyResult<Bound<'py, PyBytes>> {
+    if start % BLOCK as u64 != 0 || end < start {
+        return Err(PyValueError::new_err(format!("bad range {start}..{end}")));
+    }
+    const PIECE: u64 = 1 << 20;
+    let out = py.allow_threads(|| -> Result<Vec<u8>, std::io::Error> {
+        // Borrow the caller's descriptor without taking ownership of it.
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let pieces: Vec<u64> = (start..end).step_by(PIECE as usize).collect();
+        let parts: Vec<Result<Vec<u8>, std::io::Error>> = pieces
+            .par_iter()
+            .map(|&off| {
+                let n = (end - off).min(PIECE) as usize;
+                let mut buf = vec![0u8; n];
+                file.read_exact_at(&mut buf, off)?;
+                let mut out = Vec::with_capacity(n / BLOCK * RECORD + RECORD);
+                for (i, block) in buf.chunks(BLOCK).enumerate() {
+                    let index = off / BLOCK as u64 + i as u64;
+                    let h = if is_zero(block) { None } else { Some(hash_block(block)) };
+                    records_into(&mut out, index, &[h], zero_flag);
+                }
+                Ok(out)
+            })
+            .collect();
+        let mut out = Vec::new();
+        for p in parts {
+            out.extend_from_slice(&p?);
+        }
+        Ok(out)
+    });
+    match out {
+        Ok(v) => Ok(PyBytes::new_bound(py, &v)),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(ShortRead::new_err("file ended early")),
+        Err(e) => Err(PyOSError::new_err(e.to_string())),
+    }
+}
+
+/// ``blake3_file(path) -> bytes``: BLAKE3 of a whole file (memory-mapped, all cores): the peer the
+/// benchmarks compare manifest building and ``verify`` with.
+#[pyfunction]
+fn blake3_file<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bound<'py, PyBytes>> {
+    let digest = py.allow_threads(|| -> std::io::Result<[u8; HASH]> {
+        let file = File::open(&path)?;
+        let len = file.metadata()?.len();
+        let mut h = blake3::Hasher::new();
+        if len > 0 {
+            let map = unsafe { memmap2::Mmap::map(&file)? };
+            h.update_rayon(&map);
+        }
+        Ok(*h.finalize().as_bytes())
+    });
+    Ok(PyBytes::new_bound(py, &digest.map_err(|e| PyOSError::new_err(e.to_string()))?))
+}
+
+/// ``verify_blocks(buf, expected, hash_len) -> int``: the position of the first block of ``buf``
+/// whose hash does not start with its ``hash_len``-byte slice of ``expected``, or -1 if all match.
+/// Reference: the check in ``hashcache.hcp.Receiver.accept``.
+#[pyfunction]
+fn verify_blocks(py: Python<'_>, buf: PyBuffer<u8>, expected: &[u8], hash_len: usize) -> PyResult<i64> {
+    let view = View::of(&buf)?;
+    if hash_len == 0 || hash_len > HASH || view.len % BLOCK != 0 || expected.len() != view.len / BLOCK * hash_len {
+        return Err(PyValueError::new_err("verify_blocks: buffer and expected hashes do not match in length"));
+    }
+    let exp = View { ptr: expected.as_ptr(), len: expected.len() };
+    Ok(py.allow_threads(|| {
+        let data = view.slice();
+        let want = exp.slice();
+        let n = data.len() / BLOCK;
+        (0..n)
+            .into_par_iter()
+            .with_min_len(TASK_BLOCKS)
+            .find_first(|&i| {
+                blake3::hash(&data[i * BLOCK..(i + 1) * BLOCK]).as_bytes()[..hash_len] != want[i * hash_len..(i + 1) * hash_len]
+            })
+            .map_or(-1, |i| i as i64)
+    }))
+}
+
+/// ``compress(raw, level) -> bytes``: one zstd frame (content size recorded, no checksum), as
+/// ``zstandard.ZstdCompressor(level=level).compress(raw)`` makes it.
+#[pyfunction]
+fn compress<'py>(py: Python<'py>, raw: PyBuffer<u8>, level: i32) -> PyResult<Bound<'py, PyBytes>> {
+    let view = View::of(&raw)?;
+    let out = py.allow_threads(|| zstd::bulk::compress(view.slice(), level));
+    Ok(PyBytes::new_bound(py, &out.map_err(|e| PyValueError::new_err(e.to_string()))?))
+}
+
+/// ``compress_many(parts, level) -> list[bytes]``: :func:`compress` of each part, all cores.
+#[pyfunction]
+fn compress_many<'py>(py: Python<'py>, parts: Vec<PyBuffer<u8>>, level: i32) -> PyResult<Bound<'py, PyList>> {
+    let views = parts.iter().map(View::of).collect::<PyResult<Vec<View>>>()?;
+    let outs = py.allow_threads(|| {
+        views.par_iter().map(|v| zstd::bulk::compress(v.slice(), level)).collect::<Vec<_>>()
+    });
+    let mut items = Vec::with_capacity(outs.len());
+    for o in outs {
+        items.push(PyBytes::new_bound(py, &o.map_err(|e| PyValueError::new_err(e.to_string()))?));
+    }
+    Ok(PyList::new_bound(py, items))
+}
+
+fn decompress_one(payload: &[u8], limit: usize) -> Result<Vec<u8>, String> {
+    // The first frame only, as python-zstandard's ``ZstdDecompressor.decompress`` reads a payload.
+    let end = zstd::zstd_safe::find_frame_compressed_size(payload).map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
+    let mut d = zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?;
+    d.decompress(&payload[..end], limit).map_err(|e| e.to_string())
+}
+
+/// ``decompress(payload, limit) -> bytes``: the first zstd frame of ``payload`` decoded (what
+/// follows it is ignored, as python-zstandard does); more than ``limit`` bytes of output, or
+/// anything that is not zstd, raises ZstdError.
+#[pyfunction]
+fn decompress<'py>(py: Python<'py>, payload: PyBuffer<u8>, limit: usize) -> PyResult<Bound<'py, PyBytes>> {
+    let view = View::of(&payload)?;
+    let out = py.allow_threads(|| decompress_one(view.slice(), limit));
+    Ok(PyBytes::new_bound(py, &out.map_err(ZstdError::new_err)?))
+}
+
+/// ``pwrite_runs(fd, indices, data, durable)``: block ``indices[k]`` of the file gets bytes
+/// ``data[k*4096 : (k+1)*4096]``; one pwrite per run of adjacent indices, then fdatasync if
+/// ``durable``. Reference: ``hashcache.shadow.Shadow.store`` (which then sets presence bits).
+#[pyfunction]
+fn pwrite_runs(py: Python<'_>, fd: i32, indices: Vec<u64>, data: PyBuffer<u8>, durable: bool) -> PyResult<()> {
+    let view = View::of(&data)?;
+    if view.len != indices.len() * BLOCK {
+        return Err(PyValueError::new_err("pwrite_runs: data is not one block per index"));
+    }
+    let res = py.allow_threads(|| -> std::io::Result<()> {
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let bytes = view.slice();
+        let mut order: Vec<usize> = (0..indices.len()).collect();
+        order.sort_by_key(|&k| indices[k]);
+        let mut run: Vec<u8> = Vec::new();
+        let mut pos = 0;
+        while pos < order.len() {
+            let mut end = pos + 1;
+            while end < order.len() && indices[order[end]] == indices[order[pos]] + (end - pos) as u64 {
+                end += 1;
+            }
+            run.clear();
+            for &k in &order[pos..end] {
+                run.extend_from_slice(&bytes[k * BLOCK..(k + 1) * BLOCK]);
+            }
+            file.write_all_at(&run, indices[order[pos]] * BLOCK as u64)?;
+            pos = end;
+        }
+        if durable {
+            file.sync_data()?;
+        }
+        Ok(())
+    });
+    res.map_err(|e| PyOSError::new_err(e.to_string()))
+}
+
+// -- the hash cache's table (hashcache/cache/format.py, table.py) -----------------------------------
+
+const BUCKET: usize = 4096;
+const ENTRY: usize = 32;
+const KEY: usize = 8;
+
+fn crc32(data: &[u8]) -> u32 {
+    // zlib's CRC-32 (IEEE 802.3, reflected), bit by bit over 20-byte entry heads: cheap enough.
+    let mut crc = !0u32;
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (!(crc & 1)).wrapping_add(1));
+        }
+    }
+    !crc
+}
+
+/// ``cache_candidates(table, bucket_count, buckets_offset, prefixes) -> bytes``: per 8-byte hash
+/// prefix, the first intact entry of its bucket whose key matches (slot order), as 24 bytes
+/// ``i64 position (-1: none), u64 offset, u64 file id``. Reference:
+/// ``hashcache.cache.table.BucketTable._candidates`` (its first element).
+#[pyfunction]
+fn cache_candidates<'py>(py: Python<'py>, table: PyBuffer<u8>, bucket_count: u64, buckets_offset: usize,
+                         prefixes: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let view = View::of(&table)?;
+    if prefixes.len() % KEY != 0 || view.len < buckets_offset + bucket_count as usize * BUCKET {
+        return Err(PyValueError::new_err("cache_candidates: table or prefixes have the wrong size"));
+    }
+    let pv = View { ptr: prefixes.as_ptr(), len: prefixes.len() };
+    let out = py.allow_threads(|| {
+        let t = view.slice();
+        let ps = pv.slice();
+        let mut out = Vec::with_capacity(ps.len() / KEY * 24);
+        for p in ps.chunks(KEY) {
+            let v = u64::from_be_bytes(p.try_into().unwrap());
+            let bucket = ((v as u128 * bucket_count as u128) >> 64) as usize;
+            let start = buckets_offset + bucket * BUCKET;
+            let key: [u8; KEY] = if v == 0 { [1, 0, 0, 0, 0, 0, 0, 0] } else { p.try_into().unwrap() };
+            let mut found: (i64, u64, u64) = (-1, 0, 0);
+            for slot in 0..BUCKET / ENTRY {
+                let e = &t[start + slot * ENTRY..start + (slot + 1) * ENTRY];
+                if e[..KEY] != key {
+                    continue;
+                }
+                let off = u64::from_le_bytes(e[8..16].try_into().unwrap());
+                let fid = u32::from_le_bytes(e[16..20].try_into().unwrap());
+                let check = u32::from_le_bytes(e[20..24].try_into().unwrap());
+                if fid != 0 && crc32(&e[..20]) == check {
+                    found = ((start + slot * ENTRY) as i64, off, fid as u64);
+                    break;
+                }
+            }
+            out.extend_from_slice(&found.0.to_le_bytes());
+            out.extend_from_slice(&found.1.to_le_bytes());
+            out.extend_from_slice(&found.2.to_le_bytes());
+        }
+        out
+    });
+    Ok(PyBytes::new_bound(py, &out))
+}
+
+/// ``read_verified(fd, offsets, prefixes) -> list[tuple[bytes, bytes] | None]``: per offset of an
+/// open file, the 4 KiB block there (a short last block zero-padded) and its BLAKE3 hash if that
+/// hash starts with the offset's 8-byte prefix; None otherwise (mismatch, beyond the end, or a read
+/// error: the caller asks the reference path, which tells these apart). Reads and hashes on every
+/// core. Reference: ``hashcache.cache.lookup.VerifiedLookup._read_verified``.
+#[pyfunction]
+fn read_verified<'py>(py: Python<'py>, fd: i32, offsets: Vec<u64>, prefixes: &[u8]) -> PyResult<Bound<'py, PyList>> {
+    if prefixes.len() != offsets.len() * KEY {
+        return Err(PyValueError::new_err("read_verified: one 8-byte prefix per offset"));
+    }
+    let pv = View { ptr: prefixes.as_ptr(), len: prefixes.len() };
+    // Per task of up to 64 offsets: one buffer, one pread per run of adjacent offsets.
+    type Task = (Vec<u8>, Vec<Option<[u8; HASH]>>);
+    let parts: Vec<Task> = py.allow_threads(|| {
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let ps = pv.slice();
+        offsets
+            .par_chunks(TASK_BLOCKS)
+            .enumerate()
+            .map(|(t, offs)| {
+                let mut buf = vec![0u8; offs.len() * BLOCK];
+                let mut readable = vec![false; offs.len()];
+                let mut k = 0;
+                while k < offs.len() {
+                    let mut end = k + 1;
+                    while end < offs.len() && offs[end] == offs[k] + ((end - k) * BLOCK) as u64 {
+                        end += 1;
+                    }
+                    let run = &mut buf[k * BLOCK..end * BLOCK];
+                    let mut got = 0;
+                    while got < run.len() {
+                        match file.read_at(&mut run[got..], offs[k] + got as u64) {
+                            Ok(0) => break,
+                            Ok(n) => got += n,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                            Err(_) => break, // blocks not read are reported as not found
+                        }
+                    }
+                    for (j, r) in readable[k..end].iter_mut().enumerate() {
+                        *r = got > j * BLOCK;
+                    }
+                    k = end;
+                }
+                let hashes = buf
+                    .chunks(BLOCK)
+                    .enumerate()
+                    .map(|(k, d)| {
+                        let i = t * TASK_BLOCKS + k;
+                        let h = *blake3::hash(d).as_bytes();
+                        (readable[k] && h[..KEY] == ps[i * KEY..(i + 1) * KEY]).then_some(h)
+                    })
+                    .collect();
+                (buf, hashes)
+            })
+            .collect()
+    });
+    let mut items: Vec<PyObject> = Vec::with_capacity(offsets.len());
+    for (buf, hashes) in &parts {
+        for (k, h) in hashes.iter().enumerate() {
+            items.push(match h {
+                Some(h) => (PyBytes::new_bound(py, &buf[k * BLOCK..(k + 1) * BLOCK]), PyBytes::new_bound(py, h)).into_py(py),
+                None => py.None(),
+            });
+        }
+    }
+    Ok(PyList::new_bound(py, items))
+}
+
+/// ``hash_at(fd, indices) -> bytes``: BLAKE3 of the 4 KiB block at each index of an open file
+/// (beyond its end reads as zero), concatenated; every core. Reference: ``hash_block(shadow.read(i))``.
+#[pyfunction]
+fn hash_at<'py>(py: Python<'py>, fd: i32, indices: Vec<u64>) -> PyResult<Bound<'py, PyBytes>> {
+    let out = py.allow_threads(|| -> std::io::Result<Vec<u8>> {
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let mut out = vec![0u8; indices.len() * HASH];
+        out.par_chunks_mut(HASH * TASK_BLOCKS).zip(indices.par_chunks(TASK_BLOCKS)).try_for_each(|(o, ix)| {
+            let mut buf = [0u8; BLOCK];
+            for (slot, &i) in o.chunks_mut(HASH).zip(ix.iter()) {
+                let mut got = 0;
+                while got < BLOCK {
+                    let k = file.read_at(&mut buf[got..], i * BLOCK as u64 + got as u64)?;
+                    if k == 0 {
+                        break;
+                    }
+                    got += k;
+                }
+                buf[got..].fill(0);
+                slot.copy_from_slice(blake3::hash(&buf).as_bytes());
+            }
+            Ok::<(), std::io::Error>(())
+        })?;
+        Ok(out)
+    });
+    Ok(PyBytes::new_bound(py, &out.map_err(|e| PyOSError::new_err(e.to_string()))?))
+}
+
+#[pymodule]
+fn capsule_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("BLOCK_SIZE", BLOCK)?;
+    m.add("ShortRead", m.py().get_type_bound::<ShortRead>())?;
+    m.add("ZstdError", m.py().get_type_bound::<ZstdError>())?;
+    m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(scan_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(scan_records, m)?)?;
+    m.add_function(wrap_pyfunction!(file_records, m)?)?;
+    m.add_function(wrap_pyfunction!(blake3_file, m)?)?;
+    m.add_function(wrap_pyfunction!(verify_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(compress, m)?)?;
+    m.add_function(wrap_pyfunction!(compress_many, m)?)?;
+    m.add_function(wrap_pyfunction!(decompress, m)?)?;
+    m.add_function(wrap_pyfunction!(pwrite_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_candidates, m)?)?;
+    m.add_function(wrap_pyfunction!(read_verified, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_at, m)?)?;
+    Ok(())
+}
