@@ -325,22 +325,31 @@ class Guard:
         if not audited:
             await self.app(scope, receive, send)
             return
-        seen: dict[str, Any] = {"status": 500, "body": b""}
+        seen: dict[str, Any] = {"status": 500, "body": b"", "recorded": False}
+
+        def record() -> None:
+            if seen["recorded"]:
+                return
+            seen["recorded"] = True
+            c = state.get("caller")
+            who = c.principal.who if c else state.get("audit_who") or "anonymous"
+            audit.record(self.store.home, who=who, action=action, capsule=capsule, remote=remote,
+                         result="ok" if seen["status"] < 400 else _code(seen["status"], seen["body"]))
 
         async def watch(message: Any) -> None:
             if message["type"] == "http.response.start":
                 seen["status"] = message["status"]
-            elif message["type"] == "http.response.body" and seen["status"] >= 400 and len(seen["body"]) < 4096:
-                seen["body"] += message.get("body", b"")
+            elif message["type"] == "http.response.body":
+                if seen["status"] >= 400 and len(seen["body"]) < 4096:
+                    seen["body"] += message.get("body", b"")
+                if not message.get("more_body", False):
+                    record()   # before the answer's last byte leaves: whoever got the answer finds the line
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
         finally:
-            c = state.get("caller")
-            who = c.principal.who if c else state.get("audit_who") or "anonymous"
-            audit.record(self.store.home, who=who, action=action, capsule=capsule, remote=remote,
-                         result="ok" if seen["status"] < 400 else _code(seen["status"], seen["body"]))
+            record()   # (an app that failed before answering)
 
 
 def _who_tried(conn: Request | WebSocket) -> str:
