@@ -28,6 +28,7 @@ from typing import Protocol
 
 import zstandard
 
+from hashcache import wirejson
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
 from hashcache.manifest import RECORD_SIZE, Manifest
@@ -196,7 +197,7 @@ def decode_stream_reply(msg: bytes) -> tuple[bytes | None, dict]:
         return msg[1:], {}
     if msg[0] == STREAM_ERROR:
         try:
-            err = json.loads(msg[1:])
+            err = wirejson.loads(msg[1:])
             if isinstance(err, dict):
                 return None, err
         except ValueError:
@@ -265,7 +266,7 @@ class Expectation:
             raise ProtocolError(f"malformed manifest header: {exc}") from exc
         if kind not in ("layer", "file") or algorithm != "blake3" or block_size != BLOCK_SIZE:
             raise ProtocolError(f"unsupported manifest header {header!r:.200}")
-        if not isinstance(size, int) or not 0 <= size < 1 << 50 or not isinstance(count, int) or count < 0:
+        if type(size) is not int or not 0 <= size < 1 << 50 or type(count) is not int or count < 0:
             raise ProtocolError("bad manifest size or count")
         if parent is not None and (not isinstance(parent, str) or len(parent) != 64):
             raise ProtocolError("bad manifest parent")
@@ -367,7 +368,7 @@ class Expectation:
         if hlen > 4096 or len(data) < 8 + hlen:
             raise ProtocolError("bad manifest upload header")
         try:
-            header = json.loads(data[8:8 + hlen])
+            header = wirejson.loads(data[8:8 + hlen])
         except ValueError as exc:
             raise ProtocolError(f"bad manifest upload header: {exc}") from exc
         if not isinstance(header, dict):

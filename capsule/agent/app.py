@@ -61,6 +61,7 @@ from capsule.names import check_object_id
 from capsule.records import record_version
 from capsule.store import Store
 from capsule.verify import users_of, verify_versions
+from hashcache import wirejson
 from hashcache.errors import error_class
 from hashcache.hcp import decode_stream_read, encode_stream_error
 
@@ -126,8 +127,8 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     async def json_body(request: Request, what: str) -> Any:
         try:
-            return await request.json()
-        except ValueError as exc:
+            return wirejson.loads(await request.body())
+        except ValueError as exc:  # too deep nesting included
             raise InvalidName(f"malformed {what}: {exc}") from exc
 
     deps = [Depends(auth)]
