@@ -32,8 +32,9 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 if PROFILE not in ("ci", "fuzz"):
     raise RuntimeError(f"HYPOTHESIS_PROFILE={PROFILE!r}: use ci (the default) or fuzz")
 
-# the decorator every fuzz test uses
+# the decorator every fuzz test uses; fuzz_files for tests that write a file per example (a quarter as many)
 fuzz = settings.get_profile(PROFILE)
+fuzz_files = settings(fuzz, max_examples=max(1, fuzz.max_examples // 4))
 # a fuzz module's pytestmark: the unit tier, and in the fuzz profile a timeout long enough for its examples
 MARKS = [pytest.mark.unit] + ([pytest.mark.timeout(3600)] if PROFILE == "fuzz" else [])
 
