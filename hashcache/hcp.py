@@ -133,6 +133,24 @@ def _decompress(payload: bytes, max_output_size: int) -> bytes:
     return out
 
 
+def decompress_bounded(payload: bytes, max_output_size: int, what: str = "payload") -> bytes:
+    """zstd ``payload`` that must decompress to at most ``max_output_size`` bytes (a peer's); anything else
+    is a ProtocolError. A frame may declare its content size, and zstandard allocates that much before
+    it looks at ``max_output_size``: 14 bytes declaring 2^56 bytes were a MemoryError. Such a frame is
+    refused from its header."""
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError:
+        declared = -1  # no readable frame header: decompressing says what is wrong
+    if declared > max_output_size:
+        raise ProtocolError(f"bad zstd {what}: it declares {declared} bytes, more than the {max_output_size} "
+                            "expected")
+    try:
+        return _decompress(payload, max_output_size)
+    except zstandard.ZstdError as exc:
+        raise ProtocolError(f"bad zstd {what}: {exc}") from exc
+
+
 def pack_blocks(blocks: Iterable[bytes], level: int = DEFAULT_LEVEL, compress: bool = True) -> bytes:
     raw = b"".join(blocks)
     if not compress:
@@ -144,13 +162,7 @@ def unpack_blocks(payload: bytes, count: int, compressed: bool = True) -> list[b
     """Split a READ payload into ``count`` blocks; a payload that does not
     decompress to exactly ``count`` blocks is a protocol error."""
     want = count * BLOCK_SIZE
-    if compressed:
-        try:
-            raw = _decompress(payload, want)
-        except zstandard.ZstdError as exc:
-            raise ProtocolError(f"bad zstd payload: {exc}") from exc
-    else:
-        raw = payload
+    raw = decompress_bounded(payload, want) if compressed else payload
     if len(raw) != want:
         raise ProtocolError(f"payload holds {len(raw)} bytes, expected {count} blocks")
     mv = memoryview(raw)
@@ -529,5 +541,5 @@ class Receiver:
 __all__ = [
     "RECORD_SIZE", "STREAM_KINDS", "BlockLookup", "ProtocolError", "Receiver", "TransferStats", "decode_indices",
     "decode_stream_read", "decode_stream_reply", "encode_indices", "encode_stream_error", "encode_stream_read",
-    "header_of", "manifest_from_parts", "pack_blocks", "records_chunks", "unpack_blocks",
+    "decompress_bounded", "header_of", "manifest_from_parts", "pack_blocks", "records_chunks", "unpack_blocks",
 ]

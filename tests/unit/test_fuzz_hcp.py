@@ -9,10 +9,12 @@ import contextlib
 import json
 import random
 
+import pytest
 import zstandard
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from capsule.exchange.receiving import decode_manifest_upload
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.hcp import (
     MAX_BATCH,
@@ -103,12 +105,24 @@ def test_read_payloads_round_trip(blocks, compress):
 @fuzz
 @given(hostile(st.lists(blocks, max_size=2).map(pack_blocks)),
        st.integers(0, 4), st.booleans())
+@example(b"(\xb5/\xfd\xc0\x00\x00\x00\x00\x00\x00\x00\x00\x01", 0, True)  # was MemoryError
 def test_hostile_read_payloads_give_protocol_errors(payload, count, compressed):
     try:
         blocks = unpack_blocks(payload, count, compressed)
     except ProtocolError:
         return
     assert len(blocks) == count and all(len(b) == BLOCK_SIZE for b in blocks)
+
+
+@pytest.mark.parametrize("declared", [1 << 56, 1 << 30, 5 * BLOCK_SIZE])
+def test_a_frame_declaring_more_than_expected_is_refused_from_its_header(declared):
+    """Regression: a 14-byte READ payload declaring 2^56 bytes raised MemoryError (1 GiB: allocated)."""
+    frame = b"(\xb5/\xfd\xc0\x00" + declared.to_bytes(8, "little")  # magic, 8-byte size, window, size
+    with pytest.raises(ProtocolError, match=f"declares {declared} bytes, more than the {4 * BLOCK_SIZE}"):
+        unpack_blocks(frame, 4)
+    assert peak_allocation(lambda: unpack_blocks(frame, 4)) < 1 << 20
+    with pytest.raises(ProtocolError, match="bad zstd manifest: it declares"):
+        decode_manifest_upload(b"(\xb5/\xfd\xc0\x00" + (1 << 40).to_bytes(8, "little"))
 
 
 def test_a_zstd_bomb_read_payload_is_refused_within_its_count():
