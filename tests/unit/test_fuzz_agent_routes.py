@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from capsule.agent.app import create_app
 from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE
-from hashcache.hcp import Expectation, encode_indices
+from hashcache.hcp import Expectation, decode_stream_reply, encode_indices
 from tests.unit.fuzzing import MARKS, deep_json, fuzz, hostile, json_values
 
 pytestmark = MARKS
@@ -86,6 +86,27 @@ def test_valid_manifest_parts_mutated(agent, data):
     refused_cleanly(resp)
     blocks = data.draw(st.binary(max_size=32))
     refused_cleanly(client.post(f"/v1/recv/file/{oid}/blocks", content=blocks, headers=AUTH))
+
+
+stream_requests = st.builds(lambda oid, idx, lvl, kind: bytes([kind]) + bytes.fromhex(oid) + bytes([lvl]) + idx,
+                            st.sampled_from(["ab" * 32]), index_bodies, st.sampled_from([0, 1, 3, 19, 20, 255]),
+                            st.sampled_from([0, 1, 2]))
+
+
+@fuzz
+@given(st.lists(hostile(stream_requests, max_size=80), min_size=1, max_size=4))
+def test_stream_reads(agent, messages):
+    """Every READ over the WebSocket gets a reply (blocks, or a typed refusal below 500); the connection
+    stays usable after a refusal."""
+    client, fid, _ = agent
+    with client.websocket_connect("/v1/objects/stream", headers=AUTH) as ws:
+        for msg in messages:
+            if len(msg) >= 33 and msg[0] == 1 and msg[1:33] == bytes.fromhex("ab" * 32):
+                msg = msg[:1] + bytes.fromhex(fid) + msg[33:]  # most requests name the object that is there
+            ws.send_bytes(msg)
+            payload, err = decode_stream_reply(ws.receive_bytes())
+            if payload is None:
+                assert isinstance(err.get("error"), str) and err.get("status", 500) < 500, err
 
 
 @fuzz
