@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-compose test setup host venv native web lint bench bench-quick bench-live clean-venv agent compose-up compose-down compose-build
+.PHONY: demo demo-compose test fuzz setup host venv native web lint bench bench-quick bench-live clean-venv agent compose-up compose-down compose-build
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -21,6 +21,14 @@ demo-compose: setup
 test: setup
 	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fuzzers for longer than `make test` runs them: every Hypothesis fuzz test (tests/unit/test_fuzz_*.py)
+# with the `fuzz` profile (20,000 examples each instead of 200), then the guest agent's request parser
+# under libFuzzer with AddressSanitizer and UBSan for FUZZ_TIME seconds (guest-balloon/fuzz/).
+FUZZ_TIME ?= 60
+fuzz: setup
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/unit/test_fuzz_*.py $(PYTEST_ARGS)
+	$(MAKE) -C guest-balloon fuzz FUZZ_TIME=$(FUZZ_TIME)
 
 setup: host venv native web
 

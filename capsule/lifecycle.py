@@ -341,7 +341,7 @@ def _resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | Non
                 qemuimg.create_leaf(leaf, store.layer_path(sealed[i].id))
             disks.append(leaf)
         header = saveimage.read_header(image)
-        name, uuid = saveimage.identity(header.domain_xml)
+        name, uuid = saveimage.identity(header.domain_xml, image.name)
         base = store.catalogue.version(inst.capsule, inst.version)
         if base is None:
             return

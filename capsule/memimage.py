@@ -61,7 +61,7 @@ def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, na
     """Restore ``image`` as domain ``name``/``uuid`` on ``disks``. ``label`` names the version in errors."""
     header = saveimage.read_header(image)
     forked = False
-    if saveimage.identity(header.domain_xml) != (name, uuid):
+    if saveimage.identity(header.domain_xml, image.name) != (name, uuid):
         fork = instance_dir / "memory.save"
         saveimage.fork(image, fork, name=name, uuid=uuid)
         image, forked = fork, True

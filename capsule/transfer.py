@@ -34,6 +34,7 @@ from hashcache.hcp import (
     Receiver,
     TransferStats,
     decode_indices,
+    decompress_bounded,
     encode_indices,
     pack_blocks,
     records_chunks,
@@ -135,8 +136,8 @@ def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) 
         resp = client.request("GET", f"/v1/objects/{kind}/{oid}/records",
                               params={"start": start, "count": n, "hash_len": hash_len})
         try:
-            parts.append(zstandard.ZstdDecompressor().decompress(resp.content, max_output_size=n * (8 + hash_len)))
-        except zstandard.ZstdError as exc:
+            parts.append(decompress_bounded(resp.content, n * (8 + hash_len), "records"))
+        except ProtocolError as exc:
             raise TransferFailed(f"{kind} {oid[:12]}: bad manifest records from the peer: {exc}") from exc
     try:
         return Expectation.from_records(head, b"".join(parts), oid, hash_len), head
@@ -300,10 +301,9 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                         progress.local(raw_bytes)
                     return None
                 try:
-                    raw = zstandard.ZstdDecompressor().decompress(resp.content,
-                                                                  max_output_size=manifest.block_count * 10 + 64)
+                    raw = decompress_bounded(resp.content, manifest.block_count * 10 + 64, "plan")
                     needed = decode_indices(raw, manifest.block_count, max_count=manifest.block_count)
-                except (zstandard.ZstdError, ProtocolError) as exc:
+                except ProtocolError as exc:
                     raise TransferFailed(f"{name}: the receiver's plan is malformed: {exc}") from exc
                 part_bytes = sum(1 for _i, z, _h in part.records() if not z) * BLOCK_SIZE
                 progress.advance(part_bytes - len(needed) * BLOCK_SIZE)

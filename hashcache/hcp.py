@@ -28,7 +28,7 @@ from typing import Protocol
 
 import zstandard
 
-from hashcache import native
+from hashcache import native, wirejson
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
 from hashcache.manifest import RECORD_SIZE, Manifest
@@ -133,6 +133,24 @@ def _decompress(payload: bytes, max_output_size: int) -> bytes:
     return out
 
 
+def decompress_bounded(payload: bytes, max_output_size: int, what: str = "payload") -> bytes:
+    """zstd ``payload`` that must decompress to at most ``max_output_size`` bytes (a peer's); anything else
+    is a ProtocolError. A frame may declare its content size, and zstandard allocates that much before
+    it looks at ``max_output_size``: 14 bytes declaring 2^56 bytes were a MemoryError. Such a frame is
+    refused from its header."""
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError:
+        declared = -1  # no readable frame header: decompressing says what is wrong
+    if declared > max_output_size:
+        raise ProtocolError(f"bad zstd {what}: it declares {declared} bytes, more than the {max_output_size} "
+                            "expected")
+    try:
+        return _decompress(payload, max_output_size)
+    except zstandard.ZstdError as exc:
+        raise ProtocolError(f"bad zstd {what}: {exc}") from exc
+
+
 def pack_blocks(blocks: Iterable[bytes], level: int = DEFAULT_LEVEL, compress: bool = True) -> bytes:
     """Blocks concatenated, as one zstd frame if ``compress`` (by the extension, GIL released: the
     frame ``_reference_pack`` makes with python-zstandard, byte for byte)."""
@@ -165,13 +183,7 @@ def unpack_blocks(payload: bytes, count: int, compressed: bool = True) -> list[b
 def _reference_unpack(payload: bytes, count: int, compressed: bool = True) -> list[bytes]:
     """Reference (python-zstandard) of :func:`unpack_blocks`: the same blocks, the same refusals."""
     want = count * BLOCK_SIZE
-    if compressed:
-        try:
-            raw = _decompress(payload, want)
-        except zstandard.ZstdError as exc:
-            raise ProtocolError(f"bad zstd payload: {exc}") from exc
-    else:
-        raw = payload
+    raw = decompress_bounded(payload, want) if compressed else payload
     return _split(raw, count)
 
 
@@ -223,7 +235,7 @@ def decode_stream_reply(msg: bytes) -> tuple[bytes | None, dict]:
         return msg[1:], {}
     if msg[0] == STREAM_ERROR:
         try:
-            err = json.loads(msg[1:])
+            err = wirejson.loads(msg[1:])
             if isinstance(err, dict):
                 return None, err
         except ValueError:
@@ -292,7 +304,7 @@ class Expectation:
             raise ProtocolError(f"malformed manifest header: {exc}") from exc
         if kind not in ("layer", "file") or algorithm != "blake3" or block_size != BLOCK_SIZE:
             raise ProtocolError(f"unsupported manifest header {header!r:.200}")
-        if not isinstance(size, int) or not 0 <= size < 1 << 50 or not isinstance(count, int) or count < 0:
+        if type(size) is not int or not 0 <= size < 1 << 50 or type(count) is not int or count < 0:
             raise ProtocolError("bad manifest size or count")
         if parent is not None and (not isinstance(parent, str) or len(parent) != 64):
             raise ProtocolError("bad manifest parent")
@@ -394,7 +406,7 @@ class Expectation:
         if hlen > 4096 or len(data) < 8 + hlen:
             raise ProtocolError("bad manifest upload header")
         try:
-            header = json.loads(data[8:8 + hlen])
+            header = wirejson.loads(data[8:8 + hlen])
         except ValueError as exc:
             raise ProtocolError(f"bad manifest upload header: {exc}") from exc
         if not isinstance(header, dict):
@@ -610,5 +622,5 @@ class Receiver:
 __all__ = [
     "RECORD_SIZE", "STREAM_KINDS", "BlockLookup", "ProtocolError", "Receiver", "TransferStats", "decode_indices",
     "decode_stream_read", "decode_stream_reply", "encode_indices", "encode_stream_error", "encode_stream_read",
-    "header_of", "manifest_from_parts", "pack_blocks", "records_chunks", "unpack_blocks",
+    "decompress_bounded", "header_of", "manifest_from_parts", "pack_blocks", "records_chunks", "unpack_blocks",
 ]

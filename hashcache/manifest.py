@@ -39,7 +39,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from hashcache import native
+from hashcache import native, wirejson
 from hashcache.atomic import write_atomic
 from hashcache.blocks import ALGORITHM, BLOCK_SIZE, HASH_SIZE, NULL_HASH, ZERO_BLOCK, py_scan_blocks
 from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
@@ -259,8 +259,8 @@ class Manifest:
         if len(data) < pos + hlen:
             raise bad(f"truncated inside the header ({len(data)} bytes)")
         try:
-            header = json.loads(data[pos : pos + hlen])
-        except (UnicodeDecodeError, ValueError) as e:
+            header = wirejson.loads(data[pos : pos + hlen])
+        except ValueError as e:  # UnicodeDecodeError and too deep nesting included
             raise bad(f"header is not valid JSON ({e})") from e
         pos += hlen
         if not isinstance(header, dict):

@@ -75,6 +75,9 @@ install_packages() {
     # ostree (static deltas) and casync (content-defined chunks): peers in bench/update_bytes.py (B1)
     pkg_ok ostree || missing_base+=(ostree)
     pkg_ok casync || missing_base+=(casync)
+    # clang with libFuzzer and the sanitizers: the guest agent's fuzz harness (make fuzz, guest-balloon/fuzz/)
+    pkg_ok clang-14 || missing_base+=(clang-14)
+    pkg_ok libclang-rt-14-dev || missing_base+=(libclang-rt-14-dev)
   fi
   # QEMU and libvirt must come from backports (QEMU >= 10, libvirt >= 11.3)
   if pkg_ok qemu-system-x86; then

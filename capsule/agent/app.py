@@ -68,6 +68,7 @@ from capsule.pod import ops as pod_ops
 from capsule.records import record_version
 from capsule.store import Store
 from capsule.verify import users_of, verify_versions
+from hashcache import wirejson
 from hashcache.errors import error_class
 from hashcache.hcp import decode_stream_read, encode_stream_error
 
@@ -129,8 +130,8 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     async def json_body(request: Request, what: str) -> Any:
         try:
-            return await request.json()
-        except ValueError as exc:
+            return wirejson.loads(await request.body())
+        except ValueError as exc:  # too deep nesting included
             raise InvalidName(f"malformed {what}: {exc}") from exc
 
     # who may call what is checked before any route, in one place: capsule/agent/authz.py (RULES)

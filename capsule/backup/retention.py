@@ -50,8 +50,11 @@ class Duration:
         """``t`` minus this duration, on the calendar (the day clamped to the month's length)."""
         months = t.year * 12 + (t.month - 1) - self.years * 12 - self.months
         y, m = divmod(months, 12)
-        day = min(t.day, _cal.monthrange(y, m + 1)[1])
-        return t.replace(year=y, month=m + 1, day=day) - timedelta(days=self.days, hours=self.hours)
+        try:
+            day = min(t.day, _cal.monthrange(y, m + 1)[1])
+            return t.replace(year=y, month=m + 1, day=day) - timedelta(days=self.days, hours=self.hours)
+        except (ValueError, OverflowError):  # before year 1 (e.g. within=9999y): everything is within
+            return t.min.replace(tzinfo=t.tzinfo)
 
     def __str__(self) -> str:
         return "".join(f"{v}{u}" for v, u in ((self.years, "y"), (self.months, "m"), (self.days, "d"),
@@ -112,6 +115,8 @@ class Policy:
                 d[rule] = value.strip()
             elif not value.strip().isascii() or not value.strip().isdigit():
                 raise PolicyError(f"{part!r}: {rule} takes a whole number")
+            elif len(value.strip()) > len(str(MAX_KEEP)):  # int() refuses more than 4300 digits
+                raise PolicyError(f"{part!r}: give a whole number from 0 to {MAX_KEEP}")
             else:
                 d[rule] = int(value)
         if not d:

@@ -29,6 +29,7 @@ from hashcache.hcp import (
     ProtocolError,
     Receiver,
     decode_indices,
+    decompress_bounded,
     encode_indices,
     unpack_blocks,
 )
@@ -43,10 +44,7 @@ MAX_PARTS = 4096
 
 def decode_manifest_upload(raw: bytes) -> bytes:
     """A manifest part as uploaded (zstd)."""
-    try:
-        return zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_MANIFEST_UPLOAD)
-    except zstandard.ZstdError as exc:
-        raise ProtocolError(f"bad zstd manifest: {exc}") from exc
+    return decompress_bounded(raw, MAX_MANIFEST_UPLOAD, "manifest")
 
 
 def encode_plan(needed: list[int]) -> bytes:

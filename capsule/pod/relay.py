@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import json
 import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, GuestAgent
 from capsule.runtime.hotdisk import HotDisk, HotDiskUnavailable, scratch_file
 from capsule.store import Store
+from hashcache import wirejson
 
 DOWN_CHUNK = 3 << 20      # raw bytes per read: 4 MiB of base64, under the agent's 8 MiB output cap
 UP_CHUNK = 45 << 10       # raw bytes per write: 60 KiB of base64 in one request line (limit 64 KiB)
@@ -85,8 +85,10 @@ class Relay:
         if r.get("timed_out"):
             raise PodFailed(f"capsule {self.capsule!r}: pods {argv[0]} did not finish in {timeout:.0f} s")
         try:
-            reply = json.loads(r["stdout"].strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            reply = wirejson.loads(r["stdout"].strip().splitlines()[-1])
+            if not isinstance(reply, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, IndexError, AttributeError):
             err = r.get("stderr", "").strip()
             if "No module named pods" in err or "No such file" in err:
                 raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer (its image lacks pods/); "

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from capsule.errors import CapsuleError
+from hashcache import wirejson
 
 MAX_REPLY = 16 << 20       # a reply line longer than this is refused
 CONNECT_TIMEOUT = 2.0
@@ -103,7 +104,7 @@ class GuestAgent:
             if not line:
                 continue
             try:
-                reply = json.loads(line)
+                reply = wirejson.loads(line)
             except ValueError:
                 continue
             if not isinstance(reply, dict) or reply.get("id") != rid:

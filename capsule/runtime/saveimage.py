@@ -69,8 +69,16 @@ def read_header(path: Path) -> SaveHeader:
                       data[:xml_end].decode("utf-8", "replace"), cookie)
 
 
-def identity(xml: str) -> tuple[str, str]:
-    root = ET.fromstring(xml)
+def parse_xml(xml: str, what: str) -> ET.Element:
+    """The domain XML of a memory image (which may come from a peer); garbage is an IntegrityError."""
+    try:
+        return ET.fromstring(xml)
+    except ET.ParseError as exc:
+        raise IntegrityError(f"memory image {what}: its domain XML does not parse ({exc})") from None
+
+
+def identity(xml: str, what: str = "") -> tuple[str, str]:
+    root = parse_xml(xml, what)
     return (root.findtext("name") or "", root.findtext("uuid") or "")
 
 
@@ -92,7 +100,7 @@ def rewrite(src: Path, dst: Path, edit: Callable[[ET.Element], None]) -> None:
     """Copy ``src`` to ``dst`` (reflink or sparse) with ``edit`` applied to the
     embedded domain XML. ``src`` is never modified."""
     header = read_header(src)
-    root = ET.fromstring(header.domain_xml)
+    root = parse_xml(header.domain_xml, src.name)
     edit(root)
     new_xml = ET.tostring(root, encoding="unicode").encode()
     data = new_xml + b"\0"

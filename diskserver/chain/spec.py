@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from diskserver.errors import SpecError
+from hashcache import wirejson
 from hashcache.atomic import write_atomic
 from hashcache.errors import Error
 from hashcache.hcp import MAX_BATCH
@@ -290,7 +291,7 @@ class ChainSpec:
         path = os.path.abspath(os.fspath(path))
         try:
             with open(path, "rb") as f:
-                data = json.loads(f.read())
+                data = wirejson.loads(f.read())
         except OSError as exc:
             raise SpecError(f"chain spec {path}: cannot read: {exc.strerror or exc}") from exc
         except ValueError as exc:

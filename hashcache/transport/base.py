@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from hashcache import wirejson
 from hashcache.errors import AuthFailed, Error, from_wire
 from hashcache.hcp import ProtocolError, encode_indices
 
@@ -64,7 +65,7 @@ class Reply:
     def json(self) -> Any:
         """The body as JSON; a peer's malformed JSON is a :class:`~hashcache.hcp.ProtocolError`."""
         try:
-            return json.loads(self.content)
+            return wirejson.loads(self.content)
         except ValueError as exc:
             raise ProtocolError(f"the agent answered HTTP {self.status} with malformed JSON: {exc}") from None
 

@@ -213,6 +213,20 @@ def test_bad_requests_get_error_replies(stdio_agent, line, expected_id, fragment
     assert stdio_agent.ok("ping")["pid"] == stdio_agent.proc.pid
 
 
+def test_empty_strings_stay_empty_after_the_heap_held_others(stdio_agent):
+    """Regression (found by the fuzzer, guest-balloon/fuzz/regressions/empty-key-not-terminated): the
+    JSON string "" was decoded into a buffer never NUL-terminated, so an empty key, command or argument
+    read whatever the heap held before (out of bounds under AddressSanitizer)."""
+    for n in range(20):  # leave freed buffers full of 'x' behind
+        stdio_agent.send_raw(json.dumps({"id": n, "cmd": "x" * 200, "args": {"y" * 200: "z" * 200}}).encode()
+                             + b"\n")
+        assert stdio_agent.reply()["ok"] is False
+    assert stdio_agent.call("", None)["error"] == "unknown command ''"
+    assert stdio_agent.call("balloon.deflate", {"": 1})["error"] == "unknown argument ''"
+    rep = stdio_agent.ok("exec", {"argv": ["cat"], "stdin": ""})
+    assert rep["stdout"] == "" and rep["exit_code"] == 0
+
+
 def test_oversized_line_is_discarded(stdio_agent):
     big = b'{"id": 1, "cmd": "ping", "pad": "' + b"x" * (100 * 1024) + b'"}\n'
     stdio_agent.send_raw(big + b"\n")  # plus a blank line, which is ignored silently
