@@ -133,11 +133,8 @@ def _decompress(payload: bytes, max_output_size: int) -> bytes:
     return out
 
 
-def decompress_bounded(payload: bytes, max_output_size: int, what: str = "payload") -> bytes:
-    """zstd ``payload`` that must decompress to at most ``max_output_size`` bytes (a peer's); anything else
-    is a ProtocolError. A frame may declare its content size, and zstandard allocates that much before
-    it looks at ``max_output_size``: 14 bytes declaring 2^56 bytes were a MemoryError. Such a frame is
-    refused from its header."""
+def _refuse_declared(payload: bytes, max_output_size: int, what: str) -> None:
+    """Refuse a zstd frame whose header declares more than ``max_output_size`` bytes, from the header alone."""
     try:
         declared = zstandard.frame_content_size(payload)
     except zstandard.ZstdError:
@@ -145,6 +142,14 @@ def decompress_bounded(payload: bytes, max_output_size: int, what: str = "payloa
     if declared > max_output_size:
         raise ProtocolError(f"bad zstd {what}: it declares {declared} bytes, more than the {max_output_size} "
                             "expected")
+
+
+def decompress_bounded(payload: bytes, max_output_size: int, what: str = "payload") -> bytes:
+    """zstd ``payload`` that must decompress to at most ``max_output_size`` bytes (a peer's); anything else
+    is a ProtocolError. A frame may declare its content size, and zstandard allocates that much before
+    it looks at ``max_output_size``: 14 bytes declaring 2^56 bytes were a MemoryError. Such a frame is
+    refused from its header."""
+    _refuse_declared(payload, max_output_size, what)
     try:
         return _decompress(payload, max_output_size)
     except zstandard.ZstdError as exc:
@@ -171,6 +176,7 @@ def unpack_blocks(payload: bytes, count: int, compressed: bool = True) -> list[b
     decompress to exactly ``count`` blocks is a protocol error."""
     want = count * BLOCK_SIZE
     if compressed:
+        _refuse_declared(payload, want, "payload")  # refused alike by the reference (decompress_bounded)
         try:
             raw = native.decompress(payload, want)
         except native.ZstdError as exc:
