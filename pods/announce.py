@@ -5,13 +5,14 @@ are refreshed, instead of sending to the capsule it left until their entries age
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import struct
 import sys
 import time
-from pathlib import Path
 
 ETH_P_ARP = 0x0806
+SIOCGIFHWADDR = 0x8927
 BROADCAST = b"\xff" * 6
 
 
@@ -22,16 +23,21 @@ def frame(mac: bytes, ip: bytes) -> bytes:
     return raw + b"\0" * (60 - len(raw))
 
 
+def hw_address(s: socket.socket, iface: str) -> bytes:
+    """The interface's MAC, asked of this network namespace (sysfs may be another namespace's)."""
+    return fcntl.ioctl(s.fileno(), SIOCGIFHWADDR, struct.pack("256s", iface.encode()[:15]))[18:24]
+
+
 def announce(iface: str, address: str, count: int = 3, interval: float = 0.05) -> str:
-    mac_text = Path(f"/sys/class/net/{iface}/address").read_text().strip()
-    data = frame(bytes.fromhex(mac_text.replace(":", "")), socket.inet_aton(address.split("/")[0]))
     with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
         s.bind((iface, ETH_P_ARP))
+        mac = hw_address(s, iface)
+        data = frame(mac, socket.inet_aton(address.split("/")[0]))
         for i in range(count):
             if i:
                 time.sleep(interval)
             s.send(data)
-    return mac_text
+    return mac.hex(":")
 
 
 if __name__ == "__main__":

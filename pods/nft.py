@@ -44,12 +44,12 @@ def guard_gateway(uplink: str, gateway: str) -> None:
     and the capsule's own traffic from the gateway address stays inside."""
     run(f"add table bridge {GUARD_TABLE}")
     run(f"flush table bridge {GUARD_TABLE}")
-    for chain, hook in (("fwd", "forward"), ("in", "input"), ("out", "output")):
+    for chain, hook in (("to_uplink", "forward"), ("from_uplink", "input"), ("from_capsule", "output")):
         run(f"add chain bridge {GUARD_TABLE} {chain} {{ type filter hook {hook} priority 0; policy accept; }}")
-    run(f'add rule bridge {GUARD_TABLE} fwd oifname "{uplink}" arp daddr ip {gateway} drop')
-    run(f'add rule bridge {GUARD_TABLE} in iifname "{uplink}" arp daddr ip {gateway} drop')
-    run(f'add rule bridge {GUARD_TABLE} out oifname "{uplink}" arp saddr ip {gateway} drop')
-    run(f'add rule bridge {GUARD_TABLE} out oifname "{uplink}" ip saddr {gateway} drop')
+    run(f'add rule bridge {GUARD_TABLE} to_uplink oifname "{uplink}" arp daddr ip {gateway} drop')
+    run(f'add rule bridge {GUARD_TABLE} from_uplink iifname "{uplink}" arp daddr ip {gateway} drop')
+    run(f'add rule bridge {GUARD_TABLE} from_capsule oifname "{uplink}" arp saddr ip {gateway} drop')
+    run(f'add rule bridge {GUARD_TABLE} from_capsule oifname "{uplink}" ip saddr {gateway} drop')
 
 
 def unlock() -> list[str]:
