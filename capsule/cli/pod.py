@@ -127,7 +127,12 @@ def migrate(
     json: JsonOpt = False,
 ) -> None:
     """Move a pod to another capsule of this host: checkpoint, then restore there. Refused up front if
-    the name or the address is taken there; if the restore fails the pod runs again where it was."""
+    the name or the address is taken there (or, on the pod network, by a pod of another capsule); if
+    the restore fails the pod runs again where it was. Between two capsules made with --pod-network the
+    pod keeps its address and its peers' TCP connections go on:
+
+      capsule pod migrate web1/srv --to web2
+    """
     json_flag(json)
     with progress(f"moving {ref} to {to}") as say:
         r = ops.migrate(open_store(), ref, to, progress=say)

@@ -195,8 +195,9 @@ def restore(store: Store, image: str, into: str, progress: Progress = None, *, l
 
 def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[str, Any]:
     """Move a pod to another running capsule of this host: checkpoint (the pod stops), restore there.
-    The target is checked first (the name free, the address free); should the restore still fail, the
-    pod is restored in its own capsule again and the error raised."""
+    The target is checked first (the name free, the address free in it and on the pod network); should
+    the restore still fail, the pod is restored in its own capsule again and the error raised. Between
+    capsules on the pod network (``capsule create --pod-network``) its peers' TCP connections follow it."""
     t0 = time.monotonic()
     capsule, pod = parse_ref(ref)
     validate_capsule_name(to)
