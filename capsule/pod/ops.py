@@ -175,7 +175,7 @@ def restore(store: Store, image: str, into: str, progress: Progress = None, *, l
     file_id = resolve_image(store, image)
     validate_capsule_name(into)
     relay = Relay(store, into)
-    if check_network:
+    if check_network and podnet.on_pod_network(store, into):
         podnet.refuse_clash(store, podnet.image_address(store.file_path(file_id)), into, leaving)
     guest_path = f"{GUEST_INBOX}/{file_id}.tar.zst"
     if progress:
