@@ -2,10 +2,11 @@
 in the same run (under TCG when the host has no KVM: the accel is in the result).
 
 For pods holding ``--sizes`` MiB of incompressible memory (random bytes; the worst case for the image):
-CRIU's dump in the guest, the image's copy out through the guest agent (base64 chunks of 3 MiB), the
-whole checkpoint; the copy in (45 KiB chunks: the agent's request lines are at most 64 KiB) and CRIU's
-restore; the image's size. The peer: ``capsule snapshot`` of the same capsule (memory image + disk
-layer, sealed), its time and the memory image's allocated bytes. Ratios: pod / capsule.
+CRIU's dump in the guest, the image's copy out (on a lent disk from 16 MiB, else through the guest agent
+in base64 chunks of 3 MiB), the whole checkpoint; the copy in (on a lent disk from 2 MiB, else 45 KiB
+chunks: the agent's request lines are at most 64 KiB) and CRIU's restore; the image's size. The peer:
+``capsule snapshot`` of the same capsule (memory image + disk layer, sealed), its time and the memory
+image's allocated bytes. Ratios: pod / capsule.
 
     .venv/bin/python bench/pods_bench.py [--sizes 10,50] [--memory 768M]
 """

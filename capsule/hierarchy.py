@@ -22,7 +22,7 @@ from capsule.catalogue import LayerRow, VersionRow
 from capsule.errors import Conflict, NotFound, RuntimeFailure
 from capsule.fsutil import disk_usage, remove_readonly
 from capsule.names import parse_ref
-from capsule.pod import POD_IMAGE_ROLE
+from capsule.pod import POD_GROUP_ROLE, POD_IMAGE_ROLE
 from capsule.store import Store
 from capsule.storemodes import LEAF_MODE
 
@@ -229,7 +229,7 @@ def referenced(store: Store, also_layers: Collection[str] = (), also_files: Coll
         files.update(v.file_ids())
     for inst in cat.instances():
         layers.update(lid for chain in inst.chains for lid in chain)
-    files.update(f.id for f in cat.files() if f.role == POD_IMAGE_ROLE)  # pod images are kept until removed
+    files.update(f.id for f in cat.files() if f.role in (POD_IMAGE_ROLE, POD_GROUP_ROLE))  # kept until removed
     frontier = list(layers)
     while frontier:
         row = cat.layer(frontier.pop())

@@ -14,6 +14,7 @@ from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
 from capsule.fsutil import disk_usage, install_readonly, translating_enospc
 from capsule.names import check_object_id
+from capsule.pod import POD_IMAGE_ROLE
 from capsule.store import Store
 from capsule.storemodes import OBJECT_MODE, file_mode
 from hashcache.blocks import BLOCK_SIZE
@@ -25,7 +26,7 @@ from hashcache.qcow2_writer import write_layer
 from hashcache.shadow import Shadow
 
 KINDS = ("layer", "file")
-FILE_ROLES = ("memory", "kernel", "initrd")
+FILE_ROLES = ("memory", "kernel", "initrd", POD_IMAGE_ROLE)  # a pod image travels alone (pod migrate --host)
 
 
 def check_kind(kind: str) -> str:

@@ -21,6 +21,11 @@ Management::
     POST /v1/objects/missing                     {"layers": [...], "files": [...]} → what this store lacks
     POST /v1/versions                            record a version whose objects have all arrived
 
+Pods (the destination side of `capsule pod migrate --host`)::
+
+    GET  /v1/pods?capsule=C                      the pods of a running capsule here
+    POST /v1/pods/restore                        {"image": ID, "into": C}: restart a pod image (pushed here) in C
+
 Fleet (capsule/exchange/fleet.py)::
 
     POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V", "fingerprint": F}: pull it
@@ -58,6 +63,7 @@ from capsule.exchange.receiving import (
 )
 from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, missing, version_of
 from capsule.names import check_object_id
+from capsule.pod import ops as pod_ops
 from capsule.records import record_version
 from capsule.store import Store
 from capsule.verify import users_of, verify_versions
@@ -289,6 +295,19 @@ def create_app(home: Path, token: str) -> FastAPI:
         policy = Policy.from_dict(req["policy"])
         dry_run = bool(req.get("dry_run", False))
         return (await asyncio.to_thread(backup_runner.prune, store, name, policy=policy, dry_run=dry_run)).as_dict()
+
+    # -- pods (the destination side of `capsule pod migrate --host`, capsule/pod/remote.py) ---------------
+    @app.get("/v1/pods", dependencies=deps)
+    async def pods_here(capsule: str) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(pod_ops.ls, store, capsule)
+
+    @app.post("/v1/pods/restore", dependencies=deps)
+    async def pod_restore(request: Request) -> dict[str, Any]:
+        req = await json_body(request, "pod restore request")
+        if not isinstance(req, dict) or not isinstance(req.get("image"), str) or not isinstance(req.get("into"), str):
+            raise InvalidName('malformed pod restore request: give {"image": ID, "into": CAPSULE}')
+        check_object_id(req["image"])
+        return await asyncio.to_thread(pod_ops.restore, store, req["image"], req["into"])
 
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     return app

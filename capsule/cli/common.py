@@ -87,3 +87,15 @@ def report(exc: BaseException) -> int:
 FingerprintOpt = Annotated[str | None, typer.Option(
     "--fingerprint", help="The other agent's certificate fingerprint (SHA256:…, printed by `capsule serve` there) "
                           "to pin for this call; default: the known host's at that URL (`capsule host add`).")]
+
+
+def peer_destination(store: Store, to: str, token_file: Path | None) -> tuple[str, str, str]:
+    """A peer given on the command line as an agent URL (its token from --token-file / CAPSULE_TOKEN) or as a
+    known host's name (its URL and token from `capsule host add`): (URL, token, label)."""
+    from capsule import hosts
+    from capsule.agentclient import read_token
+
+    if "://" in to:
+        return to, read_token(token_file), to
+    peer = hosts.get(store, to)
+    return peer.url, peer.token, peer.name

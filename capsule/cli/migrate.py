@@ -14,9 +14,17 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from capsule import hosts
 from capsule.agentclient import read_token
-from capsule.cli.common import OPTIONS, FingerprintOpt, console, emit, err_console, json_flag, open_store
+from capsule.cli.common import (
+    OPTIONS,
+    FingerprintOpt,
+    console,
+    emit,
+    err_console,
+    json_flag,
+    open_store,
+    peer_destination,
+)
 from capsule.migrateprogress import CancelToken, Snapshot
 from capsule.units import human
 
@@ -73,14 +81,6 @@ def ctrl_c_cancels(token: CancelToken) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _destination(store: Any, to: str, token_file: Path | None) -> tuple[str, str, str]:
-    """``--to`` as a URL (token from --token-file / CAPSULE_TOKEN) or as a known host's name (its token)."""
-    if "://" in to:
-        return to, read_token(token_file), to
-    peer = hosts.get(store, to)
-    return peer.url, peer.token, peer.name
-
-
 def migrate(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
     to: Annotated[str, typer.Option("--to", help="The destination: a known host's name (`capsule host ls`) "
@@ -109,7 +109,7 @@ def migrate(
     from capsule import migrate as lib
 
     store = open_store()
-    url, token, label = _destination(store, to, token_file)
+    url, token, label = peer_destination(store, to, token_file)
     source_token = None
     if mode == "demand":
         source_token = read_token(source_token_file or store.home / "agent.token")

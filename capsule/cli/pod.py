@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from capsule.cli.common import console, emit, json_flag, open_store, progress, short
-from capsule.pod import ops
+from capsule.cli.common import FingerprintOpt, console, emit, json_flag, open_store, peer_destination, progress, short
+from capsule.pod import group, ops, remote
+from capsule.pod.errors import PodNameInvalid
 from capsule.units import human
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 RefArg = Annotated[str, typer.Argument(help="The pod as CAPSULE/POD.")]
 CmdArg = Annotated[list[str], typer.Argument(help="The command, after `--`.")]
+TokenOpt = Annotated[Path | None, typer.Option("--token-file", help="With --host URL: the file holding that agent's "
+                                                                    "token (default: CAPSULE_TOKEN).")]
 
 app = typer.Typer(help="Pods: groups of processes inside a running capsule with their own PIDs, mounts "
                        "(private /tmp), host name, IPC, cgroup and IP address (Zap); checkpointed with CRIU "
@@ -123,21 +127,75 @@ def restore(
 @app.command()
 def migrate(
     ref: RefArg,
-    to: Annotated[str, typer.Option("--to", help="Another running capsule of this host.")],
+    to: Annotated[str, typer.Option("--to", help="The running capsule to move it into (on this host, or on "
+                                                 "--host).")],
+    host: Annotated[str | None, typer.Option(
+        "--host", help="The capsule is on another host: a known host's name (`capsule host ls`) or its agent "
+                       "URL (with --token-file).")] = None,
+    token_file: TokenOpt = None,
+    fingerprint: FingerprintOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Move a pod to another capsule of this host: checkpoint, then restore there. Refused up front if
-    the name or the address is taken there (or, on the pod network, by a pod of another capsule); if
-    the restore fails the pod runs again where it was. Between two capsules made with --pod-network the
-    pod keeps its address and its peers' TCP connections go on:
+    """Move a pod to another capsule, on this host or another: checkpoint (the pod stops, its TCP peers
+    wait), then restore there with its PIDs, files and address. With --host the image travels with HCP
+    and the other host's agent restores it. Refused up front if the name or the address is taken there;
+    if sending or restoring fails the pod runs again where it was. Between two capsules of this host made
+    with --pod-network (the address free on the whole pod network) the pod keeps its address and its
+    peers' TCP connections go on:
 
       capsule pod migrate web1/srv --to web2
     """
     json_flag(json)
-    with progress(f"moving {ref} to {to}") as say:
-        r = ops.migrate(open_store(), ref, to, progress=say)
-    emit(r, lambda: console.print(f"pod [bold]{r['pod']}[/] moved {r['from']} → {r['to']} at {r['ip']}: "
-                                  f"checkpoint {r['checkpoint_seconds']:.2f}s, restore {r['restore_seconds']:.2f}s"))
+    store = open_store()
+    with progress(f"moving {ref} to {to}{f' on {host}' if host else ''}") as say:
+        if host is None:
+            r = ops.migrate(store, ref, to, progress=say)
+        else:
+            url, token, label = peer_destination(store, host, token_file)
+            r = remote.migrate(store, ref, to, url, token, fingerprint=fingerprint, progress=say)
+            r["host"] = label
+    where = f"{r['to']} on {r['host']}" if host else r["to"]
+    sent = f", {human(r['wire_bytes'])} on the wire" if host else ""
+    emit(r, lambda: console.print(f"pod [bold]{r['pod']}[/] moved {r['from']} → {where} at {r['ip']}: "
+                                  f"checkpoint {r['checkpoint_seconds']:.2f}s, restore "
+                                  f"{r['restore_seconds']:.2f}s{sent}"))
+
+
+@app.command("checkpoint-group")
+def checkpoint_group(
+    refs: Annotated[list[str], typer.Argument(help="The pods, as CAPSULE/POD, two or more (capsules of this host).")],
+    json: JsonOpt = False,
+) -> None:
+    """Checkpoint pods that talk to each other as one consistent group (ZapC): every member's network is
+    locked first, then all are dumped at once (their TCP connections with them), and one group image is
+    recorded. The pods stop; `pod restore-group` restarts them together and their conversations go on."""
+    json_flag(json)
+    with progress(f"checkpointing {len(refs)} pods as a group"):
+        r = group.checkpoint_group(open_store(), refs)
+    emit(r, lambda: console.print(f"group image [bold]{short(r['group'])}[/]: {len(r['members'])} pods, "
+                                  f"locked in {r['lock_seconds']:.2f}s, {r['seconds']:.2f}s in all"))
+
+
+@app.command("restore-group")
+def restore_group(
+    image: Annotated[str, typer.Argument(help="The group image's id (or a unique prefix, ≥ 6 digits).")],
+    into: Annotated[list[str] | None, typer.Option(
+        "--into", help="POD=CAPSULE: restart that member in another running capsule (repeatable); the "
+                       "others go back to their own capsules.")] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Restart every pod of a group image at once, each in its capsule or where --into says; all or none."""
+    json_flag(json)
+    moves: dict[str, str] = {}
+    for item in into or []:
+        pod, sep, capsule = item.partition("=")
+        if not sep or not pod or not capsule:
+            raise PodNameInvalid(f"--into {item!r}: give POD=CAPSULE")
+        moves[pod] = capsule
+    with progress(f"restoring group {short(image)}"):
+        r = group.restore_group(open_store(), image, moves)
+    emit(r, lambda: console.print("\n".join(f"pod [bold]{m['capsule']}/{m['pod']}[/] runs again at {m['ip']}"
+                                            for m in r["members"]) + f"\n({r['seconds']:.2f}s)"))
 
 
 def register(root: typer.Typer) -> None:

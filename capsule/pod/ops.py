@@ -58,7 +58,8 @@ def create(store: Store, capsule: str, pod: str, cmd: list[str], ip: str | None 
         else:
             podnet.refuse_clash(store, ip, capsule)
     extra = ["--ip", ip] if ip else []
-    return {"capsule": capsule, **Relay(store, capsule).call("create", *extra, pod, "--", *cmd)}
+    # (a first create in a capsule starts python, sets up the bridge and the cgroup: slow on a busy TCG guest)
+    return {"capsule": capsule, **Relay(store, capsule).call("create", *extra, pod, "--", *cmd, timeout=180)}
 
 
 def exec_in(store: Store, ref: str, cmd: list[str], timeout: float = 30.0) -> dict[str, Any]:
@@ -193,6 +194,28 @@ def restore(store: Store, image: str, into: str, progress: Progress = None, *, l
             "copy_calls": calls, "seconds": round(time.monotonic() - t0, 3)}
 
 
+def source_pod(store: Store, ref: str) -> dict[str, Any]:
+    """The pod ``CAPSULE/POD`` as its capsule lists it (name, address, state …)."""
+    capsule, pod = parse_ref(ref)
+    source = {p["name"]: p for p in Relay(store, capsule).call("ls")}
+    if pod not in source:
+        raise PodNotFound(f"capsule {capsule!r}: no pod {pod!r} in this capsule")
+    return source[pod]
+
+
+def check_target(pod: dict[str, Any], there: list[dict[str, Any]], to: str, ref: str) -> None:
+    """Refuse, before anything stops, a move of ``pod`` into capsule ``to`` whose pods (``there``) hold its
+    name or its address."""
+    for other in there:
+        if other["state"] == "exited":
+            continue
+        if other["name"] == pod["name"]:
+            raise PodExists(f"capsule {to!r}: a pod {pod['name']!r} runs there already; {ref} stays where it is")
+        if other["ip"].split("/")[0] == pod["ip"].split("/")[0]:
+            raise PodAddressClash(f"capsule {to!r}: pod {other['name']!r} holds {other['ip']}; "
+                                  f"{ref} stays where it is")
+
+
 def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[str, Any]:
     """Move a pod to another running capsule of this host: checkpoint (the pod stops), restore there.
     The target is checked first (the name free, the address free in it and on the pod network); should
@@ -203,18 +226,9 @@ def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[
     validate_capsule_name(to)
     if to == capsule:
         raise PodNameInvalid(f"pod {ref} is in {to!r} already")
-    source = {p["name"]: p for p in Relay(store, capsule).call("ls")}
-    if pod not in source:
-        raise PodNotFound(f"capsule {capsule!r}: no pod {pod!r} in this capsule")
-    for other in Relay(store, to).call("ls"):
-        if other["state"] == "exited":
-            continue
-        if other["name"] == pod:
-            raise PodExists(f"capsule {to!r}: a pod {pod!r} runs there already; {ref} stays where it is")
-        if other["ip"].split("/")[0] == source[pod]["ip"].split("/")[0]:
-            raise PodAddressClash(f"capsule {to!r}: pod {other['name']!r} holds {other['ip']}; "
-                                  f"{ref} stays where it is")
-    podnet.refuse_clash(store, source[pod]["ip"], to, leaving=capsule)
+    source = source_pod(store, ref)
+    check_target(source, Relay(store, to).call("ls"), to, ref)
+    podnet.refuse_clash(store, source["ip"], to, leaving=capsule)
     ck = checkpoint(store, ref, progress=progress)
     try:
         moved = restore(store, ck.image, to, progress=progress, leaving=capsule)

@@ -1,6 +1,8 @@
 """The relay to a capsule's pod layer: ``python3 -m pods …`` run through the guest agent's ``exec``,
-its one JSON line parsed and its error kind raised as the typed error; files moved in base64 chunks
-within the agent's limits (requests ≤ 64 KiB a line, replies ≤ 8 MiB of output)."""
+its one JSON line parsed and its error kind raised as the typed error. Files (pod images) move on a disk
+lent to the guest for the copy (:mod:`capsule.runtime.hotdisk`: ~15× the agent's channel under TCG), or,
+where the guest takes no hot-plugged disk, in base64 chunks within the agent's limits (requests ≤ 64 KiB a
+line, replies ≤ 8 MiB of output). Either way the copy is checked by sha256 at both ends."""
 
 from __future__ import annotations
 
@@ -13,24 +15,31 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from capsule.catalogue import InstanceRow
 from capsule.errors import Conflict, NotFound
 from capsule.pod.errors import BY_KIND, PodFailed, PodLayerMissing
+from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, GuestAgent
+from capsule.runtime.hotdisk import HotDisk, HotDiskUnavailable, scratch_file
 from capsule.store import Store
 
 DOWN_CHUNK = 3 << 20      # raw bytes per read: 4 MiB of base64, under the agent's 8 MiB output cap
 UP_CHUNK = 45 << 10       # raw bytes per write: 60 KiB of base64 in one request line (limit 64 KiB)
 OUTPUT_CAP = 8 << 20
+# Below these sizes the agent's channel is quicker than lending a disk (its attach, the guest noticing it,
+# its detach: ~1–2 s under TCG); above, the disk wins more with every MiB (in: 1.6 MiB/s on the channel).
+LEND_FROM_IN = 2 << 20
+LEND_FROM_OUT = 16 << 20
 Progress = Callable[[str], None] | None
 
 
-def agent_socket(store: Store, capsule: str) -> Path:
+def _instance(store: Store, capsule: str) -> InstanceRow:
     if store.catalogue.capsule(capsule) is None:
         raise NotFound(f"no capsule {capsule!r} in this store (see `capsule ls`)")
     inst = store.catalogue.instance(capsule)
     if inst is None:
         raise Conflict(f"capsule {capsule!r} is not running; pods live in running capsules (`capsule start`)")
-    return Path(inst.dir) / "agent.sock"
+    return inst
 
 
 class Relay:
@@ -38,7 +47,10 @@ class Relay:
 
     def __init__(self, store: Store, capsule: str) -> None:
         self.capsule = capsule
-        self.sock = agent_socket(store, capsule)
+        self.store = store
+        inst = _instance(store, capsule)
+        self.sock = Path(inst.dir) / "agent.sock"
+        self.domain = inst.domain
         self._agent: GuestAgent | None = None
 
     @contextlib.contextmanager
@@ -91,8 +103,48 @@ class Relay:
             raise PodFailed(f"capsule {self.capsule!r}: {script.split()[0]} failed: {r.get('stderr', '')[-500:]}")
         return r["stdout"]
 
-    def download(self, guest_path: str, size: int, dest: Path, progress: Progress = None) -> int:
-        """Copy a guest file here in chunks; checked against the guest's sha256. Returns exec calls made."""
+    def _has_device(self, device: str) -> bool:
+        return self.sh(f"test -b {shlex.quote(device)} && echo yes || true").strip() == "yes"
+
+    def _lend(self, path: Path, writable: bool) -> HotDisk:
+        domain = lookup_domain(self.domain)
+        if domain is None:
+            raise HotDiskUnavailable(f"capsule {self.capsule!r}: its domain {self.domain} is gone")
+        return HotDisk(domain, path, self._has_device, writable=writable)
+
+    def download(self, guest_path: str, size: int, dest: Path, progress: Progress = None, *,
+                 lend: bool | None = None) -> int:
+        """Copy a guest file here, on a lent disk (``lend``; by default from LEND_FROM_OUT bytes) or else
+        through the agent; checked against the guest's sha256. Returns the agent calls the copy itself made
+        (1 on a lent disk)."""
+        if lend if lend is not None else size >= LEND_FROM_OUT:
+            try:
+                return self._download_disk(guest_path, size, dest, progress)
+            except HotDiskUnavailable:
+                if lend:
+                    raise
+        return self._download_chunks(guest_path, size, dest, progress)
+
+    def _download_disk(self, guest_path: str, size: int, dest: Path, progress: Progress) -> int:
+        q = shlex.quote(guest_path)
+        scratch = scratch_file(self.store.temp_path(".lent"), size)
+        try:
+            lent = self._lend(scratch, writable=True)
+            with self.session(), lent as disk:
+                if progress:
+                    progress(f"copying {size >> 10} KiB out on a lent disk")
+                theirs = self.sh(f"dd if={q} of={disk.guest_device} bs=1M conv=fsync status=none && "
+                                 f"sha256sum {q}", timeout=600).split()[0]
+            with scratch.open("r+b") as f:
+                f.truncate(size)
+            if _sha256(scratch) != theirs:
+                raise PodFailed(f"capsule {self.capsule!r}: {guest_path} came out damaged on the lent disk")
+            scratch.replace(dest)
+        finally:
+            scratch.unlink(missing_ok=True)
+        return 1
+
+    def _download_chunks(self, guest_path: str, size: int, dest: Path, progress: Progress = None) -> int:
         q = shlex.quote(guest_path)
         digest = hashlib.sha256()
         calls = 0
@@ -115,8 +167,35 @@ class Relay:
             raise PodFailed(f"capsule {self.capsule!r}: {guest_path} changed while it was copied")
         return calls
 
-    def upload(self, src: Path, guest_path: str, progress: Progress = None) -> int:
-        """Copy a file here into the guest in chunks (written to .part, renamed when checked)."""
+    def upload(self, src: Path, guest_path: str, progress: Progress = None, *, lend: bool | None = None) -> int:
+        """Copy a file here into the guest (written to .part, renamed when checked), on a lent disk (``lend``;
+        by default from LEND_FROM_IN bytes) or else through the agent. Returns the agent calls the copy
+        itself made (1 on a lent disk)."""
+        if lend if lend is not None else src.stat().st_size >= LEND_FROM_IN:
+            try:
+                return self._upload_disk(src, guest_path, progress)
+            except HotDiskUnavailable:
+                if lend:
+                    raise
+        return self._upload_chunks(src, guest_path, progress)
+
+    def _upload_disk(self, src: Path, guest_path: str, progress: Progress) -> int:
+        q = shlex.quote(guest_path)
+        part = shlex.quote(guest_path + ".part")
+        size = src.stat().st_size
+        lent = self._lend(src, writable=False)
+        with self.session(), lent as disk:
+            if progress:
+                progress(f"copying {size >> 10} KiB in on a lent disk")
+            theirs = self.sh(f"mkdir -p $(dirname {q}) && head -c {size} {disk.guest_device} > {part} && "
+                             f"sha256sum {part}", timeout=600).split()[0]
+        if theirs != _sha256(src):
+            self.sh(f"rm -f {part}")
+            raise PodFailed(f"capsule {self.capsule!r}: the pod image arrived damaged")
+        self.sh(f"mv {part} {q}")
+        return 1
+
+    def _upload_chunks(self, src: Path, guest_path: str, progress: Progress = None) -> int:
         q = shlex.quote(guest_path)
         part = shlex.quote(guest_path + ".part")
         self.sh(f"mkdir -p $(dirname {q}) && : > {part}")
@@ -135,3 +214,11 @@ class Relay:
             raise PodFailed(f"capsule {self.capsule!r}: the pod image arrived damaged")
         self.sh(f"mv {part} {q}")
         return calls
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

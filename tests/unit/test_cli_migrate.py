@@ -54,7 +54,7 @@ def test_ctrl_c_after_the_point_of_no_return_does_not_cancel():
 
 def test_to_is_a_known_hosts_name_or_a_url_with_a_token_file(tmp_path, monkeypatch):
     from capsule import hosts
-    from capsule.cli.migrate import _destination
+    from capsule.cli.common import peer_destination as _destination
     from capsule.errors import NotFound
     from capsule.store import Store
     from tests.unit.inprocess_agent import InProcessAgent

@@ -7,10 +7,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from capsule.errors import CapsuleError, IntegrityError
 from capsule.pod import errors as perr
 from capsule.pod.relay import UP_CHUNK, Relay
+from capsule.runtime.hotdisk import HotDiskUnavailable
 
 pytestmark = pytest.mark.unit
 LINE_LIMIT = 65536  # the agent's request line limit (guest-balloon/PROTOCOL.md)
@@ -52,6 +55,12 @@ def _fake(tmp_path: Path, answer: Callable[[dict[str, Any]], dict[str, Any]], se
     threading.Thread(target=serve, daemon=True).start()
     relay = Relay.__new__(Relay)
     relay.capsule, relay.sock, relay._agent = "deb", path, None
+    relay.store = SimpleNamespace(temp_path=lambda suffix: tmp_path / f"tmp{suffix}")  # type: ignore[assignment]
+
+    def no_disk(_path: Path, writable: bool) -> None:  # a guest that takes no hot-plugged disk
+        raise HotDiskUnavailable("the guest did not see a hot-plugged disk")
+
+    relay._lend = no_disk  # type: ignore[method-assign]
     return relay
 
 
@@ -87,7 +96,7 @@ def test_a_guest_without_the_pod_layer_says_so(tmp_path):
         relay.call("ls")
 
 
-def test_upload_keeps_to_the_line_limit_and_checks_the_digest(tmp_path):
+def test_upload_without_a_lent_disk_keeps_to_the_line_limit_and_checks_the_digest(tmp_path):
     data = bytes(range(256)) * ((3 * UP_CHUNK) // 256 + 7)
     src = tmp_path / "image"
     src.write_bytes(data)
@@ -124,7 +133,7 @@ def test_upload_that_arrives_damaged_is_refused(tmp_path):
         _fake(tmp_path, answer, []).upload(src, "/var/lib/pods/in/x")
 
 
-def test_download_reassembles_chunks_and_checks_the_digest(tmp_path):
+def test_download_without_a_lent_disk_reassembles_chunks_and_checks_the_digest(tmp_path):
     data = b"pod image " * 5000
 
     def answer(args):
@@ -138,3 +147,38 @@ def test_download_reassembles_chunks_and_checks_the_digest(tmp_path):
     dest = tmp_path / "out"
     calls = _fake(tmp_path, answer, []).download("/x", len(data), dest)
     assert dest.read_bytes() == data and calls == -(-len(data) // 20000)
+
+
+def test_a_lent_disk_is_tried_by_size_and_a_guest_without_one_falls_back_unless_asked(tmp_path):
+    from capsule.pod.relay import LEND_FROM_IN
+
+    src = tmp_path / "big"
+    src.write_bytes(os.urandom(LEND_FROM_IN))
+    got = bytearray()
+    tried: list[bool] = []
+
+    def answer(args):
+        script = args["argv"][-1]
+        if script.startswith("base64 -d"):
+            got.extend(base64.b64decode(args["stdin"]))
+        if script.startswith("sha256sum"):
+            return _exec(hashlib.sha256(bytes(got)).hexdigest() + "  x\n")
+        return _exec()
+
+    relay = _fake(tmp_path, answer, [])
+    plain_lend = relay._lend
+
+    def lend(path, writable):
+        tried.append(writable)
+        return plain_lend(path, writable)
+
+    relay._lend = lend  # type: ignore[method-assign]
+    assert relay.upload(src, "/var/lib/pods/in/big") > 1 and bytes(got) == src.read_bytes()
+    assert tried == [False]  # big enough to try a lent disk; the guest took none: the channel carried it
+    small = tmp_path / "small"
+    small.write_bytes(b"s" * 1000)
+    got.clear()
+    relay.upload(small, "/var/lib/pods/in/small")
+    assert tried == [False] and bytes(got) == b"s" * 1000  # too small to lend a disk for
+    with pytest.raises(HotDiskUnavailable):
+        relay.upload(small, "/var/lib/pods/in/small", lend=True)  # asked for: no silent fallback

@@ -260,3 +260,37 @@ def test_version_records_with_strange_config_are_refused(hosts):
         rec = dict(record, config=dict(record["config"], **bad))
         r = httpx.post(f"{agent_b.url}/v1/versions", json=rec, headers=auth)
         assert r.status_code == 400, (bad, r.text)
+
+
+def test_a_pod_image_travels_alone_and_the_pod_routes_refuse_bad_requests(hosts, tmp_path):
+    """`pod migrate --host`'s transfer: a sealed pod image (no version) is pushed with HCP, installed
+    with its role and kept by gc; sent again it stays home. The destination's pod routes refuse
+    malformed requests and unknown capsules clearly, changing nothing."""
+    from capsule import hierarchy
+    from capsule.pod import POD_IMAGE_ROLE
+
+    a, b, _agent_a, agent_b = hosts
+    src = tmp_path / "pod.tar.zst"
+    src.write_bytes(os.urandom(300_000) + bytes(200_000))
+    row = a.seal_file(src, POD_IMAGE_ROLE)
+    with a.catalogue.transaction():
+        a.catalogue.add_file(row)
+    sent = transfer.push_files(a, [(row.id, POD_IMAGE_ROLE)], agent_b.url, agent_b.token)
+    assert [o.id for o in sent.objects] == [row.id] and 300_000 < sent.wire_bytes < 400_000
+    there = b.catalogue.file(row.id)
+    assert there is not None and there.role == POD_IMAGE_ROLE and there.size == row.size
+    assert b.file_path(row.id).read_bytes() == a.file_path(row.id).read_bytes()
+    hierarchy.gc(b, max_pending_age=0)
+    assert b.file_path(row.id).exists(), "gc keeps pod images"
+    again = transfer.push_files(a, [(row.id, POD_IMAGE_ROLE)], agent_b.url, agent_b.token)
+    assert again.objects == [] and again.skipped == [row.id] and again.wire_bytes < 10_000
+
+    auth = {"Authorization": f"Bearer {agent_b.token}"}
+    for body in ({"image": row.id}, {"image": 7, "into": "x"}, ["x"], {"image": "../../etc", "into": "x"}):
+        r = httpx.post(f"{agent_b.url}/v1/pods/restore", json=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_name", (body, r.text)
+    r = httpx.post(f"{agent_b.url}/v1/pods/restore", json={"image": row.id, "into": "nosuch"}, headers=auth)
+    assert r.status_code == 404 and "nosuch" in r.json()["detail"]
+    r = httpx.get(f"{agent_b.url}/v1/pods", params={"capsule": "../x"}, headers=auth)
+    assert r.status_code == 400
+    assert httpx.get(f"{agent_b.url}/v1/pods", params={"capsule": "nosuch"}).status_code == 401

@@ -6,6 +6,7 @@ members with bytes in flight, a file lock, and a process asleep in a system call
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from capsule import capsules, lifecycle
 from capsule.pod import ops
 from capsule.pod.relay import Relay
+from capsule.runtime.connection import lookup_domain
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -122,7 +124,7 @@ def _snapshot(store, ref: str, tree: dict[str, int]) -> dict[str, object]:
     }
 
 
-def test_a_process_tree_with_zombie_shm_pipes_sockets_locks_and_a_sleeper_survives_restart(debian_store):
+def test_a_process_tree_with_zombie_shm_pipes_sockets_locks_and_a_sleeper_survives_restart(debian_store, tmp_path):
     store = debian_store
     capsules.create(store, "ln", "debian", memory="512M")
     lifecycle.start(store, "ln", timeout=300)
@@ -165,4 +167,16 @@ def test_a_process_tree_with_zombie_shm_pipes_sockets_locks_and_a_sleeper_surviv
         assert time.monotonic() < deadline, "the lock was not released when its holder died"
         time.sleep(0.5)
     ops.kill(store, "ln/tree")
+
+    # a pod image's way in and out on a lent disk (big images take it): the bytes exact both ways, and
+    # the disk given back, so the capsule has its own disks only (a suspend's restore XML admits no other)
+    relay = Relay(store, "ln")
+    blob = tmp_path / "blob"
+    blob.write_bytes(os.urandom(20 << 20) + b"tail")
+    assert relay.upload(blob, "/root/blob", lend=True) == 1
+    back_here = tmp_path / "back"
+    assert relay.download("/root/blob", blob.stat().st_size, back_here, lend=True) == 1
+    assert back_here.read_bytes() == blob.read_bytes()
+    domain = lookup_domain(store.catalogue.instance("ln").domain)
+    assert domain is not None and domain.XMLDesc(0).count("<disk ") == 1
     lifecycle.stop(store, "ln", timeout=120)
