@@ -30,7 +30,12 @@ SERVER = ("import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 7000))\ns.list
           "for n, line in enumerate(c.makefile('rb'), 1):\n    c.sendall(b'%d %s' % (n, line))\n")
 CLIENT = """
 import os, socket, sys, time
-s = socket.create_connection((sys.argv[1], 7000), timeout=600)
+for _ in range(120):  # the pod's server may not listen yet
+    try:
+        s = socket.create_connection((sys.argv[1], 7000), timeout=600)
+        break
+    except ConnectionRefusedError:
+        time.sleep(0.5)
 f, log, i = s.makefile("rb"), open(sys.argv[2], "a", buffering=1), 0
 while not os.path.exists(sys.argv[3]):
     i += 1
@@ -89,6 +94,8 @@ def main() -> None:
             client = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT,
                                        made["ip"].split("/")[0], str(log), str(stop)])
             while len(_times(log)) < 10:
+                if client.poll() is not None:
+                    raise SystemExit(f"the client failed (exit {client.returncode})")
                 time.sleep(0.5)
             rows, out = [], []
 
