@@ -33,10 +33,12 @@ def resolve(store: Store, ref: str) -> VersionRow:
 
 
 def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cpus: int = 1,
-           free_page_reporting: bool = True, data_disks: Sequence[str] = ()) -> VersionRow:
+           free_page_reporting: bool = True, data_disks: Sequence[str] = (), pod_network: bool = False
+           ) -> VersionRow:
     """A new capsule whose system disk (disk 0, vda) is the image's root layer (shared, not copied), and one
     empty data disk (vdb, vdc, …) per size in ``data_disks``: a root layer without blocks, shared by every
-    data disk of that size."""
+    data disk of that size. ``pod_network``: the machine has a NIC on the host's pod bridge
+    (``runtime.podnet``), so its pods share one network with the pods of the host's other such capsules."""
     check_name(name)
     check_name(image, "image")
     memory_mib = parse_memory_mib(memory)
@@ -63,6 +65,8 @@ def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cp
             "image": img.name,
             "free_page_reporting": free_page_reporting,
         }
+        if pod_network:
+            config["pod_network"] = True
         empty = [_empty_layer(store, size) for size in sizes]
         version = VersionRow(capsule=name, number=1, parent_capsule=None, parent_version=None, memory=None,
                              chains=[[img.root_layer], *([row.id] for row in empty)], config=config,

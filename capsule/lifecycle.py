@@ -20,7 +20,7 @@ from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import CapsuleError, Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
 from capsule.fsutil import is_enospc, make_private_dir
-from capsule.runtime import saveimage
+from capsule.runtime import podnet, saveimage
 from capsule.runtime.accel import AccelDecision, decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import log_size, wait_for_marker
@@ -131,6 +131,8 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
             memimage.check(store, version.config, store.file_path(version.memory), name=domain, uuid=cap.uuid,
                            disks=len(version.chains), instance_dir=store.instance_dir(name))
         decision = accel_for(store)
+        if version.config.get(podnet.CONFIG_KEY):
+            say(f"joining the host's pod bridge {podnet.ensure_bridge()}")
         inst_dir, log, agent_sock = _instance_files(store, name)
         if network:
             (inst_dir / USER_NETWORK).write_text(network)

@@ -13,7 +13,7 @@ from typing import Any
 import libvirt
 
 from capsule.errors import RuntimeFailure
-from capsule.runtime import restorexml, saveimage
+from capsule.runtime import podnet, restorexml, saveimage
 from capsule.runtime.connection import connect
 from capsule.runtime.domainxml import MachineSpec
 from capsule.store import Store
@@ -34,7 +34,8 @@ def machine_spec(store: Store, config: dict[str, Any], *, name: str, uuid: str, 
                        kernel=store.file_path(config["kernel"]), initrd=store.file_path(config["initrd"]),
                        cmdline=config["cmdline"], disks=disks, console_log=console_log, agent_socket=agent_socket,
                        free_page_reporting=config.get("free_page_reporting", True), emulator=emulator,
-                       vnc_socket=agent_socket.with_name(VNC_SOCKET))
+                       vnc_socket=agent_socket.with_name(VNC_SOCKET),
+                       pod_uplink=(podnet.BRIDGE, podnet.uplink_mac(uuid)) if config.get(podnet.CONFIG_KEY) else None)
 
 
 def restore_xml(store: Store, config: dict[str, Any], saved_xml: str, *, name: str, uuid: str, disks: list[Path],

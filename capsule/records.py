@@ -60,7 +60,8 @@ def validate(record: Any) -> dict[str, Any]:
         for key, typ in CONFIG_KEYS.items():
             if not isinstance(config.get(key), typ):
                 raise InvalidName(f"config field {key!r} missing or of the wrong type")
-        optional = {"image": (str, type(None)), "free_page_reporting": (bool,), "balloon": (dict, type(None))}
+        optional = {"image": (str, type(None)), "free_page_reporting": (bool,), "balloon": (dict, type(None)),
+                    "pod_network": (bool,)}
         for key in config:
             if key not in CONFIG_KEYS and key not in optional:
                 raise InvalidName(f"unknown config field {key!r}")

@@ -139,6 +139,7 @@ def _restore_from(images: Path, meta: dict[str, Any], timeout: float) -> dict[st
     pod.sh(["ip", "link", "set", veth, "up"], "bring the pod's veth up")
     pod.sh(["nsenter", "-t", str(init_pid), "-n", pod.PY, "-m", "pods.nft", "unlock"],
            "unlock the pod's network")
+    pod.announce(init_pid, meta["ip"])
     rec = {"name": name, "ip": meta["ip"], "veth": veth, "init_pid": init_pid, "cmd": meta["cmd"],
            "created": meta["created"], "restored": time.time()}
     pod.save(rec)

@@ -10,6 +10,10 @@ NAME_RX = re.compile(r"[a-z][a-z0-9-]{0,30}")
 # the benchmarking range (RFC 2544), never routed outside the guest: one /24 for the pods of a capsule
 DEFAULT_SUBNET = ipaddress.IPv4Network("198.18.0.0/24")
 BRIDGE = "pods0"
+# the capsule's NIC on the host's pod bridge (``capsule create --pod-network``) has a MAC with this prefix
+# (locally administered, unicast): pods0 takes it as its uplink, so the pods of all such capsules of a
+# host share one L2 segment
+UPLINK_MAC_PREFIX = "0e:70:6f:"
 
 
 class PodError(Exception):

@@ -35,6 +35,23 @@ def run(command: str) -> str:
         lib.nft_ctx_free(ctx)
 
 
+GUARD_TABLE = "pods_uplink"
+
+
+def guard_gateway(uplink: str, gateway: str) -> None:
+    """Every capsule's pods0 holds the same gateway address; on the shared segment only the capsule's own
+    may answer for it: ARP for the gateway neither leaves through the uplink nor is answered from it,
+    and the capsule's own traffic from the gateway address stays inside."""
+    run(f"add table bridge {GUARD_TABLE}")
+    run(f"flush table bridge {GUARD_TABLE}")
+    for chain, hook in (("to_uplink", "forward"), ("from_uplink", "input"), ("from_capsule", "output")):
+        run(f"add chain bridge {GUARD_TABLE} {chain} {{ type filter hook {hook} priority 0; policy accept; }}")
+    run(f'add rule bridge {GUARD_TABLE} to_uplink oifname "{uplink}" arp daddr ip {gateway} drop')
+    run(f'add rule bridge {GUARD_TABLE} from_uplink iifname "{uplink}" arp daddr ip {gateway} drop')
+    run(f'add rule bridge {GUARD_TABLE} from_capsule oifname "{uplink}" arp saddr ip {gateway} drop')
+    run(f'add rule bridge {GUARD_TABLE} from_capsule oifname "{uplink}" ip saddr {gateway} drop')
+
+
 def unlock() -> list[str]:
     tables = LOCK_TABLE.findall(run("list tables"))
     for table in tables:

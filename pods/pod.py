@@ -13,8 +13,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pods import sysops
-from pods.names import BRIDGE, PodError, allocate, check_free, check_name, gateway, host_veth, parse_ip
+from pods import nft, sysops
+from pods.names import (
+    BRIDGE,
+    UPLINK_MAC_PREFIX,
+    PodError,
+    allocate,
+    check_free,
+    check_name,
+    gateway,
+    host_veth,
+    parse_ip,
+)
 
 STATE = Path("/run/pods")
 CGROUP = Path("/sys/fs/cgroup/pods")
@@ -86,6 +96,37 @@ def ensure_bridge(net: ipaddress.IPv4Network) -> None:
     if gw not in sh(["ip", "-o", "-4", "addr", "show", "dev", BRIDGE], "read the bridge"):
         sh(["ip", "addr", "add", gw, "dev", BRIDGE], "address the pod bridge")
     sh(["ip", "link", "set", BRIDGE, "up"], "bring the pod bridge up")
+    if (link := uplink()) is not None:
+        join_uplink(link, net)
+
+
+def uplink() -> str | None:
+    """The capsule's NIC on the host's pod bridge, when it has one (its MAC has UPLINK_MAC_PREFIX)."""
+    for dev in sorted(Path("/sys/class/net").iterdir()):
+        with contextlib.suppress(OSError):
+            if (dev / "address").read_text().strip().startswith(UPLINK_MAC_PREFIX):
+                return dev.name
+    return None
+
+
+def join_uplink(link: str, net: ipaddress.IPv4Network) -> None:
+    """pods0 enslaves the uplink (no address of its own), so the pods share the host's segment; the
+    gateway address stays each capsule's own (``nft.guard_gateway``)."""
+    if Path(f"/sys/class/net/{link}/master").resolve().name != BRIDGE:
+        sh(["ip", "addr", "flush", "dev", link], "clear the uplink's addresses")
+        with contextlib.suppress(OSError):
+            Path(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6").write_text("1")
+        sh(["ip", "link", "set", link, "master", BRIDGE, "up"], "attach the uplink to the pod bridge")
+    try:
+        nft.guard_gateway(link, str(gateway(net)))
+    except OSError as exc:
+        raise PodError(f"could not guard the gateway address on the uplink {link}: {exc}", "pod_failed") from None
+
+
+def announce(init_pid: int, ip: str) -> None:
+    """Gratuitous ARP from the pod's eth0: the bridges and the peers learn where it is now."""
+    sh(["nsenter", "-t", str(init_pid), "-n", PY, "-m", "pods.announce", "eth0", ip.split("/")[0]],
+       "announce the pod's address")
 
 
 def choose_address(ip: str | None, name: str) -> ipaddress.IPv4Interface:

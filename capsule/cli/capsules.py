@@ -33,6 +33,11 @@ def create(
     data_disk: Annotated[list[str] | None, typer.Option(
         "--data-disk", help="Add an empty data disk of this size (vdb, then vdc, …; repeatable), e.g. 20G. "
                             "`capsule update apply` replaces the system disk and keeps these.")] = None,
+    pod_network: Annotated[bool, typer.Option(
+        "--pod-network", help="Give the machine a NIC on this host's pod bridge (capsulepods0, no address on "
+                              "the host): its pods share 198.18.0.0/24 with the pods of the host's other such "
+                              "capsules and keep their address and TCP connections when `capsule pod migrate` "
+                              "moves them between them.")] = False,
     json: JsonOpt = False,
 ) -> None:
     """Create a capsule from an image. The image's root layer is shared, not copied.
@@ -42,10 +47,13 @@ def create(
       capsule create alice --image deb --memory 1G --cpus 2
 
       capsule create bob --image deb --data-disk 20G      # vda: the system, vdb: bob's data
+
+      capsule create web1 --image debian --pod-network    # its pods on the host's pod network
     """
     json_flag(json)
     store = open_store()
-    v = lib.create(store, name, image, memory, cpus, free_page_reporting, data_disks=data_disk or ())
+    v = lib.create(store, name, image, memory, cpus, free_page_reporting, data_disks=data_disk or (),
+                   pod_network=pod_network)
     emit(version_dict(store, v), lambda: console.print(f"created [bold]{v.ref}[/] from image {image}"))
 
 
@@ -98,7 +106,8 @@ def show(
         if data["parent"]:
             console.print(f"  parent    {data['parent']}")
         cfg = v.config
-        console.print(f"  machine   {cfg['memory_mib']} MiB, {cfg['vcpus']} vCPU, image {cfg.get('image')}")
+        console.print(f"  machine   {cfg['memory_mib']} MiB, {cfg['vcpus']} vCPU, image {cfg.get('image')}"
+                      + (", on the pod network" if cfg.get("pod_network") else ""))
         if data["memory"]:
             m = data["memory"]
             console.print(f"  memory    {short(m['id'])}  {human(m['size'])} logical, "

@@ -139,7 +139,12 @@ def migrate(
     """Move a pod to another capsule, on this host or another: checkpoint (the pod stops, its TCP peers
     wait), then restore there with its PIDs, files and address. With --host the image travels with HCP
     and the other host's agent restores it. Refused up front if the name or the address is taken there;
-    if sending or restoring fails the pod runs again where it was."""
+    if sending or restoring fails the pod runs again where it was. Between two capsules of this host made
+    with --pod-network (the address free on the whole pod network) the pod keeps its address and its
+    peers' TCP connections go on:
+
+      capsule pod migrate web1/srv --to web2
+    """
     json_flag(json)
     store = open_store()
     with progress(f"moving {ref} to {to}{f' on {host}' if host else ''}") as say:

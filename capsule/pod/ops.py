@@ -11,6 +11,7 @@ from typing import Any
 from capsule.errors import Error
 from capsule.names import check_name as validate_capsule_name
 from capsule.pod import POD_IMAGE_ROLE
+from capsule.pod import network as podnet
 from capsule.pod.errors import BY_KIND, PodAddressClash, PodExists, PodLayerMissing, PodNameInvalid, PodNotFound
 from capsule.pod.relay import Progress, Relay
 from capsule.store import Store
@@ -51,6 +52,11 @@ def create(store: Store, capsule: str, pod: str, cmd: list[str], ip: str | None 
     ip = check_ip(ip)
     if not cmd:
         raise PodNameInvalid("a pod needs a command: capsule pod create CAPSULE POD -- CMD…")
+    if podnet.on_pod_network(store, capsule):  # the address must be free on the whole pod network
+        if ip is None:
+            ip = podnet.free_address(store)
+        else:
+            podnet.refuse_clash(store, ip, capsule)
     extra = ["--ip", ip] if ip else []
     # (a first create in a capsule starts python, sets up the bridge and the cgroup: slow on a busy TCG guest)
     return {"capsule": capsule, **Relay(store, capsule).call("create", *extra, pod, "--", *cmd, timeout=180)}
@@ -161,12 +167,17 @@ def resolve_image(store: Store, ref: str) -> str:
     return hits[0]
 
 
-def restore(store: Store, image: str, into: str, progress: Progress = None) -> dict[str, Any]:
-    """Restart a pod from its image in a running capsule (the one it came from or another)."""
+def restore(store: Store, image: str, into: str, progress: Progress = None, *, leaving: str | None = None,
+            check_network: bool = True) -> dict[str, Any]:
+    """Restart a pod from its image in a running capsule (the one it came from or another). On the pod
+    network, refused while a pod of another capsule there holds its address (``leaving``: the capsule a
+    migration moves it out of)."""
     t0 = time.monotonic()
     file_id = resolve_image(store, image)
     validate_capsule_name(into)
     relay = Relay(store, into)
+    if check_network and podnet.on_pod_network(store, into):
+        podnet.refuse_clash(store, podnet.image_address(store.file_path(file_id)), into, leaving)
     guest_path = f"{GUEST_INBOX}/{file_id}.tar.zst"
     if progress:
         progress("copying the image in")
@@ -207,19 +218,22 @@ def check_target(pod: dict[str, Any], there: list[dict[str, Any]], to: str, ref:
 
 def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[str, Any]:
     """Move a pod to another running capsule of this host: checkpoint (the pod stops), restore there.
-    The target is checked first (the name free, the address free); should the restore still fail, the
-    pod is restored in its own capsule again and the error raised."""
+    The target is checked first (the name free, the address free in it and on the pod network); should
+    the restore still fail, the pod is restored in its own capsule again and the error raised. Between
+    capsules on the pod network (``capsule create --pod-network``) its peers' TCP connections follow it."""
     t0 = time.monotonic()
     capsule, pod = parse_ref(ref)
     validate_capsule_name(to)
     if to == capsule:
         raise PodNameInvalid(f"pod {ref} is in {to!r} already")
-    check_target(source_pod(store, ref), Relay(store, to).call("ls"), to, ref)
+    source = source_pod(store, ref)
+    check_target(source, Relay(store, to).call("ls"), to, ref)
+    podnet.refuse_clash(store, source["ip"], to, leaving=capsule)
     ck = checkpoint(store, ref, progress=progress)
     try:
-        moved = restore(store, ck.image, to, progress=progress)
+        moved = restore(store, ck.image, to, progress=progress, leaving=capsule)
     except Error:
-        restore(store, ck.image, capsule, progress=progress)  # the pod runs on where it was
+        restore(store, ck.image, capsule, progress=progress, check_network=False)  # it runs on where it was
         raise
     return {"pod": pod, "from": capsule, "to": to, "image": ck.image, "size": ck.size,
             "checkpoint_seconds": ck.seconds, "restore_seconds": moved["seconds"],

@@ -29,6 +29,7 @@ class MachineSpec:
     emulator: str | None = None   # None: libvirt's default
     vnc_socket: Path | None = None  # the screen: a VGA card and a VNC server on this unix socket; None: no screen
     user_network: str | None = None  # "ADDRESS/PREFIX": a virtio NIC on QEMU's user-mode network (outbound only)
+    pod_uplink: tuple[str, str] | None = None  # (bridge, MAC): a virtio NIC on the host's pod bridge (podnet)
 
 
 def _disk_target(i: int) -> str:
@@ -58,6 +59,14 @@ def add_user_network(devices: ET.Element, network: str) -> None:
     address, _, prefix = network.partition("/")
     nic = ET.SubElement(devices, "interface", type="user")
     ET.SubElement(nic, "ip", family="ipv4", address=address, prefix=prefix or "24")
+    ET.SubElement(nic, "model", type="virtio")
+
+
+def add_pod_uplink(devices: ET.Element, bridge: str, mac: str) -> None:
+    """A virtio NIC on the host's pod bridge (``capsule.runtime.podnet``); the guest's pods0 enslaves it."""
+    nic = ET.SubElement(devices, "interface", type="bridge")
+    ET.SubElement(nic, "mac", address=mac)
+    ET.SubElement(nic, "source", bridge=bridge)
     ET.SubElement(nic, "model", type="virtio")
 
 
@@ -104,6 +113,8 @@ def build(spec: MachineSpec) -> str:
     ET.SubElement(channel, "target", type="virtio", name=AGENT_CHANNEL)
     if spec.user_network is not None:
         add_user_network(devices, spec.user_network)
+    if spec.pod_uplink is not None:
+        add_pod_uplink(devices, *spec.pod_uplink)
     if spec.vnc_socket is not None:
         add_screen(devices, spec.vnc_socket)
     balloon = ET.SubElement(devices, "memballoon", model="virtio",

@@ -8,8 +8,8 @@ machine type, the CPU model, the memory sizes, the features, the clock, and each
 few implicit devices libvirt adds itself, which carry no host path).
 
 Before that, every element and attribute of the image's XML is checked against an allow-list; anything else
-(a hostdev, a filesystem, another emulator, an extra disk, a network interface, qemu:commandline, ...) is
-refused with an :class:`IntegrityError` naming it.
+(a hostdev, a filesystem, another emulator, an extra disk, a network interface other than the pod uplink on the
+host's pod bridge, qemu:commandline, ...) is refused with an :class:`IntegrityError` naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 
 from capsule.errors import IntegrityError
 from capsule.runtime.domainxml import AGENT_CHANNEL, MachineSpec, build
+from capsule.runtime.podnet import BRIDGE as POD_BRIDGE
+from pods.names import UPLINK_MAC_PREFIX
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ DEVICES: dict[str, Node] = {
     "graphics": Node(attrs={"type": "vnc", "*": None}, opaque=True),
     "video": Node(children={"model": Node(attrs={"type": "vga", "vram": _NUM, "heads": _NUM, "primary": r"yes|no"}),
                             **_DEV}),
+    # the pod uplink (``podnet``): only a virtio NIC on the host's pod bridge, with a pod uplink's MAC
+    "interface": Node(attrs={"type": "bridge"}, children={
+        "mac": Node(attrs={"address": re.escape(UPLINK_MAC_PREFIX) + r"[0-9a-f]{2}:[0-9a-f]{2}:[0-9a-f]{2}"}),
+        "source": Node(attrs={"bridge": re.escape(POD_BRIDGE)}), "model": Node(attrs={"type": "virtio"}),
+        "target": _IGNORED, "link": Node(attrs={"state": r"up|down"}), **_DEV}),
     "memballoon": Node(attrs={"model": "virtio", "autodeflate": _ONOFF, "freePageReporting": _ONOFF},
                        children={"stats": Node(attrs={"period": _NUM}), **_DEV}),
 }
@@ -276,6 +283,11 @@ def _graft_one(src: ET.Element, dst: ET.Element) -> None:
             for attr in ("vram", "heads"):
                 if attr in theirs.attrib:
                     mine.set(attr, theirs.attrib[attr])
+    elif src.tag == "interface":
+        # the guest's NIC holds the MAC it was saved with (a fork of another capsule's image keeps it)
+        theirs, mine = src.find("mac"), dst.find("mac")
+        if theirs is not None and mine is not None:
+            mine.set("address", theirs.get("address", ""))
     elif src.tag == "memballoon":
         for attr in ("autodeflate", "freePageReporting"):
             if attr in src.attrib:

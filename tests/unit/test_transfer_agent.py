@@ -258,7 +258,8 @@ def test_version_records_with_strange_config_are_refused(hosts):
 
     record = version_record(a, a.catalogue.latest_version("cap"))
     auth = {"Authorization": f"Bearer {agent_b.token}"}
-    for bad in ({"evil": 1}, {"balloon": "x"}, {"free_page_reporting": "yes"}, {"memory_mib": "lots"}):
+    for bad in ({"evil": 1}, {"balloon": "x"}, {"free_page_reporting": "yes"}, {"pod_network": 1},
+                {"memory_mib": "lots"}):
         rec = dict(record, config=dict(record["config"], **bad))
         r = httpx.post(f"{agent_b.url}/v1/versions", json=rec, headers=auth)
         assert r.status_code == 400, (bad, r.text)
