@@ -1,0 +1,44 @@
+"""Fault injection on real transfers (bench/faultkit.py, bench/faultproxy.py): link resets and a half-open
+link mid-push and mid-pull, SIGKILL of the receiving agent and of `capsule push` at random points. After
+each: both stores verify clean, nothing half-installed, and the rerun sends no more than was missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import faultkit
+
+pytestmark = [pytest.mark.tools]
+
+SIZE = 24 * faultkit.MiB
+
+
+@pytest.fixture
+def pair(tmp_path, tiny_images):
+    a, b = faultkit.make_pair(tmp_path, tiny_images, SIZE)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("direction", ["push", "pull"])
+@pytest.mark.parametrize("fault", ["reset", "half-open"])
+def test_a_link_fault_mid_transfer_fails_clearly_and_the_rerun_sends_only_what_was_missing(pair, direction, fault):
+    out = faultkit.link_fault(*pair, direction, fault)
+    assert out.injected == out.survived == 1
+    assert 0 < out.resent <= out.missing
+
+
+@pytest.mark.timeout(180)
+def test_a_push_retries_by_itself_through_a_short_reset(pair):
+    out = faultkit.reset_retried(*pair)
+    assert out.injected == out.survived == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", ["agent", "cli"])
+def test_sigkill_at_random_points_of_a_push_leaves_the_receiver_sound_and_the_push_completes(pair, victim):
+    out = faultkit.kills(*pair, victim, times=4, size=SIZE)
+    assert out.injected >= 1 and out.survived == out.injected
+    assert out.resent >= out.missing > 0
