@@ -41,6 +41,7 @@ class Outcome:
     survived: int = 0
     resent: int = 0     # block bytes sent after the faults
     missing: int = 0    # block bytes the receiver lacked when they struck
+    detail: str = ""    # the error the user saw
 
     @property
     def ratio(self) -> float:
@@ -103,8 +104,10 @@ def short_client(timeout: float = 3.0, tries: int = 1) -> Iterator[None]:
         AgentClient.__init__.__defaults__ = defaults
 
 
-def agent(home: Path, port: int | None = None) -> AgentProcess:
-    return AgentProcess(home, home.parent / f"{home.name}.token", port)
+def agent(home: Path, port: int | None = None, **env: str) -> AgentProcess:
+    import os
+
+    return AgentProcess(home, home.parent / f"{home.name}.token", port, env={**os.environ, **env} if env else None)
 
 
 def kill(proc: subprocess.Popen | AgentProcess) -> None:
@@ -169,7 +172,7 @@ def link_fault(a: Store, b: Store, direction: str, fault: str, at: float = 0.5) 
             assert sent <= raw - before, (sent, raw, before)
             assert has_object(receiver, "layer", lid) and sound(a) == [] and sound(b) == []
             out.survived, out.resent, out.missing = 1, sent, raw - before
-            out.kind += f" ({type(failed).__name__})"
+            out.detail = f"{type(failed).__name__}: {failed}"
     finally:
         ag.stop()
     return out
@@ -253,4 +256,52 @@ def kills(a: Store, b: Store, victim: str, times: int, size: int, seed: int = 7,
             out.missing, out.resent = need, proxy.up
     finally:
         ag.stop()
+    return out
+
+
+# -- a disk that fills up mid-receive --------------------------------------------------------------------
+
+@contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``path`` (needs root), unmounted at the end."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def disk_full(a: Store, tmp: Path, small: str = "48m", large: str = "256m", cache: int | None = 1 << 20
+              ) -> Outcome:
+    """Push A's ``cap`` (its newest layer larger than the space) to an agent whose store is on a tmpfs of
+    ``small``: `capsule push` exits 8 (StorageFull) with nothing half-installed and the store verifying
+    clean; the tmpfs grown to ``large``, the rerun completes sending no more of the layer than was
+    missing. ``cache``: the receiver's hash cache size (CAPSULE_HASHCACHE_SIZE; the default 64 MiB does
+    not fit: the push then fails creating it, before any block)."""
+    lid = top_layer(a)
+    raw = object_manifest(a, "layer", lid).nonzero_blocks * BLOCK_SIZE
+    out = Outcome("disk full mid-receive" if cache else "disk full (hash cache)")
+    with tmpfs(tmp / "small", small) as mnt:
+        home = mnt / "b"
+        ag = agent(home, **({"CAPSULE_HASHCACHE_SIZE": str(cache)} if cache else {}))
+        b = Store.open(home)
+        try:
+            proc = _push_cli(a, ag.url, ag.token_file)
+            _, err = proc.communicate(timeout=300)
+            out.injected = 1
+            assert proc.returncode == 8, (proc.returncode, err.decode()[-2000:])
+            assert not has_object(b, "layer", lid) and b.catalogue.versions() == []
+            assert sound(b) == [], sound(b)
+            subprocess.run(["mount", "-o", f"remount,size={large}", str(mnt)], check=True)
+            before = arrived(b, a, lid)
+            report = transfer.push(a, "cap", ag.url, ag.token)
+            assert report.recorded and has_object(b, "layer", lid) and sound(b) == []
+            sent = sum(o.fetched_bytes for o in report.objects if o.id == lid)
+            assert sent <= raw - before, (sent, raw, before)
+            out.survived, out.resent, out.missing = 1, sent, raw - before
+            out.detail = " ".join(err.decode().split())
+        finally:
+            ag.stop()
+            b.close()
     return out
