@@ -56,7 +56,9 @@ def main() -> None:
         from bench.fleetkit import new_version
 
         new_version(s, "cap", layer * MiB, 3)
-        return disk_full(s, tmp)
+        out = disk_full(s, tmp)
+        out.kind = "disk full mid-receive" if layer > 48 else "disk full at install (the layer fits, twice not)"
+        return out
 
     run("disk full mid-receive", lambda t: full(t, 64))
     run("disk full at install", lambda t: full(t, 40))
