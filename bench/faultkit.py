@@ -241,8 +241,8 @@ def kills(a: Store, b: Store, victim: str, times: int, size: int, seed: int = 7,
                 done = cli.poll() is not None
                 if victim == "agent":
                     kill(ag)
-                    cli.wait(120)          # it fails at once: nobody listens any more
-                    ag = agent(b.home, port)
+                    ag = agent(b.home, port)   # the push retries its batches meanwhile, or fails
+                    cli.wait(180)
                 else:
                     kill(cli)
                 out.injected += 0 if done else 1
