@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from capsule.catalogue import Catalogue, FileRow, LayerRow
-from capsule.errors import IntegrityError, NotFound, SealedObjectError
-from capsule.fsutil import disk_usage, install_readonly, make_private_dir, translating_enospc
+from capsule.errors import IntegrityError, NotFound, SealedObjectError, StorageFull
+from capsule.fsutil import disk_usage, install_readonly, is_enospc, make_private_dir, translating_enospc
 from capsule.names import check_object_id
 from capsule.storelock import lock_for
 from capsule.storemodes import OBJECT_MODE, PRIVATE_FILE_MODE, SUBDIRS, file_mode
@@ -116,6 +116,9 @@ class Store:
             try:
                 self._cache = HashCache.open(self.cache_path, size_bytes=size)
             except HashcacheError as exc:
+                if exc.__cause__ is not None and is_enospc(exc.__cause__):  # a full disk, not a bad cache
+                    raise StorageFull(f"{exc}: the store's file system is full. Free space (capsule gc, "
+                                      "capsule rm) or set a smaller CAPSULE_HASHCACHE_SIZE, and try again.") from exc
                 raise IntegrityError(f"{exc} (the hash cache can always be deleted and rebuilt)") from exc
         return self._cache
 
@@ -201,6 +204,9 @@ class Store:
             try:
                 manifest = manifest_of_layer(leaf, parent, progress=progress)
             except HashcacheError as exc:
+                if exc.__cause__ is not None and is_enospc(exc.__cause__):  # a full disk, not a bad cache
+                    raise StorageFull(f"{exc}: the store's file system is full. Free space (capsule gc, "
+                                      "capsule rm) or set a smaller CAPSULE_HASHCACHE_SIZE, and try again.") from exc
                 raise IntegrityError(f"cannot seal {leaf.name}: {exc}") from exc
             layer_id = manifest.digest
             manifest_path = self.layer_manifest_path(layer_id)

@@ -20,6 +20,7 @@ import zstandard
 from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
 from capsule.errors import CapsuleError, TransferFailed
+from capsule.fsutil import translating_enospc
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
 from capsule.pipeline import Pipeline, run_batches
@@ -180,7 +181,8 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                                   idempotent=True)
             try:
                 blocks = unpack_blocks(resp.content, len(batch), compressed=opts.compress)
-                receiver.accept(batch, blocks, on_progress=progress.advance)
+                with translating_enospc(f"receiving {name}"):
+                    receiver.accept(batch, blocks, on_progress=progress.advance)
             except (ManifestMismatch, ProtocolError) as exc:
                 raise TransferFailed(f"from {client.url}: {exc}; nothing was installed") from exc
             stats.add(requests=1)

@@ -123,7 +123,7 @@ class Shadow:
             end = pos + 1
             while end < len(ordered) and ordered[end][0] == ordered[pos][0] + (end - pos):
                 end += 1
-            os.pwrite(self._data_fd, b"".join(d for _i, d in ordered[pos:end]), ordered[pos][0] * BLOCK_SIZE)
+            _write_all(self._data_fd, b"".join(d for _i, d in ordered[pos:end]), ordered[pos][0] * BLOCK_SIZE)
             pos = end
         if durable:
             os.fdatasync(self._data_fd)
@@ -149,3 +149,12 @@ class Shadow:
         self.close()
         self.data_path.unlink(missing_ok=True)
         self.bitmap_path.unlink(missing_ok=True)
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """pwrite all of ``data``: a file system filling up writes part of it and says how much (only the
+    next write raises ENOSPC); a block past that part must not be marked present."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n

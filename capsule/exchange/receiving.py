@@ -18,6 +18,7 @@ import zstandard
 
 from capsule.errors import Conflict, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
+from capsule.fsutil import translating_enospc
 from capsule.names import check_object_id
 from capsule.objectio import check_kind, has_object, install_received, object_path, open_shadow
 from capsule.store import Store
@@ -114,7 +115,7 @@ class Inbox:
             self._receivers.drop((kind, oid))
         (self.store.home / "recv").mkdir(exist_ok=True)
         final = self._expect_path(kind, oid)
-        with self._manifest_files:
+        with self._manifest_files, translating_enospc(f"receiving the manifest of {kind} {oid[:12]}"):
             if part == 0:  # a new transfer (the shadow, with its verified blocks, stays)
                 final.unlink(missing_ok=True)
                 for p in self._part_paths(kind, oid):
@@ -136,14 +137,14 @@ class Inbox:
     def accept(self, kind: str, oid: str, indices: list[int], blocks: list[bytes]) -> int:
         """Keep blocks of a begun receive, each checked against its manifest hash. A wrong block raises
         ManifestMismatch naming the object and the block (the blocks before it are kept)."""
-        with self._lease(kind, oid) as incoming:
+        with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
             incoming.receiver.accept(indices, blocks)
         return len(indices)
 
     def accept_upload(self, kind: str, oid: str, raw: bytes, compressed: bool = True) -> int:
         """``accept`` for a block upload as it travels (see ``split_blocks_upload``)."""
         raw_indices, payload = split_blocks_upload(raw)
-        with self._lease(kind, oid) as incoming:
+        with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
             indices = decode_indices(raw_indices, incoming.receiver.manifest.block_count)
             incoming.receiver.accept(indices, unpack_blocks(payload, len(indices), compressed=compressed))
         return len(indices)

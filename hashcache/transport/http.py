@@ -14,6 +14,16 @@ from hashcache.transport.base import Call, Reply, TokenSource
 STALLED = (httpx.TimeoutException, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
+def _reset(exc: BaseException) -> bool:
+    """A connection reset while it opened (a link or middlebox failing, not nobody listening)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionResetError) or "connection reset" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _token(token: TokenSource | str | Path) -> TokenSource:
     if isinstance(token, TokenSource):
         return token
@@ -57,7 +67,7 @@ class HttpTransport:
             if bad := tls.cause(exc):
                 raise tls.explain(self.url, bad) from exc
             raise Unreachable(f"cannot reach the agent at {self.url}: {str(exc) or type(exc).__name__}",
-                              refused=not isinstance(exc, STALLED)) from exc
+                              refused=not isinstance(exc, STALLED) and not _reset(exc)) from exc
         return Reply(resp.status_code, resp.content, resp.headers, wire_bytes(resp, len(call.content)))
 
     def close(self) -> None:

@@ -1,0 +1,78 @@
+"""Fault injection on real transfers, counted (python -m bench.faults [--kills N] [--size MiB]).
+
+Runs each fault kind of bench/faultkit.py between stores in a temporary directory (real `capsule serve`
+agents on loopback, the fault proxy of bench/faultproxy.py, no guest): link resets and a half-open link
+mid-push and mid-pull, a push retried through a short reset, a disk filling up mid-receive (a tmpfs: needs
+root), SIGKILL of the receiving agent and of `capsule push` at random points (``--kills`` times each).
+Writes bench/results/faults.json: per kind the faults injected and survived, the block bytes sent after
+them, the bytes that were missing at the receiver, and their ratio."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.common import ROOT, table, write_result
+from bench.faultkit import MiB, Outcome, disk_full, kills, link_fault, make_pair, reset_retried
+from capsule import capsules, images
+from capsule.store import Store
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=20, help="SIGKILLs of each victim (default 20)")
+    ap.add_argument("--size", type=int, default=24, help="MiB of random data in the layer pushed (default 24)")
+    a = ap.parse_args()
+    src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+    size = a.size * MiB
+    outcomes: list[Outcome] = []
+
+    def run(kind: str, fn: Callable[[Path], Outcome]) -> None:
+        print(f"-- {kind}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="capsule-faults-") as tmp:
+            try:
+                outcomes.append(fn(Path(tmp)))
+            except Exception as exc:  # a fault not survived is a result, not a crash of the benchmark
+                traceback.print_exc()
+                outcomes.append(Outcome(kind, injected=1, detail=f"{type(exc).__name__}: {exc}"[:500]))
+
+    def pair(tmp: Path) -> tuple[Store, Store]:
+        return make_pair(tmp, src, size)
+
+    for direction in ("push", "pull"):
+        for fault in ("reset", "half-open"):
+            run(f"{fault} mid-{direction}", lambda t, d=direction, f=fault: link_fault(*pair(t), d, f))
+    run("reset mid-push, retried", lambda t: reset_retried(*pair(t)))
+
+    def full(tmp: Path, layer: int) -> Outcome:
+        s = Store.open(tmp / "a")
+        images.import_image(src, s, "tiny")
+        capsules.create(s, "cap", "tiny", memory="256M")
+        from bench.fleetkit import new_version
+
+        new_version(s, "cap", layer * MiB, 3)
+        out = disk_full(s, tmp)
+        out.kind = "disk full mid-receive" if layer > 48 else "disk full at install (the layer fits, twice not)"
+        return out
+
+    run("disk full mid-receive", lambda t: full(t, 64))
+    run("disk full at install", lambda t: full(t, 40))
+    for victim in ("agent", "cli"):
+        run(f"SIGKILL {victim} mid-push", lambda t, v=victim: kills(*pair(t), v, a.kills, size))
+
+    rows = [{**asdict(o), "ratio": round(o.ratio, 3)} for o in outcomes]
+    path = write_result("faults", {"layer_mib": a.size, "kills": a.kills, "kinds": rows,
+                                   "injected": sum(o.injected for o in outcomes),
+                                   "survived": sum(o.survived for o in outcomes)})
+    table("faults on real transfers", ["fault", "injected", "survived", "bytes resent", "bytes missing", "ratio"],
+          [[o.kind, o.injected, o.survived, o.resent, o.missing, f"{o.ratio:.3f}"] for o in outcomes])
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
