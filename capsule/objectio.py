@@ -158,7 +158,9 @@ def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow
         if kind == "layer":
             if manifest.parent and not has_object(store, "layer", manifest.parent):
                 raise Conflict(f"layer {oid[:12]} needs its parent {manifest.parent[:12]} first")
-            tmp = store.new_leaf_path()
+            # built in tmp/ (never a leaf-* in layers/: an agent killed here must leave nothing `verify`
+            # reads as a layer or a leaf; tmp/ is cleaned of leftovers), renamed into layers/ when sealed
+            tmp = store.temp_path(".qcow2")
             try:
                 write_layer(tmp, virtual_size=manifest.size,
                             backing=f"{manifest.parent}.qcow2" if manifest.parent else None,

@@ -27,6 +27,14 @@ const TASK_BLOCKS: usize = 64;
 static ZERO: [u8; BLOCK] = [0u8; BLOCK];
 
 create_exception!(capsule_native, ShortRead, PyOSError, "The file ended before the requested range.");
+
+/// An I/O error as Python's OSError with its errno (so a full disk is ENOSPC to the caller, as from os.write).
+fn io_err(e: std::io::Error) -> PyErr {
+    match e.raw_os_error() {
+        Some(code) => PyOSError::new_err((code, e.to_string())),
+        None => PyOSError::new_err(e.to_string()),
+    }
+}
 create_exception!(capsule_native, ZstdError, PyValueError, "A zstd payload could not be decoded.");
 
 /// A read-only view of a Python buffer that may cross into a GIL-free section.
@@ -184,7 +192,7 @@ fn file_records<'py>(py: Python<'py>, fd: i32, start: u64, end: u64, zero_flag: 
     match out {
         Ok(v) => Ok(PyBytes::new_bound(py, &v)),
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(ShortRead::new_err("file ended early")),
-        Err(e) => Err(PyOSError::new_err(e.to_string())),
+        Err(e) => Err(io_err(e)),
     }
 }
 
@@ -202,7 +210,7 @@ fn blake3_file<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bound
         }
         Ok(*h.finalize().as_bytes())
     });
-    Ok(PyBytes::new_bound(py, &digest.map_err(|e| PyOSError::new_err(e.to_string()))?))
+    Ok(PyBytes::new_bound(py, &digest.map_err(|e| io_err(e))?))
 }
 
 /// ``verify_blocks(buf, expected, hash_len) -> int``: the position of the first block of ``buf``
@@ -302,7 +310,7 @@ fn pwrite_runs(py: Python<'_>, fd: i32, indices: Vec<u64>, data: PyBuffer<u8>, d
         }
         Ok(())
     });
-    res.map_err(|e| PyOSError::new_err(e.to_string()))
+    res.map_err(|e| io_err(e))
 }
 
 // -- the hash cache's table (hashcache/cache/format.py, table.py) -----------------------------------
@@ -460,7 +468,7 @@ fn hash_at<'py>(py: Python<'py>, fd: i32, indices: Vec<u64>) -> PyResult<Bound<'
         })?;
         Ok(out)
     });
-    Ok(PyBytes::new_bound(py, &out.map_err(|e| PyOSError::new_err(e.to_string()))?))
+    Ok(PyBytes::new_bound(py, &out.map_err(|e| io_err(e))?))
 }
 
 #[pymodule]

@@ -37,11 +37,7 @@ def test_a_push_retries_by_itself_through_a_short_reset(pair):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [
-    pytest.param("agent", marks=pytest.mark.xfail(strict=True, reason=(
-        "known bug: an agent killed while installing a received layer leaves its temporary "
-        "layers/leaf-*.qcow2 (mode 0644) behind, which verify reports"))),
-    "cli"])
+@pytest.mark.parametrize("victim", ["agent", "cli"])
 def test_sigkill_at_random_points_of_a_push_leaves_the_receiver_sound_and_the_push_completes(pair, victim):
     out = faultkit.kills(*pair, victim, times=4, size=SIZE)
     assert out.injected >= 1 and out.survived == out.injected, out.detail
