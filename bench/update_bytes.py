@@ -4,7 +4,8 @@ For each case, ``capsule update make`` derives a child of the Debian test image 
 files sit in tmpfs), installs real packages from the machine's Debian source inside a real boot (or, for
 the "null" update, only boots, runs ``true`` and shuts down), and seals the new layer. Side by side:
 - .deb bytes: what apt fetched (measured in its tmpfs before it was dropped);
-- HCP wire bytes: the new version pushed to a second store (with its agent) that holds the parent;
+- HCP wire bytes: the new version pushed to a second store (with its agent) that holds the parent, with the
+  default zstd level (3), and again at a high level (``--high-level``, 19) to a third such store;
 - zstd -3 of the layer: its allocated (non-zero) blocks as one stream;
 - rsync -z: the new flattened raw disk against the old one, through a pipe remote shell (bytes sent);
 - casync: chunks of the new raw image a store seeded with the old one lacks (zstd chunks, + the index);
@@ -13,7 +14,7 @@ the "null" update, only boots, runs ``true`` and shuts down), and seals the new 
 
 Goals (issue 11): HCP ≤ 0.8 × the .deb bytes on installs of 10 MB and more; HCP the smallest of all.
 
-    .venv/bin/python bench/update_bytes.py [--cases jq,nginx-light,null] [--no-ostree] [--replot]
+    .venv/bin/python bench/update_bytes.py [--cases jq,nginx-light,null] [--no-ostree] [--replot] [--merge]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tests.conftest import _destroy_domains  # noqa: E402
 MB = 1e6
 BASE = "base"
 HOST = "fleet1"
+HOST_HIGH = "fleet2"           # a second receiver holding the parent: the push at the high zstd level
 # case → packages to install (None: the null update); smallest first
 CASES: dict[str, list[str] | None] = {
     "null": None,
@@ -51,9 +53,19 @@ CASES: dict[str, list[str] | None] = {
     "ruby": ["ruby"],
     "python3-numpy": ["python3-numpy"],
     "mousepad": ["mousepad"],
+    # installed packages updated to their bookworm-backports versions (bookworm-updates and -security had
+    # nothing newer than the image, built from them): systemd, udev, e2fsprogs, iproute2 and their libraries
+    "backports": ["systemd/bookworm-backports", "udev/bookworm-backports", "e2fsprogs/bookworm-backports",
+                  "iproute2/bookworm-backports"],
+    # ~300 packages: a C, Python and Ruby development machine (289 new packages on the test image)
+    "mega": ["build-essential", "python3-full", "python3-dev", "git", "cmake", "gdb", "pkg-config", "libssl-dev",
+             "libglib2.0-dev", "libxml2-dev", "libsqlite3-dev", "libcurl4-openssl-dev", "ruby-full", "libx11-dev",
+             "libcairo2-dev", "libpango1.0-dev"],
 }
+DEFAULT_CASES = "null,jq,nginx-light,ruby,python3-numpy,mousepad,backports,mega"
 PEERS = ["zstd_bytes", "rsync_bytes", "casync_bytes", "ostree_bytes"]
-LABELS = {"deb_bytes": ".deb fetched", "hcp_wire_bytes": "HCP wire", "zstd_bytes": "zstd -3 of layer",
+LABELS = {"deb_bytes": ".deb fetched", "hcp_wire_bytes": "HCP wire", "hcp_high_wire_bytes": "HCP wire, high zstd",
+          "zstd_bytes": "zstd -3 of layer",
           "rsync_bytes": "rsync -z image", "casync_bytes": "casync new chunks", "ostree_bytes": "OSTree delta"}
 
 
@@ -73,7 +85,8 @@ def layer_zstd(store: Store, layer_id: str) -> int:
 
 
 def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, work: Path, old_raw: Path,
-             cas: peers.Casync | None, ost: peers.OSTree | None) -> dict[str, Any]:
+             cas: peers.Casync | None, ost: peers.OSTree | None, high: tuple[AgentProcess, int] | None,
+             ) -> dict[str, Any]:
     name = f"u-{case}"
     print(f"== {case}: update make {BASE} --name {name} " + (f"--install {' '.join(pkgs)}" if pkgs else "--run true"),
           flush=True)
@@ -83,11 +96,17 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
     (layer,) = res.layers
     row: dict[str, Any] = {"case": case, "packages": pkgs or [], "version": res.version.ref,
                            "make_seconds": round(res.seconds, 1), "deb_bytes": res.apt_debs_bytes,
-                           "apt_need_to_get_bytes": res.apt_need_to_get, "layer": layer}
+                           "apt_need_to_get_bytes": res.apt_need_to_get, "layer": layer,
+                           "journal_blocks_dropped": res.journal_blocks_dropped}
     rep = transfer.push(a, res.version.ref, agent.url, agent.token)
     row["hcp_wire_bytes"] = rep.wire_bytes
     row["hcp"] = {"raw_bytes": rep.totals()["raw_bytes"], "cache_bytes": rep.totals()["cache_bytes"],
-                  "seconds": round(rep.seconds, 1)}
+                  "seconds": round(rep.seconds, 1), "zstd_level": transfer.Options().level}
+    if high is not None:
+        agent_h, level = high
+        rep_h = transfer.push(a, res.version.ref, agent_h.url, agent_h.token, transfer.Options(level=level))
+        row["hcp_high_wire_bytes"] = rep_h.wire_bytes
+        row["hcp_high"] = {"zstd_level": level, "seconds": round(rep_h.seconds, 1)}
     row["zstd_bytes"] = layer_zstd(a, layer["id"])
     new_raw = work / "new" / "disk.raw"
     new_raw.parent.mkdir(exist_ok=True)
@@ -106,6 +125,8 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
         shutil.rmtree(root, ignore_errors=True)
     new_raw.unlink()
     row["goals"] = peers.goals(row, PEERS)
+    if "hcp_high_wire_bytes" in row:
+        row["goals_high"] = peers.goals(row, PEERS, hcp_key="hcp_high_wire_bytes")
     print("   " + ", ".join(f"{LABELS[k]} {row[k] / MB:.2f} MB" for k in LABELS if k in row), flush=True)
     return row
 
@@ -143,11 +164,15 @@ def show(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="null,jq,nginx-light,ruby,python3-numpy,mousepad",
+    ap.add_argument("--cases", default=DEFAULT_CASES,
                     help=f"comma-separated, from {', '.join(CASES)}")
     ap.add_argument("--memory", default="1G", help="the update guest's memory (apt's files sit in tmpfs)")
     ap.add_argument("--no-ostree", action="store_true", help="leave out the OSTree static delta peer")
     ap.add_argument("--no-casync", action="store_true", help="leave out the casync peer")
+    ap.add_argument("--high-level", type=int, default=19,
+                    help="also push each update at this zstd level to a third store (0: leave it out)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the cases of the JSON result this run does not measure (a rerun of some cases)")
     ap.add_argument("--replot", action="store_true", help="only draw the chart again from the JSON result")
     args = ap.parse_args()
     png = RESULTS / "update_bytes.png"
@@ -165,17 +190,28 @@ def main() -> None:
             sys.exit(f"the {tool} peer needs {tool}: apt-get install {tool} (or give --no-{tool})")
     work = Path(tempfile.mkdtemp(prefix="capsule-b1-"))
     agent: AgentProcess | None = None
+    agent_h: AgentProcess | None = None
     stores: list[Store] = []
+    kept: list[dict[str, Any]] = []
+    if args.merge and (RESULTS / "update_bytes.json").exists():
+        kept = [r for r in json.loads((RESULTS / "update_bytes.json").read_text())["cases"] if r["case"] not in cases]
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
-        a, b = image_stores("debian", work / "a", work / "b")
-        stores += [a, b]
+        a, b, c = image_stores("debian", work / "a", work / "b", work / "c")
+        stores += [a, b, c]
         b.close()
+        c.close()
         agent = AgentProcess(b.home, work / "b.token")
         hosts.add(a, HOST, agent.url, agent.token)
         base = capsules.create(a, BASE, "debian", memory=args.memory)
         transfer.push(a, base.ref, agent.url, agent.token)           # the fleet host holds the parent
+        high = None
+        if args.high_level:
+            agent_h = AgentProcess(c.home, work / "c.token")
+            hosts.add(a, HOST_HIGH, agent_h.url, agent_h.token)
+            transfer.push(a, base.ref, agent_h.url, agent_h.token)   # so does the second one
+            high = (agent_h, args.high_level)
         old_raw = work / "old" / "disk.raw"
         old_raw.parent.mkdir()
         qemuimg.flatten_to_raw(a.layer_path(base.chains[0][-1]), old_raw)
@@ -186,18 +222,25 @@ def main() -> None:
             ost = peers.OSTree(work / "root-old", work)
             shutil.rmtree(work / "root-old", ignore_errors=True)
         for case in cases:
-            rows.append(run_case(a, case, CASES[case], agent, work, old_raw, cas, ost))
+            rows.append(run_case(a, case, CASES[case], agent, work, old_raw, cas, ost, high))
             RESULTS.mkdir(exist_ok=True)
-            chart(rows, png)
-            write_result("update_bytes", _result(rows, args, cas, ost, t0))
-        show(rows)
+            every = _ordered(kept + rows)
+            chart(every, png)
+            write_result("update_bytes", _result(every, args, cas, ost, t0))
+        show(_ordered(kept + rows))
         print(f"→ {RESULTS / 'update_bytes.json'}\n→ {png}")
     finally:
-        if agent is not None:
-            agent.stop()
+        for ag in (agent, agent_h):
+            if ag is not None:
+                ag.stop()
         for s in stores:
             _destroy_domains(s)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    order = list(CASES)
+    return sorted(rows, key=lambda r: order.index(r["case"]) if r["case"] in order else len(order))
 
 
 def _result(rows: list[dict[str, Any]], args: argparse.Namespace, cas: Any, ost: Any, t0: float) -> dict[str, Any]:
@@ -207,7 +250,11 @@ def _result(rows: list[dict[str, Any]], args: argparse.Namespace, cas: Any, ost:
             "desync": "not measured: `go install github.com/folbricht/desync/cmd/desync@latest` failed — the Go "
                       "module proxy answered 403 'This module version is not available' and GOPROXY=direct "
                       "cannot reach the source host; casync (same scheme, from Debian) stands in",
-            "goals": "HCP <= 0.8 x .deb bytes on installs >= 10 MB; HCP smallest of all peers",
+            "goals": "HCP <= 0.8 x .deb bytes on installs >= 10 MB; HCP smallest of all peers (goals: at the "
+                     "default zstd level 3; goals_high: at the high level)",
+            "bookworm_updates_security": "apt-get -s upgrade on the test image's dpkg status against the "
+                                         "bookworm, bookworm-updates and bookworm-security lists: 0 upgraded "
+                                         "(the image is built from them), so the update case uses backports",
             "seconds": round(time.monotonic() - t0, 1),
             "note": "MB = 10^6 bytes; every peer's figure is what it would send to a host holding the parent"}
 

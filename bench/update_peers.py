@@ -38,11 +38,12 @@ def new_chunk_bytes(seeded: dict[str, int], new: dict[str, int]) -> tuple[int, i
     return len(fresh), sum(fresh)
 
 
-def goals(row: dict[str, Any], peers: list[str], min_install: int = 10_000_000, ratio: float = 0.8) -> dict[str, Any]:
-    """The issue's goals for one case: HCP ≤ ``ratio`` × the .deb bytes (only when those are at least
-    ``min_install``; None otherwise), and HCP smaller than every peer measured (missing peers are not
-    counted)."""
-    hcp = row["hcp_wire_bytes"]
+def goals(row: dict[str, Any], peers: list[str], min_install: int = 10_000_000, ratio: float = 0.8,
+          hcp_key: str = "hcp_wire_bytes") -> dict[str, Any]:
+    """The issue's goals for one case: HCP (``row[hcp_key]``) ≤ ``ratio`` × the .deb bytes (only when those
+    are at least ``min_install``; None otherwise), and HCP smaller than every peer measured (missing peers
+    are not counted)."""
+    hcp = row[hcp_key]
     debs = row.get("deb_bytes") or 0
     vs_debs = (hcp <= ratio * debs) if debs >= min_install else None
     measured = {p: row[p] for p in peers if isinstance(row.get(p), int)}

@@ -11,7 +11,7 @@ marks over blocks the chain holds data in stay: they are the discard's real effe
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from hashcache.qcow2_writer import write_layer
 class Compacted:
     zero_before: int      # zero-marked blocks in the leaf
     dropped: int          # of which the chain below already read as zero (gone now)
+    released: int = 0     # blocks the caller asked to drop whatever they held (``drop``), gone now
 
     @property
     def zero_after(self) -> int:
@@ -44,9 +45,12 @@ def chain_nonzero(manifests: list[Manifest], blocks: int) -> bytearray:
     return out
 
 
-def drop_covered_zeros(leaf: Path, chain: list[str], manifest_of: Callable[[str], Manifest]) -> Compacted:
+def drop_covered_zeros(leaf: Path, chain: list[str], manifest_of: Callable[[str], Manifest],
+                       drop: Collection[int] = ()) -> Compacted:
     """Rewrite ``leaf`` (whose backing is ``chain[-1]``; ``manifest_of(layer_id)`` gives each layer's
-    manifest) without the zero marks ``chain`` already reads as zero. Nothing is written when none are."""
+    manifest) without the zero marks ``chain`` already reads as zero, and without any record (data or
+    zero mark) of the blocks in ``drop``: those read as the chain below again (the caller knows their
+    content is dead, e.g. ``capsule.update.journal``). Nothing is written when nothing goes."""
     mode = os.stat(leaf).st_mode & 0o777
     with Qcow2Image(leaf) as img:
         backing = img.backing_file
@@ -54,12 +58,14 @@ def drop_covered_zeros(leaf: Path, chain: list[str], manifest_of: Callable[[str]
     own = manifest_of_layer(leaf, chain[-1] if chain else None)
     blocks = -(-size // BLOCK_SIZE)
     zero_before = own.zero_blocks
-    if not zero_before:
+    drop = frozenset(drop)
+    released = sum(1 for i, _z, _h in own.records() if i in drop) if drop else 0
+    if not zero_before and not released:
         return Compacted(0, 0)
-    below = chain_nonzero([manifest_of(lid) for lid in chain], blocks)
-    keep = [(i, z) for i, z, _h in own.records() if not z or below[i]]
-    dropped = len(own) - len(keep)
-    if not dropped:
+    below = chain_nonzero([manifest_of(lid) for lid in chain], blocks) if zero_before else bytearray(blocks)
+    keep = [(i, z) for i, z, _h in own.records() if i not in drop and (not z or below[i])]
+    dropped = len(own) - len(keep) - released
+    if not dropped and not released:
         return Compacted(zero_before, 0)
     tmp = leaf.with_name(leaf.name + ".compact")
     try:
@@ -75,15 +81,15 @@ def drop_covered_zeros(leaf: Path, chain: list[str], manifest_of: Callable[[str]
         os.replace(tmp, leaf)
     finally:
         tmp.unlink(missing_ok=True)
-    return Compacted(zero_before, dropped)
+    return Compacted(zero_before, dropped, released)
 
 
-def compact_leaf(store: Store, leaf: Path, chain: list[str]) -> Compacted:
+def compact_leaf(store: Store, leaf: Path, chain: list[str], drop: Collection[int] = ()) -> Compacted:
     """``drop_covered_zeros`` for an instance's leaf over ``chain``, a chain of this store (local or remote
-    layers: a remote layer's manifest is here too)."""
+    layers: a remote layer's manifest is here too); ``drop``: blocks to drop whatever they hold."""
     def manifest_of(layer_id: str) -> Manifest:
         if demand.is_remote(store, layer_id):
             return Manifest.read(demand.remote_manifest_path(store, layer_id))
         return store.layer_manifest(layer_id)
 
-    return drop_covered_zeros(leaf, chain, manifest_of)
+    return drop_covered_zeros(leaf, chain, manifest_of, drop)

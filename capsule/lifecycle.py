@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from hashcache.manifest import verify_file
 from hashcache.qcow2 import Qcow2Image
 
 Say = Callable[[str], None]
+Release = Callable[[int, Path, list[str]], Collection[int]]   # (disk index, leaf, chain) → blocks to drop
 BOOT_TIMEOUT = 180.0
 USER_NETWORK = "user-network"   # in the instance's directory: it was booted with a NIC (update make only)
 
@@ -58,6 +59,7 @@ class SealResult:
     seal_seconds: float = 0.0
     balloon: balloon_mod.BalloonResult | None = None
     zero_marks_dropped: int = 0         # stop(compact=True): discarded blocks the parent already read as zero
+    released_blocks: int = 0            # stop(release=…): blocks of dead content dropped (the parent's show)
 
 
 def accel_for(store: Store, refresh: bool = False) -> AccelDecision:
@@ -106,10 +108,12 @@ def _check_objects(store: Store, version: VersionRow) -> None:
 
 
 def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TIMEOUT, prefetch: bool = False,
-          boot: bool = False, network: str | None = None, say: Say = _quiet) -> StartResult:
+          boot: bool = False, network: str | None = None, kernel_args: str = "",
+          say: Say = _quiet) -> StartResult:
     """Boot an inactive version or restore an active one, on fresh leaves. ``boot``: boot even an active
     version (its memory image is not used; its disks are as they were saved). ``network``: a booted guest
-    gets a NIC on QEMU's user-mode network (``ADDRESS/PREFIX``, see ``domainxml.add_user_network``)."""
+    gets a NIC on QEMU's user-mode network (``ADDRESS/PREFIX``, see ``domainxml.add_user_network``).
+    ``kernel_args``: appended to a boot's kernel command line for this run only."""
     with store.lock():
         version = resolve(store, ref)
         cat = store.catalogue
@@ -165,6 +169,8 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 spec = memimage.machine_spec(store, version.config, name=domain, uuid=cap.uuid, accel=accel,
                                              disks=leaves, console_log=log, agent_socket=agent_sock)
                 spec.user_network = network
+                if kernel_args:
+                    spec.cmdline = f"{spec.cmdline} {kernel_args}"
                 say(f"booting {version.ref} ({accel})")
                 try:
                     connect().createXML(build(spec), 0)
@@ -208,22 +214,29 @@ def _running_instance(store: Store, name: str) -> tuple[InstanceRow, libvirt.vir
 
 
 def _seal_leaves(store: Store, inst: InstanceRow, say: Say, sealed: list[LayerRow] | None = None,
-                 compacted: list[int] | None = None) -> tuple[list[list[str]], list[LayerRow]]:
+                 compacted: list[int] | None = None, release: Release | None = None,
+                 released: list[int] | None = None) -> tuple[list[list[str]], list[LayerRow]]:
     """Seal every non-empty leaf; an untouched leaf is dropped and its chain
     kept. ``sealed`` collects each leaf's layer as soon as it is installed.
     With ``compacted`` (a list), leaves first lose the zero marks their chains already read as zero
-    (``capsule.compact``), and the number dropped per leaf is appended to it."""
+    (``capsule.compact``), and the number dropped per leaf is appended to it; ``release(disk, leaf,
+    chain)`` names blocks each leaf drops whatever they hold then (their count appended to ``released``)."""
     chains: list[list[str]] = []
     done: list[LayerRow] = [] if sealed is None else sealed
-    for leaf_s, chain in zip(inst.leaves, inst.chains, strict=True):
+    for disk, (leaf_s, chain) in enumerate(zip(inst.leaves, inst.chains, strict=True)):
         leaf = Path(leaf_s)
         if demand.chain_needs_server(store, chain):
             demand.repoint_leaf(leaf, chain[-1])
         if compacted is not None:
-            done_c = compact_mod.compact_leaf(store, leaf, chain)
+            drop = release(disk, leaf, chain) if release is not None else ()
+            done_c = compact_mod.compact_leaf(store, leaf, chain, drop)
             compacted.append(done_c.dropped)
+            if released is not None:
+                released.append(done_c.released)
             if done_c.dropped:
                 say(f"{leaf.name}: {done_c.dropped} discarded blocks the parent already reads as zero dropped")
+            if done_c.released:
+                say(f"{leaf.name}: {done_c.released} blocks of dead content dropped (the parent's show through)")
         say(f"sealing {leaf.name}")
         row = store.seal_layer(leaf, chain[-1])
         done.append(row)
@@ -377,11 +390,14 @@ def snapshot(store: Store, name: str, *, balloon: str | None = None,
 
 
 def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False, discard: bool = False,
-         compact: bool = False, note: str = "stopped", say: Say = _quiet) -> SealResult:
+         compact: bool = False, release: Release | None = None, note: str = "stopped",
+         say: Say = _quiet) -> SealResult:
     """Shut the guest down (forced after ``timeout``), then keep its disk
     changes as a new inactive version — or drop them (``discard``: a fleet
     host's system disk, replaced by the fleet's next version). ``compact``: leaves
-    lose the zero marks their chains already read as zero before they are sealed."""
+    lose the zero marks their chains already read as zero before they are sealed, and (``release``, a
+    callable ``(disk index, leaf, chain) → blocks``, asked after the guest is off) blocks whose content
+    the caller knows is dead (``update make``: the ext4 journal, see ``capsule.update.journal``)."""
     with store.lock():
         resolve(store, name)
         inst = store.catalogue.instance(name)
@@ -410,7 +426,9 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
             shutil.rmtree(inst.dir, ignore_errors=True)
             return SealResult(None, [], None, 0.0, time.monotonic() - t1)
         dropped: list[int] = []
-        chains, layers = _seal_leaves(store, inst, say, compacted=dropped if compact else None)
+        released: list[int] = []
+        chains, layers = _seal_leaves(store, inst, say, compacted=dropped if compact else None,
+                                      release=release, released=released)
         demand.stop_servers(Path(inst.dir))
         if layers:
             version: VersionRow | None = _record(store, inst, chains, layers, None, note)
@@ -419,7 +437,8 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
                 store.catalogue.delete_instance(name)
             version = None
         shutil.rmtree(inst.dir, ignore_errors=True)
-        return SealResult(version, layers, None, 0.0, time.monotonic() - t1, zero_marks_dropped=sum(dropped))
+        return SealResult(version, layers, None, 0.0, time.monotonic() - t1, zero_marks_dropped=sum(dropped),
+                          released_blocks=sum(released))
 
 
 def console_log(store: Store, name: str) -> Path:

@@ -30,7 +30,8 @@ Pods (the destination side of `capsule pod migrate --host`)::
 
 Fleet (capsule/exchange/fleet.py)::
 
-    POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V", "fingerprint": F}: pull it
+    POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V", "fingerprint": F,
+                                                 "zstd_level": 1..19 (optional, 3)}: pull it
     GET  /v1/fleet/activity                      this agent's recent pulls and what it served
     POST /v1/capsules/{name}/activate?version=V  run NAME@V here (a running older version is stopped)
     POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)

@@ -11,6 +11,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
+from capsule import transfer
 from capsule.agentclient import read_token
 from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
 from capsule.fleet import members
@@ -186,13 +187,20 @@ def push(
     max_failures: MaxFailOpt = 0, parallel: ParallelOpt = 4, no_fanout: NoFanoutOpt = False,
     activate: Annotated[bool, typer.Option("--activate", help="Where another version of it runs, stop that "
                                                               "and start this one.")] = False,
+    zstd_level: Annotated[int, typer.Option(
+        "--zstd-level", min=1, max=19,
+        help="zstd level of the blocks on the wire, from this host and between hosts (fan-out). Higher "
+             "sends fewer bytes for more CPU at each sender: on new layers of Debian packages 19 sent "
+             "14-16 % less than the default 3 and took ~20 times as long to compress; worth it on slow "
+             "links.")] = 3,
     json: JsonOpt = False,
 ) -> None:
     """Roll a version out: canaries, then waves; hosts that have it pass it on (fan-out)."""
     json_flag(json)
     opts = _options(group, host, canary, waves, max_failures, parallel, no_fanout, activate)
     store = open_store()
-    _run(lambda on_event: pushing.push(store, ref, opts, on_event), "push")
+    topts = transfer.Options(level=zstd_level)
+    _run(lambda on_event: pushing.push(store, ref, opts, on_event, transfer_opts=topts), "push")
 
 
 @app.command()

@@ -91,7 +91,8 @@ def make(
         console.print(t)
         console.print(f"apt fetched {human_bytes(res.apt_debs_bytes)} of packages "
                       f"(and {human_bytes(res.apt_lists_bytes)} of lists), none of it kept; "
-                      f"fstrim freed {human_bytes(res.trimmed_bytes)}")
+                      f"fstrim freed {human_bytes(res.trimmed_bytes)}; the ext4 journal's dead blocks left out: "
+                      f"{human_bytes(res.journal_blocks_dropped * 4096)}")
 
     emit(data, human)
 

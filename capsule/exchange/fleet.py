@@ -60,13 +60,23 @@ def parse_pull_request(req: Any) -> tuple[str, str, str]:
     return check_url(source), token, ref
 
 
+def pull_level(req: Any) -> int:
+    """The zstd level a pull request asks the source to send at (``zstd_level``, 1..19; 3 if absent)."""
+    level = req.get("zstd_level", 3) if isinstance(req, dict) else 3
+    if not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 19:
+        raise InvalidName(f"zstd_level must be a whole number from 1 to 19, not {level!r}")
+    return level
+
+
 def pull_from(store: Store, req: Any, activity: Activity) -> TransferReport:
-    """Pull NAME@V from the agent named in the request into this store (HCP: only what is lacking)."""
+    """Pull NAME@V from the agent named in the request into this store (HCP: only what is lacking), the
+    blocks compressed by the source at the request's ``zstd_level``."""
     from capsule import transfer
     from capsule.exchange.running import request_pin
 
     source, token, ref = parse_pull_request(req)
-    report = transfer.pull(store, source, ref, token, fingerprint=request_pin(req))
+    level = pull_level(req)
+    report = transfer.pull(store, source, ref, token, transfer.Options(level=level), fingerprint=request_pin(req))
     activity.pulled(ref, source, report.wire_bytes)
     return report
 

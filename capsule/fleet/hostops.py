@@ -104,12 +104,16 @@ def push_from_origin(store: Store, ref: str, member: Member, on_bytes: Callable[
     return transfer.push(store, ref, member.peer.url, member.peer.token, opts, _Progress(on_bytes)).wire_bytes
 
 
-def pull_from_peer(ref: str, member: Member, source: Member) -> int:
-    """The member's agent pulls ``ref`` from ``source``'s agent (given its URL and token); wire bytes."""
+def pull_from_peer(ref: str, member: Member, source: Member, level: int | None = None) -> int:
+    """The member's agent pulls ``ref`` from ``source``'s agent (given its URL and token), asking for zstd
+    at ``level`` (the agent's default when None); wire bytes."""
     with AgentClient(member.peer.url, member.peer.token, timeout=TRANSFER_TIMEOUT,
                      fingerprint=member.peer.fingerprint) as client:
-        reply = client.post_json("/v1/fleet/pull", {"source": source.peer.url, "token": source.peer.token,
-                                                    "ref": ref, "fingerprint": source.peer.fingerprint})
+        body: dict[str, Any] = {"source": source.peer.url, "token": source.peer.token, "ref": ref,
+                                "fingerprint": source.peer.fingerprint}
+        if level is not None:
+            body["zstd_level"] = level
+        reply = client.post_json("/v1/fleet/pull", body)
     return int(reply.get("wire_bytes", 0)) if isinstance(reply, dict) else 0
 
 

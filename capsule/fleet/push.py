@@ -109,7 +109,8 @@ def push(store: Store, ref: str, opts: PushOptions,
             raise Conflict(conflicting[host])
         if source == ORIGIN:
             return hostops.push_from_origin(store, version.ref, by_name[host], on_bytes, transfer_opts)
-        return hostops.pull_from_peer(version.ref, by_name[host], by_name[source])
+        return hostops.pull_from_peer(version.ref, by_name[host], by_name[source],
+                                      transfer_opts.level if transfer_opts else None)
 
     def activate(host: str) -> str:
         running = views[host].running(version.capsule)

@@ -4,7 +4,8 @@ The base ``NAME[@V]`` is booted (as a child capsule ``--name NEW``, or as its ow
 the base's capsule) with a NIC on QEMU's user-mode network; the steps run inside through the guest agent
 with their output live (``update.guest``); apt's downloads and list files live in tmpfs for the run and are
 dropped, then ``apt-get clean``; every file system is trimmed; the guest shuts down cleanly and its leaf,
-rid of the zero marks the parent already reads as zero (``capsule.compact``), is sealed as the new version.
+rid of the zero marks the parent already reads as zero (``capsule.compact``) and of the ext4 journal's dead
+blocks (``update.journal``), is sealed as the new version.
 A step that fails, a timeout or an interrupt leaves nothing behind: the leaf is dropped (and a child
 capsule made for the run removed)."""
 
@@ -21,14 +22,18 @@ from typing import Any
 
 from capsule import capsules, lifecycle
 from capsule.catalogue import VersionRow
-from capsule.errors import AlreadyExists, CapsuleError, Conflict, Error, InvalidName
+from capsule.errors import AlreadyExists, CapsuleError, Conflict, Error, GuestTimeout, InvalidName
 from capsule.names import check_name, parse_ref
-from capsule.runtime.guestagent import wait_for_agent
+from capsule.runtime.guestagent import AgentError, wait_for_agent
 from capsule.store import Store
+from capsule.update import journal
 from capsule.update.guest import GuestShell, Output, StepResult, need_to_get
 
 NETWORK = "192.0.2.0/24"     # the guest side of QEMU's user network (TEST-NET-1: never routed anywhere)
 STEP_TIMEOUT = 3600.0
+# systemd's journal stays in the guest's RAM (/run/log/journal) for the whole run: without the flush
+# request at boot journald never opens /var/log/journal, so no journal file lands in the new layer
+KERNEL_ARGS = "systemd.mask=systemd-journal-flush.service"
 APT = "apt-get -y -q -o Dpkg::Use-Pty=0 -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold"
 _PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.\-]*(:[a-z0-9]+)?(=[\w.+~:-]+|/[\w.+~-]+)?")
 
@@ -73,6 +78,7 @@ class UpdateResult:
     apt_need_to_get: int              # what apt said it would download ("Need to get …", rounded)
     trimmed_bytes: int                # what fstrim reported
     zero_marks_dropped: int
+    journal_blocks_dropped: int       # the ext4 journal's blocks the run wrote, dropped (capsule.update.journal)
     layers: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -82,7 +88,8 @@ class UpdateResult:
                            "output_bytes": s.output_bytes} for s in self.steps],
                 "apt_fetched_bytes": self.apt_debs_bytes, "apt_lists_bytes": self.apt_lists_bytes,
                 "apt_need_to_get_bytes": self.apt_need_to_get, "trimmed_bytes": self.trimmed_bytes,
-                "zero_marks_dropped": self.zero_marks_dropped, "layers": self.layers,
+                "zero_marks_dropped": self.zero_marks_dropped,
+                "journal_blocks_dropped": self.journal_blocks_dropped, "layers": self.layers,
                 "seconds": round(self.seconds, 2)}
 
 
@@ -137,7 +144,7 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
             "cut: what only its memory held is not there); make updates from stopped versions")
     net = NETWORK if network else None
     try:
-        lifecycle.start(store, target, boot=True, network=net, timeout=300, say=say)
+        lifecycle.start(store, target, boot=True, network=net, timeout=300, kernel_args=KERNEL_ARGS, say=say)
         inst = store.catalogue.instance(target)
         assert inst is not None
         say("waiting for the guest agent")
@@ -167,8 +174,10 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
         shell.forget_machine_id()
         say("discarding freed blocks (fstrim)")
         trimmed = shell.trim()
+        jmap = _journal_map(shell)
         say("shutting the guest down")
-        sealed = lifecycle.stop(store, target, timeout=120, compact=True, note=_note(steps), say=say)
+        sealed = lifecycle.stop(store, target, timeout=120, compact=True, note=_note(steps), say=say,
+                                release=journal.releaser(jmap, store.layer_path, say))
     except BaseException:
         # whatever stopped it (a failed step, a boot that timed out, Ctrl-C while the boot was awaited):
         # an instance the start recorded is stopped and dropped before its capsule may be removed
@@ -182,7 +191,15 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
     version = sealed.version
     layers = [_layer_info(store, row.id) for row in sealed.layers]
     return UpdateResult(base, version, results, debs, lists, need_to_get("".join(text)), trimmed,
-                        sealed.zero_marks_dropped, layers, time.monotonic() - t0)
+                        sealed.zero_marks_dropped, sealed.released_blocks, layers, time.monotonic() - t0)
+
+
+def _journal_map(shell: GuestShell) -> journal.JournalMap | None:
+    """Where the root file system's ext4 journal is (read in the guest; None: not one we can drop)."""
+    try:
+        return journal.parse_guest(shell.sh(journal.GUEST_SCRIPT, timeout=60))
+    except (AgentError, GuestTimeout):
+        return None
 
 
 def _note(steps: list[Step]) -> str:

@@ -67,3 +67,27 @@ def test_the_topmost_layer_decides_what_the_chain_reads():
 
     below = chain_nonzero([layer([(0, False), (1, False), (2, False)]), layer([(1, True), (5, False)])], 8)
     assert list(below) == [1, 0, 1, 0, 0, 1, 0, 0]
+
+
+def test_released_blocks_read_as_the_parent_again(tmp_path):
+    root = tmp_path / ("cd" * 32 + ".qcow2")
+    sh("qemu-img", "create", "-q", "-f", "qcow2", "-o", OPTS, str(root), "4M")
+    io(root, "write -P 0x11 0 2M")                 # the parent's data (its "old journal")
+    leaf = tmp_path / "leaf.qcow2"
+    sh("qemu-img", "create", "-q", "-f", "qcow2", "-o", OPTS, "-b", root.name, "-F", "qcow2", str(leaf))
+    io(leaf, "write -P 0x22 0 1M")                 # the run rewrote the first MiB
+    io(leaf, "write -P 0x33 3M 8k")                # and wrote elsewhere, over parent zeros
+    io(leaf, "discard 1M 128k")                    # and discarded a cluster of parent data
+    root_manifest = manifest_of_layer(root, None)
+    # release blocks 1..255 of the rewritten MiB (block 0 stays, like the journal's superblock), the
+    # discarded cluster's zero marks and a block the leaf never held
+    drop = set(range(1, 256)) | set(range(256, 288)) | {600}
+
+    done = drop_covered_zeros(leaf, ["cd" * 32], lambda _lid: root_manifest, drop)
+
+    assert done.released == 255 + 32, "block 600 was not the leaf's: nothing to release there"
+    after = manifest_of_layer(leaf, None)
+    assert {i for i, _z, _h in after.records()} == {0, 768, 769}
+    sh("qemu-io", "-f", "qcow2", "-c", "read -P 0x22 0 4k", "-c", "read -P 0x11 4k 1020k",
+       "-c", "read -P 0x11 1M 1M", "-c", "read -P 0x33 3M 8k", "-c", "read -P 0 2M 1M", str(leaf))
+    sh("qemu-img", "check", "-q", str(leaf))

@@ -91,7 +91,9 @@ def test_status_marks_a_hung_host_and_the_others_answer_within_the_deadline(stor
                                   {"source": "ftp://x", "token": TOKEN_C, "ref": "web@1"},
                                   {"source": "http://127.0.0.1:1", "token": "short", "ref": "web@1"},
                                   {"source": "http://127.0.0.1:1", "token": TOKEN_C, "ref": "web"},
-                                  {"source": "http://127.0.0.1:1", "token": TOKEN_C, "ref": "../x@1"}])
+                                  {"source": "http://127.0.0.1:1", "token": TOKEN_C, "ref": "../x@1"},
+                                  *({"source": "http://127.0.0.1:1", "token": TOKEN_C, "ref": "web@1", "zstd_level": lv}
+                                    for lv in (0, 20, "19", True, 3.5))])
 def test_pull_requests_are_checked_before_any_contact(peer, body):
     r = httpx.post(f"{peer.url}/v1/fleet/pull", json=body, headers={"Authorization": f"Bearer {TOKEN_B}"})
     assert r.status_code == 400 and r.json()["error"] == "invalid_name"

@@ -1,7 +1,8 @@
 """update make on a real Debian guest: a small package installed from the machine's Debian source through
 the guest agent, sealed as a new version that has it (booted and run), while the new layer holds no .deb and
-no apt list file (read with debugfs on the flattened disk, and no block of the layer's own data is one); a
-failing command records nothing."""
+no apt list file (read with debugfs on the flattened disk, and no block of the layer's own data is one), no
+block of the ext4 journal but its superblock (the parent's show through; e2fsck finds the file system clean)
+and no systemd journal file; a failing command records nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from capsule import capsules, lifecycle
 from capsule.errors import AlreadyExists, Conflict
 from capsule.update import make as making
+from capsule.update.journal import extents, logical_blocks
 from hashcache.qcow2 import ZERO, Qcow2Image
 from tests.vm.helpers import run
 
@@ -23,6 +25,15 @@ def debugfs_ls(raw: Path, path: str) -> list[str]:
     out = subprocess.run(["debugfs", "-R", f"ls -p {path}", str(raw)], capture_output=True, text=True,
                          check=True).stdout
     return [line.split("/")[5] for line in out.splitlines() if line.count("/") >= 6]
+
+
+def journal_tree(raw: Path) -> dict[str, list[str]]:
+    """/var/log/journal's directories and their files (systemd's journal on disk)."""
+    tree = {}
+    for sub in debugfs_ls(raw, "/var/log/journal"):
+        if sub not in (".", ".."):
+            tree[sub] = sorted(debugfs_ls(raw, f"/var/log/journal/{sub}"))
+    return tree
 
 
 def own_block_starts(layer: Path) -> set[bytes]:
@@ -74,6 +85,28 @@ def test_update_make_installs_a_package_and_keeps_apt_out_of_the_layer(debian_st
     machine_id = subprocess.run(["debugfs", "-R", "cat /etc/machine-id", str(raw)], capture_output=True,
                                 text=True, check=True).stdout
     assert machine_id == "", "each capsule booted from the update makes its own machine id"
+
+    # the ext4 journal: only its superblock is the layer's; its other blocks read as the parent's again,
+    # and the flattened disk is a clean file system
+    assert res.journal_blocks_dropped > 0
+    stat8 = subprocess.run(["debugfs", "-R", "stat <8>", str(raw)], capture_output=True, text=True,
+                           check=True).stdout
+    jblocks = logical_blocks(extents(stat8))
+    assert len(jblocks) > 1000
+    own = {i for i, _z, _h in store.layer_manifest(layer["id"]).records()}
+    assert own & set(jblocks) == {jblocks[0]}, "the journal's superblock only"
+    parent_raw = tmp_path / "parent.raw"
+    subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", str(store.layer_path(res.base.chains[0][-1])),
+                    str(parent_raw)], check=True)
+    with open(raw, "rb") as new, open(parent_raw, "rb") as old:
+        for b in jblocks[1:]:
+            new.seek(b * 4096)
+            old.seek(b * 4096)
+            assert new.read(4096) == old.read(4096), f"journal block {b} is not the parent's"
+    fsck = subprocess.run(["e2fsck", "-fn", str(raw)], capture_output=True, text=True)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    # systemd's journal stayed in the guest's RAM: /var/log/journal is as the parent had it
+    assert journal_tree(raw) == journal_tree(parent_raw)
 
     lifecycle.start(store, "web-jq@2", timeout=300)
     assert run(store, "web-jq", "jq -n '[1,2,3] | add'") == "6"
