@@ -1,4 +1,5 @@
-"""A coordinated checkpoint (ZapC): two pods pass a counter back and forth over TCP without pause; the pair
+"""A coordinated checkpoint (ZapC): two pods in two capsules on the host's pod network pass a counter back and
+forth over TCP without pause; the pair
 is checkpointed as one group (networks locked first, then both dumped) and restarted together. The counter
 goes on with no gap and no repeat on either side. A bad group (one pod named twice, a pod that is not
 there) is refused with everything running on."""
@@ -60,34 +61,34 @@ def _beyond(store, ref: str, n: int, timeout: float = 120.0) -> list[int]:
     return got
 
 
-def test_two_pods_talking_over_tcp_checkpoint_and_restart_as_one_group(debian_store):
+def test_two_pods_in_two_capsules_talking_over_tcp_checkpoint_and_restart_as_one_group(debian_store):
     store = debian_store
-    capsules.create(store, "g1", "debian", memory="512M")
-    lifecycle.start(store, "g1", timeout=300)
-    relay = Relay(store, "g1")
-    relay.sh("cat > /root/server.py", stdin=SERVER)
-    relay.sh("cat > /root/client.py", stdin=CLIENT)
+    for name in ("g1", "g2"):   # two capsules on this host's pod network: their pods share one segment
+        capsules.create(store, name, "debian", memory="512M", pod_network=True)
+        lifecycle.start(store, name, timeout=300)
+    Relay(store, "g1").sh("cat > /root/server.py", stdin=SERVER)
+    Relay(store, "g2").sh("cat > /root/client.py", stdin=CLIENT)
     ops.create(store, "g1", "ping", ["python3", "/root/server.py"], ip="198.18.0.41/24")
     time.sleep(1.0)
-    ops.create(store, "g1", "pong", ["python3", "/root/client.py", "198.18.0.41"], ip="198.18.0.42/24")
-    before = _beyond(store, "g1/pong", 20)[-1]
+    ops.create(store, "g2", "pong", ["python3", "/root/client.py", "198.18.0.41"], ip="198.18.0.42/24")
+    before = _beyond(store, "g2/pong", 20)[-1]
 
     # refused, nothing stops
     with pytest.raises(PodNameInvalid, match="twice"):
         group.checkpoint_group(store, ["g1/ping", "g1/ping"])
     with pytest.raises(PodNotFound):
         group.checkpoint_group(store, ["g1/ping", "g1/nosuch"])
-    assert _beyond(store, "g1/pong", before)[-1] > before
+    assert _beyond(store, "g2/pong", before)[-1] > before
 
-    made = group.checkpoint_group(store, ["g1/ping", "g1/pong"])
-    assert {m["pod"] for m in made["members"]} == {"ping", "pong"}
-    assert ops.ls(store, "g1") == []
+    made = group.checkpoint_group(store, ["g1/ping", "g2/pong"])
+    assert {(m["capsule"], m["pod"]) for m in made["members"]} == {("g1", "ping"), ("g2", "pong")}
+    assert ops.ls(store, "g1") == [] and ops.ls(store, "g2") == []
     hierarchy.gc(store, max_pending_age=0)
     assert store.file_path(made["group"]).exists(), "gc keeps group images"
 
     back = group.restore_group(store, made["group"][:10])
     assert {(m["pod"], m["state"]) for m in back["members"]} == {("ping", "running"), ("pong", "running")}
-    odd = _beyond(store, "g1/pong", _got(store, "g1/pong")[-1] + 20)
+    odd = _beyond(store, "g2/pong", _got(store, "g2/pong")[-1] + 20)
     even = _got(store, "g1/ping")
     # no gap, no repeat, on either side, across the checkpoint and the restart
     assert odd == list(range(1, 2 * len(odd), 2)), odd[-30:]
@@ -96,5 +97,5 @@ def test_two_pods_talking_over_tcp_checkpoint_and_restart_as_one_group(debian_st
           f"{back['seconds']:.2f} s; the counter went on to {odd[-1]}")
     with pytest.raises(PodNotFound, match="no pod 'other'"):
         group.restore_group(store, made["group"], {"other": "g1"})
-    for pod in ("ping", "pong"):
-        ops.kill(store, f"g1/{pod}")
+    ops.kill(store, "g1/ping")
+    ops.kill(store, "g2/pong")
