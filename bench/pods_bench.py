@@ -31,7 +31,8 @@ from capsule.store import Store  # noqa: E402
 HOLD = "import os, time\nb = os.urandom({mib} << 20)\nopen('/tmp/ready', 'w').write('1')\ntime.sleep(1e9)\n"
 
 
-def _wait_ready(store: Store, ref: str, timeout: float = 120.0) -> None:
+def wait_ready(store: Store, ref: str, timeout: float = 120.0) -> None:
+    """Until the pod has filled its memory (its program writes /tmp/ready)."""
     deadline = time.monotonic() + timeout
     while ops.exec_in(store, ref, ["cat", "/tmp/ready"])["exit_code"] != 0:
         if time.monotonic() > deadline:
@@ -57,7 +58,7 @@ def main() -> None:
             for mib in sizes:
                 ref = f"bench/p{mib}"
                 ops.create(store, "bench", f"p{mib}", ["python3", "-c", HOLD.format(mib=mib)])
-                _wait_ready(store, ref)
+                wait_ready(store, ref)
                 ck = ops.checkpoint(store, ref)
                 back = ops.restore(store, ck.image, "bench")
                 ops.kill(store, ref)

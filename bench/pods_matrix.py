@@ -29,6 +29,7 @@ from pathlib import Path
 import zstandard
 
 from bench.common import table, write_result
+from bench.pods_bench import wait_ready
 from capsule import capsules, images, lifecycle
 from capsule.agent.launch import AgentProcess, serve_command
 from capsule.agent.serve import TLS_DIR
@@ -56,14 +57,6 @@ time.sleep(1e9)
 """
 
 
-def _wait_ready(store: Store, ref: str, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while ops.exec_in(store, ref, ["cat", "/tmp/ready"])["exit_code"] != 0:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{ref} never filled its memory")
-        time.sleep(1.0)
-
-
 def _zstd_of_random(mib: int) -> int:
     return len(zstandard.ZstdCompressor(level=3).compress(os.urandom(mib << 20)))
 
@@ -71,7 +64,7 @@ def _zstd_of_random(mib: int) -> int:
 def _case(a: Store, b: Store, agent_b: AgentProcess, procs: int, mib: int, slow: dict | None) -> dict:
     pod = f"p{procs}x{mib}"
     ops.create(a, "pa", pod, ["python3", "-c", HOLD.format(procs=procs, mib=mib)])
-    _wait_ready(a, f"pa/{pod}")
+    wait_ready(a, f"pa/{pod}", 600.0)
     relay = Relay(a, "pa")
     # to the capsule's disk and back: CRIU in the guest only
     dumped = relay.call("checkpoint", pod, "--leave-running", timeout=900)
@@ -90,7 +83,7 @@ def _case(a: Store, b: Store, agent_b: AgentProcess, procs: int, mib: int, slow:
     ops.kill(b, f"hb/{pod}")
     if slow is not None:
         ops.create(a, "pa", pod, ["python3", "-c", HOLD.format(procs=procs, mib=mib)])
-        _wait_ready(a, f"pa/{pod}")
+        wait_ready(a, f"pa/{pod}", 600.0)
         t0 = time.monotonic()
         before = slow["link"].wire_bytes()
         out = slow["link"].exec_a([sys.executable, "-m", "capsule.cli.main", "--home", str(a.home), "--json", "pod",

@@ -21,25 +21,11 @@ from capsule.pod import ops
 from capsule.pod.errors import PodAddressClash
 from capsule.pod.relay import Relay
 from capsule.runtime import podnet
+from tests.vm.podkit import NUMBERING_SERVER
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-SERVER = """
-import socket
-s = socket.socket()
-s.bind(("0.0.0.0", 7000))
-s.listen()
-while True:
-    c, _ = s.accept()
-    n = 0
-    try:
-        for line in c.makefile("rb"):
-            n += 1
-            c.sendall(b"%d %s" % (n, line))
-    except OSError:
-        pass
-    c.close()
-"""
+SERVER = NUMBERING_SERVER
 # the client, in the test's namespace: line i must come back as "i i"; one log line per round trip
 CLIENT = """
 import os, socket, sys, time

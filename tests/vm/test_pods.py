@@ -14,26 +14,12 @@ from capsule.errors import Conflict
 from capsule.pod import ops
 from capsule.pod.errors import PodAddressClash, PodExists, PodLayerMissing, PodNotFound, PodStateConflict
 from capsule.pod.relay import Relay
+from tests.vm.podkit import NUMBERING_SERVER
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 # the pod: a TCP server (each line numbered back) and a counter in /tmp
-SERVER = """
-import socket
-s = socket.socket()
-s.bind(("0.0.0.0", 7000))
-s.listen()
-while True:
-    c, _ = s.accept()
-    n = 0
-    try:
-        for line in c.makefile("rb"):
-            n += 1
-            c.sendall(b"%d %s" % (n, line))
-    except OSError:
-        pass
-    c.close()
-"""
+SERVER = NUMBERING_SERVER
 POD_CMD = ["sh", "-c", "python3 /root/pod-server.py & "
                        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
 # the peer, outside the pod in the capsule: one connection, line i must come back as "i i"
