@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -21,6 +22,11 @@ from bench.common import ROOT, table, write_result
 from bench.faultkit import MiB, Outcome, disk_full, kills, link_fault, make_pair, reset_retried
 from capsule import capsules, images
 from capsule.store import Store
+
+
+def _scrub(text: str) -> str:
+    """An error as the results keep it: without this checkout's or this interpreter's place on disk."""
+    return text.replace(sys.executable, "python").replace(str(ROOT), ".")
 
 
 def main() -> None:
@@ -65,7 +71,7 @@ def main() -> None:
     for victim in ("agent", "cli"):
         run(f"SIGKILL {victim} mid-push", lambda t, v=victim: kills(*pair(t), v, a.kills, size))
 
-    rows = [{**asdict(o), "ratio": round(o.ratio, 3)} for o in outcomes]
+    rows = [{**asdict(o), "detail": _scrub(o.detail), "ratio": round(o.ratio, 3)} for o in outcomes]
     path = write_result("faults", {"layer_mib": a.size, "kills": a.kills, "kinds": rows,
                                    "injected": sum(o.injected for o in outcomes),
                                    "survived": sum(o.survived for o in outcomes)})
