@@ -3,7 +3,10 @@
 Runs each fault kind of bench/faultkit.py between stores in a temporary directory (real `capsule serve`
 agents on loopback, the fault proxy of bench/faultproxy.py, no guest): link resets and a half-open link
 mid-push and mid-pull, a push retried through a short reset, a disk filling up mid-receive (a tmpfs: needs
-root), SIGKILL of the receiving agent and of `capsule push` at random points (``--kills`` times each).
+root), SIGKILL of the receiving agent and of `capsule push` at random points (``--kills`` times each);
+then, on a tiny guest run by demand paging (bench/demandfaults.py; ``--no-guest`` leaves it out), SIGKILL
+of its disk server at random points of its reads (``--kills`` times) and the link to the source reset and
+half-open mid-read.
 Writes bench/results/faults.json: per kind the faults injected and survived, the block bytes sent after
 them, the bytes that were missing at the receiver, and their ratio."""
 
@@ -33,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20, help="SIGKILLs of each victim (default 20)")
     ap.add_argument("--size", type=int, default=24, help="MiB of random data in the layer pushed (default 24)")
+    ap.add_argument("--no-guest", action="store_true", help="leave out the faults mid-demand-paging (a guest)")
     a = ap.parse_args()
     src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
     size = a.size * MiB
@@ -70,6 +74,16 @@ def main() -> None:
     run("disk full at install", lambda t: full(t, 40))
     for victim in ("agent", "cli"):
         run(f"SIGKILL {victim} mid-push", lambda t, v=victim: kills(*pair(t), v, a.kills, size))
+    if not a.no_guest:
+        from bench import demandfaults
+
+        def mid_demand(tmp: Path) -> Outcome:
+            with demandfaults.demand_run(tmp, src, a.kills + 2) as dr:
+                for fault in ("reset", "half-open"):
+                    outcomes.append(demandfaults.link_fault(dr, fault))
+                return demandfaults.server_kills(dr, a.kills)
+
+        run("faults mid-demand-paging", mid_demand)
 
     rows = [{**asdict(o), "detail": _scrub(o.detail), "ratio": round(o.ratio, 3)} for o in outcomes]
     path = write_result("faults", {"layer_mib": a.size, "kills": a.kills, "kinds": rows,

@@ -125,6 +125,12 @@ def start_servers(store: Store, inst_dir: Path, chains: list[list[str]], prefetc
     return servers
 
 
+def server_sockets(inst_dir: Path, still_over: list[bool]) -> dict[int, Path]:
+    """Disk index -> its running disk server's socket, for the disks whose leaf still stands on one."""
+    return {i: server_for(inst_dir, i).socket_path for i, over in enumerate(still_over)
+            if over and server_for(inst_dir, i).alive()}
+
+
 def stop_servers(inst_dir: Path) -> None:
     for spec in sorted(inst_dir.glob("disk*.spec.json")):
         i = int(spec.name[4:].split(".")[0])

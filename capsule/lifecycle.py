@@ -152,13 +152,15 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 else:
                     qemuimg.create_leaf(leaf, store.layer_path(chain[-1]))
                 leaves.append(leaf)
+            sockets = {i: s.socket_path for i, s in servers.items()}
             t0 = time.monotonic()
             forked = False
             if memory:
                 mode = "restore"
                 say(f"restoring {version.ref} from its memory image")
                 restored = memimage.restore(store, version.ref, version.config, store.file_path(version.memory),
-                                            name=domain, uuid=cap.uuid, disks=leaves, instance_dir=inst_dir)
+                                            name=domain, uuid=cap.uuid, disks=leaves, instance_dir=inst_dir,
+                                            disk_servers=sockets)
                 accel, forked = restored.accel, restored.forked
                 if version.config.get("balloon"):
                     say("giving the guest its memory back")
@@ -167,7 +169,8 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 mode = "boot"
                 accel = decision.accel
                 spec = memimage.machine_spec(store, version.config, name=domain, uuid=cap.uuid, accel=accel,
-                                             disks=leaves, console_log=log, agent_socket=agent_sock)
+                                             disks=leaves, console_log=log, agent_socket=agent_sock,
+                                             disk_servers=sockets)
                 spec.user_network = network
                 if kernel_args:
                     spec.cmdline = f"{spec.cmdline} {kernel_args}"
@@ -179,7 +182,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
             if servers:
                 urls = sorted({demand.remote_info(store, lid)["url"] for chain in version.chains for lid in chain
                                if demand.is_remote(store, lid)})
-                watch.spawn(domain, urls, inst_dir / "watch.log")
+                watch.spawn(domain, urls, inst_dir / "watch.log", inst_dir)
             inst = InstanceRow(capsule=name, version=version.number, domain=domain,
                                leaves=[str(p) for p in leaves], chains=version.chains, accel=accel,
                                dir=str(inst_dir), started=time.time())
@@ -361,7 +364,9 @@ def _resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | Non
         if base is None:
             return
         memimage.restore(store, f"{inst.capsule}@{inst.version}", base.config, image, name=name, uuid=uuid,
-                         disks=disks, instance_dir=Path(inst.dir))
+                         disks=disks, instance_dir=Path(inst.dir),
+                         disk_servers=demand.server_sockets(Path(inst.dir), [str(d) == leaf for d, leaf
+                                                                              in zip(disks, inst.leaves, strict=True)]))
         if [str(d) for d in disks] != inst.leaves:
             chains = [[*c, sealed[i].id] if str(disks[i]) != inst.leaves[i] else c
                       for i, c in enumerate(inst.chains)]

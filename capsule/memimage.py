@@ -28,23 +28,26 @@ class Restored:
 
 
 def machine_spec(store: Store, config: dict[str, Any], *, name: str, uuid: str, accel: str, disks: list[Path],
-                 console_log: Path, agent_socket: Path, emulator: str | None = None) -> MachineSpec:
+                 console_log: Path, agent_socket: Path, emulator: str | None = None,
+                 disk_servers: dict[int, Path] | None = None) -> MachineSpec:
     """This host's machine for a version's config."""
     return MachineSpec(name=name, uuid=uuid, memory_mib=config["memory_mib"], vcpus=config["vcpus"], accel=accel,
                        kernel=store.file_path(config["kernel"]), initrd=store.file_path(config["initrd"]),
                        cmdline=config["cmdline"], disks=disks, console_log=console_log, agent_socket=agent_socket,
                        free_page_reporting=config.get("free_page_reporting", True), emulator=emulator,
                        vnc_socket=agent_socket.with_name(VNC_SOCKET),
-                       pod_uplink=(podnet.BRIDGE, podnet.uplink_mac(uuid)) if config.get(podnet.CONFIG_KEY) else None)
+                       pod_uplink=(podnet.BRIDGE, podnet.uplink_mac(uuid)) if config.get(podnet.CONFIG_KEY) else None,
+                       disk_servers=disk_servers or {})
 
 
 def restore_xml(store: Store, config: dict[str, Any], saved_xml: str, *, name: str, uuid: str, disks: list[Path],
-                console_log: Path, agent_socket: Path) -> tuple[str, str]:
+                console_log: Path, agent_socket: Path, disk_servers: dict[int, Path] | None = None
+                ) -> tuple[str, str]:
     """(XML, accel) to restore ``saved_xml``'s state as this host's machine; IntegrityError if the image's XML
     holds anything outside the allow-list."""
     accel = restorexml.saved_accel(saved_xml)
     spec = machine_spec(store, config, name=name, uuid=uuid, accel=accel, disks=disks, console_log=console_log,
-                        agent_socket=agent_socket, emulator=restorexml.host_emulator(accel))
+                        agent_socket=agent_socket, emulator=restorexml.host_emulator(accel), disk_servers=disk_servers)
     return restorexml.rebuild(saved_xml, spec)
 
 
@@ -58,7 +61,7 @@ def check(store: Store, config: dict[str, Any], image: Path, *, name: str, uuid:
 
 
 def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, name: str, uuid: str,
-            disks: list[Path], instance_dir: Path) -> Restored:
+            disks: list[Path], instance_dir: Path, disk_servers: dict[int, Path] | None = None) -> Restored:
     """Restore ``image`` as domain ``name``/``uuid`` on ``disks``. ``label`` names the version in errors."""
     header = saveimage.read_header(image)
     forked = False
@@ -70,7 +73,7 @@ def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, na
     try:
         xml, accel = restore_xml(store, config, header.domain_xml, name=name, uuid=uuid, disks=disks,
                                  console_log=instance_dir / "console.log",
-                                 agent_socket=instance_dir / "agent.sock")
+                                 agent_socket=instance_dir / "agent.sock", disk_servers=disk_servers)
         try:
             connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(image),
                                      libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)

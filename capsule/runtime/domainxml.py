@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 AGENT_CHANNEL = "org.capsule.agent.0"
@@ -30,6 +30,24 @@ class MachineSpec:
     vnc_socket: Path | None = None  # the screen: a VGA card and a VNC server on this unix socket; None: no screen
     user_network: str | None = None  # "ADDRESS/PREFIX": a virtio NIC on QEMU's user-mode network (outbound only)
     pod_uplink: tuple[str, str] | None = None  # (bridge, MAC): a virtio NIC on the host's pod bridge (podnet)
+    # disk index -> the unix socket of the disk server its leaf stands on (demand paging, ``diskserver``)
+    disk_servers: dict[int, Path] = field(default_factory=dict)
+
+
+# seconds QEMU's NBD client waits for a disk server that went away (the instance's watcher starts a dead one
+# again within a second or two) before a read fails and the guest pauses (error policy ``stop``)
+NBD_RECONNECT_DELAY = 15
+
+
+def add_disk_server_backing(disk: ET.Element, socket: Path) -> None:
+    """The leaf's backing, the disk server's raw NBD export, named in the XML rather than left to libvirt to
+    read from the leaf's header: only here can QEMU be told to reconnect to a server that died."""
+    bs = ET.SubElement(disk, "backingStore", type="network")
+    ET.SubElement(bs, "format", type="raw")
+    src = ET.SubElement(bs, "source", protocol="nbd")
+    ET.SubElement(src, "host", transport="unix", socket=str(socket))
+    ET.SubElement(src, "reconnect", delay=str(NBD_RECONNECT_DELAY))
+    ET.SubElement(bs, "backingStore")
 
 
 def _disk_target(i: int) -> str:
@@ -101,6 +119,8 @@ def build(spec: MachineSpec) -> str:
         ET.SubElement(d, "driver", name="qemu", type="qcow2", cache="writeback",
                       error_policy="stop", rerror_policy="stop", discard="unmap")
         ET.SubElement(d, "source", file=str(disk))
+        if i in spec.disk_servers:
+            add_disk_server_backing(d, spec.disk_servers[i])
         ET.SubElement(d, "target", dev=_disk_target(i), bus="virtio")
     serial = ET.SubElement(devices, "serial", type="pty")
     ET.SubElement(serial, "log", file=str(spec.console_log), append="on")
