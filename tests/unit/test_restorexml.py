@@ -215,3 +215,20 @@ def test_image_saved_without_a_screen_gets_none():
 def test_other_screens_are_refused(extra, named):
     with pytest.raises(IntegrityError, match=named):
         rebuild(with_devices(extra), spec(vnc_socket=HERE / "instances/x/vnc.sock"))
+
+
+def test_a_leaf_on_a_disk_server_names_its_nbd_backing_with_a_reconnect_delay():
+    """Demand paging: QEMU may reconnect to a disk server the watcher started again, boot or restore alike;
+    a disk without a server keeps the backing its leaf's header names."""
+    sock = HERE / "instances/x/disk1.nbd"
+    xml, _ = rebuild(SAVED.replace("</disk>", "</disk>" + SAVED.split("<devices>")[1].split("</disk>")[0]
+                                   .replace("slot='0x07'", "slot='0x08'").replace("vda", "vdb") + "</disk>", 1),
+                     spec(disks=2, disk_servers={1: sock}))
+    first, second = ET.fromstring(xml).findall("devices/disk")
+    assert first.find("backingStore") is None
+    bs = second.find("backingStore")
+    assert bs.get("type") == "network" and bs.find("format").get("type") == "raw"
+    assert bs.find("source").get("protocol") == "nbd"
+    assert bs.find("source/host").attrib == {"transport": "unix", "socket": str(sock)}
+    assert int(bs.find("source/reconnect").get("delay")) > 0
+    assert bs.find("backingStore") is not None and len(bs.find("backingStore")) == 0  # the chain ends there
