@@ -23,7 +23,7 @@ from hashcache.hcp import Expectation
 from hashcache.manifest import Manifest, manifest_of_file, manifest_of_layer
 from hashcache.qcow2 import Qcow2Image
 from hashcache.qcow2_writer import write_layer
-from hashcache.shadow import Shadow
+from hashcache.shadow import Shadow, ShadowError
 
 KINDS = ("layer", "file")
 FILE_ROLES = ("memory", "kernel", "initrd", POD_IMAGE_ROLE)  # a pod image travels alone (pod migrate --host)
@@ -144,8 +144,20 @@ def recv_base(store: Store, kind: str, oid: str) -> Path:
     return d / f"{check_kind(kind)}-{check_object_id(oid)}"
 
 
-def open_shadow(store: Store, kind: str, manifest: Manifest | Expectation) -> Shadow:
-    return Shadow(recv_base(store, kind, manifest.digest), manifest.block_count)
+def open_shadow(store: Store, kind: str, manifest: Manifest | Expectation, *, fresh: bool = False) -> Shadow:
+    """The shadow receiving ``manifest``'s object. ``fresh`` (a new transfer): a shadow left by an earlier
+    receive of this id under a manifest of another size, or unreadable, is thrown away and started
+    again — its blocks were checked against hashes this object cannot have (the id is the manifest's
+    digest, and a complete object is verified against it before it is installed)."""
+    base = recv_base(store, kind, manifest.digest)
+    try:
+        return Shadow(base, manifest.block_count)
+    except ShadowError:
+        if not fresh:
+            raise
+    for suffix in (".data", ".bitmap"):
+        base.with_name(base.name + suffix).unlink(missing_ok=True)
+    return Shadow(base, manifest.block_count)
 
 
 def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow, role: str = "memory"

@@ -29,6 +29,7 @@ from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
 from hashcache.hcp import (
+    MAX_PART_RECORDS,
     PREFIX_SIZE,
     Expectation,
     ProtocolError,
@@ -44,7 +45,7 @@ from hashcache.hcp import (
 from hashcache.shadow import Shadow
 from hashcache.transport import Transport
 
-PART_RECORDS = 8192            # manifest records per part when pushing
+PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
 
 
 @dataclass

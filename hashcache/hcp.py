@@ -35,6 +35,7 @@ from hashcache.manifest import RECORD_SIZE, Manifest
 from hashcache.shadow import Shadow
 
 MAX_BATCH = 1024            # blocks per READ / upload batch
+MAX_PART_RECORDS = 8192     # manifest records in one part of a push's manifest upload
 DEFAULT_BATCH = 256         # 1 MiB of raw data per request
 DEFAULT_LEVEL = 3
 LOCAL_BATCH = 4096          # blocks found locally per fdatasync of the shadow

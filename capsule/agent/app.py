@@ -120,6 +120,11 @@ def create_app(home: Path, token: str) -> FastAPI:
                                      "its log has the details — please report this"))
 
     async def body(request: Request, limit: int) -> bytes:
+        """The request's body, refused with 413 once over ``limit`` — before a byte is read when its
+        Content-Length says so."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise HTTPException(status_code=413, detail=f"request body of {declared} bytes over {limit} bytes")
         chunks = []
         size = 0
         async for chunk in request.stream():

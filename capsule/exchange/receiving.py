@@ -26,6 +26,7 @@ from hashcache.atomic import write_atomic
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import (
     MAX_BATCH,
+    MAX_PART_RECORDS,
     Expectation,
     ProtocolError,
     Receiver,
@@ -34,9 +35,11 @@ from hashcache.hcp import (
     encode_indices,
     unpack_blocks,
 )
+from hashcache.manifest import RECORD_SIZE
 from hashcache.shadow import Shadow
 
-MAX_MANIFEST_UPLOAD = 512 << 20
+# a manifest part as uploaded: its header (at most 4 KiB) and at most MAX_PART_RECORDS records of at most 40 bytes
+MAX_MANIFEST_UPLOAD = 8 + 4096 + MAX_PART_RECORDS * RECORD_SIZE
 MAX_BLOCKS_UPLOAD = MAX_BATCH * 4096 + (1 << 20)
 MAX_PARTS = 4096
 
@@ -104,6 +107,8 @@ class Inbox:
         if not 0 <= part < parts <= MAX_PARTS:
             raise InvalidName(f"bad manifest part {part} of {parts}")
         m = Expectation.from_bytes(manifest_part, oid)
+        if len(m) > MAX_PART_RECORDS:
+            raise ProtocolError(f"a manifest part holds at most {MAX_PART_RECORDS} records, not {len(m)}")
         if m.header["kind"] != kind:
             raise ProtocolError(f"{kind} {oid[:12]}: the uploaded manifest is of a {m.header['kind']}")
         if has_object(self.store, kind, oid):
@@ -130,7 +135,7 @@ class Inbox:
                 write_atomic(final, whole.to_bytes(), durable=False)
                 for p in self._part_paths(kind, oid):
                     p.unlink()
-        with open_shadow(self.store, kind, m) as shadow:
+        with open_shadow(self.store, kind, m, fresh=part == 0) as shadow:
             cache = self.store.hash_cache() if hash else None
             return Receiver(m, shadow, self._name(kind, oid), cache, dedupe=hash).plan()
 

@@ -366,3 +366,67 @@ def test_the_library_and_the_client_do_not_import_the_agent(module):
     server = ("capsule.agent", "fastapi", "starlette", "uvicorn")
     bad = sorted(m for m in _imports(module) if any(m == s or m.startswith(s + ".") for s in server))
     assert bad == []
+
+
+def test_a_begin_under_another_manifest_size_starts_the_receive_over(two_stores):
+    """A receive begun (and partly filled) under a manifest of another size for this id — a sender that
+    lied, or a stale one — does not stand in the way of the object's real push: the new transfer's first
+    part throws the old shadow away. Nothing half-received is installed."""
+    a, b = two_stores
+    oid, data = _file_object(a, 5, nblocks=300)
+    other, _ = _file_object(a, 6, nblocks=100)
+    inbox = Inbox(b)
+    bogus = _parts(a, other)
+    got = inbox.begin("file", oid, bogus[0], part=0, parts=len(bogus))
+    assert got
+    with BlockReader(a, "file", other) as reader:
+        inbox.accept("file", oid, got[:3], reader.read(got[:3]))
+    assert not has_object(b, "file", oid)
+    needed = _begin_all(inbox, a, oid)           # the real one: no shadow error, every data block asked for
+    c = Store.open(b.home.parent / "c")
+    fresh = Inbox(c)
+    assert needed == _begin_all(fresh, a, oid)
+    fresh.close()
+    c.close()
+    with BlockReader(a, "file", oid) as reader:
+        inbox.accept("file", oid, needed, reader.read(needed))
+    assert inbox.commit("file", oid) is True
+    assert b.file_path(oid).read_bytes() == data
+    inbox.close()
+
+
+def test_a_manifest_part_is_bounded_by_records_and_its_upload_by_bytes(two_stores, tmp_path):
+    """A part holds at most MAX_PART_RECORDS records (what a push sends); the agent refuses a bigger upload
+    (413) from its declared length, before reading it, and over the limit while it streams."""
+    import zstandard
+    from fastapi.testclient import TestClient
+
+    from capsule.agent.app import create_app
+    from capsule.exchange.receiving import MAX_MANIFEST_UPLOAD
+    from hashcache.hcp import MAX_PART_RECORDS
+    from hashcache.manifest import Manifest
+
+    a, b = two_stores
+    oid, _ = _file_object(a, 7, nblocks=2 * MAX_PART_RECORDS)   # a seventh of the blocks are zero: no record
+    m = a.file_manifest(oid)
+    assert isinstance(m, Manifest) and len(m) > MAX_PART_RECORDS
+    whole = Expectation.part_of(m, 0, len(m), PREFIX_SIZE).to_bytes()
+    inbox = Inbox(b)
+    with pytest.raises(ProtocolError, match=f"at most {MAX_PART_RECORDS} records"):
+        inbox.begin("file", oid, whole)
+    inbox.close()
+    assert not list((b.home / "recv").glob("*"))
+    token = "t" * 32
+    client = TestClient(create_app(b.home, token), raise_server_exceptions=False)
+    url = f"/v1/recv/file/{oid}/begin"
+    headers = {"Authorization": f"Bearer {token}"}
+    big = bytes(MAX_MANIFEST_UPLOAD + 1)
+    r = client.post(url, content=big, headers=headers)
+    assert r.status_code == 413 and "over" in r.text
+    r = client.post(url, content=iter([big[:1 << 16]] * (len(big) // (1 << 16) + 1)), headers=headers)
+    assert r.status_code == 413          # streamed without a length: refused once over the limit
+    r = client.post(url, content=zstandard.ZstdCompressor().compress(whole), headers=headers)
+    assert r.status_code == 400 and "records" in r.text
+    part = Expectation.part_of(m, 0, MAX_PART_RECORDS, PREFIX_SIZE).to_bytes()
+    r = client.post(url + "?part=0&parts=2", content=zstandard.ZstdCompressor().compress(part), headers=headers)
+    assert r.status_code == 200
