@@ -30,6 +30,7 @@ Pods (the destination side of `capsule pod migrate --host`)::
 
 Fleet (capsule/exchange/fleet.py)::
 
+    POST /v1/grants/host                         {"expires_in": S} → {"token", "id", "expires"}: a host-only grant
     POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V", "fingerprint": F,
                                                  "zstd_level": 1..19 (optional, 3)}: pull it
     GET  /v1/fleet/activity                      this agent's recent pulls and what it served
@@ -51,6 +52,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
+from capsule.accounts import tokens
 from capsule.agent import authz, dashboard
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
@@ -267,6 +269,13 @@ def create_app(home: Path, token: str) -> FastAPI:
         r = await asyncio.to_thread(fleet.pull_from, store, req, activity)
         return {"version": r.version, "source": r.url, "wire_bytes": r.wire_bytes, "recorded": r.recorded,
                 "objects": len(r.objects), "skipped": len(r.skipped)}
+
+    @app.post("/v1/grants/host")
+    async def grant_host(request: Request) -> dict[str, Any]:
+        """A host-only credential of this host, expiring, for a third host's calls to it (a fleet rollout's
+        fan-out hands it to the host that pulls from here, never the rollout's own credential)."""
+        req = await json_body(request, "grant request")
+        return await asyncio.to_thread(tokens.grant_request, store, req)
 
     @app.get("/v1/fleet/activity")
     def fleet_activity() -> dict[str, Any]:

@@ -82,6 +82,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/recv/{kind}/{oid}/commit"): HOST,
     ("POST", "/v1/versions"): HOST,
     ("POST", "/v1/fleet/pull"): HOST,
+    ("POST", "/v1/grants/host"): HOST,      # a grant no stronger than the caller's own host calls, expiring
     ("GET", "/v1/fleet/activity"): LOOK_OR_HOST,
     ("POST", "/v1/verify"): HOST_READS,
     ("POST", "/v1/backups/{name}/prune"): HOST,

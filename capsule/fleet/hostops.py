@@ -104,12 +104,28 @@ def push_from_origin(store: Store, ref: str, member: Member, on_bytes: Callable[
     return transfer.push(store, ref, member.peer.url, member.peer.token, opts, _Progress(on_bytes)).wire_bytes
 
 
-def pull_from_peer(ref: str, member: Member, source: Member, level: int | None = None) -> int:
-    """The member's agent pulls ``ref`` from ``source``'s agent (given its URL and token), asking for zstd
-    at ``level`` (the agent's default when None); wire bytes."""
+GRANT_SECONDS = 3 * 3600   # a fan-out grant outlives the longest pull a rollout waits for
+
+
+def host_grant(source: Member) -> str:
+    """A host-only, expiring credential the source's agent mints for a host that pulls from it: the
+    rollout's own credential for the source never leaves this host."""
+    with AgentClient(source.peer.url, source.peer.token, fingerprint=source.peer.fingerprint) as client:
+        reply = client.post_json("/v1/grants/host", {"expires_in": GRANT_SECONDS})
+    token = reply.get("token") if isinstance(reply, dict) else None
+    if not isinstance(token, str):
+        raise TransferFailed(f"host {source.name} answered a grant request without a token")
+    return token
+
+
+def pull_from_peer(ref: str, member: Member, source: Member, level: int | None = None,
+                   grant: str | None = None) -> int:
+    """The member's agent pulls ``ref`` from ``source``'s agent (given its URL and a host-only ``grant``
+    of it: :func:`host_grant`), asking for zstd at ``level`` (the agent's default when None); wire bytes."""
+    grant = grant or host_grant(source)
     with AgentClient(member.peer.url, member.peer.token, timeout=TRANSFER_TIMEOUT,
                      fingerprint=member.peer.fingerprint) as client:
-        body: dict[str, Any] = {"source": source.peer.url, "token": source.peer.token, "ref": ref,
+        body: dict[str, Any] = {"source": source.peer.url, "token": grant, "ref": ref,
                                 "fingerprint": source.peer.fingerprint}
         if level is not None:
             body["zstd_level"] = level

@@ -7,6 +7,7 @@ that does not answer is only ``offline``: it is skipped and gets the version on 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,7 +111,17 @@ def push(store: Store, ref: str, opts: PushOptions,
         if source == ORIGIN:
             return hostops.push_from_origin(store, version.ref, by_name[host], on_bytes, transfer_opts)
         return hostops.pull_from_peer(version.ref, by_name[host], by_name[source],
-                                      transfer_opts.level if transfer_opts else None)
+                                      transfer_opts.level if transfer_opts else None, grant_of(source))
+
+    grants: dict[str, str] = {}
+    grants_lock = threading.Lock()
+
+    def grant_of(source: str) -> str:
+        """One host-only grant per source host and rollout (asked for once, shared by its pulls)."""
+        with grants_lock:
+            if source not in grants:
+                grants[source] = hostops.host_grant(by_name[source])
+            return grants[source]
 
     def activate(host: str) -> str:
         running = views[host].running(version.capsule)

@@ -311,3 +311,26 @@ def test_the_audit_log_reads_back_filtered(tmp_path):
         audit.parse_since("yesterday")
     text = (tmp_path / audit.FILE).read_text()
     assert text.count("\n") == 3 and json.loads(text.splitlines()[0])["capsule"] == "a"
+
+
+def test_a_host_caller_gets_an_expiring_host_only_grant_for_a_third_host(world):
+    """What a fleet rollout's origin asks of a source host for the host that pulls from it: a credential
+    no stronger than host calls, that expires; a malformed request is refused and mints nothing."""
+    _, store, client = world
+    t = accounts(store)
+    r = client.post("/v1/grants/host", json={"expires_in": 600}, headers=bearer(t["host"]))
+    assert r.status_code == 200, r.text
+    grant = r.json()
+    g = tokens.get(store, grant["id"])
+    assert g.user == tokens.HOST_USER and g.scopes == frozenset({"host"})
+    assert 590 < g.expires - time.time() <= 600
+    h = bearer(grant["token"])
+    assert client.post("/v1/objects/missing", json={"layers": []}, headers=h).status_code == 200
+    assert client.post(f"/v1/capsules/{SECRET}/start", headers=h).status_code == 403
+    assert client.post("/v1/grants/host", json={}, headers=bearer(t["alice"])).status_code == 403
+    before = len(tokens.tokens(store, tokens.HOST_USER))
+    for bad in ({"expires_in": 5}, {"expires_in": 10**7}, {"expires_in": "1h"}, [1]):
+        r = client.post("/v1/grants/host", json=bad, headers=bearer(t["host"]))
+        assert r.status_code == 400 and "expires_in" in r.json()["detail"], r.text
+    assert len(tokens.tokens(store, tokens.HOST_USER)) == before
+    assert [e["action"] for e in lines(store)].count("POST /v1/grants/host") >= 2

@@ -55,6 +55,7 @@ EXPECTED = {
     ("POST", "/v1/recv/{kind}/{oid}/commit"): "host",
     ("POST", "/v1/versions"): "host",
     ("POST", "/v1/fleet/pull"): "host",
+    ("POST", "/v1/grants/host"): "host",
     ("GET", "/v1/fleet/activity"): "look-or-host",
     ("POST", "/v1/verify"): "host",
     ("POST", "/v1/backups/{name}/prune"): "host",

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from bench.fleetkit import new_version
-from capsule import capsules
+from capsule import audit, capsules
+from capsule.accounts import tokens
 from capsule.cli.main import app as cli
 from capsule.errors import AuthFailed, NotFound, PeerError
 from capsule.fleet import hostops, members
@@ -86,6 +87,11 @@ def test_canary_waves_down_host_caught_up_on_rerun_and_fanout_from_peers(fleet):
     assert pulls[0]["wire_bytes"] > MiB                           # the new layer's random bytes travelled
     assert fleet.activity("h1")["served_blocks"] >= 2 * MiB // 4096
     assert fleet.activity("h1")["pulls"] == []                  # h1 got it from the origin's push
+    # h2 pulled with a host-only grant h1 minted for the rollout (expiring), never the origin's token for h1
+    grants = tokens.tokens(fleet.stores["h1"], tokens.HOST_USER)
+    assert [(g.scopes, g.expires is not None) for g in grants] == [(frozenset({"host"}), True)]
+    assert [e["action"] for e in audit.entries(fleet.stores["h1"].home) if "grants" in e["action"]] == \
+        ["POST /v1/grants/host"]
     # the down host comes back: the rerun sends it only there, from a peer, not the origin
     fleet.restart("h4")
     before = {n: fleet.activity(n)["pulls"] for n in ("h1", "h2", "h3")}
