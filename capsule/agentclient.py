@@ -45,14 +45,16 @@ class AgentClient:
                                                               fingerprint=fingerprint)
         if rate is not None:  # bytes per second of request and answer bodies
             base = RateLimited(base, rate)
-        self._counter = Counting(Retrying(base, retry))
+        self._counter = Counting(base)   # under the retries: every attempt's bytes count
+        self._calls = Retrying(self._counter, retry)
+        self.timeout: float = getattr(transport, "timeout", timeout)   # what a call may take before it is given up
 
     @property
     def wire_bytes(self) -> int:
         return self._counter.wire_bytes
 
     def close(self) -> None:
-        self._counter.close()
+        self._calls.close()
 
     def __enter__(self) -> AgentClient:
         return self
@@ -69,7 +71,7 @@ class AgentClient:
             content = json.dumps(json_body).encode()
         call = Call(method, path, params=params, content=content or b"", json=json_body is not None,
                     idempotent=(method == "GET") if idempotent is None else idempotent)
-        return check(self._counter.call(call), f"agent {self.url}")
+        return check(self._calls.call(call), f"agent {self.url}")
 
     def get_json(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params=params or None).json()

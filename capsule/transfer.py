@@ -23,6 +23,7 @@ from capsule.errors import CapsuleError, TransferFailed
 from capsule.fsutil import translating_enospc
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
+from capsule.pacing import Pacer
 from capsule.pipeline import Pipeline, run_batches
 from capsule.records import objects_of, record_version, validate, version_record
 from capsule.store import Store
@@ -280,19 +281,24 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     stats = TransferStats(raw_bytes=raw_bytes)
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
+    pacer = Pacer(opts.batch, opts.inflight, client.timeout)
+
     def send(batch: list[int]) -> None:
         check()  # a cancel stops here; the pipeline then drops the batches still queued
         idx = encode_indices(batch)
         payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
-        client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=struct.pack("<I", len(idx)) + idx + payload,
-                       params={"compress": str(opts.compress).lower()}, idempotent=True)  # verified blocks
+        with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
+            body = struct.pack("<I", len(idx)) + idx + payload
+            client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body,
+                           params={"compress": str(opts.compress).lower()}, idempotent=True)  # verified blocks
+            sent.append(len(body))
         stats.add(fetched_bytes=len(batch) * BLOCK_SIZE, requests=1)
         progress.advance(len(batch) * BLOCK_SIZE)
         progress.wire(client.wire_bytes)
 
     needed_total = 0
     try:
-        with Pipeline(send, opts.inflight) as pipe:
+        with Pipeline(send, opts.inflight, max_pending=opts.inflight) as pipe:
             for k, start in enumerate(starts):
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
                 resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
@@ -312,7 +318,7 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 progress.advance(part_bytes - len(needed) * BLOCK_SIZE)
                 progress.local(part_bytes - len(needed) * BLOCK_SIZE)
                 needed_total += len(needed)
-                for batch in _batches(needed, opts.batch):
+                for batch in pacer.batches(needed):
                     pipe.submit(batch)
     finally:
         reader.close()

@@ -45,6 +45,7 @@ class HttpTransport:
         self.fingerprint = fingerprint
         self.token = _token(token)
         self.connect_timeout = connect_timeout
+        self.timeout = timeout
         # minimal headers: on a 384 kbit/s link every byte of every request counts
         self._client = client or httpx.Client(
             base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),

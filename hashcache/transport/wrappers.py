@@ -94,7 +94,9 @@ class Retrying:
 
 
 class Counting:
-    """Adds up the bytes every answered call cost on the wire (``wire_bytes``)."""
+    """Adds up the bytes every call cost on the wire (``wire_bytes``): what an answered call says, and for a
+    call that failed (a timeout, a broken link) its request body, which may well have crossed. Put it under
+    the retrying wrapper, so that every attempt counts."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
@@ -104,7 +106,13 @@ class Counting:
         self.calls = 0
 
     def call(self, call: Call) -> Reply:
-        reply = self.inner.call(call)
+        try:
+            reply = self.inner.call(call)
+        except Exception:
+            with self._lock:
+                self.wire_bytes += len(call.content)
+                self.calls += 1
+            raise
         with self._lock:
             self.wire_bytes += reply.wire_bytes
             self.calls += 1

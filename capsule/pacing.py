@@ -1,0 +1,101 @@
+"""Pacing a push's block uploads to the link: at most a few seconds' worth of bytes in flight.
+
+A block upload is answered only once the receiver has the whole body, while the sender's socket buffers
+(and anything buffering on the path) take the body at once. With a fixed number of large uploads in
+flight on a slow link (8 × 1 MiB at 384 kbit/s is three minutes of data), every answer comes after the
+client's read timeout, the uploads are sent again and the link carries the same blocks several times.
+So the window (bytes in flight) follows the rate the receiver has been acknowledging, like TCP's window
+follows its ACKs: ``TARGET_S`` seconds of it, never less than one small batch, and batches shrink to fit
+it across the in-flight slots. On a LAN the window opens after the first answers and the fixed limits
+(batch size, in-flight requests) are what bound it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from hashcache.blocks import BLOCK_SIZE
+
+TARGET_S = 4.0          # seconds of acknowledged rate allowed in flight
+MIN_WINDOW = 256 << 10  # bytes in flight before any answer came back
+MIN_BATCH = 16          # blocks: below this the per-request overhead starts to count
+RATE_SPAN_S = 20.0      # the rate is measured over the answers of this many last seconds
+
+
+class Pacer:
+    """The window and batch size of one push; thread-safe (the pipeline's threads share it)."""
+
+    def __init__(self, max_batch: int, inflight: int, timeout: float | None = None) -> None:
+        self.max_batch = max(1, max_batch)
+        self.inflight = max(1, inflight)
+        # with a short client timeout the window must drain well within it
+        self.target_s = min(TARGET_S, timeout / 4) if timeout else TARGET_S
+        self._lock = threading.Condition()
+        self._in_flight = 0
+        self._acked: deque[tuple[float, int]] = deque()   # (when, wire bytes) of each answered upload
+        self._t0: float | None = None                         # when the first upload was let through
+        self._wire_per_block = float(BLOCK_SIZE)
+
+    def rate(self) -> float | None:
+        """Bytes per second acknowledged over the last ``RATE_SPAN_S`` (None before the first answer)."""
+        with self._lock:
+            return self._rate_locked()
+
+    def _rate_locked(self) -> float | None:
+        if not self._acked or self._t0 is None:
+            return None
+        now = time.monotonic()
+        start = max(self._t0, now - RATE_SPAN_S)
+        return sum(n for t, n in self._acked if t >= start) / max(now - start, 1e-3)
+
+    def window(self) -> int:
+        with self._lock:
+            return self._window_locked()
+
+    def _window_locked(self) -> int:
+        rate = self._rate_locked()
+        return MIN_WINDOW if rate is None else max(MIN_WINDOW, int(rate * self.target_s))
+
+    def batch_size(self) -> int:
+        """Blocks in the next batch: the window shared by the in-flight slots, within the batch limits."""
+        with self._lock:
+            fit = self._window_locked() / self.inflight / self._wire_per_block
+        return max(MIN_BATCH, min(self.max_batch, int(fit)))
+
+    def batches(self, indices: list[int]) -> Iterator[list[int]]:
+        """``indices`` cut into batches, each sized when it is taken (so later ones follow the rate)."""
+        i = 0
+        while i < len(indices):
+            n = self.batch_size()
+            yield indices[i:i + n]
+            i += n
+
+    @contextmanager
+    def flight(self, blocks: int) -> Iterator[list[int]]:
+        """Wait for room in the window for ``blocks`` blocks, then send; append the request's wire bytes
+        to the yielded list once sent (they count as acknowledged when the block exits without error)."""
+        est = int(blocks * self._wire_per_block)
+        with self._lock:
+            while self._in_flight and self._in_flight + est > self._window_locked():
+                self._lock.wait(1.0)
+            self._in_flight += est
+            if self._t0 is None:
+                self._t0 = time.monotonic()
+        sent: list[int] = []
+        ok = False
+        try:
+            yield sent
+            ok = True
+        finally:
+            with self._lock:
+                self._in_flight -= est
+                if ok and sent:
+                    now = time.monotonic()
+                    self._acked.append((now, sent[0]))
+                    while now - self._acked[0][0] > RATE_SPAN_S:
+                        self._acked.popleft()
+                    self._wire_per_block = 0.8 * self._wire_per_block + 0.2 * sent[0] / max(1, blocks)
+                self._lock.notify_all()
