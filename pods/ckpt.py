@@ -38,6 +38,32 @@ def _restore_wrapper() -> list[str]:
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "criu"]
 
 
+CRIU_OK = Path("/run/pods/criu-ok")  # /run is a tmpfs: a success is remembered for this boot only
+
+
+def criu_ready(timeout: float = 60.0) -> None:
+    """``criu check`` once a boot, before the first checkpoint or restore: a kernel CRIU refuses gives one
+    clear error up front (kind ``criu_unsupported``, CRIU's reason quoted) and the pod is never touched."""
+    if CRIU_OK.exists():
+        return
+    try:
+        r = subprocess.run(["criu", "check"], capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise PodError("criu is not installed in this capsule; pods need an image with criu (the debian image)",
+                       "criu_unsupported") from None
+    except subprocess.TimeoutExpired:
+        raise PodError(f"criu check did not finish in {timeout:.0f} s", "guest_timeout") from None
+    if r.returncode != 0:
+        lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+        why = "; ".join([ln for ln in lines if "Error" in ln][-3:] or lines[-3:]) or f"exit {r.returncode}"
+        raise PodError(f"this capsule's kernel cannot checkpoint or restore pods — criu check says: {why}. "
+                       "Its pods keep running; to checkpoint or move them, use a capsule whose kernel CRIU "
+                       "supports (the debian image's does; `criu check` in the guest tells what is missing)",
+                       "criu_unsupported")
+    CRIU_OK.parent.mkdir(parents=True, exist_ok=True)
+    CRIU_OK.write_text(r.stdout.strip() or "ok")
+
+
 def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool = False) -> None:
     if restoring:
         RESTORE_ROOT.mkdir(parents=True, exist_ok=True)
@@ -63,6 +89,7 @@ def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -
     rec = pod.running(name)
     if pod.frozen(name):
         raise PodError(f"pod {name!r} is suspended; resume it before a checkpoint", "conflict")
+    criu_ready()
     stamp = time.strftime("%Y%m%dT%H%M%S")
     images = WORK / "dump" / f"{name}-{stamp}-{os.getpid()}"
     images.mkdir(parents=True)
@@ -109,6 +136,7 @@ def _unpack(archive: Path, into: Path) -> dict[str, Any]:
 def restore(archive: str, timeout: float = 120.0) -> dict[str, Any]:
     """Restart a pod from its image in this capsule, with its PIDs, address and connections."""
     src = Path(archive)
+    criu_ready()
     images = WORK / "restore" / f"{src.name}-{os.getpid()}"
     t0 = time.monotonic()
     try:
