@@ -151,6 +151,8 @@ def _slow(a: Store, b: Store, row: dict, slow: dict, timeout: float) -> None:
 
 
 def _row(r: dict) -> list:
+    if "error" in r:
+        return [r["procs"], r["mib"], f"failed: {r['error'][:60]}", *["-"] * 8]
     z = r["zstd_memory_bytes"]
     return [r["procs"], r["mib"], f"{r['image_bytes'] / 2**20:.1f}", r["checkpoint_to_disk_s"],
             r["restart_from_disk_s"], r["migrate_same_host_s"], r["migrate_lan_s"], f"{r['lan_wire_bytes'] / z:.2f}",
@@ -202,10 +204,16 @@ def main() -> None:
                     accel = lifecycle.start(s, name, timeout=600).accel
                 for n in procs:
                     for mib in sizes:
-                        out.append(_case(a, b, (agent_a, agent_b), n, mib, args.content))
+                        try:
+                            out.append(_case(a, b, (agent_a, agent_b), n, mib, args.content))
+                        except Error as exc:  # recorded; the pod killed wherever it was left, the run goes on
+                            out.append({"procs": n, "mib": mib, "content": args.content, "error": str(exc)})
+                            for s, ref in ((a, f"pa/p{n}x{mib}"), (a, f"pb/p{n}x{mib}"), (b, f"hb/p{n}x{mib}")):
+                                with contextlib.suppress(Error):
+                                    ops.kill(s, ref)
                         print(json.dumps(out[-1]), flush=True)
                 for r in out:  # the slow moves last: they take longest
-                    if r["mib"] in slow_sizes and r["procs"] in slow_procs:
+                    if r["mib"] in slow_sizes and r["procs"] in slow_procs and "error" not in r:
                         _slow(a, b, r, slow, args.slow_timeout)
                         print(json.dumps(r), flush=True)
                 rows = [_row(r) for r in out]
