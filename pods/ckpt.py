@@ -1,10 +1,10 @@
 """Checkpoint and restore of a pod with CRIU: the whole tree under the pod's init, with its
 namespaces; established TCP connections kept (``--tcp-established``) and the pod's network locked
-(nftables) from the dump until the restore. A pod image is one ``.tar.zst``: CRIU's images + pod.json."""
+(nftables) from the dump until the restore. A pod image is one ``.pod`` archive: CRIU's images + pod.json,
+uncompressed with every file's data 4 KiB-aligned so it dedups in the host's store (pods/podimage.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -13,14 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pods import pod
+from pods import pod, podimage
 from pods.init import mountpoints
 from pods.names import BRIDGE, PodError, check_name, host_veth
 
 WORK = Path("/var/lib/pods")
 CRIU_COMMON = ["--tcp-established", "--network-lock", "nftables", "--file-locks", "--manage-cgroups=soft",
                "-v2"]
-IMAGE_FORMAT = 1
+IMAGE_FORMAT = 2
+READS_FORMATS = (1, 2)  # format 1: tar | zstd -3, before the images dedup
 
 
 RESTORE_ROOT = WORK / "root"
@@ -35,6 +36,32 @@ def _restore_wrapper() -> list[str]:
     script = (f"for m in {drop}; do umount -l \"$m\" 2>/dev/null; done; "
               f"mount --bind / {shlex.quote(str(RESTORE_ROOT))} && exec criu \"$@\"")
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "criu"]
+
+
+CRIU_OK = Path("/run/pods/criu-ok")  # /run is a tmpfs: a success is remembered for this boot only
+
+
+def criu_ready(timeout: float = 60.0) -> None:
+    """``criu check`` once a boot, before the first checkpoint or restore: a kernel CRIU refuses gives one
+    clear error up front (kind ``criu_unsupported``, CRIU's reason quoted) and the pod is never touched."""
+    if CRIU_OK.exists():
+        return
+    try:
+        r = subprocess.run(["criu", "check"], capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise PodError("criu is not installed in this capsule; pods need an image with criu (the debian image)",
+                       "criu_unsupported") from None
+    except subprocess.TimeoutExpired:
+        raise PodError(f"criu check did not finish in {timeout:.0f} s", "guest_timeout") from None
+    if r.returncode != 0:
+        lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+        why = "; ".join([ln for ln in lines if "Error" in ln][-3:] or lines[-3:]) or f"exit {r.returncode}"
+        raise PodError(f"this capsule's kernel cannot checkpoint or restore pods — criu check says: {why}. "
+                       "Its pods keep running; to checkpoint or move them, use a capsule whose kernel CRIU "
+                       "supports (the debian image's does; `criu check` in the guest tells what is missing)",
+                       "criu_unsupported")
+    CRIU_OK.parent.mkdir(parents=True, exist_ok=True)
+    CRIU_OK.write_text(r.stdout.strip() or "ok")
 
 
 def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool = False) -> None:
@@ -55,12 +82,14 @@ def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool
 
 
 def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -> dict[str, Any]:
-    """Dump the pod into one compressed archive. Without ``leave_running`` CRIU kills the pod after the
-    dump with its network still locked, so no peer sees a reset: its TCP connections wait for the
-    restore. Should the archive fail, the pod is restored in place from the dump."""
+    """Dump the pod into one archive (aligned, uncompressed: HCP compresses and dedups it). Without
+    ``leave_running`` CRIU kills the pod after the dump with its network still locked, so no peer sees a
+    reset: its TCP connections wait for the restore. Should the archive fail, the pod is restored in place
+    from the dump."""
     rec = pod.running(name)
     if pod.frozen(name):
         raise PodError(f"pod {name!r} is suspended; resume it before a checkpoint", "conflict")
+    criu_ready()
     stamp = time.strftime("%Y%m%dT%H%M%S")
     images = WORK / "dump" / f"{name}-{stamp}-{os.getpid()}"
     images.mkdir(parents=True)
@@ -76,17 +105,18 @@ def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -
             pod.forget(name)
         meta = {"format": IMAGE_FORMAT, "name": name, "ip": rec["ip"], "cmd": rec["cmd"],
                 "created": rec["created"], "checkpointed": time.time()}
-        (images / "pod.json").write_text(json.dumps(meta))
-        out = WORK / "out" / f"{images.name}.tar.zst"
+        out = WORK / "out" / f"{images.name}.pod"
         out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_name(out.name + ".part")
         try:
-            subprocess.run(f"tar -C {images} -cf - . | zstd -q -3 -T0 -o {out}.part", shell=True, check=True)
-        except subprocess.CalledProcessError:
+            podimage.pack(images, part, meta)
+        except OSError:
+            part.unlink(missing_ok=True)
             if not leave_running:
                 _restore_from(images, meta, timeout)
             raise PodError(f"could not write the image of pod {name!r} (disk full?); it runs on",
                            "pod_failed") from None
-        os.replace(f"{out}.part", out)
+        os.replace(part, out)
     finally:
         shutil.rmtree(images, ignore_errors=True)
     return {"name": name, "path": str(out), "size": out.stat().st_size, "dump_seconds": round(dumped, 3),
@@ -94,20 +124,19 @@ def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -
 
 
 def _unpack(archive: Path, into: Path) -> dict[str, Any]:
-    into.mkdir(parents=True)
-    subprocess.run(f"zstd -q -d -c {archive} | tar -C {into} -xf -", shell=True, check=True)
     try:
-        meta = json.loads((into / "pod.json").read_text())
-    except (OSError, ValueError):
-        raise PodError(f"{archive.name} is not a pod image (no pod.json)", "integrity") from None
-    if meta.get("format") != IMAGE_FORMAT:
-        raise PodError(f"pod image format {meta.get('format')!r} is not {IMAGE_FORMAT}", "integrity")
+        meta = podimage.unpack(archive, into)
+    except podimage.ImageInvalid as e:
+        raise PodError(f"{archive.name} is not a usable pod image: {e}", "integrity") from None
+    if meta.get("format") not in READS_FORMATS:
+        raise PodError(f"pod image format {meta.get('format')!r} is not one of {READS_FORMATS}", "integrity")
     return meta
 
 
 def restore(archive: str, timeout: float = 120.0) -> dict[str, Any]:
     """Restart a pod from its image in this capsule, with its PIDs, address and connections."""
     src = Path(archive)
+    criu_ready()
     images = WORK / "restore" / f"{src.name}-{os.getpid()}"
     t0 = time.monotonic()
     try:

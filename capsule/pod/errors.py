@@ -60,6 +60,13 @@ class CheckpointFailed(RuntimeFailure):
     code = "pod_checkpoint_failed"
 
 
+class CriuUnsupported(EnvironmentProblem):
+    """CRIU refuses this capsule's kernel (``criu check`` failed): no checkpoint, restore or migration of
+    its pods; they run on untouched. The message quotes CRIU's reason."""
+
+    code = "pod_criu_unsupported"
+
+
 class PodTimeout(GuestTimeout):
     code = "pod_timeout"
 
@@ -72,6 +79,7 @@ BY_KIND = {
     "conflict": PodStateConflict,
     "guest_timeout": PodTimeout,
     "criu_failed": CheckpointFailed,
+    "criu_unsupported": CriuUnsupported,
     "integrity": IntegrityError,
     "pod_failed": PodFailed,
 }

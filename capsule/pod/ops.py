@@ -178,7 +178,7 @@ def restore(store: Store, image: str, into: str, progress: Progress = None, *, l
     relay = Relay(store, into)
     if check_network and podnet.on_pod_network(store, into):
         podnet.refuse_clash(store, podnet.image_address(store.file_path(file_id)), into, leaving)
-    guest_path = f"{GUEST_INBOX}/{file_id}.tar.zst"
+    guest_path = f"{GUEST_INBOX}/{file_id}.pod"
     if progress:
         progress("copying the image in")
     with relay.session():

@@ -79,9 +79,11 @@ class Relay:
                 raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer ({exc}); pods need a guest "
                                       f"with python3 and pods/, such as the debian image") from exc
 
-    def call(self, *argv: str, timeout: float = 60.0) -> Any:
-        """``python3 -m pods ARGV…`` in the guest; its result, or its error raised as ours."""
-        r = self._exec(["python3", "-m", "pods", *argv], timeout)
+    def call(self, *argv: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Any:
+        """``python3 -m pods ARGV…`` in the guest (with ``env`` added to its environment); its result, or its
+        error raised as ours."""
+        prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+        r = self._exec([*prefix, "python3", "-m", "pods", *argv], timeout)
         if r.get("timed_out"):
             raise PodFailed(f"capsule {self.capsule!r}: pods {argv[0]} did not finish in {timeout:.0f} s")
         try:

@@ -21,33 +21,13 @@ from capsule.pod import ops
 from capsule.pod.errors import PodAddressClash
 from capsule.pod.relay import Relay
 from capsule.runtime import podnet
-from tests.vm.podkit import NUMBERING_SERVER
+from tests.vm.podkit import NUMBERING_CLIENT, NUMBERING_SERVER
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 SERVER = NUMBERING_SERVER
 # the client, in the test's namespace: line i must come back as "i i"; one log line per round trip
-CLIENT = """
-import os, socket, sys, time
-addr, log_path, stop = sys.argv[1], sys.argv[2], sys.argv[3]
-log = open(log_path, "a", buffering=1)
-s = socket.create_connection((addr, 7000), timeout=600)
-f = s.makefile("rb")
-i = 0
-while not os.path.exists(stop):
-    i += 1
-    try:
-        s.sendall(b"%d\\n" % i)
-        reply = f.readline()
-    except OSError as e:
-        log.write(f"ERROR {i} {e}\\n")
-        break
-    if reply != b"%d %d\\n" % (i, i):
-        log.write(f"BAD {i} {reply!r}\\n")
-        break
-    log.write(f"{i} {time.time():.3f}\\n")
-    time.sleep(0.2)
-"""
+CLIENT = NUMBERING_CLIENT
 CLIENT_ADDRESS = "198.18.0.250/24"
 
 

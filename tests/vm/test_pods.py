@@ -14,7 +14,7 @@ from capsule.errors import Conflict
 from capsule.pod import ops
 from capsule.pod.errors import PodAddressClash, PodExists, PodLayerMissing, PodNotFound, PodStateConflict
 from capsule.pod.relay import Relay
-from tests.vm.podkit import NUMBERING_SERVER
+from tests.vm.podkit import NUMBERING_CLIENT, NUMBERING_SERVER
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -23,26 +23,7 @@ SERVER = NUMBERING_SERVER
 POD_CMD = ["sh", "-c", "python3 /root/pod-server.py & "
                        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
 # the peer, outside the pod in the capsule: one connection, line i must come back as "i i"
-CLIENT = """
-import socket, sys, time
-s = socket.create_connection((sys.argv[1], 7000), timeout=120)
-f = s.makefile("rb")
-log = open("/root/peer.log", "a", buffering=1)
-i = 0
-while True:
-    i += 1
-    try:
-        s.sendall(b"%d\\n" % i)
-        reply = f.readline()
-    except OSError as e:
-        log.write(f"ERROR {i} {e}\\n")
-        break
-    if reply != b"%d %d\\n" % (i, i):
-        log.write(f"BAD {i} {reply!r}\\n")
-        break
-    log.write(f"{i} {time.time():.3f}\\n")
-    time.sleep(0.2)
-"""
+CLIENT = NUMBERING_CLIENT
 
 
 def _in_pod(store, ref: str, script: str) -> str:
@@ -128,7 +109,7 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     with pytest.raises(PodAddressClash, match="198.18.0.7"):
         ops.create(store, "pa", "other", ["sleep", "100"], ip="198.18.0.7/24")
     # a TCP peer in the capsule, outside the pod, talks to it over the pod bridge
-    Relay(store, "pa").sh("setsid python3 /root/peer.py 198.18.0.7 </dev/null >/dev/null 2>&1 &")
+    Relay(store, "pa").sh("setsid python3 /root/peer.py 198.18.0.7 /root/peer.log </dev/null >/dev/null 2>&1 &")
     talked = _peer_beyond(store, "pa", 5)[-1][0]
 
     # checkpoint: the pod stops at the dump, its image sealed here

@@ -1,9 +1,12 @@
 """`capsule pod migrate --host`: a pod moves from a capsule of host A to a capsule of host B (two stores,
 B's agent on loopback): same PIDs, its count goes on, gone from A; its image travelled with HCP. A transfer
-killed in the middle (B's agent stops while the image is on its way) leaves the pod running on A."""
+killed in the middle (B's agent stops while the image is on its way) leaves the pod running on A. Moved back
+to A, whose store holds its first image, far fewer bytes travel: the image's pages are 4 KiB-aligned and
+dedup. A kernel CRIU refuses gives a typed error up front and the pod runs on."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,12 +15,21 @@ import pytest
 from capsule import capsules, lifecycle
 from capsule.errors import Unreachable
 from capsule.pod import ops, remote
-from capsule.pod.errors import PodAddressClash
+from capsule.pod.errors import CriuUnsupported, PodAddressClash
+from capsule.pod.relay import Relay
 from tests.conftest import Agent, _destroy_domains, make_store
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-POD = ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
+HELD = 8 << 20  # random bytes a process of the pod holds: the image's pages, incompressible
+POD = ["sh", "-c", f"python3 -c 'import os, time; b = os.urandom({HELD}); time.sleep(1e9)' & "
+                   "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
+# a stand-in for a kernel CRIU refuses (none boots here): `criu check` fails as CRIU does on one
+FAKE_CRIU = """#!/bin/sh
+echo "Error (criu/cr-check.c:1462): Kernel doesn't support PTRACE_O_SUSPEND_SECCOMP" >&2
+echo "Error (criu/cr-check.c:1690): CRIU needs features the kernel lacks" >&2
+exit 1
+"""
 
 
 def _count(store, ref: str) -> int:
@@ -103,5 +115,42 @@ def test_a_pod_moves_to_a_capsule_on_another_host_and_a_killed_transfer_leaves_i
         print(f"pod migrate to another host: {moved['seconds']:.2f} s (checkpoint {moved['checkpoint_seconds']:.2f}"
               f" s, send {moved['send_seconds']:.2f} s, restore {moved['restore_seconds']:.2f} s), image "
               f"{moved['size']} bytes, {moved['wire_bytes']} on the wire")
+
+        # and back to A, whose store holds the pod's first image: its held pages are found there
+        agent_a = Agent(a.home, tmp_path / "a.token")
+        try:
+            back = remote.migrate(b, "cb/ctr", "ca", agent_a.url, agent_a.token)
+        finally:
+            agent_a.stop()
+        assert back["state"] == "running" and ops.ls(b, "cb") == [] and _pids(a, "ca/ctr") == pids
+        assert back["size"] > HELD and back["found_there_bytes"] >= HELD * 0.9, back
+        assert back["wire_bytes"] < HELD / 4, back
+        print(f"moved back to A: {back['wire_bytes']} bytes on the wire for an image of {back['size']} "
+              f"({back['found_there_bytes']} found there)")
     finally:
         agent_b2.stop()
+    _criu_refused_up_front(a)
+
+
+def _criu_refused_up_front(a) -> None:
+    """A fake ``criu`` first on PATH for one call stands in for a kernel CRIU refuses (the cached success of
+    this boot removed first): the checkpoint stops at ``criu check`` with its reason, exit 3 and kind
+    ``criu_unsupported`` in the guest, CriuUnsupported (exit code 9) on the host; the pod is not touched."""
+    relay = Relay(a, "ca")
+    relay.sh("mkdir -p /root/fake-criu && cat > /root/fake-criu/criu && chmod +x /root/fake-criu/criu",
+             stdin=FAKE_CRIU)
+    init = ops.ls(a, "ca")[0]["init_pid"]
+    path = "PATH=/root/fake-criu:/usr/sbin:/usr/bin:/sbin:/bin"
+    raw = relay.sh(f"rm -f /run/pods/criu-ok; env {path} python3 -m pods checkpoint ctr; echo exit=$?")
+    lines = raw.strip().splitlines()
+    assert lines[-1] == "exit=3", raw
+    reply = json.loads(lines[-2])
+    assert reply["ok"] is False and reply["kind"] == "criu_unsupported", reply
+    assert "PTRACE_O_SUSPEND_SECCOMP" in reply["error"]
+    with pytest.raises(CriuUnsupported, match="criu check says: .*PTRACE_O_SUSPEND_SECCOMP.*keep running") as e:
+        relay.call("checkpoint", "ctr", env={"PATH": path.split("=", 1)[1]})
+    assert e.value.exit_code == 9 and e.value.code == "pod_criu_unsupported"
+    assert ops.ls(a, "ca")[0]["init_pid"] == init
+    assert _rising(a, "ca/ctr", _count(a, "ca/ctr")) > 0
+    # the real criu passes its check again: a checkpoint that leaves the pod running works
+    assert ops.checkpoint(a, "ca/ctr", leave_running=True).left_running
