@@ -160,11 +160,14 @@ def open_shadow(store: Store, kind: str, manifest: Manifest | Expectation, *, fr
     return Shadow(base, manifest.block_count)
 
 
-def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow, role: str = "memory"
-                     ) -> LayerRow | FileRow:
+def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow, role: str = "memory", *,
+                     hashed: bool = False) -> LayerRow | FileRow:
     """Turn a complete shadow into a sealed object of this store, verified
     against the manifest (its digest is the object's name), and record it —
-    as *pending*, so gc keeps it until a version that uses it is recorded."""
+    as *pending*, so gc keeps it until a version that uses it is recorded.
+    ``hashed``: the manifest's hashes were just computed from this shadow's blocks
+    (``Receiver.finish``), so a file object is not hashed a second time; a layer file,
+    rebuilt here from the blocks, always is."""
     oid = manifest.digest
     with store.lock(), translating_enospc(f"installing {kind} {oid[:12]}"):
         if kind == "layer":
@@ -199,7 +202,7 @@ def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow
             data_path = shadow.data_path
             shadow.close()
             os.truncate(data_path, manifest.size)
-            got = manifest_of_file(data_path)
+            got = manifest if hashed else manifest_of_file(data_path)
             if got.digest != oid:
                 raise IntegrityError(f"{role} {oid[:12]}: the received file does not match its manifest")
             if not store.file_manifest_path(oid).exists():

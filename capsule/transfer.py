@@ -199,7 +199,7 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
             raise TransferFailed(f"from {client.url}: {_name_bad_block(client, kind, oid, shadow, name)}; "
                                  "nothing was installed") from exc
         shadow.flush()
-        install_received(store, kind, manifest, shadow, role=role)
+        install_received(store, kind, manifest, shadow, role=role, hashed=True)
     finally:
         shadow.close()
     store.index_object(object_path(store, kind, oid), manifest)

@@ -38,7 +38,7 @@ MAX_BATCH = 1024            # blocks per READ / upload batch
 MAX_PART_RECORDS = 8192     # manifest records in one part of a push's manifest upload
 DEFAULT_BATCH = 256         # 1 MiB of raw data per request
 DEFAULT_LEVEL = 3
-LOCAL_BATCH = 4096          # blocks found locally per fdatasync of the shadow
+LOCAL_BATCH = 4096          # blocks found locally per hash-cache window (one fdatasync per plan)
 
 
 class ProtocolError(HashcacheError):
@@ -494,6 +494,7 @@ class Receiver:
         still: list[int] = []
         seen: set[bytes] = set()
         record = self.manifest.record
+        written: list[int] = []  # blocks written but not yet durable nor marked: one fdatasync at the end
         for w in range(0, len(missing), LOCAL_BATCH):
             firsts: list[tuple[int, bytes]] = []
             for index in missing[w:w + LOCAL_BATCH]:
@@ -512,7 +513,10 @@ class Receiver:
                 data = hit[0]
                 batch.append((index, data))
                 batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index and not self.shadow.has(j))
-            self._store(batch, "cache_bytes", on_progress)
+            self._store(batch, "cache_bytes", on_progress, written)
+        if written:
+            self.shadow.sync()
+            self.shadow.mark_present(written)
         return still
 
     def _reference_plan(self, missing: list[int], on_progress: Callable[[int], None] | None) -> list[int]:
@@ -566,10 +570,16 @@ class Receiver:
         return self.manifest.manifest_from(at.__getitem__)
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
-               on_progress: Callable[[int], None] | None) -> None:
+               on_progress: Callable[[int], None] | None, unsynced: list[int] | None = None) -> None:
+        """Keep verified blocks: written, made durable and marked present; or, given ``unsynced``,
+        only written and their indices added to it (the caller syncs once and marks them)."""
         if not batch:
             return
-        self.shadow.store(batch)
+        if unsynced is None:
+            self.shadow.store(batch)
+        else:
+            self.shadow.write(batch)
+            unsynced.extend(i for i, _d in batch)
         self.stats.add(**{counter: len(batch) * BLOCK_SIZE})
         if on_progress:
             on_progress(len(batch) * BLOCK_SIZE)

@@ -2,11 +2,12 @@
 
 The extension is required: per-block work (BLAKE3 of every 4 KiB block into manifest records, zstd
 batches, checking received blocks, writing runs of blocks into a shadow, hashing a complete shadow,
-the hash cache's bucket search and verified reads for a receiver's plan) runs there with the GIL
+the hash cache's bucket search and verified reads for a receiver's plan, and its inserts) runs there with the GIL
 released and spread over the cores. The pure-Python code it replaced stays in the modules that
 define the formats (``blocks.py``: ``py_hash_blocks``/``py_scan_blocks``; ``manifest.py``:
 ``_RecordBuilder.add_hashes``; ``hcp.py``: ``_reference_*``; ``shadow.py``: ``_reference_write``;
-``cache/lookup.py``: ``lookup_prefix``, which ``lookup_prefix_many`` falls back to) as
+``cache/lookup.py``: ``lookup_prefix``, which ``lookup_prefix_many`` falls back to; ``cache/table.py``:
+``_put``, the reference of ``_put_many``) as
 the reference the extension must agree with byte for byte: the property tests in
 ``tests/unit/test_native_*.py`` hold the two to the same answers, and to the same refusals.
 """
@@ -34,13 +35,15 @@ compress_many = _ext.compress_many
 decompress = _ext.decompress
 pwrite_runs = _ext.pwrite_runs
 cache_candidates = _ext.cache_candidates
+cache_put_many = _ext.cache_put_many
+cache_bump_uses = _ext.cache_bump_uses
 read_verified = _ext.read_verified
 hash_at = _ext.hash_at
 ShortRead = _ext.ShortRead
 ZstdError = _ext.ZstdError
 
 __all__ = [
-    "ShortRead", "ZstdError", "blake3_file", "cache_candidates", "compress", "compress_many", "decompress",
-    "file_records", "hash_at", "hash_blocks", "pwrite_runs", "read_verified", "scan_blocks", "scan_records",
-    "verify_blocks",
+    "ShortRead", "ZstdError", "blake3_file", "cache_bump_uses", "cache_candidates", "cache_put_many",
+    "compress", "compress_many", "decompress", "file_records", "hash_at", "hash_blocks", "pwrite_runs",
+    "read_verified", "scan_blocks", "scan_records", "verify_blocks",
 ]

@@ -176,7 +176,7 @@ class Inbox:
                 shadow.remove()  # the sender's data was wrong somewhere: start over
                 self._expect_path(kind, oid).unlink(missing_ok=True)
                 raise
-            install_received(self.store, kind, manifest, shadow, role=role)
+            install_received(self.store, kind, manifest, shadow, role=role, hashed=True)
         finally:
             shadow.close()
         self.store.index_object(object_path(self.store, kind, oid), manifest)

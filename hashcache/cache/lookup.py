@@ -132,13 +132,16 @@ class VerifiedLookup:
                 got = native.read_verified(fd, [off for off, _i, _pos in hits],
                                            b"".join(prefixes[i] for _off, i, _pos in hits))
                 self.disk_reads += len(hits)
+                used: list[int] = []
                 for (_off, i, pos), hit in zip(hits, got, strict=True):
                     if hit is not None:
                         out[i] = hit
-                        self._bump_uses(pos)
-                        self._count(_HITS)
+                        used.append(pos)
                     else:
                         slow.append(i)
+                native.cache_bump_uses(self._mm, used)  # _bump_uses for each, in the extension
+                self._delta[_HITS] += len(used)
+                self._ops += len(used)
             self._maybe_flush()
         for i in sorted(slow):
             out[i] = self.lookup_prefix(prefixes[i])

@@ -63,14 +63,11 @@ class Priming:
 
         The data is not read (every hit is verified later). Returns the number of entries written.
         """
-        written = 0
         with self._lock:
             self._check_open()
             fid = self.file_id(path)
-            put = self._put
-            for h, off in self._block_offsets(os.fspath(path), hashes):
-                if h != _ZERO_HASH:
-                    written += put(_check_hash(h), fid, off)
+            written = self._put_many((_check_hash(h), fid, off)
+                                     for h, off in self._block_offsets(os.fspath(path), hashes) if h != _ZERO_HASH)
             self._maybe_flush()
         return written
 
@@ -199,7 +196,6 @@ class Priming:
                     return
             size = st.st_size
             whole = memoryview(buf)
-            put = self._put
             zero_hash = _ZERO_HASH
             for start, end in _data_extents(fd, size):
                 for off in range(start, end, PRIME_CHUNK):
@@ -207,9 +203,9 @@ class Priming:
                     view = whole[:n]
                     got = _read_upto(fd, view, off)
                     result.bytes_read += got
-                    for i, h in enumerate(scan_blocks(view, got)):
-                        if h is not None and h != zero_hash:
-                            result.blocks += put(h, fid, off + i * BLOCK_SIZE)
+                    result.blocks += self._put_many((h, fid, off + i * BLOCK_SIZE)
+                                                    for i, h in enumerate(scan_blocks(view, got))
+                                                    if h is not None and h != zero_hash)
                     if progress is not None:
                         progress(done + off + n, total)
                     if got < n:

@@ -375,6 +375,138 @@ fn cache_candidates<'py>(py: Python<'py>, table: PyBuffer<u8>, bucket_count: u64
     Ok(PyBytes::new_bound(py, &out))
 }
 
+/// A mutable view of a writable Python buffer (the hash cache's mmap) for a GIL-free section.
+struct ViewMut {
+    ptr: *mut u8,
+    len: usize,
+}
+unsafe impl Send for ViewMut {}
+
+/// ``cache_put_many(table, bucket_count, buckets_offset, keys, offsets, fids, evict_sample, seed)
+/// -> (written, inserts, updates, evictions)``: per (8-byte key, offset, file id), what
+/// ``hashcache.cache.table.BucketTable._put`` does, in order: the first slot of the bucket with that
+/// key is left alone if it already says this (intact), else re-pointed (its use count kept if
+/// intact); without one, an empty slot searched from a random place; in a full bucket the least used
+/// of ``evict_sample`` random slots (a torn one first) is evicted. Each entry is written as the
+/// reference writes it: key cleared, tail written, key published last (readers in other processes
+/// never see a half-written entry as intact). Keys are already ``_key(h)`` (never all zero).
+/// Reference: ``BucketTable._put``; ``seed`` drives the random choices (the reference's come from
+/// its own generator, so the two agree on what is found, not on which slot holds it).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cache_put_many(py: Python<'_>, table: PyBuffer<u8>, bucket_count: u64, buckets_offset: usize, keys: &[u8],
+                  offsets: Vec<u64>, fids: Vec<u32>, evict_sample: usize, seed: u64)
+                  -> PyResult<(u64, u64, u64, u64)> {
+    if table.readonly() || !table.is_c_contiguous() {
+        return Err(PyValueError::new_err("cache_put_many: the table must be a writable contiguous buffer"));
+    }
+    let view = ViewMut { ptr: table.buf_ptr() as *mut u8, len: table.len_bytes() };
+    if view.len < buckets_offset + bucket_count as usize * BUCKET || bucket_count == 0
+        || keys.len() != offsets.len() * KEY || fids.len() != offsets.len()
+        || !(1..=BUCKET / ENTRY).contains(&evict_sample)
+        || keys.chunks(KEY).any(|k| k == [0u8; KEY]) || fids.contains(&0) {
+        return Err(PyValueError::new_err("cache_put_many: table, keys, offsets or file ids are malformed"));
+    }
+    let kv = View { ptr: keys.as_ptr(), len: keys.len() };
+    Ok(py.allow_threads(move || {
+        let view = view;
+        let t = unsafe { std::slice::from_raw_parts_mut(view.ptr, view.len) };
+        let ks = kv.slice();
+        let mut rng = seed | 1;
+        let mut next7 = move || {
+            // xorshift64*: the slot numbers the reference draws with getrandbits(7)
+            rng ^= rng >> 12;
+            rng ^= rng << 25;
+            rng ^= rng >> 27;
+            (rng.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 57) as usize
+        };
+        let (mut written, mut inserts, mut updates, mut evictions) = (0u64, 0u64, 0u64, 0u64);
+        let slots = BUCKET / ENTRY;
+        for (n, key) in ks.chunks(KEY).enumerate() {
+            let (off, fid) = (offsets[n], fids[n]);
+            let v = u64::from_be_bytes(key.try_into().unwrap());
+            let start = buckets_offset + ((v as u128 * bucket_count as u128) >> 64) as usize * BUCKET;
+            let mut head = [0u8; 20];
+            head[..KEY].copy_from_slice(key);
+            head[8..16].copy_from_slice(&off.to_le_bytes());
+            head[16..20].copy_from_slice(&fid.to_le_bytes());
+            let check = crc32(&head);
+            let entry_at = |slot: usize| start + slot * ENTRY;
+            let intact = |t: &[u8], p: usize| u32::from_le_bytes(t[p + 20..p + 24].try_into().unwrap()) == crc32(&t[p..p + 20]);
+            let mut target: Option<(usize, u32)> = None;
+            if let Some(slot) = (0..slots).find(|&s| &t[entry_at(s)..entry_at(s) + KEY] == key) {
+                let p = entry_at(slot);
+                if t[p..p + 20] == head && u32::from_le_bytes(t[p + 20..p + 24].try_into().unwrap()) == check {
+                    continue; // already there
+                }
+                let uses = if intact(t, p) { u32::from_le_bytes(t[p + 24..p + 28].try_into().unwrap()) } else { 0 };
+                target = Some((p, uses));
+                updates += 1;
+            }
+            if target.is_none() {
+                let first = next7();
+                let empty = (first..slots).chain(0..first).find(|&s| t[entry_at(s)..entry_at(s) + KEY] == [0u8; KEY]);
+                if let Some(slot) = empty {
+                    target = Some((entry_at(slot), 0));
+                } else {
+                    let sample: Vec<usize> = if evict_sample >= slots { (0..slots).collect() }
+                                             else { (0..evict_sample).map(|_| next7()).collect() };
+                    let mut best: (usize, u64) = (usize::MAX, u64::MAX);
+                    for s in sample {
+                        let p = entry_at(s);
+                        if !intact(t, p) {
+                            best = (p, 0);
+                            break;
+                        }
+                        let uses = u32::from_le_bytes(t[p + 24..p + 28].try_into().unwrap()) as u64;
+                        if uses < best.1 {
+                            best = (p, uses);
+                        }
+                    }
+                    target = Some((best.0, 0));
+                    evictions += 1;
+                }
+                inserts += 1;
+            }
+            let (p, uses) = target.unwrap();
+            // key cleared, tail written, key published last (as table.py's _write_entry)
+            t[p..p + KEY].copy_from_slice(&[0u8; KEY]);
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            t[p + 8..p + 16].copy_from_slice(&off.to_le_bytes());
+            t[p + 16..p + 20].copy_from_slice(&fid.to_le_bytes());
+            t[p + 20..p + 24].copy_from_slice(&check.to_le_bytes());
+            t[p + 24..p + 28].copy_from_slice(&uses.to_le_bytes());
+            t[p + 28..p + 32].copy_from_slice(&[0u8; 4]);
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            t[p..p + KEY].copy_from_slice(key);
+            written += 1;
+        }
+        (written, inserts, updates, evictions)
+    }))
+}
+
+/// ``cache_bump_uses(table, positions)``: one more use for each entry at ``positions`` (byte offsets
+/// of entries in the table, 32-byte aligned, within it), saturating. Reference:
+/// ``hashcache.cache.table.BucketTable._bump_uses``, once per position.
+#[pyfunction]
+fn cache_bump_uses(table: PyBuffer<u8>, positions: Vec<usize>) -> PyResult<()> {
+    if table.readonly() || !table.is_c_contiguous() {
+        return Err(PyValueError::new_err("cache_bump_uses: the table must be a writable contiguous buffer"));
+    }
+    let len = table.len_bytes();
+    if positions.iter().any(|&p| p % ENTRY != 0 || p + ENTRY > len) {
+        return Err(PyValueError::new_err("cache_bump_uses: a position is not an entry of the table"));
+    }
+    let t = unsafe { std::slice::from_raw_parts_mut(table.buf_ptr() as *mut u8, len) };
+    for p in positions {
+        let uses = u32::from_le_bytes(t[p + 24..p + 28].try_into().unwrap());
+        if uses < u32::MAX {
+            t[p + 24..p + 28].copy_from_slice(&(uses + 1).to_le_bytes());
+        }
+    }
+    Ok(())
+}
+
 /// ``read_verified(fd, offsets, prefixes) -> list[tuple[bytes, bytes] | None]``: per offset of an
 /// open file, the 4 KiB block there (a short last block zero-padded) and its BLAKE3 hash if that
 /// hash starts with the offset's 8-byte prefix; None otherwise (mismatch, beyond the end, or a read
@@ -487,6 +619,8 @@ fn capsule_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decompress, m)?)?;
     m.add_function(wrap_pyfunction!(pwrite_runs, m)?)?;
     m.add_function(wrap_pyfunction!(cache_candidates, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_put_many, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_bump_uses, m)?)?;
     m.add_function(wrap_pyfunction!(read_verified, m)?)?;
     m.add_function(wrap_pyfunction!(hash_at, m)?)?;
     Ok(())
