@@ -451,7 +451,24 @@ def manifest_of_layer(
     """Manifest of the blocks allocated in one qcow2 file (not its backing chain).
 
     ``parent`` is the parent layer's digest (None for a root layer); it is recorded, not checked.
+    The tables are walked and the data hashed by the extension (``Qcow2Image.own_records``); an image
+    it does not take goes through :func:`_reference_manifest_of_layer`, which says what is wrong.
     """
+    with Qcow2Image(path) as img:
+        records = img.own_records(progress)
+        total = img.virtual_size
+    if records is None:
+        return _reference_manifest_of_layer(path, parent, progress)
+    if progress is not None:
+        progress(total, total)
+    return Manifest(KIND_LAYER, ALGORITHM, BLOCK_SIZE, total, parent, records)
+
+
+def _reference_manifest_of_layer(
+    path: str | os.PathLike[str], parent: str | None, progress: Progress | None = None
+) -> Manifest:
+    """Reference of :func:`manifest_of_layer`: the runs :meth:`Qcow2Image.iter_block_runs` yields, read
+    and hashed run by run."""
     with Qcow2Image(path) as img:
         total = img.virtual_size
         buf = bytearray(CHUNK_SIZE)

@@ -196,6 +196,181 @@ fn file_records<'py>(py: Python<'py>, fd: i32, start: u64, end: u64, zero_flag: 
     }
 }
 
+// -- qcow2 layers (hashcache/qcow2.py, manifest.py) --------------------------------------------------
+
+const L2_COMPRESSED: u64 = 1 << 62;
+const L2_ZERO: u64 = 1;
+const L2_RESERVED: u64 = 0x3F00_0000_0000_01FE;
+const OFFSET_MASK: u64 = 0x00FF_FFFF_FFFF_FE00;
+const SC_ALL: u64 = 0xFFFF_FFFF;
+/// Blocks one task reads and hashes at most (1 MiB).
+const RUN_BLOCKS: u64 = 256;
+/// The largest host span one task reads with a single pread (8 MiB).
+const SPAN_BYTES: u64 = 8 << 20;
+
+/// The geometry of one qcow2 file, as ``hashcache.qcow2.Qcow2Image`` read and checked it.
+#[derive(Clone, Copy)]
+struct Geometry {
+    extended: bool,
+    cluster_size: u64,
+    subcluster_size: u64,
+    block_count: u64,
+    virtual_size: u64,
+    file_size: u64,
+}
+
+/// A run of a layer's own blocks: ``host`` None for blocks that read as zero.
+struct Run {
+    start: u64,
+    count: u64,
+    host: Option<u64>,
+}
+
+/// The runs one L2 table allocates (clipped to the disk, adjacent data merged up to RUN_BLOCKS), or
+/// Err(()) at anything the reference refuses (compressed, reserved bits, misaligned, contradictory
+/// bitmaps, data past the file's end): the caller then asks the reference, which names it.
+fn table_runs(table: &[u8], base_cluster: u64, n_entries: usize, g: Geometry) -> Result<Vec<Run>, ()> {
+    let word = |k: usize| u64::from_be_bytes(table[k * 8..k * 8 + 8].try_into().unwrap());
+    let per_cluster = g.cluster_size / BLOCK as u64;
+    let per_sc = g.subcluster_size / BLOCK as u64;
+    let mut runs: Vec<Run> = Vec::new();
+    let mut push = |start: u64, count: u64, host: Option<u64>| -> Result<(), ()> {
+        if start >= g.block_count {
+            return Ok(());
+        }
+        let count = count.min(g.block_count - start);
+        if let Some(h) = host {
+            let guest = ((start + count) * BLOCK as u64).min(g.virtual_size) - start * BLOCK as u64;
+            if h + guest > g.file_size {
+                return Err(());
+            }
+        }
+        if let Some(last) = runs.last_mut() {
+            let adjacent = last.start + last.count == start && last.count + count <= RUN_BLOCKS;
+            let same = match (last.host, host) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a + last.count * BLOCK as u64 == b,
+                _ => false,
+            };
+            if adjacent && same {
+                last.count += count;
+                return Ok(());
+            }
+        }
+        runs.push(Run { start, count, host });
+        Ok(())
+    };
+    for i in 0..n_entries {
+        let (entry, bitmap) = if g.extended { (word(2 * i), word(2 * i + 1)) } else { (word(i), 0) };
+        if entry == 0 && bitmap == 0 {
+            continue;
+        }
+        if entry & (L2_COMPRESSED | L2_RESERVED) != 0 {
+            return Err(());
+        }
+        let host = entry & OFFSET_MASK;
+        if host % g.cluster_size != 0 {
+            return Err(());
+        }
+        let first = (base_cluster + i as u64) * per_cluster;
+        if !g.extended {
+            if entry & L2_ZERO != 0 {
+                push(first, per_cluster, None)?;
+            } else if host != 0 {
+                push(first, per_cluster, Some(host))?;
+            }
+            continue;
+        }
+        let (alloc, zero) = (bitmap & SC_ALL, bitmap >> 32);
+        if alloc & zero != 0 || (alloc != 0 && host == 0) {
+            return Err(());
+        }
+        for sc in 0..32u64 {
+            if alloc >> sc & 1 == 1 {
+                push(first + sc * per_sc, per_sc, Some(host + sc * g.subcluster_size))?;
+            } else if zero >> sc & 1 == 1 {
+                push(first + sc * per_sc, per_sc, None)?;
+            }
+        }
+    }
+    Ok(runs)
+}
+
+/// ``layer_table_records(fd, table, base_cluster, n_entries, extended, cluster_size, subcluster_size,
+/// block_count, virtual_size, file_size) -> bytes | None``: the manifest records (key, hash; zero
+/// blocks flagged) of every block one L2 table of a qcow2 file allocates, in guest order: the
+/// table walked, data read with pread and hashed on every core. None when the table or the data
+/// is anything the reference would refuse or fail on (the caller runs the reference, which names
+/// it). Reference: ``hashcache.manifest._reference_manifest_of_layer`` (``Qcow2Image.iter_block_runs``
+/// + ``scan_records``).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn layer_table_records<'py>(py: Python<'py>, fd: i32, table: &[u8], base_cluster: u64, n_entries: usize,
+                            extended: bool, cluster_size: u64, subcluster_size: u64, block_count: u64,
+                            virtual_size: u64, file_size: u64) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let g = Geometry { extended, cluster_size, subcluster_size, block_count, virtual_size, file_size };
+    let words = if extended { 2 * n_entries } else { n_entries };
+    if table.len() < words * 8 || cluster_size % BLOCK as u64 != 0 || cluster_size == 0
+        || subcluster_size % BLOCK as u64 != 0 || subcluster_size == 0
+        || (extended && subcluster_size * 32 != cluster_size) || (!extended && subcluster_size != cluster_size) {
+        return Err(PyValueError::new_err("layer_table_records: table or geometry is malformed"));
+    }
+    let tv = View { ptr: table.as_ptr(), len: table.len() };
+    let out = py.allow_threads(move || -> Option<Vec<u8>> {
+        let runs = table_runs(tv.slice(), base_cluster, n_entries, g).ok()?;
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        // Per task of up to 64 runs: the host span their data lies in read with one pread when it is
+        // small (a cluster's subclusters sit side by side), else one pread per run.
+        let parts: Vec<Option<Vec<u8>>> = runs
+            .par_chunks(64)
+            .map(|task| {
+                let guest = |r: &Run| (((r.start + r.count) * BLOCK as u64).min(g.virtual_size) - r.start * BLOCK as u64) as usize;
+                let data: Vec<&Run> = task.iter().filter(|r| r.host.is_some()).collect();
+                let lo = data.iter().map(|r| r.host.unwrap()).min().unwrap_or(0);
+                let hi = data.iter().map(|r| r.host.unwrap() + guest(r) as u64).max().unwrap_or(0);
+                let span = if !data.is_empty() && hi - lo <= SPAN_BYTES {
+                    let mut buf = vec![0u8; (hi - lo) as usize];
+                    file.read_exact_at(&mut buf, lo).ok()?;
+                    Some(buf)
+                } else {
+                    None
+                };
+                let mut out = Vec::with_capacity(task.iter().map(|r| r.count as usize).sum::<usize>() * RECORD);
+                let mut own = Vec::new();
+                for r in task {
+                    let Some(h) = r.host else {
+                        records_into(&mut out, r.start, &vec![None; r.count as usize], true);
+                        continue;
+                    };
+                    let n = guest(r);
+                    let bytes: &[u8] = match &span {
+                        Some(buf) => &buf[(h - lo) as usize..(h - lo) as usize + n],
+                        None => {
+                            own.resize(n, 0);
+                            file.read_exact_at(&mut own, h).ok()?;
+                            &own
+                        }
+                    };
+                    let scanned: Vec<Option<[u8; HASH]>> = (0..r.count as usize)
+                        .map(|k| {
+                            let b = &bytes[k * BLOCK..n.min((k + 1) * BLOCK)];
+                            if is_zero(b) { None } else { Some(hash_block(b)) }  // a short last block: padded
+                        })
+                        .collect();
+                    records_into(&mut out, r.start, &scanned, true);
+                }
+                Some(out)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(parts.iter().map(|p| p.as_ref().map_or(0, |v| v.len())).sum());
+        for p in parts {
+            out.extend_from_slice(&p?);
+        }
+        Some(out)
+    });
+    Ok(out.map(|v| PyBytes::new_bound(py, &v)))
+}
+
 /// ``blake3_file(path) -> bytes``: BLAKE3 of a whole file (memory-mapped, all cores): the peer the
 /// benchmarks compare manifest building and ``verify`` with.
 #[pyfunction]
@@ -620,6 +795,7 @@ fn capsule_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pwrite_runs, m)?)?;
     m.add_function(wrap_pyfunction!(cache_candidates, m)?)?;
     m.add_function(wrap_pyfunction!(cache_put_many, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_table_records, m)?)?;
     m.add_function(wrap_pyfunction!(cache_bump_uses, m)?)?;
     m.add_function(wrap_pyfunction!(read_verified, m)?)?;
     m.add_function(wrap_pyfunction!(hash_at, m)?)?;
