@@ -23,6 +23,7 @@ import threading
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,7 +39,8 @@ MAX_BATCH = 1024            # blocks per READ / upload batch
 MAX_PART_RECORDS = 8192     # manifest records in one part of a push's manifest upload
 DEFAULT_BATCH = 256         # 1 MiB of raw data per request
 DEFAULT_LEVEL = 3
-LOCAL_BATCH = 4096          # blocks found locally per hash-cache window (one fdatasync per plan)
+LOCAL_BATCH = 4096          # blocks found locally per hash-cache window
+SYNC_BLOCKS = 4096          # blocks received between two fdatasyncs of the shadow (16 MiB)
 
 
 class ProtocolError(HashcacheError):
@@ -461,25 +463,36 @@ class Receiver:
         self.stats = stats or TransferStats()
         self._nonzero = [k >> 1 for k in expect.keys if not k & 1]
         self._dedupe = dedupe
-        self._by_hash: dict[bytes, list[int]] | None = None if dedupe else {}
+        self._by_hash: dict[bytes, list[int]] = {}
+        self._indexed = 0  # records of the manifest already in _by_hash
+        # blocks written but not yet durable nor marked present: one fdatasync per SYNC_BLOCKS (flush)
+        self._unsynced: list[int] = []
+        self._unsynced_lock = threading.Lock()
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
 
     def update(self, expect: Expectation) -> None:
         """Know more of the object (another part of its manifest arrived)."""
+        n = self._indexed
+        if self.manifest.keys[:n] != expect.keys[:n] or self.manifest.hashes[:n * expect.hash_len] != expect.hashes[
+                :n * expect.hash_len] or self.manifest.hash_len != expect.hash_len:
+            self._by_hash, self._indexed = {}, 0  # not an extension of what was known: index it again
         self.manifest = expect
         self._nonzero = [k >> 1 for k in expect.keys if not k & 1]
-        self._by_hash = None if self._dedupe else {}
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
 
     def _duplicates(self) -> dict[bytes, list[int]]:
-        """hash → every data block index with that hash (a memory image repeats many pages)."""
-        if self._by_hash is None:
-            by: dict[bytes, list[int]] = {}
-            for i, z, h in self.manifest.records():
-                if not z:
-                    by.setdefault(h, []).append(i)
-            self._by_hash = {h: ix for h, ix in by.items() if len(ix) > 1}
-        return self._by_hash
+        """hash → every data block index with that hash (a memory image repeats many pages; a list of
+        one is a block without repeats); built as the manifest's parts arrive, each record once."""
+        m = self.manifest
+        if not self._dedupe or self._indexed == len(m.keys):
+            return self._by_hash
+        by, keys, hashes, n = self._by_hash, m.keys, m.hashes, m.hash_len
+        for pos in range(self._indexed, len(keys)):
+            k = keys[pos]
+            if not k & 1:
+                by.setdefault(hashes[pos * n:(pos + 1) * n], []).append(k >> 1)
+        self._indexed = len(keys)
+        return by
 
     def plan(self, on_progress: Callable[[int], None] | None = None) -> list[int]:
         """Blocks still to fetch: not in the shadow (resume), not in the hash
@@ -494,7 +507,6 @@ class Receiver:
         still: list[int] = []
         seen: set[bytes] = set()
         record = self.manifest.record
-        written: list[int] = []  # blocks written but not yet durable nor marked: one fdatasync at the end
         for w in range(0, len(missing), LOCAL_BATCH):
             firsts: list[tuple[int, bytes]] = []
             for index in missing[w:w + LOCAL_BATCH]:
@@ -513,10 +525,8 @@ class Receiver:
                 data = hit[0]
                 batch.append((index, data))
                 batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index and not self.shadow.has(j))
-            self._store(batch, "cache_bytes", on_progress, written)
-        if written:
-            self.shadow.sync()
-            self.shadow.mark_present(written)
+            self._store(batch, "cache_bytes", on_progress)
+        self.flush()
         return still
 
     def _reference_plan(self, missing: list[int], on_progress: Callable[[int], None] | None) -> list[int]:
@@ -543,6 +553,7 @@ class Receiver:
             else:
                 still.append(index)
         self._store(batch, "cache_bytes", on_progress)
+        self.flush()
         return still
 
     def _from_cache(self, key: bytes) -> bytes | None:
@@ -563,23 +574,24 @@ class Receiver:
         """Once complete: the full manifest, its hashes computed from the received blocks (by the
         extension, all cores; reference: ``hash_block(shadow.read(i))`` per block), checked against the
         object's digest (which names it). Raises ManifestMismatch otherwise."""
-        if not self.complete():
+        if not self.complete():  # (complete() flushes)
             raise ProtocolError(f"{self.name}: blocks are still missing")
         flat = self.shadow.hash_blocks(self._nonzero)
         at = {i: flat[k * 32:(k + 1) * 32] for k, i in enumerate(self._nonzero)}
         return self.manifest.manifest_from(at.__getitem__)
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
-               on_progress: Callable[[int], None] | None, unsynced: list[int] | None = None) -> None:
-        """Keep verified blocks: written, made durable and marked present; or, given ``unsynced``,
-        only written and their indices added to it (the caller syncs once and marks them)."""
+               on_progress: Callable[[int], None] | None) -> None:
+        """Keep verified blocks: written now; made durable and marked present by :meth:`flush`, once
+        SYNC_BLOCKS of them wait (and at the end of a plan, before ``complete``, when closing)."""
         if not batch:
             return
-        if unsynced is None:
-            self.shadow.store(batch)
-        else:
-            self.shadow.write(batch)
-            unsynced.extend(i for i, _d in batch)
+        self.shadow.write(batch)
+        with self._unsynced_lock:
+            self._unsynced.extend(i for i, _d in batch)
+            due = len(self._unsynced) >= SYNC_BLOCKS
+        if due:
+            self.flush()
         self.stats.add(**{counter: len(batch) * BLOCK_SIZE})
         if on_progress:
             on_progress(len(batch) * BLOCK_SIZE)
@@ -592,6 +604,7 @@ class Receiver:
         if len(indices) != len(blocks):
             raise ProtocolError(f"{self.name}: asked for {len(indices)} blocks, got {len(blocks)}")
         good: list[tuple[int, bytes]] = []
+        failed = True
         try:
             expected: list[bytes] = []
             for index in indices:
@@ -607,15 +620,28 @@ class Receiver:
                 if bad >= 0:
                     raise ManifestMismatch(f"{self.name}: block {indices[bad]} does not match its manifest hash",
                                            object_name=self.name, block=indices[bad])
-                return
-            self._reference_verify(indices, blocks, good)
+            else:
+                self._reference_verify(indices, blocks, good)
+            failed = False
         finally:
-            self._store(good, "fetched_bytes", on_progress)
-            dups = self._duplicates()
-            copies = [(j, data) for index, data in good
-                      for j in dups.get((self.manifest.record(index) or (False, b""))[1], ())
-                      if j != index and not self.shadow.has(j)]
-            self._store(copies, "cache_bytes", on_progress)
+            try:
+                self._keep(good, on_progress)
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                if failed:  # the sender starts over after this (a full disk too): what was right stays
+                    with suppress(OSError):
+                        self.flush()
+
+    def _keep(self, good: list[tuple[int, bytes]], on_progress: Callable[[int], None] | None) -> None:
+        """Store verified fetched blocks, and copies of them where the object repeats them."""
+        self._store(good, "fetched_bytes", on_progress)
+        dups = self._duplicates()
+        copies = [(j, data) for index, data in good
+                  for j in dups.get((self.manifest.record(index) or (False, b""))[1], ())
+                  if j != index and not self.shadow.has(j)]
+        self._store(copies, "cache_bytes", on_progress)
 
     def _reference_verify(self, indices: Sequence[int], blocks: Sequence[bytes],
                           good: list[tuple[int, bytes]]) -> None:
@@ -629,7 +655,22 @@ class Receiver:
                                        object_name=self.name, block=index)
             good.append((index, data))
 
+    def flush(self) -> None:
+        """Make the blocks written so far durable (one fdatasync), then mark them present. Blocks
+        written by another thread meanwhile wait for the next flush."""
+        with self._unsynced_lock:
+            written, self._unsynced = self._unsynced, []
+        if written:
+            try:
+                self.shadow.sync()
+            except BaseException:
+                with self._unsynced_lock:
+                    self._unsynced[:0] = written
+                raise
+            self.shadow.mark_present(written)
+
     def complete(self) -> bool:
+        self.flush()
         return not self.shadow.missing(self._nonzero)
 
     def nonzero_indices(self) -> list[int]:

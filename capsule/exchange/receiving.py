@@ -78,7 +78,12 @@ class _Incoming:
         self.lock = threading.Lock()
 
     def close(self) -> None:
-        self.shadow.close()
+        try:
+            self.receiver.flush()  # blocks written but not yet marked: durable and marked, or fetched again
+        except OSError:
+            pass
+        finally:
+            self.shadow.close()
 
 
 class Inbox:
