@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -40,7 +41,8 @@ MAX_PART_RECORDS = 8192     # manifest records in one part of a push's manifest 
 DEFAULT_BATCH = 256         # 1 MiB of raw data per request
 DEFAULT_LEVEL = 3
 LOCAL_BATCH = 4096          # blocks found locally per hash-cache window
-SYNC_BLOCKS = 4096          # blocks received between two fdatasyncs of the shadow (16 MiB)
+SYNC_BLOCKS = 4096          # blocks received between two fdatasyncs of the shadow (16 MiB) at most,
+SYNC_SECONDS = 0.5          # and seconds: a killed receiver refetches no more than that much
 
 
 class ProtocolError(HashcacheError):
@@ -468,6 +470,7 @@ class Receiver:
         # blocks written but not yet durable nor marked present: one fdatasync per SYNC_BLOCKS (flush)
         self._unsynced: list[int] = []
         self._unsynced_lock = threading.Lock()
+        self._synced_at = time.monotonic()
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
 
     def update(self, expect: Expectation) -> None:
@@ -582,14 +585,15 @@ class Receiver:
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
                on_progress: Callable[[int], None] | None) -> None:
-        """Keep verified blocks: written now; made durable and marked present by :meth:`flush`, once
-        SYNC_BLOCKS of them wait (and at the end of a plan, before ``complete``, when closing)."""
+        """Keep verified blocks: written now; made durable and marked present by :meth:`flush` once
+        SYNC_BLOCKS of them wait or SYNC_SECONDS passed since the last (and at the end of a plan,
+        before ``complete``, when closing)."""
         if not batch:
             return
         self.shadow.write(batch)
         with self._unsynced_lock:
             self._unsynced.extend(i for i, _d in batch)
-            due = len(self._unsynced) >= SYNC_BLOCKS
+            due = len(self._unsynced) >= SYNC_BLOCKS or time.monotonic() - self._synced_at >= SYNC_SECONDS
         if due:
             self.flush()
         self.stats.add(**{counter: len(batch) * BLOCK_SIZE})
@@ -660,6 +664,7 @@ class Receiver:
         written by another thread meanwhile wait for the next flush."""
         with self._unsynced_lock:
             written, self._unsynced = self._unsynced, []
+            self._synced_at = time.monotonic()
         if written:
             try:
                 self.shadow.sync()
