@@ -24,6 +24,7 @@ import time
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -510,27 +511,43 @@ class Receiver:
         still: list[int] = []
         seen: set[bytes] = set()
         record = self.manifest.record
-        for w in range(0, len(missing), LOCAL_BATCH):
-            firsts: list[tuple[int, bytes]] = []
-            for index in missing[w:w + LOCAL_BATCH]:
-                rec = record(index)
-                assert rec is not None
-                h = rec[1]
-                if h in seen and self._dedupe:
-                    continue
-                seen.add(h)
-                firsts.append((index, h))
-            batch: list[tuple[int, bytes]] = []
-            for (index, h), hit in zip(firsts, many([h for _i, h in firsts]) if firsts else [], strict=True):
-                if hit is None or len(hit[0]) != BLOCK_SIZE or hit[1][:PREFIX_SIZE] != h:
-                    still.append(index)
-                    continue
-                data = hit[0]
-                batch.append((index, data))
-                batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index and not self.shadow.has(j))
-            self._store(batch, "cache_bytes", on_progress)
+        # a window's blocks are written by a helper thread while the next window is looked up (both in
+        # the extension, without the GIL): reads and hashes on the cores, writes beside them
+        with ThreadPoolExecutor(1, thread_name_prefix="plan-write") as writer:
+            pending: Future[None] | None = None
+            for w in range(0, len(missing), LOCAL_BATCH):
+                batch = self._plan_window(missing[w:w + LOCAL_BATCH], seen, still, many, record)
+                if pending is not None:
+                    pending.result()
+                pending = writer.submit(self._store, batch, "cache_bytes", on_progress)
+            if pending is not None:
+                pending.result()
         self.flush()
         return still
+
+    def _plan_window(self, window: list[int], seen: set[bytes], still: list[int],
+                     many: Callable[[list[bytes]], list[tuple[bytes, bytes] | None]],
+                     record: Callable[[int], tuple[bool, bytes] | None]) -> list[tuple[int, bytes]]:
+        """One window of :meth:`plan`: its blocks found in the hash cache (and their repeats), to store;
+        the others appended to ``still``."""
+        firsts: list[tuple[int, bytes]] = []
+        for index in window:
+            rec = record(index)
+            assert rec is not None
+            h = rec[1]
+            if h in seen and self._dedupe:
+                continue
+            seen.add(h)
+            firsts.append((index, h))
+        batch: list[tuple[int, bytes]] = []
+        for (index, h), hit in zip(firsts, many([h for _i, h in firsts]) if firsts else [], strict=True):
+            if hit is None or len(hit[0]) != BLOCK_SIZE or hit[1][:PREFIX_SIZE] != h:
+                still.append(index)
+                continue
+            data = hit[0]
+            batch.append((index, data))
+            batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index and not self.shadow.has(j))
+        return batch
 
     def _reference_plan(self, missing: list[int], on_progress: Callable[[int], None] | None) -> list[int]:
         """Reference (one lookup per block) of :meth:`plan`; also the path for caches without batches
