@@ -519,7 +519,7 @@ class Receiver:
                 batch = self._plan_window(missing[w:w + LOCAL_BATCH], seen, still, many, record)
                 if pending is not None:
                     pending.result()
-                pending = writer.submit(self._store, batch, "cache_bytes", on_progress)
+                pending = writer.submit(self._store, batch, "cache_bytes", on_progress, False)
             if pending is not None:
                 pending.result()
         self.flush()
@@ -568,11 +568,11 @@ class Receiver:
                 batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index
                              and not self.shadow.has(j))
                 if len(batch) >= LOCAL_BATCH:
-                    self._store(batch, "cache_bytes", on_progress)
+                    self._store(batch, "cache_bytes", on_progress, False)
                     batch = []
             else:
                 still.append(index)
-        self._store(batch, "cache_bytes", on_progress)
+        self._store(batch, "cache_bytes", on_progress, False)
         self.flush()
         return still
 
@@ -601,17 +601,18 @@ class Receiver:
         return self.manifest.manifest_from(at.__getitem__)
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
-               on_progress: Callable[[int], None] | None) -> None:
+               on_progress: Callable[[int], None] | None, step: bool = True) -> None:
         """Keep verified blocks: written now; made durable and marked present by :meth:`flush` once
         SYNC_BLOCKS of them wait or SYNC_SECONDS passed since the last (and at the end of a plan,
-        before ``complete``, when closing)."""
+        before ``complete``, when closing). A plan (``step`` False) flushes once, at its end: the blocks
+        it finds do not change under it, so it counts the same repeats whatever the clock says."""
         if not batch:
             return
         self.shadow.write(batch)
         with self._unsynced_lock:
             self._unsynced.extend(i for i, _d in batch)
             due = len(self._unsynced) >= SYNC_BLOCKS or time.monotonic() - self._synced_at >= SYNC_SECONDS
-        if due:
+        if due and step:
             self.flush()
         self.stats.add(**{counter: len(batch) * BLOCK_SIZE})
         if on_progress:
