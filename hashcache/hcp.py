@@ -20,12 +20,10 @@ from __future__ import annotations
 import json
 import struct
 import threading
-import time
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,8 +40,6 @@ MAX_PART_RECORDS = 8192     # manifest records in one part of a push's manifest 
 DEFAULT_BATCH = 256         # 1 MiB of raw data per request
 DEFAULT_LEVEL = 3
 LOCAL_BATCH = 4096          # blocks found locally per hash-cache window
-SYNC_BLOCKS = 4096          # blocks received between two fdatasyncs of the shadow (16 MiB) at most,
-SYNC_SECONDS = 0.5          # and seconds: a killed receiver refetches no more than that much
 
 
 class ProtocolError(HashcacheError):
@@ -468,10 +464,9 @@ class Receiver:
         self._dedupe = dedupe
         self._by_hash: dict[bytes, list[int]] = {}
         self._indexed = 0  # records of the manifest already in _by_hash
-        # blocks written but not yet durable nor marked present: one fdatasync per SYNC_BLOCKS (flush)
+        # blocks written but not yet durable nor marked present (a plan's, until its end: flush)
         self._unsynced: list[int] = []
         self._unsynced_lock = threading.Lock()
-        self._synced_at = time.monotonic()
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
 
     def update(self, expect: Expectation) -> None:
@@ -602,17 +597,15 @@ class Receiver:
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
                on_progress: Callable[[int], None] | None, step: bool = True) -> None:
-        """Keep verified blocks: written now; made durable and marked present by :meth:`flush` once
-        SYNC_BLOCKS of them wait or SYNC_SECONDS passed since the last (and at the end of a plan,
-        before ``complete``, when closing). A plan (``step`` False) flushes once, at its end: the blocks
-        it finds do not change under it, so it counts the same repeats whatever the clock says."""
+        """Keep verified blocks: written, made durable (fdatasync) and then marked present — a batch
+        received; or, for a plan's window (``step`` False), only written: the plan makes all it found
+        durable and marks it once, at its end (:meth:`flush`)."""
         if not batch:
             return
         self.shadow.write(batch)
         with self._unsynced_lock:
             self._unsynced.extend(i for i, _d in batch)
-            due = len(self._unsynced) >= SYNC_BLOCKS or time.monotonic() - self._synced_at >= SYNC_SECONDS
-        if due and step:
+        if step:
             self.flush()
         self.stats.add(**{counter: len(batch) * BLOCK_SIZE})
         if on_progress:
@@ -626,7 +619,6 @@ class Receiver:
         if len(indices) != len(blocks):
             raise ProtocolError(f"{self.name}: asked for {len(indices)} blocks, got {len(blocks)}")
         good: list[tuple[int, bytes]] = []
-        failed = True
         try:
             expected: list[bytes] = []
             for index in indices:
@@ -644,17 +636,8 @@ class Receiver:
                                            object_name=self.name, block=indices[bad])
             else:
                 self._reference_verify(indices, blocks, good)
-            failed = False
         finally:
-            try:
-                self._keep(good, on_progress)
-            except BaseException:
-                failed = True
-                raise
-            finally:
-                if failed:  # the sender starts over after this (a full disk too): what was right stays
-                    with suppress(OSError):
-                        self.flush()
+            self._keep(good, on_progress)  # blocks verified before a wrong one are kept
 
     def _keep(self, good: list[tuple[int, bytes]], on_progress: Callable[[int], None] | None) -> None:
         """Store verified fetched blocks, and copies of them where the object repeats them."""
@@ -682,7 +665,6 @@ class Receiver:
         written by another thread meanwhile wait for the next flush."""
         with self._unsynced_lock:
             written, self._unsynced = self._unsynced, []
-            self._synced_at = time.monotonic()
         if written:
             try:
                 self.shadow.sync()
