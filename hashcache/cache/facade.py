@@ -195,9 +195,9 @@ class HashCache(FileRegistry, BucketTable, VerifiedLookup, Priming):
                     os.close(fd)
             self._fds.clear()
 
-    def _count(self, which: int) -> None:
-        self._delta[which] += 1
-        self._ops += 1
+    def _count(self, which: int, n: int = 1) -> None:
+        self._delta[which] += n
+        self._ops += n
 
     def _maybe_flush(self) -> None:
         if self._ops >= _FLUSH_OPS or (self._ops and time.monotonic() - self._last_flush > _FLUSH_SECONDS):

@@ -140,8 +140,7 @@ class VerifiedLookup:
                     else:
                         slow.append(i)
                 native.cache_bump_uses(self._mm, used)  # _bump_uses for each, in the extension
-                self._delta[_HITS] += len(used)
-                self._ops += len(used)
+                self._count(_HITS, len(used))
             self._maybe_flush()
         for i in sorted(slow):
             out[i] = self.lookup_prefix(prefixes[i])

@@ -166,8 +166,7 @@ class BucketTable:
             self._mm, self.bucket_count, BUCKETS_OFFSET, bytes(keys), offsets, fids, self.evict_sample,
             self._rng.getrandbits(64))
         for which, n in ((_INSERTS, inserts), (_UPDATES, updates), (_EVICTIONS, evictions)):
-            self._delta[which] += n
-            self._ops += n
+            self._count(which, n)
         return written
 
     def insert(self, hash32: bytes, file: str | os.PathLike[str] | int, offset: int) -> bool:
