@@ -464,7 +464,7 @@ class Receiver:
         self._dedupe = dedupe
         self._by_hash: dict[bytes, list[int]] = {}
         self._indexed = 0  # records of the manifest already in _by_hash
-        # blocks written but not yet durable nor marked present (a plan's, until its end: flush)
+        # a plan's blocks, written but not yet durable nor marked present (until its end: flush)
         self._unsynced: list[int] = []
         self._unsynced_lock = threading.Lock()
         self.stats.raw_bytes = len(self._nonzero) * BLOCK_SIZE
@@ -514,7 +514,7 @@ class Receiver:
                 batch = self._plan_window(missing[w:w + LOCAL_BATCH], seen, still, many, record)
                 if pending is not None:
                     pending.result()
-                pending = writer.submit(self._store, batch, "cache_bytes", on_progress, False)
+                pending = writer.submit(self._store, batch, "cache_bytes", on_progress, False)  # durable_now
             if pending is not None:
                 pending.result()
         self.flush()
@@ -563,11 +563,11 @@ class Receiver:
                 batch.extend((j, data) for j in self._duplicates().get(h, ()) if j != index
                              and not self.shadow.has(j))
                 if len(batch) >= LOCAL_BATCH:
-                    self._store(batch, "cache_bytes", on_progress, False)
+                    self._store(batch, "cache_bytes", on_progress, durable_now=False)
                     batch = []
             else:
                 still.append(index)
-        self._store(batch, "cache_bytes", on_progress, False)
+        self._store(batch, "cache_bytes", on_progress, durable_now=False)
         self.flush()
         return still
 
@@ -589,24 +589,26 @@ class Receiver:
         """Once complete: the full manifest, its hashes computed from the received blocks (by the
         extension, all cores; reference: ``hash_block(shadow.read(i))`` per block), checked against the
         object's digest (which names it). Raises ManifestMismatch otherwise."""
-        if not self.complete():  # (complete() flushes)
+        if not self.complete():
             raise ProtocolError(f"{self.name}: blocks are still missing")
         flat = self.shadow.hash_blocks(self._nonzero)
         at = {i: flat[k * 32:(k + 1) * 32] for k, i in enumerate(self._nonzero)}
         return self.manifest.manifest_from(at.__getitem__)
 
     def _store(self, batch: list[tuple[int, bytes]], counter: str,
-               on_progress: Callable[[int], None] | None, step: bool = True) -> None:
-        """Keep verified blocks: written, made durable (fdatasync) and then marked present — a batch
-        received; or, for a plan's window (``step`` False), only written: the plan makes all it found
-        durable and marks it once, at its end (:meth:`flush`)."""
+               on_progress: Callable[[int], None] | None, durable_now: bool = True) -> None:
+        """Keep verified blocks: a batch received is written, made durable and marked present before
+        this returns (``Shadow.store``: its own fdatasync, whatever other threads do); a plan's window
+        (``durable_now`` False) is only written, and the plan makes all it found durable and marks it
+        once, at its end (:meth:`flush`)."""
         if not batch:
             return
-        self.shadow.write(batch)
-        with self._unsynced_lock:
-            self._unsynced.extend(i for i, _d in batch)
-        if step:
-            self.flush()
+        if durable_now:
+            self.shadow.store(batch)
+        else:
+            self.shadow.write(batch)
+            with self._unsynced_lock:
+                self._unsynced.extend(i for i, _d in batch)
         self.stats.add(**{counter: len(batch) * BLOCK_SIZE})
         if on_progress:
             on_progress(len(batch) * BLOCK_SIZE)
@@ -661,8 +663,7 @@ class Receiver:
             good.append((index, data))
 
     def flush(self) -> None:
-        """Make the blocks written so far durable (one fdatasync), then mark them present. Blocks
-        written by another thread meanwhile wait for the next flush."""
+        """Make a plan's blocks written so far durable (one fdatasync), then mark them present."""
         with self._unsynced_lock:
             written, self._unsynced = self._unsynced, []
         if written:
@@ -675,7 +676,6 @@ class Receiver:
             self.shadow.mark_present(written)
 
     def complete(self) -> bool:
-        self.flush()
         return not self.shadow.missing(self._nonzero)
 
     def nonzero_indices(self) -> list[int]:
