@@ -2486,8 +2486,20 @@ int main(int argc, char **argv)
             int t = next_timer_ms(HUP_SLEEP_MS);
             sleep_ms(t < HUP_SLEEP_MS ? t : HUP_SLEEP_MS);
             /* Every ~10 s of silence, reopen: if the port was hot-unplugged
-             * and plugged again, the old descriptor would never wake up. */
+             * and plugged again, the old descriptor would never wake up.
+             * A host may have connected and written during the sleep, and a
+             * close discards what the port holds unread (virtio_console drops
+             * it at release): the host's request would be lost and it would
+             * wait for a reply that never comes. So read once more first;
+             * only a port that is still silent is reopened. */
             if (host_gone % EOF_REOPEN_ROUNDS == 0) {
+                ssize_t m = read(g_in, rbuf, sizeof rbuf);
+                if (m > 0) {
+                    logmsg("host connected");
+                    host_gone = 0;
+                    feed(rbuf, (size_t)m);
+                    continue;
+                }
                 close_transport();
                 g_reopened_quietly = 1;
                 host_gone = 1;

@@ -20,6 +20,7 @@ from hashcache import wirejson
 
 MAX_REPLY = 16 << 20       # a reply line longer than this is refused
 CONNECT_TIMEOUT = 2.0
+SYNC_ATTEMPT = 2.0         # how long one ping confirming a fresh connection is waited on before it is resent
 
 
 class AgentUnavailable(CapsuleError):
@@ -28,6 +29,10 @@ class AgentUnavailable(CapsuleError):
     code = "guest_agent_unavailable"
     exit_code = 14
     http_status = 503
+
+
+class AgentNoAnswer(AgentUnavailable):
+    """The deadline passed with no reply (the channel itself is fine)."""
 
 
 class AgentError(CapsuleError):
@@ -46,6 +51,7 @@ class GuestAgent:
         self.timeout = timeout
         self._ids = itertools.count(1)
         self._buf = b""
+        self._synced = False  # a reply has come on this connection: the agent reads it
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(CONNECT_TIMEOUT)
         try:
@@ -76,12 +82,12 @@ class GuestAgent:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AgentUnavailable("the guest agent did not answer in time")
+                raise AgentNoAnswer("the guest agent did not answer in time")
             self._sock.settimeout(left)
             try:
                 chunk = self._sock.recv(1 << 16)
             except TimeoutError as exc:
-                raise AgentUnavailable("the guest agent did not answer in time") from exc
+                raise AgentNoAnswer("the guest agent did not answer in time") from exc
             except OSError as exc:
                 raise AgentUnavailable(f"reading from the guest agent failed: {exc}") from exc
             if not chunk:
@@ -95,10 +101,32 @@ class GuestAgent:
 
     def call(self, cmd: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Send one request and wait for its reply (lines that do not parse, or
-        answer another id, are skipped)."""
+        answer another id, are skipped). The first request on a connection other
+        than a ping is preceded by pings until one is answered (``_sync``)."""
+        wait = timeout if timeout is not None else self.timeout
+        if not self._synced and cmd != "ping":
+            self._sync(time.monotonic() + wait)
+        return self._request(cmd, args, wait)
+
+    def _sync(self, deadline: float) -> None:
+        """Confirm a fresh connection before a request that may be waited on for minutes. The agent
+        notices a host by polling, and a request that lands as it reopens a silent port is discarded by
+        the guest kernel with the port's unread data (PROTOCOL.md): a lost ping is resent after
+        ``SYNC_ATTEMPT`` seconds, where a lost ``exec`` would be waited on to its deadline."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentNoAnswer("the guest agent did not answer in time")
+            try:
+                self._request("ping", None, min(SYNC_ATTEMPT, left))
+                return
+            except AgentNoAnswer:
+                continue
+
+    def _request(self, cmd: str, args: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         rid = next(self._ids)
         self._send(json.dumps({"id": rid, "cmd": cmd, "args": args or {}}).encode() + b"\n")
-        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        deadline = time.monotonic() + timeout
         while True:
             line = self._line(deadline).strip()
             if not line:
@@ -109,6 +137,7 @@ class GuestAgent:
                 continue
             if not isinstance(reply, dict) or reply.get("id") != rid:
                 continue
+            self._synced = True
             if reply.get("ok") is True and isinstance(reply.get("result"), dict):
                 return reply["result"]
             raise AgentError(f"guest agent: {cmd}: {reply.get('error', 'malformed reply')}")

@@ -4,6 +4,7 @@ The host must never hang and must refuse garbage."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -90,3 +91,53 @@ def test_no_channel_at_all(tmp_path):
     with pytest.raises(AgentUnavailable, match="no guest agent channel"):
         GuestAgent(tmp_path / "missing.sock")
     assert not os.path.exists(tmp_path / "missing.sock")
+
+
+def _answering_agent(seen: list[str], drop_first: bool):
+    """A fake agent answering every request with its command's name; with ``drop_first`` the first request
+    vanishes, as the guest kernel discards a port's unread data when the agent reopens it just then."""
+
+    def behaviour(conn):
+        buf, dropped = b"", not drop_first
+        while chunk := conn.recv(4096):
+            buf += chunk
+            while b"\n" in buf:
+                line, _, buf = buf.partition(b"\n")
+                if not line.strip():
+                    continue
+                req = json.loads(line)
+                seen.append(req["cmd"])
+                if not dropped:
+                    dropped = True
+                    continue
+                conn.sendall(json.dumps({"id": req["id"], "ok": True, "result": {"cmd": req["cmd"]}}).encode()
+                             + b"\n")
+
+    return behaviour
+
+
+def test_a_request_lost_at_connect_is_resent_as_a_ping_not_waited_on(tmp_path):
+    seen: list[str] = []
+    path = _fake_agent(tmp_path, _answering_agent(seen, drop_first=True))
+    with GuestAgent(path, timeout=2) as agent:
+        # without the confirming pings the exec itself would be the lost request, waited on for 60 s
+        assert agent.call("exec", {"argv": ["true"]}, timeout=60) == {"cmd": "exec"}
+        assert agent.call("stats") == {"cmd": "stats"}
+    assert seen == ["ping", "ping", "exec", "stats"]  # one lost ping resent; a confirmed connection pings no more
+
+
+def test_a_ping_confirms_its_own_connection(tmp_path):
+    seen: list[str] = []
+    path = _fake_agent(tmp_path, _answering_agent(seen, drop_first=False))
+    with GuestAgent(path, timeout=2) as agent:
+        assert agent.ping() == {"cmd": "ping"}
+        assert agent.call("exec", {"argv": ["true"]}, timeout=5) == {"cmd": "exec"}
+    assert seen == ["ping", "exec"]
+
+
+def test_a_silent_agent_fails_the_confirmation_within_the_calls_deadline(tmp_path):
+    path = _fake_agent(tmp_path, lambda conn: time.sleep(8))
+    t = time.monotonic()
+    with pytest.raises(AgentUnavailable, match="did not answer"), GuestAgent(path, timeout=1) as agent:
+        agent.call("exec", {"argv": ["true"]}, timeout=3)
+    assert time.monotonic() - t < 6
