@@ -104,7 +104,7 @@ class GuestAgent:
         answer another id, are skipped). The first request on a connection other
         than a ping is preceded by pings until one is answered (``_sync``)."""
         wait = timeout if timeout is not None else self.timeout
-        if not self._synced and cmd != "ping":
+        if cmd != "ping" and not self._synced:
             self._sync(time.monotonic() + wait)
         return self._request(cmd, args, wait)
 

@@ -26,6 +26,7 @@ def agent_fed(data: bytes, timeout: float = 5.0) -> tuple[GuestAgent, socket.soc
     host, guest = socket.socketpair()
     agent = GuestAgent.__new__(GuestAgent)
     agent.path, agent.timeout, agent._ids, agent._buf, agent._sock = "<fuzz>", timeout, itertools.count(1), b"", host
+    agent._synced = False
 
     def feed() -> None:
         try:

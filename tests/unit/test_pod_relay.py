@@ -47,8 +47,11 @@ def _fake(tmp_path: Path, answer: Callable[[dict[str, Any]], dict[str, Any]], se
                         line, _, buf = buf.partition(b"\n")
                         if not line.strip():
                             continue
-                        seen.append(len(line))
                         req = json.loads(line)
+                        if req["cmd"] == "ping":  # the host confirms a fresh connection first
+                            conn.sendall(json.dumps({"id": req["id"], "ok": True, "result": {}}).encode() + b"\n")
+                            continue
+                        seen.append(len(line))
                         reply = {"id": req["id"], "ok": True, "result": answer(req["args"])}
                         conn.sendall(json.dumps(reply).encode() + b"\n")
 
