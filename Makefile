@@ -45,13 +45,18 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # The compiled hot paths (native/: Rust, PyO3 + maturin, built by cargo — found on PATH or in
-# ~/.cargo/bin), installed into the virtualenv as the separate distribution capsule-native. Rebuilt
-# only when the crate changes; cargo keeps its build directory, so a rebuild compiles only what changed.
-native: $(VENV)/.native
+# ~/.cargo/bin), installed into the virtualenv as the separate distribution capsule-native, and the disk
+# server's native read path (below). Rebuilt only when the crate changes; cargo keeps its build
+# directory, so a rebuild compiles only what changed.
+native: $(VENV)/.native diskserver/fastread/capsule-fastread.so
 
 $(VENV)/.native: $(VENV)/.installed scripts/build-native.sh native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
 	@bash scripts/build-native.sh $(PY)
 	@touch $@
+
+# The disk server's native read path: an nbdkit filter in C (nbdkit-plugin-dev, installed by `make host`).
+diskserver/fastread/capsule-fastread.so: diskserver/fastread/fastread.c diskserver/fastread/Makefile
+	$(MAKE) -s -C diskserver/fastread
 
 # The page's browser libraries (noVNC), exactly as web/package-lock.json pins them; served by the agent.
 web: web/node_modules/.package-lock.json

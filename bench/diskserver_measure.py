@@ -64,10 +64,14 @@ def _read_tools(uri: str, size: int, passes: int, repeat: int) -> dict[str, floa
     # what starting qemu-img costs, which would then dominate both figures
     small = _best(["qemu-img", "bench", "-f", "raw", "-c", str(size // 65536 * passes), "-d", "4", "-s", "64k", uri],
                   repeat)
+    # 4 KiB reads: a quarter of the image per pass (a whole one would take minutes through the plugin alone)
+    tiny = _best(["qemu-img", "bench", "-f", "raw", "-c", str(size // 4 // 4096 * passes), "-d", "4", "-s", "4k",
+                  uri], repeat)
     conv = _best(["qemu-img", "convert", "-n", "-f", "raw", uri, "--target-image-opts",
                   f"driver=null-co,size={size}"], repeat)
     return {"qemu_img_bench_MBps": round(count * mib / bench / 1e6, 1),
             "qemu_img_bench_64k_MBps": round(size * passes / small / 1e6, 1),
+            "qemu_img_bench_4k_MBps": round(size // 4 * passes / tiny / 1e6, 1),
             "qemu_img_convert_MBps": round(size / conv / 1e6, 1)}
 
 
@@ -113,14 +117,23 @@ def bench_throughput(work: Path, size_mib: int, passes: int, repeat: int) -> dic
         finally:
             proc.terminate()
             proc.wait()
-        with DiskServer(work / "spec.json", sockdir / "ds.sock", work / "ds.log", exit_with_parent=True) as server:
-            out["diskserver"] = _read_tools(server.uri, size, passes, repeat)
-        stats = server.stats() or {}
-        out["diskserver_fetched_bytes"] = stats.get("source_bytes")
+        # the disk server as it runs (the native read path in front of the plugin), then the plugin alone
+        for name, native in (("diskserver", True), ("diskserver_plugin_only", False)):
+            with DiskServer(work / "spec.json", sockdir / "ds.sock", work / f"{name}.log", exit_with_parent=True,
+                            native=native) as server:
+                if native and not any(a.startswith("--filter=") for a in server.command()):
+                    raise RuntimeError("the native read path is not built (make native)")
+                out[name] = _read_tools(server.uri, size, passes, repeat)
+            stats = server.stats() or {}
+            out[f"{name}_fetched_bytes"] = stats.get("source_bytes")
+            if native:
+                out["native_share"] = round(stats.get("native_reads", 0) / max(1, stats.get("requests", 0)), 4)
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)
-    for key in ("qemu_img_bench_MBps", "qemu_img_bench_64k_MBps", "qemu_img_convert_MBps"):
-        out[f"ratio_{key.removesuffix('_MBps')}"] = round(out["diskserver"][key] / out["file_plugin"][key], 3)
+    for key in ("qemu_img_bench_MBps", "qemu_img_bench_64k_MBps", "qemu_img_bench_4k_MBps", "qemu_img_convert_MBps"):
+        short = key.removesuffix("_MBps")
+        out[f"ratio_{short}"] = round(out["diskserver"][key] / out["file_plugin"][key], 3)
+        out[f"ratio_{short}_plugin_only"] = round(out["diskserver_plugin_only"][key] / out["file_plugin"][key], 3)
     return out
 
 

@@ -18,6 +18,11 @@ The chain is opened in ``after_fork`` (after nbdkit has daemonised, if it does, 
 SQLite handle crosses a fork); nbdkit exits with the error if it cannot be opened. Errors of ``pread``
 are logged to stderr (nbdkit's log) and reported to the client as EIO (EINVAL for bad ranges).
 Thread model: parallel — reads of local blocks run concurrently; misses are coordinated by the chain.
+
+In front of it the server puts the native read path (``--filter=diskserver/fastread/capsule-fastread.so``,
+built by ``make native``): it passes ``fastmap=SPEC.fastmap``, this plugin writes the chain's map there
+once the chain is open, and the filter serves every read whose blocks are all local, zero or already in
+their shadows without calling into Python; the rest comes here whole (diskserver/chain/fastmap.py).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import nbdkit  # noqa: E402  (provided by nbdkit's python plugin)
 API_VERSION = 2
 
 _spec_path: str | None = None
+_fastmap_path: str | None = None  # given by the native read path's filter (diskserver/fastread/)
 _prefetch_override: bool | None = None
 _chain = None  # diskserver.chain.Chain once opened
 _prefetch_stop = threading.Event()
@@ -95,15 +101,18 @@ def _bool(key: str, value: str) -> bool:
 
 
 def config(key: str, value: str) -> None:
-    global _spec_path, _prefetch_override
+    global _spec_path, _prefetch_override, _fastmap_path
     if key == "spec":
         _spec_path = os.path.abspath(value)
+    elif key == "fastmap":
+        _fastmap_path = os.path.abspath(value)
     elif key == "site_packages":
         _add_site_packages(value, "site_packages=")
     elif key == "prefetch":
         _prefetch_override = _bool(key, value)
     else:
-        raise ValueError(f"diskserver plugin: unknown parameter {key}={value!r} (known: spec, site_packages, prefetch)")
+        raise ValueError(f"diskserver plugin: unknown parameter {key}={value!r} "
+                         "(known: spec, site_packages, prefetch, fastmap)")
 
 
 def config_complete() -> None:
@@ -129,8 +138,14 @@ def after_fork() -> None:
     except Exception as exc:
         log.error("cannot open the chain of %s: %s", _spec_path, exc)
         raise
-    log.info("serving %s: %d layer(s), %d bytes, %d remote byte(s) still to fetch", _spec_path, len(spec.layers),
-             _chain.size, _chain.stats()["remaining_bytes"])
+    if _fastmap_path is not None:
+        try:
+            _chain.attach_fastmap(_fastmap_path)
+        except Exception as exc:
+            log.error("%s", exc)
+            raise
+    log.info("serving %s: %d layer(s), %d bytes, %d remote byte(s) still to fetch%s", _spec_path, len(spec.layers),
+             _chain.size, _chain.stats()["remaining_bytes"], "; hits on the native read path" if _fastmap_path else "")
     prefetch = spec.prefetch if _prefetch_override is None else _prefetch_override
     if prefetch:
         _prefetch_thread = threading.Thread(target=_run_prefetch, args=(_chain,), name="diskserver-prefetch",

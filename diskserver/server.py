@@ -29,6 +29,9 @@ from diskserver.errors import ServerError
 from diskserver.nbdclient import probe
 
 PLUGIN = Path(__file__).resolve().parent / "plugin.py"
+# the native read path (diskserver/fastread/fastread.c), built by `make native`; without it the plugin
+# serves every read itself
+FASTREAD = Path(__file__).resolve().parent / "fastread" / "capsule-fastread.so"
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the NUL
 
 
@@ -65,6 +68,7 @@ class DiskServer:
         prefetch: bool | None = None,
         verbose: bool = False,
         nbdkit: str = "nbdkit",
+        native: bool = True,
     ) -> None:
         self.spec_path = Path(spec_path).resolve()
         self.socket_path = Path(socket_path).absolute()
@@ -77,6 +81,7 @@ class DiskServer:
         self.prefetch = prefetch
         self.verbose = verbose
         self.nbdkit = nbdkit
+        self.native = native  # the native read path in front of the plugin, where `make native` built it
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
         if len(os.fsencode(self.socket_path)) > _MAX_SOCKET_PATH:
@@ -121,6 +126,8 @@ class DiskServer:
             cmd += ["--threads", str(self.threads)]
         if self.verbose:
             cmd.append("--verbose")
+        if self.native and FASTREAD.is_file():
+            cmd.append(f"--filter={FASTREAD}")
         cmd += ["python", str(PLUGIN), f"spec={self.spec_path}"]
         if self.prefetch is not None:
             cmd.append(f"prefetch={'true' if self.prefetch else 'false'}")

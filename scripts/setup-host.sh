@@ -61,7 +61,7 @@ install_packages() {
               pkg-config gcc make iproute2 rsync socat dnsmasq-base
               ovmf kmod ca-certificates)
   local bpo=(qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-daemon libvirt-clients
-             libvirt-dev nbdkit nbdkit-plugin-python)
+             libvirt-dev nbdkit nbdkit-plugin-python nbdkit-plugin-dev)
   local missing_base=() missing_bpo=()
   for p in "${base[@]}"; do pkg_ok "$p" || missing_base+=("$p"); done
   for p in "${bpo[@]}"; do pkg_ok "$p" || missing_bpo+=("$p"); done

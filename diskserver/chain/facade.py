@@ -12,6 +12,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from diskserver.chain.fastmap import FastMap
 from diskserver.chain.fetch import Fetching
 from diskserver.chain.layers import (
     _COUNTERS,
@@ -62,11 +63,12 @@ class Chain(BlockResolution, Fetching, Persisting):
         self._stats_lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._stats_version = 0
-        self._stats_written = -1
+        self._stats_written: tuple[int, int] | None = None
         self._fg_busy = 0
         self._fg_last = 0.0
         self._ra_ends: deque[int] = deque(maxlen=8)
         self._ra_window = 0
+        self._fastmap: FastMap | None = None  # the native read path's map, once attach_fastmap wrote it
         self._flushing = 0  # threads waiting in flush()
         self._last_error: str | None = None
         self._opened_at = time.time()
@@ -138,6 +140,11 @@ class Chain(BlockResolution, Fetching, Persisting):
         self.size: int = top.size
         self.nblocks: int = -(-self.size // BLOCK_SIZE)
 
+    def attach_fastmap(self, path: str | os.PathLike[str]) -> None:
+        """Write the map the native read path (diskserver/fastread/) serves hits from; from then on its
+        hits count in :meth:`stats` and advance the read-ahead state this chain keeps."""
+        self._fastmap = FastMap.write(path, self)
+
     def _start_threads(self) -> None:
         if self.write_behind:
             t = threading.Thread(target=self._persister, name="diskserver-persist", daemon=True)
@@ -165,6 +172,9 @@ class Chain(BlockResolution, Fetching, Persisting):
             self._release()
 
     def _release(self) -> None:
+        if self._fastmap is not None:
+            self._fastmap.close()
+            self._fastmap = None
         for layer in self.layers:
             if layer.fd >= 0:
                 with contextlib.suppress(OSError):
@@ -198,6 +208,12 @@ class Chain(BlockResolution, Fetching, Persisting):
         """Counters (see ``_COUNTERS``), plus per-layer presence and derived figures."""
         with self._stats_lock:
             out: dict[str, Any] = dict(self._counters)
+        if self._fastmap is not None:  # reads the native path served: counted there, added here
+            fast = self._fastmap.counters()
+            for key in ("requests", "guest_bytes", "zero_blocks", "local_blocks", "shadow_blocks"):
+                out[key] += fast[key]
+            out["native_reads"] = fast["requests"]
+            out["native_passed"] = fast["passed"]
         out["read_amplification"] = round(out["source_bytes"] / out["guest_bytes"], 4) if out["guest_bytes"] else 0.0
         out["miss_seconds"] = out.pop("miss_ns") / 1e9
         layers = []
@@ -224,14 +240,18 @@ class Chain(BlockResolution, Fetching, Persisting):
     def write_stats(self) -> Path:
         """Write the stats JSON file now (atomically); returns its path."""
         path = self.spec.resolved_stats_path
-        version = self._stats_version
+        version = self._stats_mark()
         write_atomic(path, json.dumps(self.stats(), sort_keys=True).encode() + b"\n", durable=False)
         self._stats_written = version
         return path
 
+    def _stats_mark(self) -> tuple[int, int]:
+        """Changes when any counter does: this process's, or the native read path's."""
+        return self._stats_version, self._fastmap.counters()["requests"] if self._fastmap is not None else 0
+
     def _stats_writer(self) -> None:
         while not self._stopping.wait(self.spec.stats_interval):
-            if self._stats_version != self._stats_written:
+            if self._stats_mark() != self._stats_written:
                 try:
                     self.write_stats()
                 except OSError as exc:

@@ -32,6 +32,8 @@ class Fetching:
         random reads; it starts at ``min_blocks`` on the first sequential request and doubles per
         sequential request up to ``max_blocks``. Lock-free: a race only perturbs the heuristic."""
         ra = self.spec.readahead
+        if self._fastmap is not None:  # the state the native read path's hits advance too
+            return self._fastmap.note(first, end, ra.min_blocks, ra.max_blocks)
         ends = self._ra_ends
         if ra.max_blocks and first in ends:
             window = min(ra.max_blocks, max(ra.min_blocks, self._ra_window * 2, 1))
