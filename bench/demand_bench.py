@@ -61,6 +61,25 @@ def disk_server_stats(home: Path) -> dict:
     return {k: stats[k] for k in _DISK_STATS if k in stats}
 
 
+def _link_breakdown(report: transfer.TransferReport, disk: dict) -> dict:
+    """What crossed for a demand start, by part, against what the guest read: its disk's bytes (the disk
+    server's guest_bytes), and those plus the kernel and initrd QEMU loads whole for the direct boot."""
+    parts = {o.role: o for o in report.objects}
+    out = {f"{role}_{k}": getattr(parts[role], f"{k}_bytes") for role in ("kernel", "initrd") if role in parts
+           for k in ("raw", "wire")}
+    objects_wire = sum(o.wire_bytes for o in report.objects)
+    out["manifests_and_record_wire"] = report.wire_bytes - objects_wire
+    out["disk_wire"] = disk.get("wire_bytes", 0)
+    out["disk_guest_bytes"] = disk.get("guest_bytes", 0)
+    link = report.wire_bytes + out["disk_wire"]
+    out["link_bytes"] = link
+    read = out["disk_guest_bytes"]
+    whole = read + out.get("kernel_raw", 0) + out.get("initrd_raw", 0)
+    out["link_vs_disk_read"] = round(link / read, 3) if read else None
+    out["link_vs_disk_kernel_initrd_read"] = round(link / whole, 3) if whole else None
+    return out
+
+
 def _source(work: Path) -> tuple[Store, Store, str]:
     """(the test image store, host A holding a Debian capsule "deb", its root layer id)."""
     src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
@@ -117,6 +136,7 @@ def main() -> None:
             seconds = time.monotonic() - t
             lifecycle.stop(b, "deb", timeout=120)
             record(case, seconds, r.transfer.wire_bytes + fetched(b, "deb"))
+            results[-1]["link"] = _link_breakdown(r.transfer, disk_server_stats(b.home))
             if not primed:
                 t = time.monotonic()
                 lifecycle.start(b, "deb", timeout=600)

@@ -9,7 +9,10 @@ before ``native/`` existed, the pure-Python code) for the older tree from ``git 
   --sparse=always`` + fsync: what any all-known receive must at least do, write the object) (goals:
   all-known >= 1.5 GB/s; all-novel >= 0.8 x zstd -3);
 * verifying a 1 GiB qcow2 layer against its manifest (what ``capsule verify`` does per layer)
-  beside BLAKE3 of the layer file, one thread and all threads (goal: >= 0.8 x BLAKE3 of the file).
+  beside BLAKE3 of the layer file, one thread and all threads (goal: >= 0.8 x BLAKE3 of the file);
+* the disk server's cached reads (a 64 MiB layer whose blocks are all in its shadow) beside nbdkit's
+  file plugin on the same data, ``qemu-img bench`` with 4 reads in flight of 4 KiB, 64 KiB and 1 MiB
+  (goal: >= 0.9 x the file plugin at each size; bench/diskserver_measure.py, the tree's own).
 
     .venv/bin/python bench/quick.py [--size-mib 256] [--layer-mib 1024] [--baseline REV | --no-baseline]
 
@@ -141,6 +144,14 @@ def measure(root: Path, work: Path, size: int, layer_size: int) -> dict[str, flo
     out["blake3_file_1thread_MBps"] = file_size / min(_blake3_file(layer, 1) for _ in range(2)) / 1e6
     out["blake3_file_all_threads_MBps"] = file_size / min(_blake3_file(layer, blake3.AUTO) for _ in range(2)) / 1e6
     a.close()
+    from bench import diskserver_measure  # the tree's own: what its disk server runs is what it measures
+
+    (work / "ds").mkdir()
+    tp = diskserver_measure.bench_throughput(work / "ds", 64, 4, 3)
+    for size, key in (("4k", "qemu_img_bench_4k"), ("64k", "qemu_img_bench_64k"), ("1m", "qemu_img_bench")):
+        if f"{key}_MBps" in tp["diskserver"]:
+            out[f"diskserver_{size}_MBps"] = tp["diskserver"][f"{key}_MBps"]
+            out[f"nbdkit_file_{size}_MBps"] = tp["file_plugin"][f"{key}_MBps"]
     return {k: round(v, 1) for k, v in out.items()}
 
 
@@ -200,9 +211,15 @@ def main() -> None:
         f["all_known_vs_durable_copy"] = round(f["hcp_all_known_MBps"] / f["durable_copy_MBps"], 3)
         f["verify_vs_blake3_1thread"] = round(f["verify_layer_MBps"] / f["blake3_file_1thread_MBps"], 3)
         f["verify_vs_blake3_all_threads"] = round(f["verify_layer_MBps"] / f["blake3_file_all_threads_MBps"], 3)
+        for size in ("4k", "64k", "1m"):
+            if f"diskserver_{size}_MBps" in f:
+                ratio = f[f"diskserver_{size}_MBps"] / f[f"nbdkit_file_{size}_MBps"]
+                f[f"diskserver_vs_nbdkit_file_{size}"] = round(ratio, 3)
     goals = {"hcp_all_known_MBps": ">= 1500", "all_novel_vs_zstd3": ">= 0.8", "verify_vs_blake3_1thread": ">= 0.8",
-             "verify_vs_blake3_all_threads": ">= 0.8"}
-    rows = [[key, *(f[key] for f in figures.values()), goals.get(key, "")] for key in next(iter(figures.values()))]
+             "verify_vs_blake3_all_threads": ">= 0.8", "diskserver_vs_nbdkit_file_4k": ">= 0.9",
+             "diskserver_vs_nbdkit_file_64k": ">= 0.9", "diskserver_vs_nbdkit_file_1m": ">= 0.9"}
+    keys = list(dict.fromkeys(k for f in figures.values() for k in f))
+    rows = [[key, *(f.get(key, "—") for f in figures.values()), goals.get(key, "")] for key in keys]
     result = {"baseline_revision": rev, "size_mib": args.size_mib, "layer_mib": args.layer_mib, "cores": os.cpu_count(),
               "figures": figures,
               "goals": goals}

@@ -162,7 +162,10 @@ class Flavour:
         return tuple(dict.fromkeys([*INITRD_MODULES, *self.initrd_modules]))
 
 
-DEBIAN = Flavour("debian")
+# MODULES=list: the initrd holds only the virtio drivers (INITRD_MODULES; ext4 is built into the cloud
+# kernel), not "most" of the kernel's modules. It travels whole before a demand-paged boot, so every
+# module it carries that the virtual hardware never loads is bytes on the link (13 MB against ~2 MB).
+DEBIAN = Flavour("debian", initrd_modules_only=True)
 
 
 def write_file(path: Path, text: str, mode: int = 0o644) -> None:
