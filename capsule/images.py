@@ -13,6 +13,7 @@ from capsule import qemuimg
 from capsule.catalogue import ImageRow
 from capsule.errors import AlreadyExists, CapsuleError, InvalidName, RuntimeFailure
 from capsule.imagebuild import BuiltImage, ImageBuildError, build_debian, build_desktop, build_tiny
+from capsule.imagebuild.common import recipe_sha256
 from capsule.names import check_name
 from capsule.store import Store
 from capsule.storemodes import OBJECT_MODE
@@ -88,6 +89,7 @@ def _install(store: Store, name: str, kind: str, built: BuiltImage, build_second
             files[role] = store.seal_file(tmp, role)
         info = dict(built.info)
         info["build_seconds"] = round(build_seconds, 1)
+        info["recipe_sha256"] = recipe_sha256()
         row = ImageRow(name=name, kind=kind, root_layer=layer.id, kernel=files["kernel"].id,
                        initrd=files["initrd"].id, cmdline=built.cmdline, marker=built.marker, info=info,
                        created=time.time())

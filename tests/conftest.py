@@ -45,12 +45,13 @@ def _image_store():
 
 def _ensure_image(store, kind: str) -> None:
     """Build the image once; again when the guest agent (or, in Debian, the pod layer) it carries is not
-    the current one."""
+    the current one, or when the recipes (capsule/imagebuild/) changed."""
     from capsule import images
-    from capsule.imagebuild.common import agent_binary, agent_info, pod_layer_sha256
+    from capsule.imagebuild.common import agent_binary, agent_info, pod_layer_sha256, recipe_sha256
 
     row = store.catalogue.image(kind)
     stale = row is not None and (row.info.get("agent_sha256") != agent_info(agent_binary())["sha256"]
+                                 or row.info.get("recipe_sha256") != recipe_sha256()
                                  or (kind == "debian" and row.info.get("pods_sha256") != pod_layer_sha256()))
     images.build(store, kind, kind, rebuild=stale)
 

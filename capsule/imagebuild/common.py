@@ -302,6 +302,15 @@ def pod_layer_files() -> list[Path]:
     return files
 
 
+def recipe_sha256() -> str:
+    """One digest over the image recipes' sources (this package): an image built by other recipes is stale
+    for the tests' image cache (a changed package list, initrd rule or guest file means another image)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def pod_layer_sha256() -> str:
     """One digest over the pod layer's file names and contents: an image holding another is stale."""
     h = hashlib.sha256()
