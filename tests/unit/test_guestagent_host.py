@@ -4,7 +4,6 @@ The host must never hang and must refuse garbage."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
+from tests.unit.fakeagent import reply, requests
 
 pytestmark = pytest.mark.unit
 
@@ -98,20 +98,13 @@ def _answering_agent(seen: list[str], drop_first: bool):
     vanishes, as the guest kernel discards a port's unread data when the agent reopens it just then."""
 
     def behaviour(conn):
-        buf, dropped = b"", not drop_first
-        while chunk := conn.recv(4096):
-            buf += chunk
-            while b"\n" in buf:
-                line, _, buf = buf.partition(b"\n")
-                if not line.strip():
-                    continue
-                req = json.loads(line)
-                seen.append(req["cmd"])
-                if not dropped:
-                    dropped = True
-                    continue
-                conn.sendall(json.dumps({"id": req["id"], "ok": True, "result": {"cmd": req["cmd"]}}).encode()
-                             + b"\n")
+        dropped = not drop_first
+        for req, _n in requests(conn):
+            seen.append(req["cmd"])
+            if not dropped:
+                dropped = True
+                continue
+            reply(conn, req["id"], {"cmd": req["cmd"]})
 
     return behaviour
 

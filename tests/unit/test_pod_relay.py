@@ -21,6 +21,7 @@ from capsule.errors import CapsuleError, IntegrityError
 from capsule.pod import errors as perr
 from capsule.pod.relay import UP_CHUNK, Relay
 from capsule.runtime.hotdisk import HotDiskUnavailable
+from tests.unit.fakeagent import reply, requests
 
 pytestmark = pytest.mark.unit
 LINE_LIMIT = 65536  # the agent's request line limit (guest-balloon/PROTOCOL.md)
@@ -37,23 +38,12 @@ def _fake(tmp_path: Path, answer: Callable[[dict[str, Any]], dict[str, Any]], se
             conn, _ = listener.accept()
             seen.append("connect")
             with conn:
-                buf = b""
-                while True:
-                    chunk = conn.recv(1 << 16)
-                    if not chunk:
-                        break
-                    buf += chunk
-                    while b"\n" in buf:
-                        line, _, buf = buf.partition(b"\n")
-                        if not line.strip():
-                            continue
-                        req = json.loads(line)
-                        if req["cmd"] == "ping":  # the host confirms a fresh connection first
-                            conn.sendall(json.dumps({"id": req["id"], "ok": True, "result": {}}).encode() + b"\n")
-                            continue
-                        seen.append(len(line))
-                        reply = {"id": req["id"], "ok": True, "result": answer(req["args"])}
-                        conn.sendall(json.dumps(reply).encode() + b"\n")
+                for req, n in requests(conn):
+                    if req["cmd"] == "ping":  # the host confirms a fresh connection first
+                        reply(conn, req["id"], {})
+                        continue
+                    seen.append(n)
+                    reply(conn, req["id"], answer(req["args"]))
 
     threading.Thread(target=serve, daemon=True).start()
     relay = Relay.__new__(Relay)
