@@ -36,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from capsule.agent.launch import AgentProcess  # noqa: E402
 from diskserver.chain import Chain, ChainSpec, LayerSpec, ReadaheadSpec, RemoteSpec, RetrySpec  # noqa: E402
 from diskserver.nbdclient import NbdClient, probe  # noqa: E402
 from diskserver.server import DiskServer  # noqa: E402
@@ -148,32 +149,6 @@ def _pick_layer(store: Path, which: str) -> tuple[str, Path]:
     return best.name.removesuffix(".manifest"), best
 
 
-def _start_agent(store: Path, token_file: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "capsule.cli.main", "--home", str(store), "serve", "--listen",
-                             f"127.0.0.1:{port}", "--token-file", str(token_file)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if token_file.exists():
-                r = httpx.get(f"{url}/v1/info", headers={"Authorization": f"Bearer {token_file.read_text().strip()}"})
-                if r.status_code == 200:
-                    return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the agent did not start")
-        time.sleep(0.1)
-
-
 def _summary(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
     return {"n": len(s), "median_us": round(statistics.median(s) * 1e6, 1),
@@ -199,7 +174,9 @@ def bench_latency(work: Path, store: Path, misses: int, which: str) -> dict[str,
     picks = rng.sample(data, min(misses, len(data)))
     offsets = [i * BLOCK_SIZE for i in picks]
     token = work / "agent.token"
-    agent, url = _start_agent(store, token)
+    # plain HTTP on loopback, as these figures were first measured (`capsule serve` defaults to TLS)
+    agent = AgentProcess(store, token)
+    url = agent.url
     out: dict[str, Any] = {"layer": layer_id[:12], "layer_data_blocks": len(data)}
     sockdir = Path(tempfile.mkdtemp(prefix="dsl-", dir="/tmp"))
     try:
@@ -239,8 +216,7 @@ def bench_latency(work: Path, store: Path, misses: int, which: str) -> dict[str,
                 t.append(time.perf_counter() - t0)
         out["in_process_miss"] = _summary(t)
     finally:
-        agent.terminate()
-        agent.wait(10)
+        agent.stop()
         shutil.rmtree(sockdir, ignore_errors=True)
     wb = out["write_behind"]
     out["miss_minus_hcp_median_us"] = round(wb["miss"]["median_us"] - out["hcp_read_1_block"]["median_us"], 1)
