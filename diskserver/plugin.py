@@ -141,9 +141,8 @@ def after_fork() -> None:
     if _fastmap_path is not None:
         try:
             _chain.attach_fastmap(_fastmap_path)
-        except Exception as exc:
-            log.error("%s", exc)
-            raise
+        except Exception as exc:  # the native path is a speed-up: without its map this plugin serves every read
+            log.warning("%s; every read goes through the plugin", exc)
     log.info("serving %s: %d layer(s), %d bytes, %d remote byte(s) still to fetch%s", _spec_path, len(spec.layers),
              _chain.size, _chain.stats()["remaining_bytes"], "; hits on the native read path" if _fastmap_path else "")
     prefetch = spec.prefetch if _prefetch_override is None else _prefetch_override
