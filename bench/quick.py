@@ -10,7 +10,7 @@ before ``native/`` existed, the pure-Python code) for the older tree from ``git 
   all-known >= 1.5 GB/s; all-novel >= 0.8 x zstd -3);
 * verifying a 1 GiB qcow2 layer against its manifest (what ``capsule verify`` does per layer)
   beside BLAKE3 of the layer file, one thread and all threads (goal: >= 0.8 x BLAKE3 of the file);
-* the disk server's cached reads (a 64 MiB layer whose blocks are all in its shadow) beside nbdkit's
+* the disk server's cached reads (a 128 MiB layer whose blocks are all in its shadow) beside nbdkit's
   file plugin on the same data, ``qemu-img bench`` with 4 reads in flight of 4 KiB, 64 KiB and 1 MiB
   (goal: >= 0.9 x the file plugin at each size; bench/diskserver_measure.py, the tree's own).
 
@@ -147,7 +147,7 @@ def measure(root: Path, work: Path, size: int, layer_size: int) -> dict[str, flo
     from bench import diskserver_measure  # the tree's own: what its disk server runs is what it measures
 
     (work / "ds").mkdir()
-    tp = diskserver_measure.bench_throughput(work / "ds", 64, 4, 3)
+    tp = diskserver_measure.bench_throughput(work / "ds", 128, 4, 5)  # as bench/diskserver_micro.py measures
     for size, key in (("4k", "qemu_img_bench_4k"), ("64k", "qemu_img_bench_64k"), ("1m", "qemu_img_bench")):
         if f"{key}_MBps" in tp["diskserver"]:
             out[f"diskserver_{size}_MBps"] = tp["diskserver"][f"{key}_MBps"]
