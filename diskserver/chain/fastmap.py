@@ -97,7 +97,9 @@ class FastMap:
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, body)
+                view = memoryview(body)
+                while view:  # a write may take less than asked
+                    view = view[os.write(fd, view):]
                 mm = mmap.mmap(fd, len(body))
             finally:
                 os.close(fd)
