@@ -514,7 +514,7 @@ class Receiver:
                 batch = self._plan_window(missing[w:w + LOCAL_BATCH], seen, still, many, record)
                 if pending is not None:
                     pending.result()
-                pending = writer.submit(self._store, batch, "cache_bytes", on_progress, False)  # durable_now
+                pending = writer.submit(self._store, batch, "cache_bytes", on_progress, durable_now=False)
             if pending is not None:
                 pending.result()
         self.flush()
