@@ -22,6 +22,7 @@ from typing import Any
 
 from capsule import qemuimg
 from capsule.errors import NotFound
+from capsule.runtime import guestaccess
 from capsule.store import Store
 from capsule.storemodes import OBJECT_MODE
 from diskserver import ChainSpec, DiskServer, LayerSpec, RemoteSpec, RetrySpec
@@ -103,7 +104,7 @@ def chain_spec(store: Store, chain: list[str], name: str, prefetch: bool = False
 
 def server_for(inst_dir: Path, disk: int) -> DiskServer:
     return DiskServer.attach(inst_dir / f"disk{disk}.spec.json", inst_dir / f"disk{disk}.nbd",
-                             inst_dir / f"disk{disk}.diskserver.log")
+                             inst_dir / f"disk{disk}.diskserver.log", socket_group=guestaccess.socket_group())
 
 
 def start_servers(store: Store, inst_dir: Path, chains: list[list[str]], prefetch: bool) -> dict[int, DiskServer]:
@@ -116,7 +117,8 @@ def start_servers(store: Store, inst_dir: Path, chains: list[list[str]], prefetc
             spec = chain_spec(store, chain, f"{inst_dir.name}-disk{i}", prefetch=prefetch)
             spec_path = inst_dir / f"disk{i}.spec.json"
             spec.save(spec_path)
-            server = DiskServer(spec_path, inst_dir / f"disk{i}.nbd", inst_dir / f"disk{i}.diskserver.log")
+            server = DiskServer(spec_path, inst_dir / f"disk{i}.nbd", inst_dir / f"disk{i}.diskserver.log",
+                                socket_group=guestaccess.socket_group())
             servers[i] = server.start()
     except BaseException:
         for s in servers.values():

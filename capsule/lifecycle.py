@@ -173,6 +173,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 if kernel_args:
                     spec.cmdline = f"{spec.cmdline} {kernel_args}"
                 say(f"booting {version.ref} ({accel})")
+                memimage.grant(store, spec)
                 try:
                     connect().createXML(build(spec), 0)
                 except libvirt.libvirtError as exc:

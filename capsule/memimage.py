@@ -13,7 +13,7 @@ from typing import Any
 import libvirt
 
 from capsule.errors import RuntimeFailure
-from capsule.runtime import podnet, restorexml, saveimage
+from capsule.runtime import guestaccess, podnet, restorexml, saveimage
 from capsule.runtime.connection import connect
 from capsule.runtime.domainxml import MachineSpec
 from capsule.store import Store
@@ -40,15 +40,24 @@ def machine_spec(store: Store, config: dict[str, Any], *, name: str, uuid: str, 
                        disk_servers=disk_servers or {})
 
 
+def grant(store: Store, spec: MachineSpec) -> None:
+    """Let the unprivileged QEMU user open what ``spec``'s machine needs (``runtime.guestaccess``)."""
+    guestaccess.grant_machine(store.home, kernel=spec.kernel, initrd=spec.initrd, leaves=spec.disks,
+                              instance_dir=spec.agent_socket.parent, sockets=list(spec.disk_servers.values()))
+
+
 def restore_xml(store: Store, config: dict[str, Any], saved_xml: str, *, name: str, uuid: str, disks: list[Path],
-                console_log: Path, agent_socket: Path, disk_servers: dict[int, Path] | None = None
-                ) -> tuple[str, str]:
+                console_log: Path, agent_socket: Path, disk_servers: dict[int, Path] | None = None,
+                grant_access: bool = False) -> tuple[str, str]:
     """(XML, accel) to restore ``saved_xml``'s state as this host's machine; IntegrityError if the image's XML
-    holds anything outside the allow-list."""
+    holds anything outside the allow-list. ``grant_access``: then let QEMU's user open the machine's files."""
     accel = restorexml.saved_accel(saved_xml)
     spec = machine_spec(store, config, name=name, uuid=uuid, accel=accel, disks=disks, console_log=console_log,
                         agent_socket=agent_socket, emulator=restorexml.host_emulator(accel), disk_servers=disk_servers)
-    return restorexml.rebuild(saved_xml, spec)
+    rebuilt = restorexml.rebuild(saved_xml, spec)
+    if grant_access:
+        grant(store, spec)
+    return rebuilt
 
 
 def check(store: Store, config: dict[str, Any], image: Path, *, name: str, uuid: str, disks: int,
@@ -73,7 +82,8 @@ def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, na
     try:
         xml, accel = restore_xml(store, config, header.domain_xml, name=name, uuid=uuid, disks=disks,
                                  console_log=instance_dir / "console.log",
-                                 agent_socket=instance_dir / "agent.sock", disk_servers=disk_servers)
+                                 agent_socket=instance_dir / "agent.sock", disk_servers=disk_servers,
+                                 grant_access=True)
         try:
             connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(image),
                                      libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)

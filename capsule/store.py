@@ -49,10 +49,17 @@ DEFAULT_CACHE_SIZE = 64 << 20
 Progress = Callable[[int, int], None] | None
 
 
+SYSTEM_HOME = Path("/var/lib/capsule")
+
+
 def default_home() -> Path:
+    """CAPSULE_HOME; else, for root, /var/lib/capsule (guests' QEMU, which runs unprivileged, can reach it, and
+    not a store in root's home); else the user's data directory."""
     env = os.environ.get("CAPSULE_HOME")
     if env:
         return Path(env).expanduser()
+    if os.geteuid() == 0 and not os.environ.get("XDG_DATA_HOME"):
+        return SYSTEM_HOME
     data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(data) / "capsule"
 

@@ -1,11 +1,13 @@
 """File modes of a store, whatever the umask: the policy, a check, and the repair.
 
-- the store directory and every directory in it: 0700 (guest disks and RAM live here);
+- the store directory and every directory in it: 0700 (guest disks and RAM live here), except that the store
+  directory, ``layers/``, ``files/`` and ``instances/`` become 0710 with the group of QEMU's user once a guest
+  runs from them (QEMU runs unprivileged: ``runtime/guestaccess.py``);
 - memory images: 0400 — guest RAM, readable by the store's owner only. That is
-  enough for libvirt: it opens a save image itself (libvirtd runs as root) to
-  restore it, and the host setup runs QEMU as root too (scripts/setup-host.sh);
-- layers, kernels, initrds and every manifest: 0440 (owner and group read);
-- private leaves of running instances: 0600 (written by QEMU, as root);
+  enough for libvirt: it opens a save image itself (libvirtd runs as root) and hands QEMU a descriptor;
+- layers, kernels, initrds and every manifest: 0440 (owner and group read; a guest's QEMU reads its layers,
+  kernel and initrd through their group);
+- private leaves of running instances: 0660 (written by QEMU, through the group);
 - store.json and the catalogue: 0600.
 
 Sealed objects carry no write bit: they never change (see ``SealedObjectError``).
@@ -24,11 +26,13 @@ if TYPE_CHECKING:
     from capsule.store import Store
 
 DIR_MODE = 0o700
+GUEST_DIR_MODE = 0o710   # the store, layers/, files/, instances/: QEMU's group passes through
 MEMORY_MODE = 0o400
 OBJECT_MODE = 0o440
-LEAF_MODE = 0o600
+LEAF_MODE = 0o660
 PRIVATE_FILE_MODE = 0o600
 SUBDIRS = ("layers", "files", "instances", "tmp", "recv", "remote", "shadows")
+GUEST_SUBDIRS = ("layers", "files", "instances")
 
 
 def file_mode(role: str) -> int:
@@ -49,9 +53,9 @@ class ModeProblem:
 
 def expected_modes(store: Store) -> Iterator[tuple[Path, int]]:
     """(path, mode) for every path of the store whose mode the policy fixes, as far as it exists."""
-    yield store.home, DIR_MODE
+    yield store.home, GUEST_DIR_MODE
     for sub in SUBDIRS:
-        yield store.home / sub, DIR_MODE
+        yield store.home / sub, GUEST_DIR_MODE if sub in GUEST_SUBDIRS else DIR_MODE
     for name in ("store.json", "catalogue.sqlite"):
         yield store.home / name, PRIVATE_FILE_MODE
     roles = {row.id: row.role for row in store.catalogue.files()}

@@ -63,6 +63,7 @@ class DiskServer:
         exit_with_parent: bool = False,
         pid_path: str | os.PathLike[str] | None = None,
         socket_mode: int = 0o660,
+        socket_group: int | None = None,
         site_packages: str | None = None,
         threads: int | None = None,
         prefetch: bool | None = None,
@@ -76,6 +77,7 @@ class DiskServer:
         self.pid_path = Path(pid_path).absolute() if pid_path else Path(f"{self.socket_path}.pid")
         self.exit_with_parent = exit_with_parent
         self.socket_mode = socket_mode
+        self.socket_group = socket_group  # the socket's group (its client's, e.g. QEMU's); None: nbdkit's
         self.site_packages = site_packages or _site_packages()
         self.threads = threads
         self.prefetch = prefetch
@@ -179,6 +181,8 @@ class DiskServer:
                 raise ServerError(f"the disk server for {self.spec_path} exited with status {rc} while starting; "
                                   f"log {self.log_path}:\n{_log_tail(self.log_path)}")
             if os.path.exists(sock) and probe(sock, timeout=max(0.5, deadline - time.monotonic())):
+                if self.socket_group is not None:
+                    os.chown(sock, -1, self.socket_group)
                 with contextlib.suppress(OSError):
                     os.chmod(sock, self.socket_mode)
                 return
@@ -250,9 +254,10 @@ class DiskServer:
         socket_path: str | os.PathLike[str],
         log_path: str | os.PathLike[str],
         pid_path: str | os.PathLike[str] | None = None,
+        socket_group: int | None = None,
     ) -> DiskServer:
         """A handle on a server started earlier (perhaps by another process), found by its pid file."""
-        return cls(spec_path, socket_path, log_path, pid_path=pid_path)
+        return cls(spec_path, socket_path, log_path, pid_path=pid_path, socket_group=socket_group)
 
     def __enter__(self) -> DiskServer:
         if not self.alive():

@@ -108,17 +108,21 @@ install_packages() {
 }
 
 configure_libvirt() {
-  # Capsule stores live wherever CAPSULE_HOME points (by default under root's
-  # home); QEMU must be able to open every layer and memory image there, so the
-  # system QEMU driver runs guests as root.
+  # QEMU runs as libvirt's unprivileged user (libvirt-qemu): each domain's XML names it in a static DAC
+  # label, and the store grants that user's group what a guest opens (capsule/runtime/guestaccess.py).
+  # Hosts set up before that ran every guest as root: take that setting out again.
   local conf=/etc/libvirt/qemu.conf
-  if ! grep -q "^# capsule: run guests as root" "$conf"; then
-    log "configuring libvirt's QEMU driver (user/group root)"
-    printf '\n# capsule: run guests as root so they can open store files anywhere\nuser = "root"\ngroup = "root"\n' >> "$conf"
+  if grep -q "^# capsule: run guests as root" "$conf"; then
+    log "configuring libvirt's QEMU driver (guests no longer run as root)"
+    sed -i '/^# capsule: run guests as root/,/^group = "root"$/d' "$conf"
     if pgrep -x libvirtd >/dev/null; then
       pkill -x libvirtd || true
       for _ in $(seq 1 50); do pgrep -x libvirtd >/dev/null || break; sleep 0.1; done
     fi
+  fi
+  if ! id libvirt-qemu >/dev/null 2>&1; then
+    log "libvirt-qemu, the user QEMU runs as, is missing: is libvirt-daemon-system installed?"
+    exit 1
   fi
 }
 

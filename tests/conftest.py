@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,29 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield from no_processes(item)
+
+
+class _PassableTempPaths:
+    """``tmp_path_factory`` (and so ``tmp_path``) whose directories QEMU, an unprivileged user, may pass
+    through to a store in them (``guestaccess.let_pass``)."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+
+    def mktemp(self, basename: str, numbered: bool = True) -> Path:
+        from capsule.runtime.guestaccess import let_pass
+
+        path = self._factory.mktemp(basename, numbered)
+        let_pass(path, Path(tempfile.gettempdir()))
+        return path
+
+    def __getattr__(self, name: str):
+        return getattr(self._factory, name)
+
+
+@pytest.fixture(scope="session")
+def tmp_path_factory(tmp_path_factory: pytest.TempPathFactory) -> _PassableTempPaths:
+    return _PassableTempPaths(tmp_path_factory)
 
 
 def _image_store():

@@ -30,6 +30,7 @@ from capsule import qemuimg
 from capsule.catalogue import InstanceRow, LayerRow, VersionRow
 from capsule.errors import Conflict, Error, RuntimeFailure
 from capsule.lifecycle import USER_NETWORK
+from capsule.runtime import guestaccess
 from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
 from capsule.store import Store
@@ -168,6 +169,7 @@ def snapshot(store: Store, name: str, note: Callable[[str], str]) -> DiskSnapsho
                 path = store.new_leaf_path()
                 qemuimg.create_leaf(path, Path(leaf))
                 new.append(path)
+                guestaccess.lend(path, writable=True)   # QEMU switches to it and writes it
         except BaseException:
             for p in new:
                 p.unlink(missing_ok=True)

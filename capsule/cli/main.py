@@ -28,8 +28,8 @@ app = typer.Typer(
 @app.callback()
 def _global(
     home: Annotated[Path | None, typer.Option("--home", envvar="CAPSULE_HOME",
-                                              help="Store directory (default: CAPSULE_HOME or "
-                                                   "~/.local/share/capsule).")] = None,
+                                              help="Store directory (default: CAPSULE_HOME; else /var/lib/capsule "
+                                                   "for root, ~/.local/share/capsule for others).")] = None,
     json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
     OPTIONS.home = home

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import secrets
 import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -131,7 +132,7 @@ class Relay:
 
     def _download_disk(self, guest_path: str, size: int, dest: Path, progress: Progress) -> int:
         q = shlex.quote(guest_path)
-        scratch = scratch_file(self.store.temp_path(".lent"), size)
+        scratch = scratch_file(self.sock.parent / f"lent-{secrets.token_hex(8)}.raw", size)  # where QEMU may reach
         try:
             lent = self._lend(scratch, writable=True)
             with self.session(), lent as disk:

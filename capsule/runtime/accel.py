@@ -18,6 +18,7 @@ from pathlib import Path
 import libvirt
 
 from capsule.errors import CapsuleError
+from capsule.runtime import guestaccess
 from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import wait_for_marker
 from capsule.runtime.domainxml import MachineSpec, build
@@ -56,7 +57,12 @@ def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str,
                            agent_socket=Path(tmp) / "agent.sock")
         start = time.monotonic()
         try:
+            # the probe's kernel and initrd are the tiny image's, in a store (``files/``)
+            guestaccess.grant_machine(kernel.parent.parent, kernel=kernel, initrd=initrd, leaves=[],
+                                      instance_dir=Path(tmp))
             dom = connect().createXML(build(spec), 0)
+        except CapsuleError as exc:
+            return False, f"a KVM probe guest cannot start: {exc}"
         except libvirt.libvirtError as exc:
             return False, f"libvirt cannot start a KVM guest: {exc.get_error_message()}"
         try:

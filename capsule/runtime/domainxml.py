@@ -9,6 +9,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capsule.runtime.guestaccess import seclabel
+
 AGENT_CHANNEL = "org.capsule.agent.0"
 
 
@@ -140,4 +142,5 @@ def build(spec: MachineSpec) -> str:
     balloon = ET.SubElement(devices, "memballoon", model="virtio",
                             freePageReporting="on" if spec.free_page_reporting else "off")
     ET.SubElement(balloon, "stats", period="0")
+    dom.append(seclabel())  # QEMU runs unprivileged; libvirt relabels nothing (runtime/guestaccess.py)
     return ET.tostring(dom, encoding="unicode")

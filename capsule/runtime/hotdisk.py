@@ -21,7 +21,8 @@ from xml.sax.saxutils import quoteattr
 
 import libvirt
 
-from capsule.errors import RuntimeFailure
+from capsule.errors import EnvironmentProblem, RuntimeFailure
+from capsule.runtime import guestaccess
 
 ATTACH_TIMEOUT = 20.0
 DETACH_TIMEOUT = 30.0
@@ -54,6 +55,7 @@ class HotDisk:
         self.serial = "cap" + secrets.token_hex(6)   # virtio-blk serials are at most 20 bytes
         self.guest_device = f"/dev/disk/by-id/virtio-{self.serial}"
         self._guest_has = guest_has
+        self._writable = writable
         self._xml = (f"<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
                      f"<source file={quoteattr(str(self.path))}/>"
                      f"<target dev='{_free_target(domain.XMLDesc(0))}' bus='virtio'/>"
@@ -61,6 +63,10 @@ class HotDisk:
         self._attached = False
 
     def __enter__(self) -> HotDisk:
+        try:
+            guestaccess.lend(self.path, writable=self._writable)
+        except (EnvironmentProblem, OSError) as exc:
+            raise HotDiskUnavailable(f"{self.path.name} cannot be lent to the guest: {exc}") from exc
         try:
             self.domain.attachDeviceFlags(self._xml, libvirt.VIR_DOMAIN_AFFECT_LIVE)
         except libvirt.libvirtError as exc:

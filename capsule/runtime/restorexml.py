@@ -100,7 +100,7 @@ DOMAIN = Node(attrs={"type": r"qemu|kvm", "id": None}, children={
     "clock": Node(attrs={"offset": "utc"}, children={
         "timer": Node(attrs={"name": _ID, "present": r"yes|no", "tickpolicy": _ID, "track": _ID})}),
     "on_poweroff": Node(text=None), "on_reboot": Node(text=None), "on_crash": Node(text=None),
-    "seclabel": Node(attrs={"type": r"dynamic|none", "model": r"dac|selinux|apparmor", "relabel": r"yes|no"},
+    "seclabel": Node(attrs={"type": r"dynamic|static|none", "model": r"dac|selinux|apparmor", "relabel": r"yes|no"},
                      children={"label": Node(text=None), "imagelabel": Node(text=None)}),
     "devices": Node(children=DEVICES),
 })

@@ -10,7 +10,7 @@ import pytest
 
 from capsule.doctor import _modes_check
 from capsule.store import Store
-from capsule.storemodes import DIR_MODE, MEMORY_MODE, OBJECT_MODE, SUBDIRS, check_modes
+from capsule.storemodes import DIR_MODE, GUEST_DIR_MODE, MEMORY_MODE, OBJECT_MODE, SUBDIRS, check_modes
 from capsule.verify import verify
 from tests.unit.received import receive_file, receive_layer
 
@@ -85,7 +85,7 @@ def test_verify_reports_wrong_modes_and_fixes_them(store, tmp_path):
 
     fixed = verify(store, repair_modes=True)
     assert fixed.ok and len(fixed.fixed_modes) == 3
-    assert _mode(store.file_path(memory)) == MEMORY_MODE and _mode(store.home) == DIR_MODE
+    assert _mode(store.file_path(memory)) == MEMORY_MODE and _mode(store.home) == GUEST_DIR_MODE
     assert _modes_check(store).ok
 
 
