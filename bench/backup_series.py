@@ -30,7 +30,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import backup_peers  # noqa: E402
 from bench.backup_accounting import Seen, compressed_sizes  # noqa: E402
-from bench.common import RESULTS, image_stores, table, write_result  # noqa: E402
+from bench.common import RESULTS, image_stores, table, workdir, write_result  # noqa: E402
 from capsule import capsules, hosts, lifecycle, qemuimg, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.backup import jobs, runner  # noqa: E402
@@ -268,7 +267,7 @@ def main() -> None:
         return
     if not args.no_borg and shutil.which("borg") is None:
         sys.exit("the borg peer needs borg: apt-get install borgbackup (or give --no-borg)")
-    work = Path(tempfile.mkdtemp(prefix="capsule-b4-"))
+    work = workdir("capsule-b4-")
     agent: AgentProcess | None = None
     stores: list[Store] = []
     rec = Recorder()

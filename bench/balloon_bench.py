@@ -30,14 +30,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import table, workdir, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
@@ -72,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory", default="512M")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="capsule-b2-"))
+    work = workdir("capsule-b2-")
     agents: list[AgentProcess] = []
     stores: list[Store] = []
     try:

@@ -6,10 +6,13 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,26 @@ from rich.table import Table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def workdir(prefix: str) -> Path:
+    """A new private work directory (``mkdtemp``) that QEMU, an unprivileged user, may pass through to the
+    stores in it (``guestaccess.let_pass``)."""
+    from capsule.runtime.guestaccess import let_pass
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    let_pass(path, Path(tempfile.gettempdir()))
+    return path
+
+
+@contextlib.contextmanager
+def temp_workdir(prefix: str) -> Iterator[Path]:
+    """:func:`workdir`, removed on the way out."""
+    path = workdir(prefix)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def image_stores(kind: str, *paths: Path) -> list[Any]:

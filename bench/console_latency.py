@@ -23,7 +23,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, table, tiny_stores, write_result  # noqa: E402
+from bench.common import median, table, temp_workdir, tiny_stores, write_result  # noqa: E402
 from bench.rfb import KEY_A, Rfb  # noqa: E402
 from capsule import capsules, lifecycle, screen  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
@@ -154,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=30, help="samples per way")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="capsule-bench-") as tmp:
+    with temp_workdir("capsule-bench-") as tmp:
         [store] = tiny_stores(Path(tmp) / "a")
         agent = AgentProcess(store.home, Path(tmp) / "a.token")
         rows: dict[str, list[float]] = {}

@@ -18,13 +18,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, table, tiny_stores, write_result  # noqa: E402
+from bench.common import median, table, temp_workdir, tiny_stores, write_result  # noqa: E402
 from capsule import capsules, hosts, lifecycle  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.migrate import migrate  # noqa: E402
@@ -72,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    with tempfile.TemporaryDirectory(prefix="capsule-bench-") as tmp:
+    with temp_workdir("capsule-bench-") as tmp:
         a, b = tiny_stores(Path(tmp) / "a", Path(tmp) / "b")
         agent_a = AgentProcess(a.home, Path(tmp) / "a.token")
         agent_b = AgentProcess(b.home, Path(tmp) / "b.token")

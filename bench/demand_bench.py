@@ -26,14 +26,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import RESULTS, table, write_result  # noqa: E402
+from bench.common import RESULTS, table, workdir, write_result  # noqa: E402
 from capsule import capsules, demand, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess, serve_command  # noqa: E402
 from capsule.store import Store  # noqa: E402
@@ -101,7 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.rate_kbit:
         return shaped(args.rate_kbit, args.rtt_ms, args.case_timeout)
-    work = Path(tempfile.mkdtemp(prefix="capsule-b3-"))
+    work = workdir("capsule-b3-")
     stores: list[Store] = []
     agent = None
     try:
@@ -171,7 +170,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
     from bench.nbd_peers import NbdPeers
     from bench.netlink import SlowLink
 
-    work = Path(tempfile.mkdtemp(prefix="capsule-b3-link-"))
+    work = workdir("capsule-b3-link-")
     stores: list[Store] = []
     name = f"demand_b3_{rate_kbit}kbit"
     try:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, table, write_result  # noqa: E402
+from bench.common import median, table, temp_workdir, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle, screen  # noqa: E402
 from capsule.errors import Conflict  # noqa: E402
 from capsule.imagebuild.desktop import BACKGROUND  # noqa: E402
@@ -73,7 +72,7 @@ def main() -> None:
     src = Store.open(images_home)
     for kind in ("debian", "desktop"):
         images.build(src, kind, kind)
-    with tempfile.TemporaryDirectory(prefix="capsule-bench-") as tmp:
+    with temp_workdir("capsule-bench-") as tmp:
         store = Store.open(Path(tmp) / "store")
         for kind in ("debian", "desktop"):
             images.import_image(src, store, kind)

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.common import ROOT, table, write_result
+from bench.common import ROOT, table, temp_workdir, write_result
 from bench.faultkit import MiB, Outcome, disk_full, kills, link_fault, make_pair, reset_retried
 from capsule import capsules, images
 from capsule.store import Store
@@ -44,7 +43,7 @@ def main() -> None:
 
     def run(kind: str, fn: Callable[[Path], Outcome]) -> None:
         print(f"-- {kind}", flush=True)
-        with tempfile.TemporaryDirectory(prefix="capsule-faults-") as tmp:
+        with temp_workdir("capsule-faults-") as tmp:
             try:
                 outcomes.append(fn(Path(tmp)))
             except Exception as exc:  # a fault not survived is a result, not a crash of the benchmark

@@ -18,11 +18,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.common import table, write_result
+from bench.common import table, temp_workdir, write_result
 from bench.fleetnet import Star
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +76,7 @@ def main() -> None:
     n = max(sizes)
     source = Store.open(Path(args.images))
     rows, runs = [], []
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp, Star(n + 1, args.rate_kbit) as net:
+    with temp_workdir("fleet-bench-") as tmp, Star(n + 1, args.rate_kbit) as net:
         base = Path(tmp)
         origin = Store.open(base / "origin")
         images.import_image(source, origin, "tiny")

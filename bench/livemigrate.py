@@ -40,7 +40,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import table, temp_workdir, write_result  # noqa: E402
 from bench.jobstats import job_figures, parse_rawstats  # noqa: E402
 from bench.looplink import LoopLink  # noqa: E402
 from scripts import composehosts as hc  # noqa: E402
@@ -157,7 +156,7 @@ def seed(a: hc.Host, b: hc.Host) -> None:
 
     src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
     images.build(src, "tiny", "tiny")
-    with tempfile.TemporaryDirectory(prefix="capsule-b2-") as tmp:
+    with temp_workdir("capsule-b2-") as tmp:
         local = Store.open(Path(tmp) / "store")
         images.import_image(src, local, "tiny")
         capsules.create(local, "seed", "tiny", memory="256M")

@@ -14,14 +14,13 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import image_stores, table, write_result  # noqa: E402
+from bench.common import image_stores, table, temp_workdir, write_result  # noqa: E402
 from capsule import capsules, lifecycle  # noqa: E402
 from capsule.pod import ops  # noqa: E402
 from capsule.runtime import podnet  # noqa: E402
@@ -75,7 +74,7 @@ def main() -> None:
     ap.add_argument("--memory", default="512M", help="each capsule's memory")
     args = ap.parse_args()
     ns, veth = f"capsule-podbench-{os.getpid()}", f"cpb{os.getpid() % 100000}"
-    with tempfile.TemporaryDirectory(prefix="pod-network-bench-") as tmp:
+    with temp_workdir("pod-network-bench-") as tmp:
         (store,) = image_stores("debian", Path(tmp) / "store")
         for name in ("ba", "bb"):
             capsules.create(store, name, "debian", memory=args.memory, pod_network=True)

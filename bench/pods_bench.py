@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import table, temp_workdir, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle  # noqa: E402
 from capsule.pod import ops  # noqa: E402
 from capsule.store import Store  # noqa: E402
@@ -48,7 +47,7 @@ def main() -> None:
                     help="a store holding the debian image")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    with tempfile.TemporaryDirectory(prefix="pods-bench-") as tmp:
+    with temp_workdir("pods-bench-") as tmp:
         store = Store.open(Path(tmp) / "store")
         images.import_image(Store.open(Path(args.images)), store, "debian")
         capsules.create(store, "bench", "debian", memory=args.memory)

@@ -29,13 +29,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import zstandard
 
-from bench.common import table, write_result
+from bench.common import table, temp_workdir, write_result
 from bench.pods_bench import wait_ready
 from capsule import capsules, images, lifecycle
 from capsule.agent.launch import AgentProcess, serve_command
@@ -179,7 +178,7 @@ def main() -> None:
     slow_procs = {int(x) for x in args.slow_procs.split(",") if x}
     from bench.netlink import DSL, SlowLink
 
-    with tempfile.TemporaryDirectory(prefix="pods-matrix-") as tmp:
+    with temp_workdir("pods-matrix-") as tmp:
         work = Path(tmp)
         src = Store.open(Path(args.images))
         a, b = Store.open(work / "a"), Store.open(work / "b")

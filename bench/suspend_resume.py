@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, table, tiny_stores, write_result  # noqa: E402
+from bench.common import median, table, temp_workdir, tiny_stores, write_result  # noqa: E402
 from capsule import capsules, lifecycle  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
 
@@ -38,7 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="capsule-bench-") as tmp:
+    with temp_workdir("capsule-bench-") as tmp:
         [store] = tiny_stores(Path(tmp) / "store")
         capsules.create(store, "bench", "tiny", memory="256M")
         lifecycle.start(store, "bench")

@@ -23,7 +23,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import update_peers as peers  # noqa: E402
 from bench.backup_accounting import compressed_sizes  # noqa: E402
-from bench.common import RESULTS, image_stores, table, write_result  # noqa: E402
+from bench.common import RESULTS, image_stores, table, workdir, write_result  # noqa: E402
 from capsule import capsules, hosts, qemuimg, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.objectio import BlockReader  # noqa: E402
@@ -188,7 +187,7 @@ def main() -> None:
     for tool, flag in (("ostree", args.no_ostree), ("casync", args.no_casync)):
         if not flag and shutil.which(tool) is None:
             sys.exit(f"the {tool} peer needs {tool}: apt-get install {tool} (or give --no-{tool})")
-    work = Path(tempfile.mkdtemp(prefix="capsule-b1-"))
+    work = workdir("capsule-b1-")
     agent: AgentProcess | None = None
     agent_h: AgentProcess | None = None
     stores: list[Store] = []

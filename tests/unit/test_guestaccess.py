@@ -12,7 +12,7 @@ import pytest
 from capsule.errors import EnvironmentProblem
 from capsule.runtime import guestaccess
 from capsule.runtime.domainxml import MachineSpec, build
-from capsule.runtime.guestaccess import GuestUser, backing_chain, grant_machine, let_pass, lend
+from capsule.runtime.guestaccess import GuestUser, backing_chain, grant_machine, lend, let_pass
 from capsule.runtime.restorexml import check
 from capsule.store import Store
 from hashcache.qcow2_writer import write_layer
