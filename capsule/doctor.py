@@ -11,6 +11,7 @@ from typing import Any
 
 from capsule.errors import CapsuleError
 from capsule.runtime.connection import connect, libvirt_uri
+from capsule.runtime.guestaccess import USER_ENV, check_reachable, guest_user
 from capsule.store import Store
 from capsule.storelock import describe_holder
 from capsule.storemodes import check_modes
@@ -62,10 +63,26 @@ def _at_least(text: str | None, minimum: tuple[int, ...]) -> bool:
 def _modes_check(store: Store) -> Check:
     problems = check_modes(store)
     if not problems:
-        return Check("store modes", True, "directories 0700, memory images 0400, other objects 0440")
+        return Check("store modes", True, "directories 0700 (0710 where guests open files), memory images 0400, "
+                                          "other objects 0440")
     shown = "; ".join(f"{p.path} is {p.mode:04o} (want {p.expected:04o})" for p in problems[:3])
     more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
     return Check("store modes", False, f"{shown}{more} — run `capsule verify --fix-modes` to repair")
+
+
+def _guest_user_check(store: Store | None) -> Check:
+    """Who QEMU runs as, and whether it can reach this store (``runtime.guestaccess``)."""
+    try:
+        user = guest_user()
+        if user.unconfined:
+            return Check("guest user", True, "QEMU runs as root: no confinement (no libvirt-qemu user, or "
+                                             f"{USER_ENV}=root)")
+        if store is not None:
+            check_reachable(store.home, user)
+    except CapsuleError as exc:
+        return Check("guest user", False, str(exc))
+    return Check("guest user", True, f"QEMU runs as {user.name} (uid {user.uid}); libvirt relabels nothing, "
+                                     "the store grants its group what each guest opens")
 
 
 def doctor(store: Store | None, probe: bool = True, reprobe: bool = False) -> DoctorReport:
@@ -97,6 +114,7 @@ def doctor(store: Store | None, probe: bool = True, reprobe: bool = False) -> Do
                                    + ("" if ok else " — need libvirt ≥ 11.3")))
     except CapsuleError as exc:
         report.checks.append(Check("libvirt", False, str(exc)))
+    report.checks.append(_guest_user_check(store))
     if store is not None:
         report.checks.append(Check("store", True, f"{store.home} (id {store.id})"))
         report.checks.append(_modes_check(store))

@@ -173,3 +173,22 @@ def test_let_pass_opens_only_passage_and_only_below_top(tmp_path):
     assert _mode(tmp_path / "a") == 0o701 and _mode(deep) == 0o701   # pass through, never list
     with pytest.raises(ValueError):
         let_pass(Path("/etc"), tmp_path)
+
+
+def test_doctor_says_who_qemu_runs_as_and_whether_it_reaches_the_store(machine, tmp_path, monkeypatch):
+    from capsule import doctor
+
+    store, _ = machine
+    monkeypatch.setattr(doctor, "guest_user", lambda: GUEST)
+    check = doctor._guest_user_check(store)
+    assert check.ok and "QEMU runs as guest (uid 64999)" in check.detail
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    hidden = Store.open(private / "store")
+    try:
+        check = doctor._guest_user_check(hidden)
+        assert not check.ok and "cannot reach" in check.detail and str(private) in check.detail
+    finally:
+        hidden.close()
+    monkeypatch.setattr(doctor, "guest_user", lambda: ROOT)
+    assert "no confinement" in doctor._guest_user_check(store).detail
