@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diskserver.errors import DiskServerError
+from hashcache.atomic import write_atomic
 from hashcache.shadow import _HDR as SHADOW_HEADER
 
 if TYPE_CHECKING:
@@ -93,20 +94,14 @@ class FastMap:
         head += bytes(_WINDOW_AT - len(head)) + struct.pack("<qQ", 0, 0) + struct.pack(f"<{RING}Q", *[NO_END] * RING)
         body = head + bytes(HEADER - len(head))
         body += b"".join(_layer_record(chain, pos) for pos in range(len(chain.layers))) + _segments(chain)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            write_atomic(path, body, durable=False, mode=0o600)  # the filter never sees half of it
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             try:
-                view = memoryview(body)
-                while view:  # a write may take less than asked
-                    view = view[os.write(fd, view):]
                 mm = mmap.mmap(fd, len(body))
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise DiskServerError(f"cannot write the native read path's map {path}: {exc.strerror or exc}") from exc
         return cls(path, mm)
 
