@@ -46,18 +46,12 @@ def grant(store: Store, spec: MachineSpec) -> None:
                               instance_dir=spec.agent_socket.parent, sockets=list(spec.disk_servers.values()))
 
 
-def restore_xml(store: Store, config: dict[str, Any], saved_xml: str, *, name: str, uuid: str, disks: list[Path],
-                console_log: Path, agent_socket: Path, disk_servers: dict[int, Path] | None = None,
-                grant_access: bool = False) -> tuple[str, str]:
-    """(XML, accel) to restore ``saved_xml``'s state as this host's machine; IntegrityError if the image's XML
-    holds anything outside the allow-list. ``grant_access``: then let QEMU's user open the machine's files."""
+def restore_spec(store: Store, config: dict[str, Any], saved_xml: str, *, name: str, uuid: str, disks: list[Path],
+                 console_log: Path, agent_socket: Path, disk_servers: dict[int, Path] | None = None) -> MachineSpec:
+    """This host's machine to restore ``saved_xml``'s state as (``restorexml.rebuild`` makes its XML)."""
     accel = restorexml.saved_accel(saved_xml)
-    spec = machine_spec(store, config, name=name, uuid=uuid, accel=accel, disks=disks, console_log=console_log,
+    return machine_spec(store, config, name=name, uuid=uuid, accel=accel, disks=disks, console_log=console_log,
                         agent_socket=agent_socket, emulator=restorexml.host_emulator(accel), disk_servers=disk_servers)
-    rebuilt = restorexml.rebuild(saved_xml, spec)
-    if grant_access:
-        grant(store, spec)
-    return rebuilt
 
 
 def check(store: Store, config: dict[str, Any], image: Path, *, name: str, uuid: str, disks: int,
@@ -65,8 +59,9 @@ def check(store: Store, config: dict[str, Any], image: Path, *, name: str, uuid:
     """Refuse an image whose XML this host would not restore, before any leaf or domain exists."""
     header = saveimage.read_header(image)
     placeholders = [instance_dir / f"disk{i}" for i in range(disks)]
-    restore_xml(store, config, header.domain_xml, name=name, uuid=uuid, disks=placeholders,
-                console_log=instance_dir / "console.log", agent_socket=instance_dir / "agent.sock")
+    restorexml.rebuild(header.domain_xml, restore_spec(store, config, header.domain_xml, name=name, uuid=uuid,
+                                                      disks=placeholders, console_log=instance_dir / "console.log",
+                                                      agent_socket=instance_dir / "agent.sock"))
 
 
 def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, name: str, uuid: str,
@@ -80,10 +75,11 @@ def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, na
         image, forked = fork, True
         header = saveimage.read_header(image)
     try:
-        xml, accel = restore_xml(store, config, header.domain_xml, name=name, uuid=uuid, disks=disks,
-                                 console_log=instance_dir / "console.log",
-                                 agent_socket=instance_dir / "agent.sock", disk_servers=disk_servers,
-                                 grant_access=True)
+        spec = restore_spec(store, config, header.domain_xml, name=name, uuid=uuid, disks=disks,
+                            console_log=instance_dir / "console.log", agent_socket=instance_dir / "agent.sock",
+                            disk_servers=disk_servers)
+        xml, accel = restorexml.rebuild(header.domain_xml, spec)   # IntegrityError before anything is granted
+        grant(store, spec)
         try:
             connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(image),
                                      libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)
