@@ -1,4 +1,5 @@
-"""Writing a small file atomically: a temp file in the same directory, renamed into place."""
+"""Writes that finish whole: a small file atomically (a temp file in the same directory, renamed into place),
+and a pwrite of all its bytes."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = T
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """pwrite all of ``data`` at ``offset``. A file system filling up writes part of it and says how much (only
+    the next write raises ENOSPC), so a caller never takes a short write for a whole one."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n

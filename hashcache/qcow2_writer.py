@@ -36,6 +36,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from hashcache.atomic import pwrite_all
 from hashcache.blocks import BLOCK_SIZE
 
 CLUSTER_BITS = 17
@@ -187,14 +188,6 @@ def _check_backing(backing: str | None) -> None:
         raise ValueError(f"backing file name is longer than {MAX_BACKING_NAME} bytes (QEMU's limit)")
 
 
-def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
-
-
 def write_layer(
     out: Path,
     *,
@@ -269,7 +262,7 @@ def write_layer(
                         continue
                     run = (~bits & (bits + 1)).bit_length() - 1  # number of trailing one bits
                     start = sc * SUBCLUSTER_SIZE
-                    _pwrite_all(fd, view[start : start + run * SUBCLUSTER_SIZE], host + start)
+                    pwrite_all(fd, view[start : start + run * SUBCLUSTER_SIZE], host + start)
                     bits >>= run
                     sc += run
             l2_clusters.append(cur)
@@ -318,10 +311,10 @@ def write_layer(
                 i += 1
             offset = next_cluster * CLUSTER_SIZE
             next_cluster += 1
-            _pwrite_all(fd, table, offset)
+            pwrite_all(fd, table, offset)
             l1[l1_index] = offset | COPIED
         if l1_size:
-            _pwrite_all(fd, struct.pack(f">{l1_size}Q", *l1), l1_offset)
+            pwrite_all(fd, struct.pack(f">{l1_size}Q", *l1), l1_offset)
 
         # Refcount table and blocks, appended; every cluster of the file has refcount 1.
         reftable_clusters, refblocks = refcount_layout(next_cluster)
@@ -329,7 +322,7 @@ def write_layer(
         first_refblock = next_cluster + reftable_clusters
         total = first_refblock + refblocks
         reftable = struct.pack(f">{refblocks}Q", *((first_refblock + k) * CLUSTER_SIZE for k in range(refblocks)))
-        _pwrite_all(fd, reftable + bytes(reftable_clusters * CLUSTER_SIZE - len(reftable)), reftable_offset)
+        pwrite_all(fd, reftable + bytes(reftable_clusters * CLUSTER_SIZE - len(reftable)), reftable_offset)
         full_block = b"\x00\x01" * REFCOUNTS_PER_BLOCK
         for k in range(refblocks):
             covered = min(REFCOUNTS_PER_BLOCK, total - k * REFCOUNTS_PER_BLOCK)
@@ -338,9 +331,9 @@ def write_layer(
                 if covered == REFCOUNTS_PER_BLOCK
                 else full_block[: 2 * covered] + bytes(2 * (REFCOUNTS_PER_BLOCK - covered))
             )
-            _pwrite_all(fd, block, (first_refblock + k) * CLUSTER_SIZE)
+            pwrite_all(fd, block, (first_refblock + k) * CLUSTER_SIZE)
 
-        _pwrite_all(
+        pwrite_all(
             fd,
             _header_cluster(
                 virtual_size=virtual_size,

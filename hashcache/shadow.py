@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from hashcache import native
+from hashcache.atomic import pwrite_all
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import HashcacheError
 
@@ -131,7 +132,7 @@ class Shadow:
             end = pos + 1
             while end < len(ordered) and ordered[end][0] == ordered[pos][0] + (end - pos):
                 end += 1
-            _write_all(self._data_fd, b"".join(d for _i, d in ordered[pos:end]), ordered[pos][0] * BLOCK_SIZE)
+            pwrite_all(self._data_fd, b"".join(d for _i, d in ordered[pos:end]), ordered[pos][0] * BLOCK_SIZE)
             pos = end
         if durable:
             os.fdatasync(self._data_fd)
@@ -157,12 +158,3 @@ class Shadow:
         self.close()
         self.data_path.unlink(missing_ok=True)
         self.bitmap_path.unlink(missing_ok=True)
-
-
-def _write_all(fd: int, data: bytes, offset: int) -> None:
-    """pwrite all of ``data``: a file system filling up writes part of it and says how much (only the
-    next write raises ENOSPC); a block past that part must not be marked present."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
