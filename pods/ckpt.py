@@ -83,9 +83,11 @@ def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool
 
 def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -> dict[str, Any]:
     """Dump the pod into one archive (aligned, uncompressed: HCP compresses and dedups it). Without
-    ``leave_running`` CRIU kills the pod after the dump with its network still locked, so no peer sees a
-    reset: its TCP connections wait for the restore. Should the archive fail, the pod is restored in place
-    from the dump."""
+    ``leave_running`` the pod is left stopped after the dump with its network still locked, its veth is
+    deleted, and only then are its processes killed, so no peer sees a reset: its TCP connections wait
+    for the restore. (Were the processes killed first, the namespace's teardown would drop the lock's
+    nftables hooks before its eth0, and a peer's retransmission in between would draw a RST.) Should
+    the archive fail, the pod is restored in place from the dump."""
     rec = pod.running(name)
     if pod.frozen(name):
         raise PodError(f"pod {name!r} is suspended; resume it before a checkpoint", "conflict")
@@ -96,12 +98,12 @@ def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -
     t0 = time.monotonic()
     try:
         args = ["dump", "-t", str(rec["init_pid"]), "-D", str(images), *CRIU_COMMON]
-        if leave_running:
-            args.append("--leave-running")
+        args.append("--leave-running" if leave_running else "--leave-stopped")
         _criu(args, images / "dump.log", "dump", timeout)
         dumped = time.monotonic() - t0
         if not leave_running:
-            pod.kill_cgroup(name)  # CRIU killed them; nothing may be left behind
+            pod.unplug(name)  # while the stopped pod's namespace still holds the lock
+            pod.kill_cgroup(name)
             pod.forget(name)
         meta = {"format": IMAGE_FORMAT, "name": name, "ip": rec["ip"], "cmd": rec["cmd"],
                 "created": rec["created"], "checkpointed": time.time()}

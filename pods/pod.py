@@ -229,11 +229,16 @@ def save(rec: dict[str, Any]) -> None:
     os.replace(tmp, state_path(rec["name"]))
 
 
-def forget(name: str) -> None:
-    state_path(name).unlink(missing_ok=True)
+def unplug(name: str) -> None:
+    """Delete the pod's veth pair (its eth0 goes with the host end)."""
     veth = host_veth(name)
     if Path(f"/sys/class/net/{veth}").exists():
         subprocess.run(["ip", "link", "del", veth], capture_output=True)
+
+
+def forget(name: str) -> None:
+    state_path(name).unlink(missing_ok=True)
+    unplug(name)
     with contextlib.suppress(OSError):
         cgroup_of(name).rmdir()
 
