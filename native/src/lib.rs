@@ -75,16 +75,88 @@ fn hash_block(data: &[u8]) -> [u8; HASH] {
     *blake3::hash(&padded).as_bytes()
 }
 
+// -- BLAKE3 of many blocks at once ------------------------------------------------------------------
+// blake3::hash of one 4 KiB block (a tree of four 1 KiB chunks) fills four SIMD lanes: half of AVX2's
+// eight, a quarter of AVX-512's sixteen. Hashing chunk k of up to sixteen blocks in one call, then
+// their parents, then their roots, fills them all. This drives the crate's hidden `platform` API (its
+// version is pinned in Cargo.toml); each hash is blake3::hash's, as the property tests check against
+// the Python `blake3` package.
+
+const CHUNK: usize = 1024;
+const CHUNKS: usize = BLOCK / CHUNK;
+const LANES: usize = 16;
+const IV: [u32; 8] = [0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19];
+const CHUNK_START: u8 = 1;
+const CHUNK_END: u8 = 2;
+const PARENT: u8 = 4;
+const ROOT: u8 = 8;
+static ZERO_PAIR: [u8; 2 * HASH] = [0u8; 2 * HASH];
+
+/// The hash of each block of `blocks` (as `hash_block`: a short block zero-padded) into `out`, 32
+/// bytes each. One thread; callers spread tasks of blocks over the cores.
+fn hash_many_blocks(blocks: &[&[u8]], out: &mut [u8]) {
+    let platform = blake3::platform::Platform::detect();
+    let mut full: Vec<(usize, &[u8; BLOCK])> = Vec::with_capacity(blocks.len());
+    for (i, b) in blocks.iter().enumerate() {
+        match <&[u8; BLOCK]>::try_from(*b) {
+            Ok(f) => full.push((i, f)),
+            Err(_) => out[i * HASH..(i + 1) * HASH].copy_from_slice(&hash_block(b)),
+        }
+    }
+    let mut cv = [0u8; LANES * HASH];
+    let mut chunk_cvs = [0u8; LANES * CHUNKS * HASH]; // per block its four chunk CVs, side by side
+    let mut parent_cvs = [0u8; LANES * 2 * HASH];     // per block its two parents' CVs, side by side
+    for group in full.chunks(LANES) {
+        let n = group.len();
+        for k in 0..CHUNKS {
+            let mut inputs: [&[u8; CHUNK]; LANES] = [&ZERO_CHUNK; LANES];
+            for (slot, (_, b)) in inputs.iter_mut().zip(group) {
+                *slot = b[k * CHUNK..(k + 1) * CHUNK].try_into().unwrap();
+            }
+            platform.hash_many(&inputs[..n], &IV, k as u64, blake3::IncrementCounter::No, 0, CHUNK_START, CHUNK_END,
+                               &mut cv[..n * HASH]);
+            for j in 0..n {
+                let at = (j * CHUNKS + k) * HASH;
+                chunk_cvs[at..at + HASH].copy_from_slice(&cv[j * HASH..(j + 1) * HASH]);
+            }
+        }
+        let mut pairs: [&[u8; 2 * HASH]; 2 * LANES] = [&ZERO_PAIR; 2 * LANES];
+        for (j, slot) in pairs[..2 * n].iter_mut().enumerate() {
+            *slot = chunk_cvs[j * 2 * HASH..(j + 1) * 2 * HASH].try_into().unwrap();
+        }
+        platform.hash_many(&pairs[..2 * n], &IV, 0, blake3::IncrementCounter::No, PARENT, 0, 0,
+                           &mut parent_cvs[..2 * n * HASH]);
+        let mut tops: [&[u8; 2 * HASH]; LANES] = [&ZERO_PAIR; LANES];
+        for (j, slot) in tops[..n].iter_mut().enumerate() {
+            *slot = parent_cvs[j * 2 * HASH..(j + 1) * 2 * HASH].try_into().unwrap();
+        }
+        platform.hash_many(&tops[..n], &IV, 0, blake3::IncrementCounter::No, PARENT | ROOT, 0, 0, &mut cv[..n * HASH]);
+        for (j, (i, _)) in group.iter().enumerate() {
+            out[i * HASH..(i + 1) * HASH].copy_from_slice(&cv[j * HASH..(j + 1) * HASH]);
+        }
+    }
+}
+
+static ZERO_CHUNK: [u8; CHUNK] = [0u8; CHUNK];
+
+/// Per block of `data` (4 KiB pieces, the last maybe short): None for an all-zero block, else its
+/// hash. One thread.
+fn scan_seq(data: &[u8]) -> Vec<Option<[u8; HASH]>> {
+    let blocks: Vec<&[u8]> = data.chunks(BLOCK).collect();
+    let nonzero: Vec<usize> = (0..blocks.len()).filter(|&i| !is_zero(blocks[i])).collect();
+    let refs: Vec<&[u8]> = nonzero.iter().map(|&i| blocks[i]).collect();
+    let mut hashes = vec![0u8; refs.len() * HASH];
+    hash_many_blocks(&refs, &mut hashes);
+    let mut out = vec![None; blocks.len()];
+    for (k, &i) in nonzero.iter().enumerate() {
+        out[i] = Some(hashes[k * HASH..(k + 1) * HASH].try_into().unwrap());
+    }
+    out
+}
+
 /// Per block of `data`: None for an all-zero block, else its hash. Parallel over the cores.
 fn scan(data: &[u8]) -> Vec<Option<[u8; HASH]>> {
-    let chunks: Vec<&[u8]> = data.chunks(BLOCK).collect();
-    let mut out: Vec<Option<[u8; HASH]>> = vec![None; chunks.len()];
-    out.par_chunks_mut(TASK_BLOCKS).zip(chunks.par_chunks(TASK_BLOCKS)).for_each(|(o, c)| {
-        for (slot, block) in o.iter_mut().zip(c.iter()) {
-            *slot = if is_zero(block) { None } else { Some(hash_block(block)) };
-        }
-    });
-    out
+    data.par_chunks(TASK_BLOCKS * BLOCK).map(scan_seq).collect::<Vec<_>>().concat()
 }
 
 /// Manifest records (u64 LE `index<<1|zero`, 32-byte hash) of consecutive blocks from `first`.
@@ -115,9 +187,7 @@ fn hash_blocks<'py>(py: Python<'py>, buf: PyBuffer<u8>) -> PyResult<Bound<'py, P
         let chunks: Vec<&[u8]> = data.chunks(BLOCK).collect();
         let mut out = vec![0u8; chunks.len() * HASH];
         out.par_chunks_mut(TASK_BLOCKS * HASH).zip(chunks.par_chunks(TASK_BLOCKS)).for_each(|(o, c)| {
-            for (slot, block) in o.chunks_mut(HASH).zip(c.iter()) {
-                slot.copy_from_slice(&hash_block(block));
-            }
+            hash_many_blocks(c, o);
         });
         out
     });
@@ -175,11 +245,7 @@ fn file_records<'py>(py: Python<'py>, fd: i32, start: u64, end: u64, zero_flag: 
                 let mut buf = vec![0u8; n];
                 file.read_exact_at(&mut buf, off)?;
                 let mut out = Vec::with_capacity(n / BLOCK * RECORD + RECORD);
-                for (i, block) in buf.chunks(BLOCK).enumerate() {
-                    let index = off / BLOCK as u64 + i as u64;
-                    let h = if is_zero(block) { None } else { Some(hash_block(block)) };
-                    records_into(&mut out, index, &[h], zero_flag);
-                }
+                records_into(&mut out, off / BLOCK as u64, &scan_seq(&buf), zero_flag);
                 Ok(out)
             })
             .collect();
@@ -319,10 +385,21 @@ fn layer_table_records<'py>(py: Python<'py>, fd: i32, table: &[u8], base_cluster
     let out = py.allow_threads(move || -> Option<Vec<u8>> {
         let runs = table_runs(tv.slice(), base_cluster, n_entries, g).ok()?;
         let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
-        // Per task of up to 64 runs: the host span their data lies in read with one pread when it is
-        // small (a cluster's subclusters sit side by side), else one pread per run.
-        let parts: Vec<Option<Vec<u8>>> = runs
-            .par_chunks(64)
+        // Tasks of whole runs, about RUN_BLOCKS blocks each (a run is at most that long). A task's data
+        // is gathered into one buffer, block-aligned per run (a short last block zero-padded), from
+        // one pread of the host span it lies in when that is small (a cluster's subclusters sit side
+        // by side), else one pread per run; then zero-checked and hashed many blocks at a time.
+        let mut tasks: Vec<&[Run]> = Vec::new();
+        let (mut first, mut blocks) = (0, 0u64);
+        for (k, r) in runs.iter().enumerate() {
+            blocks += r.count;
+            if blocks >= RUN_BLOCKS || k + 1 == runs.len() {
+                tasks.push(&runs[first..=k]);
+                (first, blocks) = (k + 1, 0);
+            }
+        }
+        let parts: Vec<Option<Vec<u8>>> = tasks
+            .par_iter()
             .map(|task| {
                 let guest = |r: &Run| (((r.start + r.count) * BLOCK as u64).min(g.virtual_size) - r.start * BLOCK as u64) as usize;
                 let data: Vec<&Run> = task.iter().filter(|r| r.host.is_some()).collect();
@@ -335,29 +412,27 @@ fn layer_table_records<'py>(py: Python<'py>, fd: i32, table: &[u8], base_cluster
                 } else {
                     None
                 };
+                let mut gathered = vec![0u8; data.iter().map(|r| r.count as usize * BLOCK).sum()];
+                let mut at = 0;
+                for r in &data {
+                    let (h, n) = (r.host.unwrap(), guest(r));
+                    match &span {
+                        Some(buf) => gathered[at..at + n].copy_from_slice(&buf[(h - lo) as usize..(h - lo) as usize + n]),
+                        None => file.read_exact_at(&mut gathered[at..at + n], h).ok()?,
+                    }
+                    at += r.count as usize * BLOCK;
+                }
+                let scanned = scan_seq(&gathered);
                 let mut out = Vec::with_capacity(task.iter().map(|r| r.count as usize).sum::<usize>() * RECORD);
-                let mut own = Vec::new();
-                for r in task {
-                    let Some(h) = r.host else {
-                        records_into(&mut out, r.start, &vec![None; r.count as usize], true);
-                        continue;
-                    };
-                    let n = guest(r);
-                    let bytes: &[u8] = match &span {
-                        Some(buf) => &buf[(h - lo) as usize..(h - lo) as usize + n],
-                        None => {
-                            own.resize(n, 0);
-                            file.read_exact_at(&mut own, h).ok()?;
-                            &own
-                        }
-                    };
-                    let scanned: Vec<Option<[u8; HASH]>> = (0..r.count as usize)
-                        .map(|k| {
-                            let b = &bytes[k * BLOCK..n.min((k + 1) * BLOCK)];
-                            if is_zero(b) { None } else { Some(hash_block(b)) }  // a short last block: padded
-                        })
-                        .collect();
-                    records_into(&mut out, r.start, &scanned, true);
+                let mut next = 0;
+                for r in task.iter() {
+                    let count = r.count as usize;
+                    if r.host.is_some() {
+                        records_into(&mut out, r.start, &scanned[next..next + count], true);
+                        next += count;
+                    } else {
+                        records_into(&mut out, r.start, &vec![None; count], true);
+                    }
                 }
                 Some(out)
             })
@@ -401,12 +476,15 @@ fn verify_blocks(py: Python<'_>, buf: PyBuffer<u8>, expected: &[u8], hash_len: u
     Ok(py.allow_threads(|| {
         let data = view.slice();
         let want = exp.slice();
-        let n = data.len() / BLOCK;
-        (0..n)
-            .into_par_iter()
-            .with_min_len(TASK_BLOCKS)
-            .find_first(|&i| {
-                blake3::hash(&data[i * BLOCK..(i + 1) * BLOCK]).as_bytes()[..hash_len] != want[i * hash_len..(i + 1) * hash_len]
+        data.par_chunks(TASK_BLOCKS * BLOCK)
+            .enumerate()
+            .find_map_first(|(t, task)| {
+                let blocks: Vec<&[u8]> = task.chunks(BLOCK).collect();
+                let mut got = vec![0u8; blocks.len() * HASH];
+                hash_many_blocks(&blocks, &mut got);
+                (0..blocks.len())
+                    .find(|&k| got[k * HASH..k * HASH + hash_len] != want[(t * TASK_BLOCKS + k) * hash_len..(t * TASK_BLOCKS + k + 1) * hash_len])
+                    .map(|k| t * TASK_BLOCKS + k)
             })
             .map_or(-1, |i| i as i64)
     }))
@@ -725,12 +803,13 @@ fn read_verified<'py>(py: Python<'py>, fd: i32, offsets: Vec<u64>, prefixes: &[u
                     }
                     k = end;
                 }
-                let hashes = buf
-                    .chunks(BLOCK)
-                    .enumerate()
-                    .map(|(k, d)| {
+                let blocks: Vec<&[u8]> = buf.chunks(BLOCK).collect();
+                let mut all = vec![0u8; blocks.len() * HASH];
+                hash_many_blocks(&blocks, &mut all);
+                let hashes = (0..blocks.len())
+                    .map(|k| {
                         let i = t * TASK_BLOCKS + k;
-                        let h = *blake3::hash(d).as_bytes();
+                        let h: [u8; HASH] = all[k * HASH..(k + 1) * HASH].try_into().unwrap();
                         (readable[k] && h[..KEY] == ps[i * KEY..(i + 1) * KEY]).then_some(h)
                     })
                     .collect();
@@ -758,19 +837,18 @@ fn hash_at<'py>(py: Python<'py>, fd: i32, indices: Vec<u64>) -> PyResult<Bound<'
         let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
         let mut out = vec![0u8; indices.len() * HASH];
         out.par_chunks_mut(HASH * TASK_BLOCKS).zip(indices.par_chunks(TASK_BLOCKS)).try_for_each(|(o, ix)| {
-            let mut buf = [0u8; BLOCK];
-            for (slot, &i) in o.chunks_mut(HASH).zip(ix.iter()) {
+            let mut buf = vec![0u8; ix.len() * BLOCK];
+            for (block, &i) in buf.chunks_mut(BLOCK).zip(ix.iter()) {
                 let mut got = 0;
                 while got < BLOCK {
-                    let k = file.read_at(&mut buf[got..], i * BLOCK as u64 + got as u64)?;
+                    let k = file.read_at(&mut block[got..], i * BLOCK as u64 + got as u64)?;
                     if k == 0 {
                         break;
                     }
                     got += k;
                 }
-                buf[got..].fill(0);
-                slot.copy_from_slice(blake3::hash(&buf).as_bytes());
             }
+            hash_many_blocks(&buf.chunks(BLOCK).collect::<Vec<_>>(), o);
             Ok::<(), std::io::Error>(())
         })?;
         Ok(out)

@@ -90,3 +90,25 @@ def test_file_records_refuses_a_range_past_the_end(tmp_path) -> None:
         os.close(fd)
     with pytest.raises(HashcacheError):
         manifest_of_file(tmp_path)  # a directory: refused the same way as before
+
+
+@prop
+@given(block_sets(max_blocks=300), st.data())
+def test_many_blocks_at_once_agree_with_one_at_a_time(data: bytes, draw: st.DataObject) -> None:
+    """The extension hashes up to sixteen blocks per SIMD call (chunks, then parents, then roots): across
+    group and task edges, zero blocks skipped in between and a short tail, each hash is BLAKE3's of that
+    block alone; verification names the same first wrong block as a loop over the blocks would."""
+    from blake3 import blake3
+
+    blocks = [data[i:i + BLOCK_SIZE].ljust(BLOCK_SIZE, b"\0") for i in range(0, len(data), BLOCK_SIZE)]
+    assert native.hash_blocks(data) == b"".join(blake3(b).digest() for b in blocks)
+    assert scan_blocks(data) == [None if b == bytes(BLOCK_SIZE) else blake3(b).digest() for b in blocks]
+    whole = b"".join(blocks)
+    hash_len = draw.draw(st.sampled_from([8, 32]))
+    expected = bytearray(b"".join(blake3(b).digest()[:hash_len] for b in blocks))
+    assert native.verify_blocks(whole, bytes(expected), hash_len) == -1
+    if blocks:
+        wrong = sorted(draw.draw(st.sets(st.integers(0, len(blocks) - 1), min_size=1, max_size=3)))
+        for w in wrong:
+            expected[w * hash_len] ^= 0xFF
+        assert native.verify_blocks(whole, bytes(expected), hash_len) == wrong[0]
