@@ -30,6 +30,7 @@ from hashcache.shadow import _HDR as SHADOW_HEADER
 
 if TYPE_CHECKING:
     from diskserver.chain.facade import Chain
+    from diskserver.chain.spec import ReadaheadSpec
 
 MAGIC = b"CAPSFM01"
 HEADER = 256
@@ -109,15 +110,12 @@ class FastMap:
         values = struct.unpack_from(f"<{len(COUNTERS)}Q", self._mm, _COUNTERS_AT)
         return dict(zip(COUNTERS, values, strict=True))
 
-    def note(self, first: int, end: int, min_blocks: int, max_blocks: int) -> int:
-        """The read-ahead window for a request the plugin serves (fetch.py's heuristic, on the shared state
-        the filter's hits also advance)."""
+    def note(self, first: int, end: int, ra: ReadaheadSpec) -> int:
+        """The read-ahead window for a request the plugin serves (``ReadaheadSpec.window``, on the shared
+        state the filter's hits also advance)."""
         mm = self._mm
-        if max_blocks and first in struct.unpack_from(f"<{RING}Q", mm, _ENDS_AT):
-            prev = struct.unpack_from("<q", mm, _WINDOW_AT)[0]
-            window = min(max_blocks, max(min_blocks, prev * 2, 1))
-        else:
-            window = 0
+        sequential = first in struct.unpack_from(f"<{RING}Q", mm, _ENDS_AT)
+        window = ra.window(sequential, struct.unpack_from("<q", mm, _WINDOW_AT)[0])
         struct.pack_into("<q", mm, _WINDOW_AT, window)
         pos = struct.unpack_from("<Q", mm, _POS_AT)[0]
         struct.pack_into("<Q", mm, _POS_AT, pos + 1)

@@ -33,14 +33,9 @@ class Fetching:
         sequential request up to ``max_blocks``. Lock-free: a race only perturbs the heuristic."""
         ra = self.spec.readahead
         if self._fastmap is not None:  # the state the native read path's hits advance too
-            return self._fastmap.note(first, end, ra.min_blocks, ra.max_blocks)
-        ends = self._ra_ends
-        if ra.max_blocks and first in ends:
-            window = min(ra.max_blocks, max(ra.min_blocks, self._ra_window * 2, 1))
-        else:
-            window = 0
-        self._ra_window = window
-        ends.append(end)
+            return self._fastmap.note(first, end, ra)
+        window = self._ra_window = ra.window(first in self._ra_ends, self._ra_window)
+        self._ra_ends.append(end)
         return window
 
     def _readahead(self, layer: _Layer, end: int, window: int) -> list[int]:

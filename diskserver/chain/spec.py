@@ -56,6 +56,13 @@ class ReadaheadSpec:
     min_blocks: int = 4
     max_blocks: int = 256
 
+    def window(self, sequential: bool, previous: int) -> int:
+        """The window of a request, given whether it is sequential and the last request's window (the
+        native read path's filter keeps a copy of this rule: ``diskserver/fastread/fastread.c``)."""
+        if not (sequential and self.max_blocks):
+            return 0
+        return min(self.max_blocks, max(self.min_blocks, previous * 2, 1))
+
 
 @dataclass(frozen=True)
 class RetrySpec:
