@@ -105,14 +105,19 @@ class GuestShell:
     # -- the update's set-up and clean-up -------------------------------------------------------------------
     def network_up(self, network: str) -> None:
         """Configure the NIC on QEMU's user network (``domainxml.add_user_network``): its address, the
-        gateway, and the DNS forwarder in a resolv.conf mounted over /etc/resolv.conf (nothing on disk)."""
+        gateway, and the DNS forwarder in a resolv.conf mounted over /etc/resolv.conf (nothing on disk).
+        udev may still be renaming the NIC (eth0 → ens3) while the guest boots: the script waits for udev,
+        and takes the NIC once it could bring it up under its name (an interface that is up is not
+        renamed)."""
         base, _, prefix = network.partition("/")
         net = base.rsplit(".", 1)[0]
         self.sh(
+            "udevadm settle -t 10 2>/dev/null; "
             "i=0; while :; do dev=; for p in /sys/class/net/*; do n=${p##*/}; [ \"$n\" = lo ] || dev=$n; done; "
-            "[ -n \"$dev\" ] && break; i=$((i+1)); [ $i -gt 100 ] && { echo no network interface appeared >&2; "
+            "[ -n \"$dev\" ] && ip link set \"$dev\" up 2>/dev/null && break; i=$((i+1)); "
+            "[ $i -gt 100 ] && { echo \"no network interface came up (last seen: ${dev:-none})\" >&2; "
             "exit 1; }; sleep 0.1; done; "
-            f"ip link set \"$dev\" up && ip addr add {net}.15/{prefix} dev \"$dev\" && "
+            f"ip addr add {net}.15/{prefix} dev \"$dev\" && "
             f"ip route add default via {net}.2 && mkdir -p {RUN_DIR} && "
             f"echo 'nameserver {net}.3' > {RUN_DIR}/resolv.conf && mount --bind {RUN_DIR}/resolv.conf /etc/resolv.conf",
             timeout=30)
