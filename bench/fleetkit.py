@@ -14,9 +14,9 @@ from capsule.store import Store
 
 
 def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0,
-                base_version: int | None = None) -> VersionRow:
+                base_version: int | None = None, content: bytes | None = None) -> VersionRow:
     """``name``'s next version: the chain of its latest version (or of ``base_version``) plus a layer of
-    ``size`` random bytes written at ``offset`` (a multiple of 4 KiB)."""
+    ``size`` random bytes (or ``content``, when given) written at ``offset`` (a multiple of 4 KiB)."""
     with store.lock():
         cat = store.catalogue
         base = cat.latest_version(name) if base_version is None else cat.version(name, base_version)
@@ -26,7 +26,7 @@ def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0,
         leaf = store.new_leaf_path()
         qemuimg.create_leaf(leaf, store.layer_path(parent))
         data = store.temp_path(".data")
-        data.write_bytes(random.Random(seed).randbytes(size))
+        data.write_bytes(random.Random(seed).randbytes(size) if content is None else content)
         subprocess.run(["qemu-io", "-f", "qcow2", "-c", f"write -s {data} {offset} {size}", str(leaf)],
                        check=True, capture_output=True)
         data.unlink()

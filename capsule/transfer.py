@@ -9,6 +9,7 @@ against its digest before it is installed; the version is recorded last."""
 
 from __future__ import annotations
 
+import secrets
 import struct
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import zstandard
 from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
 from capsule.errors import CapsuleError, TransferFailed
+from capsule.exchange.streams import STREAMS_HEADER, BlockStreamLost
 from capsule.fsutil import translating_enospc
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
@@ -27,6 +29,7 @@ from capsule.pacing import Pacer
 from capsule.pipeline import Pipeline, run_batches
 from capsule.records import objects_of, record_version, validate, version_record
 from capsule.store import Store
+from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
 from hashcache.hcp import (
@@ -266,11 +269,33 @@ def raw_size(store: Store, kind: str, oid: str) -> int:
         return 0
 
 
+STREAM_ATTEMPTS = 3  # block streams started for one object before a lost one fails the push
+# from this zstd level on (asking for bytes over speed), an object's batches are one stream, sent one at a
+# time: the receiver takes segments in order, so uploads in flight together would only wait for each other
+STREAM_LEVEL = 10
+
+
 def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
+                 progress: Progress, check: Check = _never) -> ObjectReport | None:
+    """Send one object (:func:`_send_object`); a block stream the receiver lost (it restarted) is started
+    again after a new plan, which leaves out every block it kept."""
+    for attempt in range(1, STREAM_ATTEMPTS + 1):
+        try:
+            return _send_object(store, client, kind, oid, role, opts, progress, check)
+        except BlockStreamLost:
+            if attempt == STREAM_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
                  progress: Progress, check: Check = _never) -> ObjectReport | None:
     """Send one object: its manifest in parts (the receiver plans each part
     while the next one and the blocks it already asked for are on the wire),
-    then the blocks it asks for, then commit."""
+    then the blocks it asks for, then commit. Where the receiver takes block streams
+    (``capsule/exchange/streams.py``) and blocks travel compressed, an object's batches are segments of
+    one zstd stream, compressed here in order and sent one at a time, at levels from ``STREAM_LEVEL``;
+    otherwise each batch is a zstd frame of its own, packed by the thread that sends it."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
@@ -281,16 +306,27 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     stats = TransferStats(raw_bytes=raw_bytes)
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
-    pacer = Pacer(opts.batch, opts.inflight, client.timeout)
+    streaming = opts.compress and opts.level >= STREAM_LEVEL
+    inflight = 1 if streaming else opts.inflight
+    pacer = Pacer(opts.batch, inflight, client.timeout)
 
-    def send(batch: list[int]) -> None:
+    encoder: native.StreamEncoder | None = None
+    stream_id = secrets.token_hex(8)
+    segments = 0
+
+    def send(item: tuple[list[int], int | None, bytes | None]) -> None:
+        batch, seq, payload = item
         check()  # a cancel stops here; the pipeline then drops the batches still queued
         idx = encode_indices(batch)
-        payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
+        params: dict[str, Any] = {"compress": str(opts.compress).lower()}
+        if payload is None:
+            payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
+        else:
+            params.update(stream=stream_id, seq=seq)
         with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
             body = struct.pack("<I", len(idx)) + idx + payload
-            client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body,
-                           params={"compress": str(opts.compress).lower()}, idempotent=True)  # verified blocks
+            client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
+                           idempotent=True)  # verified blocks; a segment taken twice is taken once
             sent.append(len(body))
         stats.add(fetched_bytes=len(batch) * BLOCK_SIZE, requests=1)
         progress.advance(len(batch) * BLOCK_SIZE)
@@ -298,7 +334,7 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
     needed_total = 0
     try:
-        with Pipeline(send, opts.inflight, max_pending=opts.inflight) as pipe:
+        with Pipeline(send, inflight, max_pending=max(2, inflight)) as pipe:
             for k, start in enumerate(starts):
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
                 resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
@@ -318,8 +354,14 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 progress.advance(part_bytes - len(needed) * BLOCK_SIZE)
                 progress.local(part_bytes - len(needed) * BLOCK_SIZE)
                 needed_total += len(needed)
+                if k == 0 and streaming and resp.headers.get(STREAMS_HEADER):
+                    encoder = native.StreamEncoder(opts.level)
                 for batch in pacer.batches(needed):
-                    pipe.submit(batch)
+                    if encoder is None:
+                        pipe.submit((batch, None, None))
+                        continue
+                    pipe.submit((batch, segments, encoder.segment(b"".join(reader.read(batch)))))
+                    segments += 1
     finally:
         reader.close()
     t_commit = time.monotonic()

@@ -39,12 +39,15 @@ cache_put_many = _ext.cache_put_many
 cache_bump_uses = _ext.cache_bump_uses
 read_verified = _ext.read_verified
 hash_at = _ext.hash_at
+StreamEncoder = _ext.StreamEncoder
+StreamDecoder = _ext.StreamDecoder
 layer_table_records = _ext.layer_table_records
 ShortRead = _ext.ShortRead
 ZstdError = _ext.ZstdError
 
 __all__ = [
-    "ShortRead", "ZstdError", "blake3_file", "cache_bump_uses", "cache_candidates", "cache_put_many",
+    "ShortRead", "StreamDecoder", "StreamEncoder", "ZstdError", "blake3_file", "cache_bump_uses",
+    "cache_candidates", "cache_put_many",
     "compress", "compress_many", "decompress", "file_records", "hash_at", "hash_blocks", "layer_table_records",
     "pwrite_runs", "read_verified", "scan_blocks", "scan_records", "verify_blocks",
 ]

@@ -54,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capsule import __version__ as capsule_version
 from capsule.accounts import tokens
 from capsule.agent import authz, dashboard
+from capsule.agent.turns import Turns
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
 from capsule.errors import AuthFailed, Error, Internal, InvalidName, TooManyAttempts
@@ -66,6 +67,7 @@ from capsule.exchange.receiving import (
     encode_plan,
 )
 from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, missing, version_of
+from capsule.exchange.streams import STREAMS_HEADER
 from capsule.names import check_object_id
 from capsule.pod import ops as pod_ops
 from capsule.records import record_version
@@ -92,6 +94,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     objects = ObjectServer(store)
     activity = fleet.Activity()
     inbox = Inbox(store)
+    turns = Turns(inbox.streams)
     # One mapping from errors to answers: {"error": code, "detail": message, ...fields}, the class's status.
     @app.exception_handler(Error)
     async def _errors(_request: Request, exc: Exception) -> JSONResponse:
@@ -229,12 +232,20 @@ def create_app(home: Path, token: str) -> FastAPI:
         needed = await asyncio.to_thread(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash)
         if needed is None:
             return Response(b"", headers={"X-Capsule-Present": "1"})
-        return Response(encode_plan(needed), media_type="application/octet-stream")
+        return Response(encode_plan(needed), media_type="application/octet-stream", headers={STREAMS_HEADER: "1"})
 
     @app.post("/v1/recv/{kind}/{oid}/blocks")
-    async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True) -> dict[str, int]:
+    async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True, stream: str | None = None,
+                          seq: int = 0) -> dict[str, int]:
+        """A batch of blocks: a zstd frame of its own, or segment ``seq`` of block stream ``stream``."""
         raw = await body(request, MAX_BLOCKS_UPLOAD)
-        return {"stored": await asyncio.to_thread(inbox.accept_upload, kind, oid, raw, compress)}
+        if stream is None:
+            return {"stored": await asyncio.to_thread(inbox.accept_upload, kind, oid, raw, compress)}
+        await turns.wait((kind, oid), stream, seq)
+        try:
+            return {"stored": await asyncio.to_thread(inbox.accept_segment, kind, oid, raw, stream, seq)}
+        finally:
+            await turns.advance()
 
     @app.post("/v1/recv/{kind}/{oid}/commit")
     async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:

@@ -18,6 +18,7 @@ import zstandard
 
 from capsule.errors import Conflict, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
+from capsule.exchange.streams import Streams
 from capsule.fsutil import translating_enospc
 from capsule.names import check_object_id
 from capsule.objectio import check_kind, has_object, install_received, object_path, open_shadow
@@ -91,6 +92,7 @@ class Inbox:
         # Manifest parts become one whole manifest file while block uploads read them: both sides hold
         # this lock, so a reader never meets a part that was just folded away.
         self._manifest_files = threading.Lock()
+        self.streams = Streams()
 
     def close(self) -> None:
         self._receivers.close()
@@ -118,6 +120,7 @@ class Inbox:
             raise Conflict(f"layer {oid[:12]} needs its parent {parent[:12]} first")
         if part == 0:
             self._receivers.drop((kind, oid))
+            self.streams.drop((kind, oid))
         (self.store.home / "recv").mkdir(exist_ok=True)
         final = self._expect_path(kind, oid)
         with self._manifest_files, translating_enospc(f"receiving the manifest of {kind} {oid[:12]}"):
@@ -154,6 +157,17 @@ class Inbox:
             incoming.receiver.accept(indices, unpack_blocks(payload, len(indices), compressed=compressed))
         return len(indices)
 
+    def accept_segment(self, kind: str, oid: str, raw: bytes, stream: str, seq: int) -> int:
+        """``accept`` for segment ``seq`` of block stream ``stream`` (``capsule/exchange/streams.py``): the
+        upload's payload is that segment, not a frame of its own. A segment taken before is not taken
+        again; one whose predecessors this receiver lacks raises BlockStreamLost."""
+        raw_indices, payload = split_blocks_upload(raw)
+        with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
+            indices = decode_indices(raw_indices, incoming.receiver.manifest.block_count)
+            self.streams.take((kind, oid), stream, seq, len(indices), payload,
+                              lambda blocks: incoming.receiver.accept(indices, blocks))
+        return len(indices)
+
     def commit(self, kind: str, oid: str, role: str = "memory") -> bool:
         """Verify the complete object against its digest, install and record it. Returns False if it
         was here already. A digest mismatch throws the received blocks away (the sender starts over)."""
@@ -165,6 +179,7 @@ class Inbox:
             raise Conflict(f"{kind} {oid[:12]}: not every part of its manifest has arrived")
         m = self._manifest(kind, oid)
         self._receivers.drop((kind, oid))
+        self.streams.drop((kind, oid))
         shadow = open_shadow(self.store, kind, m)
         try:
             receiver = Receiver(m, shadow, self._name(kind, oid))

@@ -520,6 +520,113 @@ fn decompress_one(payload: &[u8], limit: usize) -> Result<Vec<u8>, String> {
     d.decompress(&payload[..end], limit).map_err(|e| e.to_string())
 }
 
+// -- one zstd stream across the batches of one object (hashcache/hcp.py: StreamPacker) ---------------
+// Each batch is compressed as a flushed segment of one stream, so later batches match earlier ones (one
+// context per object instead of one frame per batch). The receiver decodes the segments in order.
+
+/// The window both ends use (8 MiB, zstd -19's own); the decoder refuses anything larger.
+const STREAM_WINDOW_LOG: u32 = 23;
+
+fn zstd_err(e: std::io::Error) -> PyErr {
+    ZstdError::new_err(e.to_string())
+}
+
+/// ``StreamEncoder(level)``; ``segment(raw) -> bytes``: ``raw`` compressed and flushed, decodable once
+/// every segment before it has been.
+#[pyclass]
+struct StreamEncoder {
+    enc: zstd::stream::raw::Encoder<'static>,
+}
+
+#[pymethods]
+impl StreamEncoder {
+    #[new]
+    fn new(level: i32) -> PyResult<Self> {
+        use zstd::stream::raw::CParameter;
+        let mut enc = zstd::stream::raw::Encoder::new(level).map_err(zstd_err)?;
+        enc.set_parameter(CParameter::WindowLog(STREAM_WINDOW_LOG)).map_err(zstd_err)?;
+        Ok(Self { enc })
+    }
+
+    fn segment<'py>(&mut self, py: Python<'py>, raw: PyBuffer<u8>) -> PyResult<Bound<'py, PyBytes>> {
+        use zstd::stream::raw::{InBuffer, Operation, OutBuffer};
+        let view = View::of(&raw)?;
+        let enc = &mut self.enc;
+        let out = py.allow_threads(move || -> std::io::Result<Vec<u8>> {
+            let data = view.slice();
+            let mut out: Vec<u8> = Vec::with_capacity(zstd::zstd_safe::compress_bound(data.len()) + 64);
+            let mut input = InBuffer::around(data);
+            while input.pos() < data.len() {
+                if out.capacity() - out.len() < 64 {
+                    out.reserve(out.capacity().max(1 << 16));
+                }
+                let at = out.len();
+                enc.run(&mut input, &mut OutBuffer::around_pos(&mut out, at))?;
+            }
+            loop {
+                if out.capacity() - out.len() < 64 {
+                    out.reserve(out.capacity().max(1 << 16));
+                }
+                let at = out.len();
+                if enc.flush(&mut OutBuffer::around_pos(&mut out, at))? == 0 {
+                    break;
+                }
+            }
+            Ok(out)
+        });
+        Ok(PyBytes::new_bound(py, &out.map_err(zstd_err)?))
+    }
+}
+
+/// ``StreamDecoder()``; ``segment(payload, size) -> bytes``: the next segment decoded, exactly ``size``
+/// bytes; ZstdError if it is not zstd, needs a window over 8 MiB, or decodes to more or fewer bytes.
+/// After an error the stream cannot go on (the caller drops it).
+#[pyclass]
+struct StreamDecoder {
+    dec: zstd::stream::raw::Decoder<'static>,
+}
+
+#[pymethods]
+impl StreamDecoder {
+    #[new]
+    fn new() -> PyResult<Self> {
+        use zstd::stream::raw::DParameter;
+        let mut dec = zstd::stream::raw::Decoder::new().map_err(zstd_err)?;
+        dec.set_parameter(DParameter::WindowLogMax(STREAM_WINDOW_LOG)).map_err(zstd_err)?;
+        Ok(Self { dec })
+    }
+
+    fn segment<'py>(&mut self, py: Python<'py>, payload: PyBuffer<u8>, size: usize) -> PyResult<Bound<'py, PyBytes>> {
+        use zstd::stream::raw::{InBuffer, Operation, OutBuffer};
+        let view = View::of(&payload)?;
+        let dec = &mut self.dec;
+        let out = py.allow_threads(move || -> Result<Vec<u8>, String> {
+            let data = view.slice();
+            let mut out = vec![0u8; size + 1]; // one byte more than promised: a longer segment is caught
+            let mut input = InBuffer::around(data);
+            let mut written = 0;
+            loop {
+                let before = (input.pos(), written);
+                let mut output = OutBuffer::around_pos(&mut out[..], written);
+                dec.run(&mut input, &mut output).map_err(|e| e.to_string())?;
+                written = output.pos();
+                if written > size {
+                    return Err(format!("a stream segment decodes to more than the {size} bytes announced"));
+                }
+                if (input.pos(), written) == before {
+                    break;
+                }
+            }
+            if input.pos() < data.len() || written != size {
+                return Err(format!("a stream segment decodes to {written} bytes, not the {size} announced"));
+            }
+            out.truncate(size);
+            Ok(out)
+        });
+        Ok(PyBytes::new_bound(py, &out.map_err(ZstdError::new_err)?))
+    }
+}
+
 /// ``decompress(payload, limit) -> bytes``: the first zstd frame of ``payload`` decoded (what
 /// follows it is ignored, as python-zstandard does); more than ``limit`` bytes of output, or
 /// anything that is not zstd, raises ZstdError.
@@ -877,5 +984,7 @@ fn capsule_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_bump_uses, m)?)?;
     m.add_function(wrap_pyfunction!(read_verified, m)?)?;
     m.add_function(wrap_pyfunction!(hash_at, m)?)?;
+    m.add_class::<StreamEncoder>()?;
+    m.add_class::<StreamDecoder>()?;
     Ok(())
 }

@@ -1,0 +1,115 @@
+"""Block uploads as one zstd stream per object (capsule/exchange/streams.py): segments taken in order,
+a retried one answered once, a gap or an unknown stream refused as lost, a bad segment dropping the
+stream; and, between two real agents, a push at a high zstd level sending an object whose batches
+resemble each other in a fraction of the bytes that a frame per batch takes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.fleetkit import new_version
+from capsule import capsules, transfer
+from capsule.exchange.streams import BlockStreamLost, Streams
+from capsule.objectio import has_object
+from hashcache import native
+from hashcache.blocks import BLOCK_SIZE
+from hashcache.errors import ManifestMismatch
+from hashcache.hcp import ProtocolError
+from tests.conftest import Agent, make_store
+
+KEY = ("layer", "ab" * 32)
+
+
+def _segments(n: int, per: int = 4, seed: int = 1) -> list[tuple[list[bytes], bytes]]:
+    rng = random.Random(seed)
+    enc = native.StreamEncoder(19)
+    out = []
+    for _ in range(n):
+        blocks = [rng.randbytes(BLOCK_SIZE) for _ in range(per)]
+        out.append((blocks, enc.segment(b"".join(blocks))))
+    return out
+
+
+@pytest.mark.unit
+def test_segments_are_taken_in_order_and_a_retried_one_once():
+    streams, kept = Streams(), []
+    segs = _segments(3)
+    for seq, (blocks, payload) in enumerate(segs):
+        assert streams.take(KEY, "s1", seq, len(blocks), payload, kept.append)
+        assert streams.position(KEY, "s1") == seq + 1
+    assert kept == [blocks for blocks, _ in segs]
+    assert not streams.take(KEY, "s1", 1, 4, segs[1][1], kept.append)  # a retry: answered, not kept again
+    assert len(kept) == 3
+    assert streams.position(KEY, "other") is None
+
+
+@pytest.mark.unit
+def test_a_gap_or_an_unknown_stream_is_lost_and_a_new_stream_starts_at_zero():
+    streams, kept = Streams(), []
+    segs = _segments(3)
+    with pytest.raises(BlockStreamLost, match="not open here"):
+        streams.take(KEY, "s1", 1, 4, segs[1][1], kept.append)
+    streams.take(KEY, "s1", 0, 4, segs[0][1], kept.append)
+    with pytest.raises(BlockStreamLost, match="came before segment 1"):
+        streams.take(KEY, "s1", 2, 4, segs[2][1], kept.append)
+    fresh = _segments(1, seed=2)[0]
+    assert streams.take(KEY, "s2", 0, 4, fresh[1], kept.append)  # a new stream replaces the old one
+    assert streams.position(KEY, "s1") is None and streams.position(KEY, "s2") == 1
+    with pytest.raises(ProtocolError):
+        streams.take(KEY, "bad id!", 0, 4, fresh[1], kept.append)
+
+
+@pytest.mark.unit
+def test_a_bad_segment_or_refused_blocks_drop_the_stream():
+    segs = _segments(3)
+    for bad in (b"not zstd at all", segs[1][1][:-3]):
+        streams, kept = Streams(), []
+        streams.take(KEY, "s1", 0, 4, segs[0][1], kept.append)
+        with pytest.raises(ProtocolError, match="segment 1"):
+            streams.take(KEY, "s1", 1, 4, bad, kept.append)
+        assert streams.position(KEY, "s1") is None and len(kept) == 1
+    streams = Streams()
+    with pytest.raises(ProtocolError, match="more than"):  # more blocks in it than announced
+        streams.take(KEY, "s1", 0, 3, segs[0][1], lambda b: None)
+
+    def refuse(blocks: list[bytes]) -> None:
+        raise ManifestMismatch("block 7 does not match", object_name="x", block=7)
+
+    streams = Streams()
+    with pytest.raises(ManifestMismatch):
+        streams.take(KEY, "s1", 0, 4, segs[0][1], refuse)
+    assert streams.position(KEY, "s1") is None
+
+
+@pytest.mark.tools
+@pytest.mark.timeout(300)
+def test_a_high_level_push_of_similar_batches_sends_a_fraction_of_the_frames_bytes(tmp_path, tiny_images, monkeypatch):
+    """4 MiB of 16 near-copies of one 256 KiB piece (every 4 KiB block differs, so none is deduplicated):
+    frames of 1 MiB each hold 4 copies, the stream holds them all."""
+    rng = random.Random(5)
+    piece = rng.randbytes(256 << 10)
+    copies = []
+    for c in range(16):
+        buf = bytearray(piece)
+        for b in range(0, len(buf), BLOCK_SIZE):
+            buf[b + rng.randrange(BLOCK_SIZE)] ^= c + 1
+        copies.append(bytes(buf))
+    a = make_store(tmp_path / "a", tiny_images, "tiny")
+    capsules.create(a, "cap", "tiny", memory="256M")
+    version = new_version(a, "cap", 4 << 20, seed=0, content=b"".join(copies))
+    wire = {}
+    for label, stream_level in (("frames", 100), ("stream", transfer.STREAM_LEVEL)):
+        b = make_store(tmp_path / label, tiny_images, "tiny")
+        agent = Agent(b.home, tmp_path / f"{label}.token")
+        try:
+            monkeypatch.setattr(transfer, "STREAM_LEVEL", stream_level)
+            r = transfer.push(a, version.ref, agent.url, agent.token, transfer.Options(level=19))
+            layer = version.chains[0][-1]
+            assert has_object(b, "layer", layer) and b.layer_manifest(layer).digest == layer
+            wire[label] = next(o for o in r.objects if o.id == layer).wire_bytes
+        finally:
+            agent.stop()
+    print(f"wire bytes of the layer at zstd -19: {wire}")
+    assert wire["stream"] < 0.5 * wire["frames"], wire
