@@ -28,7 +28,10 @@ TokenOpt = Annotated[Path | None, typer.Option("--token-file", help="File holdin
                                                                     "(default: CAPSULE_TOKEN).")]
 NoHash = Annotated[bool, typer.Option("--no-hash", help="Do not look blocks up in the receiver's hash cache.")]
 NoCompress = Annotated[bool, typer.Option("--no-compress", help="Send blocks without zstd.")]
-Level = Annotated[int, typer.Option("--level", help="zstd level on the wire (1-19).", min=1, max=19)]
+Level = Annotated[int, typer.Option("--level", help="zstd level on the wire (1-19). From 10 an object's blocks "
+                                   "travel as one zstd stream, one batch at a time: fewer bytes where its "
+                                   "batches resemble each other (new packages: ~18 % at 19), for more CPU.",
+                                   min=1, max=19)]
 Inflight = Annotated[int, typer.Option("--inflight", help="Requests in flight.", min=1, max=64)]
 Batch = Annotated[int, typer.Option("--batch", help="Blocks per request.", min=1, max=1024)]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "

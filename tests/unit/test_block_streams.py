@@ -113,3 +113,39 @@ def test_a_high_level_push_of_similar_batches_sends_a_fraction_of_the_frames_byt
             agent.stop()
     print(f"wire bytes of the layer at zstd -19: {wire}")
     assert wire["stream"] < 0.5 * wire["frames"], wire
+
+
+@pytest.mark.tools
+@pytest.mark.timeout(300)
+def test_a_push_whose_stream_the_receiver_lost_starts_a_new_one_and_completes(tmp_path, tiny_images, monkeypatch):
+    """The receiver answers stream_lost for the second segment once (as after a restart): the sender plans
+    again and sends the rest as a new stream, and the object arrives whole."""
+    from capsule.agentclient import AgentClient
+
+    a = make_store(tmp_path / "a", tiny_images, "tiny")
+    capsules.create(a, "cap", "tiny", memory="256M")
+    version = new_version(a, "cap", 2 << 20, seed=3)
+    b = make_store(tmp_path / "b", tiny_images, "tiny")
+    agent = Agent(b.home, tmp_path / "b.token")
+    streams_seen: list[str] = []
+    real = AgentClient.request
+
+    def request(self, method, path, **kw):  # type: ignore[no-untyped-def]
+        params = kw.get("params") or {}
+        if "stream" in params:
+            if params["stream"] not in streams_seen:
+                streams_seen.append(params["stream"])
+            if len(streams_seen) == 1 and params["seq"] == 1:
+                raise BlockStreamLost("block stream lost (as after a restart)")
+        return real(self, method, path, **kw)
+
+    monkeypatch.setattr(AgentClient, "request", request)
+    try:
+        r = transfer.push(a, version.ref, agent.url, agent.token, transfer.Options(level=19, batch=64))
+    finally:
+        agent.stop()
+    layer = version.chains[0][-1]
+    assert has_object(b, "layer", layer) and b.layer_manifest(layer).digest == layer
+    assert len(streams_seen) == 2, streams_seen
+    obj = next(o for o in r.objects if o.id == layer)
+    assert 0 < obj.fetched_bytes <= (2 << 20) - 16 * BLOCK_SIZE  # the first segment's blocks were kept: not sent again
