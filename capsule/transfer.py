@@ -279,13 +279,12 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                  progress: Progress, check: Check = _never) -> ObjectReport | None:
     """Send one object (:func:`_send_object`); a block stream the receiver lost (it restarted) is started
     again after a new plan, which leaves out every block it kept."""
-    for attempt in range(1, STREAM_ATTEMPTS + 1):
+    for _ in range(STREAM_ATTEMPTS - 1):
         try:
             return _send_object(store, client, kind, oid, role, opts, progress, check)
         except BlockStreamLost:
-            if attempt == STREAM_ATTEMPTS:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return _send_object(store, client, kind, oid, role, opts, progress, check)  # a last loss is raised
 
 
 def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,

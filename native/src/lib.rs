@@ -139,6 +139,14 @@ fn hash_many_blocks(blocks: &[&[u8]], out: &mut [u8]) {
 
 static ZERO_CHUNK: [u8; CHUNK] = [0u8; CHUNK];
 
+/// The hash of each 4 KiB piece of `data` (the last maybe short: zero-padded), 32 bytes each. One thread.
+fn hash_pieces(data: &[u8]) -> Vec<u8> {
+    let blocks: Vec<&[u8]> = data.chunks(BLOCK).collect();
+    let mut out = vec![0u8; blocks.len() * HASH];
+    hash_many_blocks(&blocks, &mut out);
+    out
+}
+
 /// Per block of `data` (4 KiB pieces, the last maybe short): None for an all-zero block, else its
 /// hash. One thread.
 fn scan_seq(data: &[u8]) -> Vec<Option<[u8; HASH]>> {
@@ -479,10 +487,8 @@ fn verify_blocks(py: Python<'_>, buf: PyBuffer<u8>, expected: &[u8], hash_len: u
         data.par_chunks(TASK_BLOCKS * BLOCK)
             .enumerate()
             .find_map_first(|(t, task)| {
-                let blocks: Vec<&[u8]> = task.chunks(BLOCK).collect();
-                let mut got = vec![0u8; blocks.len() * HASH];
-                hash_many_blocks(&blocks, &mut got);
-                (0..blocks.len())
+                let got = hash_pieces(task);
+                (0..got.len() / HASH)
                     .find(|&k| got[k * HASH..k * HASH + hash_len] != want[(t * TASK_BLOCKS + k) * hash_len..(t * TASK_BLOCKS + k + 1) * hash_len])
                     .map(|k| t * TASK_BLOCKS + k)
             })
@@ -910,10 +916,8 @@ fn read_verified<'py>(py: Python<'py>, fd: i32, offsets: Vec<u64>, prefixes: &[u
                     }
                     k = end;
                 }
-                let blocks: Vec<&[u8]> = buf.chunks(BLOCK).collect();
-                let mut all = vec![0u8; blocks.len() * HASH];
-                hash_many_blocks(&blocks, &mut all);
-                let hashes = (0..blocks.len())
+                let all = hash_pieces(&buf);
+                let hashes = (0..offs.len())
                     .map(|k| {
                         let i = t * TASK_BLOCKS + k;
                         let h: [u8; HASH] = all[k * HASH..(k + 1) * HASH].try_into().unwrap();
@@ -955,7 +959,7 @@ fn hash_at<'py>(py: Python<'py>, fd: i32, indices: Vec<u64>) -> PyResult<Bound<'
                     got += k;
                 }
             }
-            hash_many_blocks(&buf.chunks(BLOCK).collect::<Vec<_>>(), o);
+            o.copy_from_slice(&hash_pieces(&buf));
             Ok::<(), std::io::Error>(())
         })?;
         Ok(out)
