@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, table, workdir, write_result  # noqa: E402
 from capsule import capsules, demand, images, lifecycle, transfer  # noqa: E402
-from capsule.agent.launch import AgentProcess, serve_command  # noqa: E402
+from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from tests.conftest import _destroy_domains  # noqa: E402
 
@@ -178,10 +178,8 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
         stores.append(a)
         rows, results = [], []
         with SlowLink(rate_kbit=rate_kbit, rtt_ms=rtt_ms) as link:
-            link.spawn_b(serve_command(work / "a", f"{link.ip_b}:7070", work / "a.token"), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-            link.wait_port_b(7070)
-            url = link.url_b(7070)
+            # its log's tail is printed when a case fails
+            url, pin = link.agent_b(work / "a", work / "a.token", log=work / "agent-a.log")
             env = dict(os.environ, CAPSULE_TOKEN=(work / "a.token").read_text().strip(), PYTHONPATH=str(ROOT))
             wait = ["--timeout", str(case_timeout)]
 
@@ -210,6 +208,8 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
                     seconds: float | None = time.monotonic() - t
                 except (CaseFailed, subprocess.TimeoutExpired) as exc:
                     print(f"case failed: {exc}", file=sys.stderr)
+                    tail = (work / "agent-a.log").read_bytes()[-3000:].decode(errors="replace")
+                    print(f"the source agent's log ends:\n{tail}", file=sys.stderr)
                     seconds = None
                 return seconds, link.wire_bytes() - before
 
@@ -221,7 +221,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
                     b = Store.open(hb)
                     b.hash_cache().prime_paths([work / "other"])
                     b.close()
-                seconds, moved = timed(cli, hb, "run", "deb", "--from", url, *wait)
+                seconds, moved = timed(cli, hb, "run", "deb", "--from", url, "--fingerprint", pin, *wait)
                 with contextlib.suppress(CaseFailed):
                     cli(hb, "stop", "deb", "--force")
                 record(case, seconds, moved, hb)
@@ -236,7 +236,8 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
                 record(case, seconds, moved)
             # last: on a slow link the longest case, and the one whose bytes are known in advance
             hb = work / "b-copy"
-            seconds, moved = timed(lambda: (cli(hb, "pull", url, "deb"), cli(hb, "start", "deb", *wait)))
+            seconds, moved = timed(lambda: (cli(hb, "pull", url, "deb", "--fingerprint", pin),
+                                            cli(hb, "start", "deb", *wait)))
             record("copy first", seconds, moved)
             with contextlib.suppress(CaseFailed):
                 cli(hb, "stop", "deb", "--force")

@@ -31,9 +31,11 @@ MiB = 1 << 20
 
 def _inner(spec: dict) -> dict:
     """Inside the origin's namespace: make the hosts fleet members (once), roll the version out."""
+    from capsule.agent.serve import TLS_DIR
     from capsule.fleet import members
     from capsule.fleet import push as pushing
     from capsule.store import Store
+    from hashcache.transport import tls
 
     store = Store.open(Path(spec["origin"]))
     known = {m.name for m in members.members(store)}
@@ -41,7 +43,9 @@ def _inner(spec: dict) -> dict:
         deadline = time.monotonic() + 180
         while h["name"] not in known:
             try:
-                members.add(store, h["name"], h["url"], Path(h["token_file"]).read_text().strip())
+                # off loopback the agent speaks TLS with the host key it made on its first start: pin it
+                pin = tls.cert_fingerprint(Path(h["home"]) / TLS_DIR / tls.CERT_NAME)
+                members.add(store, h["name"], h["url"], Path(h["token_file"]).read_text().strip(), fingerprint=pin)
                 known.add(h["name"])
             except Exception as exc:  # noqa: BLE001 - the agent may still be starting
                 if time.monotonic() > deadline:
@@ -88,7 +92,8 @@ def main() -> None:
             token_file = base / f"h{i:02d}.token"
             net.spawn(i, serve_command(home, f"{net.ip(i)}:{PORT}", token_file),
                       stdout=subprocess.DEVNULL, stderr=(base / f"h{i:02d}.log").open("ab"))
-            hosts.append({"name": f"h{i:02d}", "url": f"http://{net.ip(i)}:{PORT}", "token_file": str(token_file)})
+            hosts.append({"name": f"h{i:02d}", "url": f"https://{net.ip(i)}:{PORT}", "token_file": str(token_file),
+                          "home": str(home)})
         modes = [("one sender", False, None)] + [(f"fan-out {k}", True, k) for k in fan_ks]
         seed = 1000
         for size in sizes:

@@ -33,7 +33,7 @@ import zstandard  # noqa: E402
 from bench.common import table, write_result  # noqa: E402
 from bench.netlink import SlowLink  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
-from capsule.agent.launch import AgentProcess, serve_command  # noqa: E402
+from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.runtime.console import ConsoleSession  # noqa: E402
 from capsule.store import Store  # noqa: E402
 
@@ -167,13 +167,11 @@ def main() -> None:
         agents = []
         with SlowLink(rate_kbit=args.rate_kbit, rtt_ms=args.rtt_ms) as link:
             port = 7070
-            link.spawn_b(serve_command(b.home, f"{link.ip_b}:{port}", work / "b.token"), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-            link.wait_port_b(port)
-            url = link.url_b(port)
+            url, pin = link.agent_b(b.home, work / "b.token", port)
             env = dict(os.environ, CAPSULE_TOKEN=(work / "b.token").read_text().strip(), PYTHONPATH=str(ROOT))
             t = time.monotonic()
-            r = link.exec_a([*CAPSULE, "--home", str(a.home), "push", v3.version.ref, "--to", url, "--json"],
+            r = link.exec_a([*CAPSULE, "--home", str(a.home), "push", v3.version.ref, "--to", url,
+                             "--fingerprint", pin, "--json"],
                             capture_output=True, text=True, env=env)
             link_seconds = time.monotonic() - t
             if r.returncode != 0:

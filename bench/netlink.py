@@ -105,6 +105,19 @@ class SlowLink:
             self._wait_port_a(local)
         return self._proxies[port]
 
+    def agent_b(self, home: Path, token_file: Path, port: int = 7070, log: Path | None = None) -> tuple[str, str]:
+        """Start ``capsule serve`` for the store at ``home`` inside B (its output to ``log``): off loopback
+        it speaks TLS with its host key (made on its first start), so this returns the https URL that
+        reaches it from A through the delay and its certificate's fingerprint, for the client to pin."""
+        from capsule.agent.launch import serve_command
+        from capsule.agent.serve import TLS_DIR
+        from hashcache.transport import tls
+
+        out = log.open("ab") if log is not None else subprocess.DEVNULL
+        self.spawn_b(serve_command(home, f"{self.ip_b}:{port}", token_file), stdout=out, stderr=subprocess.STDOUT)
+        self.wait_port_b(port)
+        return f"https://127.0.0.1:{self.proxy_b(port)}", tls.cert_fingerprint(home / TLS_DIR / tls.CERT_NAME)
+
     def url_b(self, port: int) -> str:
         """An http URL, valid inside A, for B's ``port`` through the delaying proxy."""
         return f"http://127.0.0.1:{self.proxy_b(port)}"

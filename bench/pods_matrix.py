@@ -37,13 +37,11 @@ import zstandard
 from bench.common import table, temp_workdir, write_result
 from bench.pods_bench import wait_ready
 from capsule import capsules, images, lifecycle
-from capsule.agent.launch import AgentProcess, serve_command
-from capsule.agent.serve import TLS_DIR
+from capsule.agent.launch import AgentProcess
 from capsule.errors import Error
 from capsule.pod import ops, remote
 from capsule.pod.relay import Relay
 from capsule.store import Store
-from hashcache.transport import tls
 
 ROOT = Path(__file__).resolve().parent.parent
 # N processes (the first and N - 1 children) each holding its share of memory; ready once all are.
@@ -192,12 +190,8 @@ def main() -> None:
         with AgentProcess(a.home, work / "a.token") as agent_a, AgentProcess(b.home, work / "b.token") as agent_b, \
                 SlowLink(**DSL) as link:
             # off loopback the agent speaks TLS (its own host key, made on this first start); the CLI pins it
-            slow_agent = link.spawn_b(serve_command(b.home, f"{link.ip_b}:7070", work / "b.token"),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-            link.wait_port_b(7070)
-            pin = tls.cert_fingerprint(b.home / TLS_DIR / tls.CERT_NAME)
-            slow = {"link": link, "url": f"https://127.0.0.1:{link.proxy_b(7070)}", "token_file": work / "b.token",
-                    "fingerprint": pin}
+            slow_url, pin = link.agent_b(b.home, work / "b.token")
+            slow = {"link": link, "url": slow_url, "token_file": work / "b.token", "fingerprint": pin}
             try:
                 for s, name in ((a, "pa"), (a, "pb"), (b, "hb")):
                     accel = lifecycle.start(s, name, timeout=600).accel
@@ -216,8 +210,7 @@ def main() -> None:
                         _slow(a, b, r, slow, args.slow_timeout)
                         print(json.dumps(r), flush=True)
                 rows = [_row(r) for r in out]
-            finally:
-                slow_agent.terminate()
+            finally:  # the slow agent stops with the link
                 for s, name in ((a, "pa"), (a, "pb"), (b, "hb")):
                     lifecycle.stop(s, name, force=True, discard=True)
         table(f"pods ({accel}, {args.content} memory): checkpoint/restart in the capsule, migration to a capsule "
