@@ -5,7 +5,8 @@ files sit in tmpfs), installs real packages from the machine's Debian source ins
 the "null" update, only boots, runs ``true`` and shuts down), and seals the new layer. Side by side:
 - .deb bytes: what apt fetched (measured in its tmpfs before it was dropped);
 - HCP wire bytes: the new version pushed to a second store (with its agent) that holds the parent, with the
-  default zstd level (3), and again at a high level (``--high-level``, 19) to a third such store;
+  default zstd level (3), again at a high level (``--high-level``, 19: one zstd stream per object) to a
+  third such store, and as one xz stream per object (``capsule push --xz``) to a fourth;
 - zstd -3 of the layer: its allocated (non-zero) blocks as one stream;
 - rsync -z: the new flattened raw disk against the old one, through a pipe remote shell (bytes sent);
 - casync: chunks of the new raw image a store seeded with the old one lacks (zstd chunks, + the index);
@@ -44,6 +45,7 @@ MB = 1e6
 BASE = "base"
 HOST = "fleet1"
 HOST_HIGH = "fleet2"           # a second receiver holding the parent: the push at the high zstd level
+HOST_XZ = "fleet3"             # a third: the push with xz
 # case → packages to install (None: the null update); smallest first
 CASES: dict[str, list[str] | None] = {
     "null": None,
@@ -64,6 +66,7 @@ CASES: dict[str, list[str] | None] = {
 DEFAULT_CASES = "null,jq,nginx-light,ruby,python3-numpy,mousepad,backports,mega"
 PEERS = ["zstd_bytes", "rsync_bytes", "casync_bytes", "ostree_bytes"]
 LABELS = {"deb_bytes": ".deb fetched", "hcp_wire_bytes": "HCP wire", "hcp_high_wire_bytes": "HCP wire, high zstd",
+          "hcp_xz_wire_bytes": "HCP wire, xz",
           "zstd_bytes": "zstd -3 of layer",
           "rsync_bytes": "rsync -z image", "casync_bytes": "casync new chunks", "ostree_bytes": "OSTree delta"}
 
@@ -84,8 +87,10 @@ def layer_zstd(store: Store, layer_id: str) -> int:
 
 
 def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, work: Path, old_raw: Path,
-             cas: peers.Casync | None, ost: peers.OSTree | None, high: tuple[AgentProcess, int] | None,
-             ) -> dict[str, Any]:
+             cas: peers.Casync | None, ost: peers.OSTree | None,
+             extra: list[tuple[str, AgentProcess, transfer.Options]]) -> dict[str, Any]:
+    """One case; ``extra``: the other receivers holding the parent, by the key of their push's figures
+    ("hcp_high", "hcp_xz"), and the options it is pushed with."""
     name = f"u-{case}"
     print(f"== {case}: update make {BASE} --name {name} " + (f"--install {' '.join(pkgs)}" if pkgs else "--run true"),
           flush=True)
@@ -101,11 +106,10 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
     row["hcp_wire_bytes"] = rep.wire_bytes
     row["hcp"] = {"raw_bytes": rep.totals()["raw_bytes"], "cache_bytes": rep.totals()["cache_bytes"],
                   "seconds": round(rep.seconds, 1), "zstd_level": transfer.Options().level}
-    if high is not None:
-        agent_h, level = high
-        rep_h = transfer.push(a, res.version.ref, agent_h.url, agent_h.token, transfer.Options(level=level))
-        row["hcp_high_wire_bytes"] = rep_h.wire_bytes
-        row["hcp_high"] = {"zstd_level": level, "seconds": round(rep_h.seconds, 1)}
+    for key, agent_x, opts in extra:
+        rep_x = transfer.push(a, res.version.ref, agent_x.url, agent_x.token, opts)
+        row[f"{key}_wire_bytes"] = rep_x.wire_bytes
+        row[key] = {"zstd_level": opts.level, "xz": opts.xz, "seconds": round(rep_x.seconds, 1)}
     row["zstd_bytes"] = layer_zstd(a, layer["id"])
     new_raw = work / "new" / "disk.raw"
     new_raw.parent.mkdir(exist_ok=True)
@@ -124,8 +128,8 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
         shutil.rmtree(root, ignore_errors=True)
     new_raw.unlink()
     row["goals"] = peers.goals(row, PEERS)
-    if "hcp_high_wire_bytes" in row:
-        row["goals_high"] = peers.goals(row, PEERS, hcp_key="hcp_high_wire_bytes")
+    for key, _agent, _opts in extra:
+        row[f"goals_{key.removeprefix('hcp_')}"] = peers.goals(row, PEERS, hcp_key=f"{key}_wire_bytes")
     print("   " + ", ".join(f"{LABELS[k]} {row[k] / MB:.2f} MB" for k in LABELS if k in row), flush=True)
     return row
 
@@ -170,6 +174,7 @@ def main() -> None:
     ap.add_argument("--no-casync", action="store_true", help="leave out the casync peer")
     ap.add_argument("--high-level", type=int, default=19,
                     help="also push each update at this zstd level to a third store (0: leave it out)")
+    ap.add_argument("--no-xz", action="store_true", help="leave out the push with xz (to a fourth store)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the cases of the JSON result this run does not measure (a rerun of some cases)")
     ap.add_argument("--replot", action="store_true", help="only draw the chart again from the JSON result")
@@ -189,7 +194,7 @@ def main() -> None:
             sys.exit(f"the {tool} peer needs {tool}: apt-get install {tool} (or give --no-{tool})")
     work = workdir("capsule-b1-")
     agent: AgentProcess | None = None
-    agent_h: AgentProcess | None = None
+    extra: list[tuple[str, AgentProcess, transfer.Options]] = []
     stores: list[Store] = []
     kept: list[dict[str, Any]] = []
     if args.merge and (RESULTS / "update_bytes.json").exists():
@@ -197,20 +202,21 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
-        a, b, c = image_stores("debian", work / "a", work / "b", work / "c")
-        stores += [a, b, c]
-        b.close()
-        c.close()
+        a, b, c, d = image_stores("debian", work / "a", work / "b", work / "c", work / "d")
+        stores += [a, b, c, d]
+        for s in (b, c, d):
+            s.close()
         agent = AgentProcess(b.home, work / "b.token")
         hosts.add(a, HOST, agent.url, agent.token)
         base = capsules.create(a, BASE, "debian", memory=args.memory)
         transfer.push(a, base.ref, agent.url, agent.token)           # the fleet host holds the parent
-        high = None
-        if args.high_level:
-            agent_h = AgentProcess(c.home, work / "c.token")
-            hosts.add(a, HOST_HIGH, agent_h.url, agent_h.token)
-            transfer.push(a, base.ref, agent_h.url, agent_h.token)   # so does the second one
-            high = (agent_h, args.high_level)
+        wanted = [("hcp_high", HOST_HIGH, c, transfer.Options(level=args.high_level))] if args.high_level else []
+        wanted += [] if args.no_xz else [("hcp_xz", HOST_XZ, d, transfer.Options(xz=True))]
+        for key, host, store, opts in wanted:
+            agent_x = AgentProcess(store.home, work / f"{host}.token")
+            extra.append((key, agent_x, opts))
+            hosts.add(a, host, agent_x.url, agent_x.token)
+            transfer.push(a, base.ref, agent_x.url, agent_x.token)   # so do the other receivers
         old_raw = work / "old" / "disk.raw"
         old_raw.parent.mkdir()
         qemuimg.flatten_to_raw(a.layer_path(base.chains[0][-1]), old_raw)
@@ -221,7 +227,7 @@ def main() -> None:
             ost = peers.OSTree(work / "root-old", work)
             shutil.rmtree(work / "root-old", ignore_errors=True)
         for case in cases:
-            rows.append(run_case(a, case, CASES[case], agent, work, old_raw, cas, ost, high))
+            rows.append(run_case(a, case, CASES[case], agent, work, old_raw, cas, ost, extra))
             RESULTS.mkdir(exist_ok=True)
             every = _ordered(kept + rows)
             chart(every, png)
@@ -229,7 +235,7 @@ def main() -> None:
         show(_ordered(kept + rows))
         print(f"→ {RESULTS / 'update_bytes.json'}\n→ {png}")
     finally:
-        for ag in (agent, agent_h):
+        for ag in [agent, *(x[1] for x in extra)]:
             if ag is not None:
                 ag.stop()
         for s in stores:
@@ -250,7 +256,7 @@ def _result(rows: list[dict[str, Any]], args: argparse.Namespace, cas: Any, ost:
                       "module proxy answered 403 'This module version is not available' and GOPROXY=direct "
                       "cannot reach the source host; casync (same scheme, from Debian) stands in",
             "goals": "HCP <= 0.8 x .deb bytes on installs >= 10 MB; HCP smallest of all peers (goals: at the "
-                     "default zstd level 3; goals_high: at the high level)",
+                     "default zstd level 3; goals_high: at the high level; goals_xz: with xz)",
             "bookworm_updates_security": "apt-get -s upgrade on the test image's dpkg status against the "
                                          "bookworm, bookworm-updates and bookworm-security lists: 0 upgraded "
                                          "(the image is built from them), so the update case uses backports",

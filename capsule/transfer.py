@@ -21,7 +21,7 @@ import zstandard
 from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
 from capsule.errors import CapsuleError, TransferFailed
-from capsule.exchange.streams import STREAMS_HEADER, BlockStreamLost
+from capsule.exchange.streams import STREAMS_HEADER, BlockStreamLost, offered_codecs
 from capsule.fsutil import translating_enospc
 from capsule.names import parse_ref
 from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
@@ -60,6 +60,7 @@ class Options:
     batch: int = 256           # blocks per request
     inflight: int = 8          # requests in flight
     full_hashes: bool = False  # send whole 32-byte hashes instead of 8-byte prefixes + digest check
+    xz: bool = False           # blocks as one xz (LZMA2) stream per object where the receiver takes it
 
     @property
     def hash_len(self) -> int:
@@ -287,14 +288,28 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     return _send_object(store, client, kind, oid, role, opts, progress, check)  # a last loss is raised
 
 
+StreamEncoder = native.StreamEncoder | native.XzStreamEncoder
+
+
+def _stream_encoder(opts: Options, offered: set[str]) -> tuple[StreamEncoder | None, str]:
+    """The block stream to send an object in, and its codec: xz where asked for and taken, else zstd at
+    ``opts.level`` where the receiver takes streams (an older one names none: frames of their own)."""
+    if opts.xz and "xz" in offered:
+        return native.XzStreamEncoder(), "xz"
+    if offered and opts.level >= STREAM_LEVEL:
+        return native.StreamEncoder(opts.level), "zstd"
+    return None, "zstd"
+
+
 def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
                  progress: Progress, check: Check = _never) -> ObjectReport | None:
     """Send one object: its manifest in parts (the receiver plans each part
     while the next one and the blocks it already asked for are on the wire),
     then the blocks it asks for, then commit. Where the receiver takes block streams
     (``capsule/exchange/streams.py``) and blocks travel compressed, an object's batches are segments of
-    one zstd stream, compressed here in order and sent one at a time, at levels from ``STREAM_LEVEL``;
-    otherwise each batch is a zstd frame of its own, packed by the thread that sends it."""
+    one zstd stream, compressed here in order and sent one at a time, at levels from ``STREAM_LEVEL``, or
+    of one xz stream with ``opts.xz``; otherwise each batch is a zstd frame of its own (at ``opts.level``),
+    packed by the thread that sends it."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
@@ -305,12 +320,13 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     stats = TransferStats(raw_bytes=raw_bytes)
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
-    streaming = opts.compress and opts.level >= STREAM_LEVEL
+    streaming = opts.compress and (opts.xz or opts.level >= STREAM_LEVEL)
     inflight = 1 if streaming else opts.inflight
     pacer = Pacer(opts.batch, inflight, client.timeout)
 
-    encoder: native.StreamEncoder | None = None
+    encoder: StreamEncoder | None = None
     stream_id = secrets.token_hex(8)
+    codec = "zstd"
     segments = 0
 
     def send(item: tuple[list[int], int | None, bytes | None]) -> None:
@@ -321,7 +337,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
         if payload is None:
             payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
         else:
-            params.update(stream=stream_id, seq=seq)
+            params.update(stream=stream_id, seq=seq, codec=codec)
         with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
             body = struct.pack("<I", len(idx)) + idx + payload
             client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
@@ -353,8 +369,8 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 progress.advance(part_bytes - len(needed) * BLOCK_SIZE)
                 progress.local(part_bytes - len(needed) * BLOCK_SIZE)
                 needed_total += len(needed)
-                if k == 0 and streaming and resp.headers.get(STREAMS_HEADER):
-                    encoder = native.StreamEncoder(opts.level)
+                if k == 0 and streaming:
+                    encoder, codec = _stream_encoder(opts, offered_codecs(resp.headers.get(STREAMS_HEADER)))
                 for batch in pacer.batches(needed):
                     if encoder is None:
                         pipe.submit((batch, None, None))

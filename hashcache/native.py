@@ -41,12 +41,16 @@ read_verified = _ext.read_verified
 hash_at = _ext.hash_at
 StreamEncoder = _ext.StreamEncoder
 StreamDecoder = _ext.StreamDecoder
+XzStreamEncoder = _ext.XzStreamEncoder
+XzStreamDecoder = _ext.XzStreamDecoder
 layer_table_records = _ext.layer_table_records
 ShortRead = _ext.ShortRead
 ZstdError = _ext.ZstdError
+XzError = _ext.XzError
 
 __all__ = [
-    "ShortRead", "StreamDecoder", "StreamEncoder", "ZstdError", "blake3_file", "cache_bump_uses",
+    "ShortRead", "StreamDecoder", "StreamEncoder", "XzError", "XzStreamDecoder", "XzStreamEncoder", "ZstdError",
+    "blake3_file", "cache_bump_uses",
     "cache_candidates", "cache_put_many",
     "compress", "compress_many", "decompress", "file_records", "hash_at", "hash_blocks", "layer_table_records",
     "pwrite_runs", "read_verified", "scan_blocks", "scan_records", "verify_blocks",

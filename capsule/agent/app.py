@@ -67,7 +67,7 @@ from capsule.exchange.receiving import (
     encode_plan,
 )
 from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, missing, version_of
-from capsule.exchange.streams import STREAMS_HEADER
+from capsule.exchange.streams import CODECS, STREAMS_HEADER
 from capsule.names import check_object_id
 from capsule.pod import ops as pod_ops
 from capsule.records import record_version
@@ -232,18 +232,20 @@ def create_app(home: Path, token: str) -> FastAPI:
         needed = await asyncio.to_thread(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash)
         if needed is None:
             return Response(b"", headers={"X-Capsule-Present": "1"})
-        return Response(encode_plan(needed), media_type="application/octet-stream", headers={STREAMS_HEADER: "1"})
+        return Response(encode_plan(needed), media_type="application/octet-stream", headers={STREAMS_HEADER: CODECS})
 
     @app.post("/v1/recv/{kind}/{oid}/blocks")
     async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True, stream: str | None = None,
-                          seq: int = 0) -> dict[str, int]:
-        """A batch of blocks: a zstd frame of its own, or segment ``seq`` of block stream ``stream``."""
+                          seq: int = 0, codec: str = "zstd") -> dict[str, int]:
+        """A batch of blocks: a zstd frame of its own, or segment ``seq`` of block stream ``stream``
+        (``codec``: zstd or xz)."""
         raw = await body(request, MAX_BLOCKS_UPLOAD)
         if stream is None:
             return {"stored": await asyncio.to_thread(inbox.accept_upload, kind, oid, raw, compress)}
         await turns.wait((kind, oid), stream, seq)
         try:
-            return {"stored": await asyncio.to_thread(inbox.accept_segment, kind, oid, raw, stream, seq)}
+            return {"stored": await asyncio.to_thread(inbox.accept_segment, kind, oid, raw, stream, seq,
+                                                       codec)}
         finally:
             await turns.advance()
 

@@ -34,6 +34,10 @@ Level = Annotated[int, typer.Option("--level", help="zstd level on the wire (1-1
                                    min=1, max=19)]
 Inflight = Annotated[int, typer.Option("--inflight", help="Requests in flight.", min=1, max=64)]
 Batch = Annotated[int, typer.Option("--batch", help="Blocks per request.", min=1, max=1024)]
+Xz = Annotated[bool, typer.Option("--xz", help="Send each object's new blocks as one xz (LZMA2, xz -6) stream: "
+                                                "the fewest bytes, for updates over slow links (new packages: "
+                                                "8-14 % fewer than --level 19, about as slow to compress). A "
+                                                "receiver without it gets zstd at --level.")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
 
@@ -86,23 +90,23 @@ def _summary(r: transfer.TransferReport) -> None:
 
 
 def _options(no_hash: bool, no_compress: bool, level: int, inflight: int, batch: int,
-             full_hashes: bool) -> transfer.Options:
+             full_hashes: bool, xz: bool = False) -> transfer.Options:
     return transfer.Options(hash=not no_hash, compress=not no_compress, level=level, inflight=inflight, batch=batch,
-                            full_hashes=full_hashes)
+                            full_hashes=full_hashes, xz=xz)
 
 
 def push(
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to send.")],
     to: Annotated[str, typer.Option("--to", help="The receiving agent, e.g. https://host:7070.")],
     token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
-    inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, fingerprint: FingerprintOpt = None,
-    json: JsonOpt = False,
+    xz: Xz = False, inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False,
+    fingerprint: FingerprintOpt = None, json: JsonOpt = False,
 ) -> None:
     """Send a capsule version to another host: only what it lacks travels (HCP)."""
     json_flag(json)
     store = open_store()
     r = _run(transfer.push, store, ref, to, read_token(token_file),
-             _options(no_hash, no_compress, level, inflight, batch, full_hashes), fingerprint=fingerprint)
+             _options(no_hash, no_compress, level, inflight, batch, full_hashes, xz), fingerprint=fingerprint)
     emit(r.as_dict(), lambda: _summary(r))
 
 

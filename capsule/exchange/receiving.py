@@ -157,15 +157,15 @@ class Inbox:
             incoming.receiver.accept(indices, unpack_blocks(payload, len(indices), compressed=compressed))
         return len(indices)
 
-    def accept_segment(self, kind: str, oid: str, raw: bytes, stream: str, seq: int) -> int:
-        """``accept`` for segment ``seq`` of block stream ``stream`` (``capsule/exchange/streams.py``): the
-        upload's payload is that segment, not a frame of its own. A segment taken before is not taken
+    def accept_segment(self, kind: str, oid: str, raw: bytes, stream: str, seq: int, codec: str = "zstd") -> int:
+        """``accept`` for segment ``seq`` of block stream ``stream`` in ``codec`` (``capsule/exchange/streams.py``):
+        the upload's payload is that segment, not a frame of its own. A segment taken before is not taken
         again; one whose predecessors this receiver lacks raises BlockStreamLost."""
         raw_indices, payload = split_blocks_upload(raw)
         with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
             indices = decode_indices(raw_indices, incoming.receiver.manifest.block_count)
             self.streams.take((kind, oid), stream, seq, len(indices), payload,
-                              lambda blocks: incoming.receiver.accept(indices, blocks))
+                              lambda blocks: incoming.receiver.accept(indices, blocks), codec)
         return len(indices)
 
     def commit(self, kind: str, oid: str, role: str = "memory") -> bool:

@@ -18,6 +18,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use rayon::prelude::*;
 
+mod xzstream;
+
 const BLOCK: usize = 4096;
 const HASH: usize = 32;
 const RECORD: usize = 8 + HASH;
@@ -990,5 +992,6 @@ fn capsule_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_at, m)?)?;
     m.add_class::<StreamEncoder>()?;
     m.add_class::<StreamDecoder>()?;
+    xzstream::register(m)?;
     Ok(())
 }

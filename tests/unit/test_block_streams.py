@@ -1,10 +1,12 @@
-"""Block uploads as one zstd stream per object (capsule/exchange/streams.py): segments taken in order,
-a retried one answered once, a gap or an unknown stream refused as lost, a bad segment dropping the
-stream; and, between two real agents, a push at a high zstd level sending an object whose batches
-resemble each other in a fraction of the bytes that a frame per batch takes."""
+"""Block uploads as one zstd or xz stream per object (capsule/exchange/streams.py): segments taken in
+order, a retried one answered once, a gap or an unknown stream refused as lost, a bad segment (or one in
+another codec, or an xz stream asking for a larger dictionary) dropping the stream; and, between two
+real agents, a push at a high zstd level sending an object whose batches resemble each other in a
+fraction of the bytes that a frame per batch takes, and a push with xz."""
 
 from __future__ import annotations
 
+import lzma
 import random
 
 import pytest
@@ -22,9 +24,9 @@ from tests.conftest import Agent, make_store
 KEY = ("layer", "ab" * 32)
 
 
-def _segments(n: int, per: int = 4, seed: int = 1) -> list[tuple[list[bytes], bytes]]:
+def _segments(n: int, per: int = 4, seed: int = 1, codec: str = "zstd") -> list[tuple[list[bytes], bytes]]:
     rng = random.Random(seed)
-    enc = native.StreamEncoder(19)
+    enc = native.XzStreamEncoder() if codec == "xz" else native.StreamEncoder(19)
     out = []
     for _ in range(n):
         blocks = [rng.randbytes(BLOCK_SIZE) for _ in range(per)]
@@ -33,14 +35,15 @@ def _segments(n: int, per: int = 4, seed: int = 1) -> list[tuple[list[bytes], by
 
 
 @pytest.mark.unit
-def test_segments_are_taken_in_order_and_a_retried_one_once():
+@pytest.mark.parametrize("codec", ["zstd", "xz"])
+def test_segments_are_taken_in_order_and_a_retried_one_once(codec):
     streams, kept = Streams(), []
-    segs = _segments(3)
+    segs = _segments(3, codec=codec)
     for seq, (blocks, payload) in enumerate(segs):
-        assert streams.take(KEY, "s1", seq, len(blocks), payload, kept.append)
+        assert streams.take(KEY, "s1", seq, len(blocks), payload, kept.append, codec)
         assert streams.position(KEY, "s1") == seq + 1
     assert kept == [blocks for blocks, _ in segs]
-    assert not streams.take(KEY, "s1", 1, 4, segs[1][1], kept.append)  # a retry: answered, not kept again
+    assert not streams.take(KEY, "s1", 1, 4, segs[1][1], kept.append, codec)  # a retry: answered, not kept again
     assert len(kept) == 3
     assert streams.position(KEY, "other") is None
 
@@ -83,6 +86,37 @@ def test_a_bad_segment_or_refused_blocks_drop_the_stream():
     assert streams.position(KEY, "s1") is None
 
 
+@pytest.mark.unit
+def test_a_segment_in_another_or_an_unknown_codec_or_a_larger_xz_dictionary_is_refused():
+    xz, zs = _segments(2, codec="xz"), _segments(2)
+    streams, kept = Streams(), []
+    streams.take(KEY, "s1", 0, 4, xz[0][1], kept.append, "xz")
+    with pytest.raises(ProtocolError, match="xz block stream s1 says it is zstd"):
+        streams.take(KEY, "s1", 1, 4, zs[1][1], kept.append, "zstd")
+    assert streams.position(KEY, "s1") is None and len(kept) == 1
+    with pytest.raises(ProtocolError, match="unknown codec 'lz4'"):
+        streams.take(KEY, "s2", 0, 4, zs[0][1], kept.append, "lz4")
+    # an xz stream whose dictionary (64 MiB) is over the 8 MiB both ends use: refused, not allocated
+    raw = random.Random(3).randbytes(4 * BLOCK_SIZE)
+    big = lzma.compress(raw, format=lzma.FORMAT_XZ, check=lzma.CHECK_NONE,
+                        filters=[{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": 64 << 20}])
+    with pytest.raises(ProtocolError, match="segment 0"):
+        streams.take(KEY, "s3", 0, 4, big, kept.append, "xz")
+    ok = lzma.compress(raw, format=lzma.FORMAT_XZ, check=lzma.CHECK_NONE,
+                       filters=[{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": 8 << 20}])
+    assert native.XzStreamDecoder().segment(ok, len(raw)) == raw   # the same stream with 8 MiB is taken
+
+
+@pytest.mark.unit
+def test_the_sender_picks_xz_where_asked_and_taken_else_zstd_streams_from_the_stream_level():
+    pick = transfer._stream_encoder
+    assert pick(transfer.Options(xz=True), {"zstd", "xz"})[1] == "xz"
+    assert pick(transfer.Options(xz=True, level=19), {"1"})[1] == "zstd"   # an older receiver: zstd streams
+    assert pick(transfer.Options(xz=True), {"zstd"})[0] is None            # no xz there, level 3: frames
+    assert pick(transfer.Options(level=19), {"zstd", "xz"})[1] == "zstd"
+    assert pick(transfer.Options(level=19), set())[0] is None               # no streams at all: frames
+
+
 @pytest.mark.tools
 @pytest.mark.timeout(300)
 def test_a_high_level_push_of_similar_batches_sends_a_fraction_of_the_frames_bytes(tmp_path, tiny_images, monkeypatch):
@@ -99,20 +133,36 @@ def test_a_high_level_push_of_similar_batches_sends_a_fraction_of_the_frames_byt
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     capsules.create(a, "cap", "tiny", memory="256M")
     version = new_version(a, "cap", 4 << 20, seed=0, content=b"".join(copies))
-    wire = {}
-    for label, stream_level in (("frames", 100), ("stream", transfer.STREAM_LEVEL)):
+    from capsule.agentclient import AgentClient
+
+    codecs: set[str] = set()
+    real = AgentClient.request
+
+    def request(self, method, path, **kw):  # type: ignore[no-untyped-def]
+        codecs.add((kw.get("params") or {}).get("codec", "frame"))
+        return real(self, method, path, **kw)
+
+    monkeypatch.setattr(AgentClient, "request", request)
+    wire, used = {}, {}
+    for label, stream_level, opts in (("frames", 100, transfer.Options(level=19)),
+                                      ("stream", transfer.STREAM_LEVEL, transfer.Options(level=19)),
+                                      ("xz", 100, transfer.Options(xz=True))):
         b = make_store(tmp_path / label, tiny_images, "tiny")
         agent = Agent(b.home, tmp_path / f"{label}.token")
+        codecs.clear()
         try:
             monkeypatch.setattr(transfer, "STREAM_LEVEL", stream_level)
-            r = transfer.push(a, version.ref, agent.url, agent.token, transfer.Options(level=19))
+            r = transfer.push(a, version.ref, agent.url, agent.token, opts)
+            used[label] = codecs - {"frame"}
             layer = version.chains[0][-1]
             assert has_object(b, "layer", layer) and b.layer_manifest(layer).digest == layer
             wire[label] = next(o for o in r.objects if o.id == layer).wire_bytes
         finally:
             agent.stop()
-    print(f"wire bytes of the layer at zstd -19: {wire}")
+    print(f"wire bytes of the layer at zstd -19 and as xz: {wire}")
+    assert used == {"frames": set(), "stream": {"zstd"}, "xz": {"xz"}}, used
     assert wire["stream"] < 0.5 * wire["frames"], wire
+    assert wire["xz"] < 0.5 * wire["frames"], wire
 
 
 @pytest.mark.tools
