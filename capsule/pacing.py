@@ -1,9 +1,14 @@
-"""Pacing a push's block uploads to the link: at most a few seconds' worth of bytes in flight.
+"""Pacing a transfer's block requests to the link: at most a few seconds' worth of bytes in flight.
 
-A block upload is answered only once the receiver has the whole body, while the sender's socket buffers
-(and anything buffering on the path) take the body at once. With a fixed number of large uploads in
-flight on a slow link (8 × 1 MiB at 384 kbit/s is three minutes of data), every answer comes after the
+A push's block upload is answered only once the receiver has the whole body, while the sender's socket
+buffers (and anything buffering on the path) take the body at once. With a fixed number of large uploads
+in flight on a slow link (8 × 1 MiB at 384 kbit/s is three minutes of data), every answer comes after the
 client's read timeout, the uploads are sent again and the link carries the same blocks several times.
+A pull's READ answers queue the same way in the other direction: the agent hands each answer to its
+socket at once and counts the connection idle from then (uvicorn's keep-alive), so an answer still
+queued on the link when the keep-alive timeout ends is cut off as the agent closes the connection (seen
+over TLS at 384 kbit/s: a 12 MiB pull failed after 817 s with 40 MB on the link; paced, it took 278 s
+and 13.9 MB). Pulls are paced by the same window.
 So the window (bytes in flight) follows the rate the receiver has been acknowledging, like TCP's window
 follows its ACKs: ``TARGET_S`` seconds of it, never less than one small batch, and batches shrink to fit
 it across the in-flight slots. On a LAN the window opens after the first answers and the fixed limits
@@ -26,7 +31,7 @@ RATE_SPAN_S = 20.0      # the rate is measured over the answers of this many las
 
 
 class Pacer:
-    """The window and batch size of one push; thread-safe (the pipeline's threads share it)."""
+    """The window and batch size of one push or pull; thread-safe (the pipeline's threads share it)."""
 
     def __init__(self, max_batch: int, inflight: int, timeout: float | None = None) -> None:
         self.max_batch = max(1, max_batch)

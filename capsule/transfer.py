@@ -126,10 +126,6 @@ def _never() -> None:
     pass
 
 
-def _batches(indices: list[int], size: int) -> list[list[int]]:
-    return [indices[i:i + size] for i in range(0, len(indices), size)]
-
-
 # -- pull -------------------------------------------------------------------------
 
 def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) -> tuple[Expectation, dict]:
@@ -181,10 +177,15 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                          - len(shadow.missing(receiver.nonzero_indices())) * BLOCK_SIZE)
         needed = receiver.plan(on_progress=progress.advance)
 
+        pacer = Pacer(opts.batch, opts.inflight, client.timeout)
+
         def fetch(batch: list[int]) -> None:
-            resp = client.request("POST", f"/v1/objects/{kind}/{oid}/read", content=encode_indices(batch),
-                                  params={"level": opts.level, "compress": str(opts.compress).lower()},
-                                  idempotent=True)
+            idx = encode_indices(batch)
+            with pacer.flight(len(batch)) as sent:   # a few seconds' worth of answers in flight, no more
+                resp = client.request("POST", f"/v1/objects/{kind}/{oid}/read", content=idx,
+                                      params={"level": opts.level, "compress": str(opts.compress).lower()},
+                                      idempotent=True)
+                sent.append(len(idx) + len(resp.content))
             try:
                 blocks = unpack_blocks(resp.content, len(batch), compressed=opts.compress)
                 with translating_enospc(f"receiving {name}"):
@@ -194,7 +195,7 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
             stats.add(requests=1)
             progress.wire(client.wire_bytes)
 
-        run_batches(_batches(needed, opts.batch), opts.inflight, fetch)
+        run_batches(pacer.batches(needed), opts.inflight, fetch)
         if not receiver.complete():
             raise TransferFailed(f"{name}: blocks are still missing after the transfer")
         try:

@@ -1,0 +1,69 @@
+"""A pull over a slow link keeps only a few seconds' worth of READ answers in flight (capsule/pacing.py),
+as a push does with its uploads: with a fixed 8 × 256 blocks in flight, answers queue on the link for
+minutes at 384 kbit/s, and the agent, which counts a connection idle once it has handed an answer to
+its socket, closes connections whose answers are still on the way (over TLS: cut off)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from bench.fleetkit import new_version
+from capsule import capsules, transfer
+from capsule.agent.app import create_app
+from capsule.pacing import TARGET_S
+from capsule.store import Store
+from hashcache.hcp import decode_indices
+from hashcache.transport import Call, Reply
+from hashcache.transport.memory import in_process
+from hashcache.transport.wrappers import RateLimited
+from tests.conftest import make_store
+
+pytestmark = [pytest.mark.tools, pytest.mark.timeout(180)]
+
+TOKEN = "pull-pacing-token-0123456789abcdef"
+RATE = 400_000          # bytes per second on the "link"
+MiB = 1 << 20
+
+
+class InFlight:
+    """Counts the blocks asked for by READ calls not yet answered, and the most at once."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.url = inner, inner.url
+        self.now = self.most = 0
+        self.batches: list[int] = []
+        self._lock = threading.Lock()
+
+    def call(self, call: Call) -> Reply:
+        n = len(decode_indices(call.content, 1 << 30)) if call.path.endswith("/read") else 0
+        with self._lock:
+            self.now += n
+            self.most = max(self.most, self.now)
+            if n:
+                self.batches.append(n)
+        try:
+            return self.inner.call(call)
+        finally:
+            with self._lock:
+                self.now -= n
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_pull_over_a_slow_link_keeps_a_few_seconds_of_answers_in_flight(tmp_path, tiny_images):
+    b = make_store(tmp_path / "b", tiny_images, "tiny")
+    capsules.create(b, "cap", "tiny", memory="256M")
+    version = new_version(b, "cap", 4 * MiB, seed=4)            # random: every block travels, ~4 KiB each
+    b.close()
+    a = make_store(tmp_path / "a", tiny_images, "tiny")
+    recorder = InFlight(RateLimited(in_process(create_app(tmp_path / "b", TOKEN), TOKEN, stream=False), RATE))
+    r = transfer.pull(a, recorder.url, version.ref, TOKEN, transport=recorder)
+    assert Store.open(tmp_path / "a").catalogue.version("cap", version.number) is not None
+    assert r.totals()["fetched_bytes"] >= 4 * MiB
+    window_blocks = TARGET_S * RATE / 4096
+    # unpaced: 8 × 256 = 2048 blocks (8 MiB, 21 s of this link) asked for at once from the start
+    assert recorder.most <= 1.5 * window_blocks + 256, (recorder.most, window_blocks)
+    assert max(recorder.batches[8:]) < 256, recorder.batches   # batches shrink to fit the window
