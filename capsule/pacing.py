@@ -5,10 +5,9 @@ buffers (and anything buffering on the path) take the body at once. With a fixed
 in flight on a slow link (8 × 1 MiB at 384 kbit/s is three minutes of data), every answer comes after the
 client's read timeout, the uploads are sent again and the link carries the same blocks several times.
 A pull's READ answers queue the same way in the other direction: the agent hands each answer to its
-socket at once and counts the connection idle from then (uvicorn's keep-alive), so an answer still
-queued on the link when the keep-alive timeout ends is cut off as the agent closes the connection (seen
-over TLS at 384 kbit/s: a 12 MiB pull failed after 817 s with 40 MB on the link; paced, it took 278 s
-and 13.9 MB). Pulls are paced by the same window.
+socket at once, and answers that stay queued on the link for minutes were cut off by the agent's side
+(over TLS at 384 kbit/s, 8 × 1 MiB answers in flight: a 12 MiB pull failed after 817 s with 40 MB on the
+link; paced, it took 278 s and 13.9 MB). Pulls are paced by the same window.
 So the window (bytes in flight) follows the rate the receiver has been acknowledging, like TCP's window
 follows its ACKs: ``TARGET_S`` seconds of it, never less than one small batch, and batches shrink to fit
 it across the in-flight slots. On a LAN the window opens after the first answers and the fixed limits

@@ -1,7 +1,6 @@
 """A pull over a slow link keeps only a few seconds' worth of READ answers in flight (capsule/pacing.py),
 as a push does with its uploads: with a fixed 8 × 256 blocks in flight, answers queue on the link for
-minutes at 384 kbit/s, and the agent, which counts a connection idle once it has handed an answer to
-its socket, closes connections whose answers are still on the way (over TLS: cut off)."""
+minutes at 384 kbit/s, and over TLS such answers were cut off before they arrived."""
 
 from __future__ import annotations
 
