@@ -13,19 +13,32 @@ wrapped (`guarded_protocols`) so that
 * a WebSocket message is at most ``ws_max_message`` bytes (a block-stream request or a console frame is far
   smaller): over it the connection is closed with code 1009, "message too big".
 
+and a kept-alive connection counts as idle only once its last answer has left: uvicorn starts the
+keep-alive timeout when it has handed the answer to the socket, and on a slow link the answer may still be
+queued there for minutes (closing then cut TLS answers off: 8 × 1 MiB READ answers at 384 kbit/s all
+failed after ~2 minutes). While the socket's queue drains the timeout starts again; a client that stops
+reading altogether is closed after ``STALLED_PERIODS`` timeouts without progress.
+
 The limits are per agent process (`Limits`); `capsule serve` takes them from its options. Importing this
 module does not import the web server (the CLI reads the defaults from it)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
+import struct
+import termios
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from capsule.errors import InvalidName, RequestTooLarge
 from hashcache.errors import Error, Overloaded, RequestTimeout
+
+#: Keep-alive periods in a row in which a connection's queued answer did not move before it is closed.
+STALLED_PERIODS = 2
 
 #: Routes whose bodies are bounded by the route itself (the receiving side of push: manifests and batches).
 OWN_LIMIT_PREFIXES = ("/v1/recv/",)
@@ -35,11 +48,15 @@ OWN_LIMIT_PREFIXES = ("/v1/recv/",)
 class Limits:
     per_client: int = 64             # connections at once from one address
     header_timeout: float = 20.0     # seconds to complete a request's headers
+    # seconds a connection without requests is kept: well past a batch's round trip on a slow link, where
+    # reopening one means a SYN that may wait behind a full queue
+    keep_alive: float = 75.0
     max_body: int = 1 << 20          # bytes of any request body without a limit of its own
     ws_max_message: int = 1 << 20    # bytes of one WebSocket message
 
     def __post_init__(self) -> None:
-        if self.per_client < 1 or self.header_timeout <= 0 or self.max_body < 1 or self.ws_max_message < 1024:
+        if (self.per_client < 1 or self.header_timeout <= 0 or self.keep_alive <= 0 or self.max_body < 1
+                or self.ws_max_message < 1024):
             raise InvalidName(f"limits out of range: {self}")
 
 
@@ -71,6 +88,17 @@ class _Counts:
             del self.by_address[address]
 
 
+def unsent_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes of answers not yet taken by the peer: the transport's own buffer plus the socket's send queue
+    (``SIOCOUTQ``: not yet sent or not yet acknowledged); 0 where the socket cannot say."""
+    left = transport.get_write_buffer_size() if isinstance(transport, asyncio.WriteTransport) else 0
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            left += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return left
+
+
 def _address(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
     return str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
@@ -90,6 +118,8 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
     class GuardedHTTP(H11Protocol):
         _counted: str | None = None
         _header_timer: asyncio.TimerHandle | None = None
+        _unsent_before: int | None = None   # bytes left to send when the keep-alive timeout last ended
+        _stalled = 0                        # keep-alive periods since the last progress in sending
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -123,6 +153,7 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
         def data_received(self, data: bytes) -> None:
             if self._counted is None:
                 return  # refused: whatever it sends is dropped
+            self._unsent_before = None
             super().data_received(data)
             if self.transport.is_closing():
                 self._disarm_header_timer()
@@ -132,6 +163,23 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                 self._arm_header_timer()
             else:
                 self._disarm_header_timer()
+
+        def timeout_keep_alive_handler(self) -> None:
+            # idle only once the last answer has left (see the module's docstring): while the send queue
+            # drains, wait another keep-alive period; after STALLED_PERIODS of them without progress (a flow
+            # can starve for a while behind others on a full link), close as uvicorn does
+            left = unsent_bytes(self.transport)
+            if self._unsent_before is None or left < self._unsent_before:
+                self._stalled = 0
+            else:
+                self._stalled += 1
+            if left and self._stalled < STALLED_PERIODS and not self.transport.is_closing():
+                self._unsent_before = left
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
+                return
+            self._unsent_before = None
+            super().timeout_keep_alive_handler()
 
         def handle_websocket_upgrade(self, event: h11.Request) -> None:
             # the WebSocket protocol object takes the connection over, and its count with it

@@ -103,9 +103,7 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
     uvicorn.run(BodyLimit(app, limits.max_body), host=host, port=port,
                 log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
                 access_log=False, server_header=False, date_header=False,
-                # keep idle connections well past a batch's round trip on a slow link: reopening one
-                # there means a SYN that may wait behind a full queue
-                timeout_keep_alive=75,
+                timeout_keep_alive=limits.keep_alive,   # idle: once the last answer has left (limits.py)
                 http=http_protocol, ws=ws_protocol, ws_max_size=limits.ws_max_message,
                 ssl_certfile=str(ident.cert) if ident.cert else None,
                 ssl_keyfile=str(ident.key) if ident.key else None)

@@ -145,6 +145,11 @@ def serve(
         "--header-timeout", min=0.1,
         help="Seconds a connection has to send a request's headers (after it opens, or after its last answer): "
              "a client trickling them (slow-loris) is answered 408 and closed.")] = Limits.header_timeout,
+    keep_alive: Annotated[float, typer.Option(
+        "--keep-alive", min=0.1,
+        help="Seconds an idle connection is kept open for the client's next request. A connection whose last "
+             "answer is still on its way (a slow link) is not idle; one whose client stopped reading it is "
+             "closed after this long without progress.")] = Limits.keep_alive,
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
@@ -170,7 +175,7 @@ def serve(
         err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", soft_wrap=True)
     store.close()
     run_serve(store.home, listen, tf, ident,
-              Limits(per_client=max_connections_per_client, header_timeout=header_timeout))
+              Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive))
 
 
 @cache_app.command("prime")

@@ -148,3 +148,63 @@ def test_a_websocket_message_over_the_limit_closes_that_connection_only_and_coun
             assert _read_reply(_open(agent)).startswith(b"HTTP/1.1 429 ")
         time.sleep(0.3)
         assert _info(agent).status_code == 200
+
+
+def _slow_reader(agent: AgentProcess) -> tuple[socket.socket, bytes]:
+    """A connection with a small receive window, and a READ request for 4 MiB of random blocks on it: most
+    of the answer waits in the agent's socket queue until this side reads it."""
+    import os
+
+    from capsule.store import Store
+    from hashcache.hcp import encode_indices
+
+    store = Store.open(agent.home)
+    img = agent.home / "image"
+    img.write_bytes(os.urandom(4 << 20))
+    row = store.seal_file(img, "memory")
+    store.catalogue.add_file(row)
+    store.close()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    s.connect((agent.host, agent.port))
+    body = encode_indices(range(1024))
+    s.sendall(f"POST /v1/objects/file/{row.id}/read?level=1 HTTP/1.1\r\nHost: x\r\n"
+              f"Authorization: Bearer {agent.token}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s, b"GET /v1/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + agent.token.encode() + b"\r\n\r\n"
+
+
+def _answer(s: socket.socket, pace: float) -> bytes:
+    """One whole HTTP answer (by its Content-Length), read 64 KiB at a time every ``pace`` seconds."""
+    s.settimeout(15.0)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, "the agent closed the connection instead of answering"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(rest) < length:
+        time.sleep(pace)
+        chunk = s.recv(65536)
+        assert chunk, f"the agent closed the connection after {len(rest)} of {length} bytes of the answer"
+        rest += chunk
+    return head
+
+
+def test_a_connection_whose_answer_is_still_on_its_way_is_not_idle_and_a_stalled_one_is_closed(tmp_path):
+    """keep-alive 1 s: an answer read over ~6 s keeps its connection (the next request on it is answered);
+    a client that reads nothing for 5 s finds the connection closed once it has read what was queued."""
+    with _agent(tmp_path, "--keep-alive", "1") as agent:
+        s, again = _slow_reader(agent)
+        assert _answer(s, pace=0.1).startswith(b"HTTP/1.1 200 ")
+        s.sendall(again)
+        assert _answer(s, pace=0).startswith(b"HTTP/1.1 200 ")   # the same connection, kept
+        s.close()
+
+        stalled, _again = _slow_reader(agent)
+        time.sleep(5.0)                                   # no progress for more than STALLED_PERIODS (2) of 1 s
+        assert _answer(stalled, pace=0).startswith(b"HTTP/1.1 200 ")   # what was queued still arrives
+        stalled.settimeout(5.0)
+        assert stalled.recv(65536) == b""                 # then the agent's close
+        stalled.close()
