@@ -74,7 +74,8 @@ class Pipeline(Generic[T]):
 
 
 def run_batches(batches: Iterable[T], inflight: int, work: Callable[[T], None]) -> None:
-    """``work`` on every batch, ``inflight`` at a time; stops at the first failure and raises it."""
-    with Pipeline(work, inflight) as pipe:
+    """``work`` on every batch, ``inflight`` at a time; stops at the first failure and raises it. ``batches``
+    is taken from only as work is done (a generator may size each batch when it is taken)."""
+    with Pipeline(work, inflight, max_pending=max(2, inflight)) as pipe:
         for batch in batches:
             pipe.submit(batch)

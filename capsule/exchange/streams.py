@@ -33,12 +33,13 @@ DECODERS: dict[str, Callable[[], native.StreamDecoder | native.XzStreamDecoder]]
     "zstd": native.StreamDecoder, "xz": native.XzStreamDecoder}
 CODECS = ",".join(DECODERS)
 
+MAX_STREAMS = 16                       # decoders kept (an 8 MiB window or dictionary each at most)
+MAX_STREAM_ID = 64
+
 
 def offered_codecs(header: str | None) -> set[str]:
     """The codecs a receiver's ``STREAMS_HEADER`` names (none when absent)."""
     return {c.strip() for c in (header or "").split(",") if c.strip()}
-MAX_STREAMS = 16                       # decoders kept (8 MiB of window each at most)
-MAX_STREAM_ID = 64
 
 
 class BlockStreamLost(Conflict):
