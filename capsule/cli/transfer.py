@@ -36,7 +36,7 @@ Inflight = Annotated[int, typer.Option("--inflight", help="Requests in flight.",
 Batch = Annotated[int, typer.Option("--batch", help="Blocks per request.", min=1, max=1024)]
 Xz = Annotated[bool, typer.Option("--xz", help="Send each object's new blocks as one xz (LZMA2, xz -6) stream: "
                                                 "the fewest bytes, for updates over slow links (new packages: "
-                                                "8-14 % fewer than --level 19, about as slow to compress). A "
+                                                "5-9 % fewer than --level 19, about as slow to compress). A "
                                                 "receiver without it gets zstd at --level.")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
