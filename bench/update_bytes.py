@@ -143,8 +143,9 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(rows)), 5))
     width = 0.8 / len(keys)
     for j, k in enumerate(keys):
-        ys = [max(r.get(k, 0) / MB, 1e-3) for r in rows]
-        ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(rows))], ys, width, label=LABELS[k])
+        at = [i for i, r in enumerate(rows) if r.get(k) is not None]   # a peer not measured: no bar
+        ax.bar([i - 0.4 + width * (j + 0.5) for i in at], [max(rows[i][k] / MB, 1e-3) for i in at], width,
+               label=LABELS[k])
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["case"] for r in rows])
     ax.set_yscale("log")
