@@ -97,9 +97,17 @@ def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=1.0)
     ap.add_argument("--case-timeout", type=float, default=3600.0,
                     help="seconds a case may take to reach the boot marker (shaped runs)")
+    ap.add_argument("--cases", default=",".join(SHAPED_CASES),
+                    help=f"shaped runs: which of {', '.join(SHAPED_CASES)} (demand: cold, second boot, primed)")
+    ap.add_argument("--merge", action="store_true",
+                    help="shaped runs: keep the JSON result's figures of the cases this run leaves out")
     args = ap.parse_args()
     if args.rate_kbit:
-        return shaped(args.rate_kbit, args.rtt_ms, args.case_timeout)
+        cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+        unknown = [c for c in cases if c not in SHAPED_CASES]
+        if unknown:
+            sys.exit(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(SHAPED_CASES)}")
+        return shaped(args.rate_kbit, args.rtt_ms, args.case_timeout, cases, args.merge)
     work = workdir("capsule-b3-")
     stores: list[Store] = []
     agent = None
@@ -164,7 +172,12 @@ class CaseFailed(RuntimeError):
     """A command of one case failed (the bench goes on with the next case)."""
 
 
-def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
+SHAPED_CASES = {"demand": ("demand, cold", "second boot (demand)", "demand, primed cache"),
+                "nbd": ("plain NBD, no cache",), "cor": ("QEMU copy-on-read over NBD",), "copy": ("copy first",)}
+
+
+def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] | None = None,
+           merge: bool = False) -> None:
     """The same cases with the source behind a shaped link, host B's commands in namespace A, and the
     plain-NBD peers; bytes are counted on the link itself (both directions, headers included)."""
     from bench.nbd_peers import NbdPeers
@@ -176,7 +189,17 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
     try:
         _src, a, root = _source(work)
         stores.append(a)
+        cases = cases or list(SHAPED_CASES)
+        ours = {c for key in cases for c in SHAPED_CASES[key]}
         rows, results = [], []
+
+        def others() -> list[dict]:
+            """With ``merge``, the other cases' figures in the JSON result as it is now (another run of other
+            cases may be writing it too)."""
+            if not merge or not (RESULTS / f"{name}.json").exists():
+                return []
+            return [r for r in json.loads((RESULTS / f"{name}.json").read_text())["results"] if r["case"] not in ours]
+
         with SlowLink(rate_kbit=rate_kbit, rtt_ms=rtt_ms) as link:
             # its log's tail is printed when a case fails
             url, pin = link.agent_b(work / "a", work / "a.token", log=work / "agent-a.log")
@@ -198,7 +221,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
                 rows.append([case, f"{seconds:.1f}" if seconds is not None else f"> {case_timeout:.0f}",
                              f"{moved / 2**20:.1f}"])
                 write_result(name, {"rate_kbit": rate_kbit, "rtt_ms": rtt_ms, "bytes": "on the link, both ways",
-                                    "results": results})
+                                    "results": others() + results})
 
             def timed(fn, *argv: str) -> tuple[float | None, int]:  # noqa: ANN001
                 """Seconds (None: failed or over the timeout, said on stderr) and bytes on the link."""
@@ -213,7 +236,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
                     seconds = None
                 return seconds, link.wire_bytes() - before
 
-            for case, primed in (("demand, cold", False), ("demand, primed cache", True)):
+            for case, primed in (("demand, cold", False), ("demand, primed cache", True)) if "demand" in cases else ():
                 hb = work / f"b-{'primed' if primed else 'cold'}"
                 if primed:
                     (work / "other").mkdir(exist_ok=True)
@@ -230,17 +253,20 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float) -> None:
                     with contextlib.suppress(CaseFailed):
                         cli(hb, "stop", "deb", "--force")
                     record("second boot (demand)", seconds, moved)
-            peers = NbdPeers(link, a, "deb", work)
-            for case, cor in (("plain NBD, no cache", False), ("QEMU copy-on-read over NBD", True)):
+            peered = [(c, cor) for key, c, cor in (("nbd", "plain NBD, no cache", False),
+                                                  ("cor", "QEMU copy-on-read over NBD", True)) if key in cases]
+            peers = NbdPeers(link, a, "deb", work) if peered else None
+            for case, cor in peered:
                 seconds, moved = peers.boot(case, cor, case_timeout)
                 record(case, seconds, moved)
             # last: on a slow link the longest case, and the one whose bytes are known in advance
-            hb = work / "b-copy"
-            seconds, moved = timed(lambda: (cli(hb, "pull", url, "deb", "--fingerprint", pin),
-                                            cli(hb, "start", "deb", *wait)))
-            record("copy first", seconds, moved)
-            with contextlib.suppress(CaseFailed):
-                cli(hb, "stop", "deb", "--force")
+            if "copy" in cases:
+                hb = work / "b-copy"
+                seconds, moved = timed(lambda: (cli(hb, "pull", url, "deb", "--fingerprint", pin),
+                                                cli(hb, "start", "deb", *wait)))
+                record("copy first", seconds, moved)
+                with contextlib.suppress(CaseFailed):
+                    cli(hb, "stop", "deb", "--force")
         table(f"B3: boot a remote Debian capsule over {rate_kbit} kbit/s, {rtt_ms:g} ms RTT",
               ["case", "s to marker", "MiB on the link"], rows)
         print(f"→ {RESULTS / (name + '.json')}")

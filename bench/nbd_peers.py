@@ -24,6 +24,7 @@ from capsule.runtime.accel import decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import wait_for_marker
 from capsule.runtime.domainxml import MachineSpec, build
+from capsule.runtime.guestaccess import grant_machine
 from capsule.store import Store
 
 NBD_PORT = 10809
@@ -79,6 +80,10 @@ class NbdPeers:
         if copy_on_read:
             for driver in dom.iter("driver"):
                 driver.set("copy_on_read", "on")
+        # QEMU runs as the guest user: let it reach the socket, the boot files and the overlay, and make its
+        # sockets in the case's directory (as the store does for a capsule)
+        grant_machine(self.work, kernel=boot_files["kernel"], initrd=boot_files["initrd"], leaves=[overlay],
+                      instance_dir=d, sockets=[self.socket])
         domain = connect().createXML(ET.tostring(dom, encoding="unicode"), 0)
         try:
             wait_for_marker(d / "console.log", self.config["marker"], timeout, domain=name)
