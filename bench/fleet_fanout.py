@@ -31,11 +31,10 @@ MiB = 1 << 20
 
 def _inner(spec: dict) -> dict:
     """Inside the origin's namespace: make the hosts fleet members (once), roll the version out."""
-    from capsule.agent.serve import TLS_DIR
+    from capsule.agent.serve import host_fingerprint
     from capsule.fleet import members
     from capsule.fleet import push as pushing
     from capsule.store import Store
-    from hashcache.transport import tls
 
     store = Store.open(Path(spec["origin"]))
     known = {m.name for m in members.members(store)}
@@ -44,7 +43,9 @@ def _inner(spec: dict) -> dict:
         while h["name"] not in known:
             try:
                 # off loopback the agent speaks TLS with the host key it made on its first start: pin it
-                pin = tls.cert_fingerprint(Path(h["home"]) / TLS_DIR / tls.CERT_NAME)
+                pin = host_fingerprint(Path(h["home"]))
+                if pin is None:
+                    raise RuntimeError("no host key yet")
                 members.add(store, h["name"], h["url"], Path(h["token_file"]).read_text().strip(), fingerprint=pin)
                 known.add(h["name"])
             except Exception as exc:  # noqa: BLE001 - the agent may still be starting

@@ -110,13 +110,16 @@ class SlowLink:
         it speaks TLS with its host key (made on its first start), so this returns the https URL that
         reaches it from A through the delay and its certificate's fingerprint, for the client to pin."""
         from capsule.agent.launch import serve_command
-        from capsule.agent.serve import TLS_DIR
-        from hashcache.transport import tls
+        from capsule.agent.serve import host_fingerprint
 
         out = log.open("ab") if log is not None else subprocess.DEVNULL
-        self.spawn_b(serve_command(home, f"{self.ip_b}:{port}", token_file), stdout=out, stderr=subprocess.STDOUT)
+        self.spawn_b(serve_command(home, f"{self.ip_b}:{port}", token_file), stdout=out, stderr=subprocess.STDOUT,
+                     cwd=HERE.parent)
         self.wait_port_b(port)
-        return f"https://127.0.0.1:{self.proxy_b(port)}", tls.cert_fingerprint(home / TLS_DIR / tls.CERT_NAME)
+        pin = host_fingerprint(home)
+        if pin is None:
+            raise RuntimeError(f"the agent for {home} listens but made no host key")
+        return f"https://127.0.0.1:{self.proxy_b(port)}", pin
 
     def url_b(self, port: int) -> str:
         """An http URL, valid inside A, for B's ``port`` through the delaying proxy."""

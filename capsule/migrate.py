@@ -247,11 +247,9 @@ def _fail_back(store: Store, version: VersionRow, to: str, token: str, step: str
 
 def own_fingerprint(store: Store) -> str | None:
     """The fingerprint of this store's own host key (``capsule serve`` makes it), if it has one."""
-    from capsule.agent.serve import TLS_DIR
-    from hashcache.transport import tls
+    from capsule.agent.serve import host_fingerprint
 
-    cert = store.home / TLS_DIR / tls.CERT_NAME
-    return tls.cert_fingerprint(cert) if cert.exists() else None
+    return host_fingerprint(store.home)
 
 
 def _reached(store: Store, version: VersionRow, to: str, token: str, fingerprint: str | None = None) -> Reached:

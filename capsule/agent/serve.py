@@ -17,6 +17,13 @@ from hashcache.transport import tls
 TLS_DIR = "tls"  # in the store: host.crt, host.key (0600)
 
 
+def host_fingerprint(home: Path) -> str | None:
+    """The fingerprint of the host key ``capsule serve`` made for the store at ``home`` (what its peers pin),
+    or None before its first start."""
+    cert = Path(home) / TLS_DIR / tls.CERT_NAME
+    return tls.cert_fingerprint(cert) if cert.exists() else None
+
+
 def ensure_token(token_file: Path) -> str:
     """Read the agent's token, creating the file (mode 0600) with a fresh one if missing."""
     if not token_file.exists():

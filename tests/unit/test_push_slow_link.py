@@ -6,7 +6,6 @@ plus TCP/IP's own, and the client's own count of wire bytes says so too."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,10 +14,7 @@ import pytest
 from bench.fleetkit import new_version
 from bench.netlink import SlowLink
 from capsule import capsules, images
-from capsule.agent.launch import serve_command
-from capsule.agent.serve import TLS_DIR
 from capsule.store import Store
-from hashcache.transport import tls
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(300)]
 
@@ -48,11 +44,7 @@ def test_a_push_several_timeouts_long_sends_every_block_once(tmp_path, tiny_imag
     b.close()
     token_file = tmp_path / "b.token"
     with SlowLink(rate_kbit=2000, rtt_ms=20) as link:      # 250 kB/s: the layer alone takes ~17 s
-        link.spawn_b(serve_command(tmp_path / "b", f"{link.ip_b}:7070", token_file),   # off loopback: TLS
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-        link.wait_port_b(7070)
-        pin = tls.cert_fingerprint(tmp_path / "b" / TLS_DIR / tls.CERT_NAME)
-        url = f"https://127.0.0.1:{link.proxy_b(7070)}"
+        url, pin = link.agent_b(tmp_path / "b", token_file)   # off loopback: TLS, its key pinned
         before = link.wire_bytes()
         out = link.exec_a([sys.executable, "-c", PUSH, str(tmp_path / "a"), url, token_file.read_text().strip(),
                            pin], capture_output=True, text=True, cwd=ROOT,
