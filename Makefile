@@ -8,19 +8,24 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-compose test fuzz setup host venv native web lint bench bench-quick bench-live clean-venv agent compose-up compose-down compose-build
+.PHONY: demo demo-compose test check fuzz setup host venv native web lint bench bench-quick bench-live clean-venv agent compose-up compose-down compose-build
 
 demo: setup
 	$(PY) scripts/demo.py
 
-# The same story between the compose hosts (separate root file systems, stores, libvirtds; see the README
+# The same story between the compose hosts (separate root file systems, stores, libvirtds; see docs/hosts.md
 # for why it is not `make demo` itself). Brings them up first (`make compose-up`) and leaves them running.
 demo-compose: setup
 	$(PY) scripts/demo_compose.py
 
 test: setup
-	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
+	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast loop while working: lint (code, the generated reference chapters, the manual) and the unit tier.
+check: venv native
+	$(MAKE) --no-print-directory lint
+	$(PY) -m pytest -q -m unit -p no:cacheprovider
 
 # The fuzzers for longer than `make test` runs them: every Hypothesis fuzz test (tests/unit/test_fuzz_*.py)
 # with the `fuzz` profile (20,000 examples each instead of 200), then the guest agent's request parser
@@ -73,8 +78,12 @@ agent:
 bench-quick: setup
 	$(PY) bench/quick.py
 
+# ruff; the CLI reference and exit codes in docs/ must match the code (scripts/gen_reference.py writes
+# them); the manual builds in strict mode (a broken link, a missing anchor or an orphan page fails).
 lint: venv
 	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
+	$(PY) scripts/gen_reference.py --check
+	$(VENV)/bin/mkdocs build --quiet
 
 bench: setup
 	$(PY) bench/hashcache_micro.py

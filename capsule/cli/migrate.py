@@ -25,6 +25,7 @@ from capsule.cli.common import (
     open_store,
     peer_destination,
 )
+from capsule.cli.runtime import MethodOpt, PolicyOpt
 from capsule.migrateprogress import CancelToken, Snapshot
 from capsule.units import human
 
@@ -88,8 +89,8 @@ def migrate(
     mode: Annotated[str, typer.Option("--mode", help="full: push, then start there | demand: push the memory "
                                                      "image, start there, disk blocks paged in from here.")] = "full",
     balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1).")] = False,
-    balloon_policy: Annotated[str, typer.Option("--balloon-policy")] = "cache",
-    balloon_method: Annotated[str, typer.Option("--balloon-method")] = "virtio",
+    balloon_policy: PolicyOpt = "cache",
+    balloon_method: MethodOpt = "virtio",
     source_url: Annotated[str | None, typer.Option("--source-url", help="demand: this host's agent URL as the "
                                                                         "destination reaches it.")] = None,
     source_token_file: Annotated[Path | None, typer.Option(
