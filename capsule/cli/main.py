@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from capsule import __version__
 from capsule.cli import accounts, backup, capsules, fleet, hosts, images, migrate, pod, runtime, transfer, update
 from capsule.cli.audited import audited_command
 from capsule.cli.common import OPTIONS, report
@@ -25,12 +26,20 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"capsule {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _global(
     home: Annotated[Path | None, typer.Option("--home", envvar="CAPSULE_HOME",
                                               help="Store directory (default: CAPSULE_HOME; else /var/lib/capsule "
                                                    "for root, ~/.local/share/capsule for others).")] = None,
     json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print Capsule's version and exit.")] = False,
 ) -> None:
     OPTIONS.home = home
     OPTIONS.json = json

@@ -25,6 +25,14 @@ def test_help_teaches(tmp_path):
         assert verb in r.stdout
 
 
+def test_version_is_the_package_version(tmp_path):
+    from capsule import __version__
+
+    r = capsule(tmp_path, "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"capsule {__version__}"
+    assert not (tmp_path / "catalogue.db").exists()        # it opened no store
+
+
 @pytest.mark.parametrize(("args", "code", "needle"), [
     (["show", "nope"], 3, "no capsule named 'nope'"),
     (["show", "bad name"], 2, "invalid capsule name"),
