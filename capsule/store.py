@@ -33,8 +33,9 @@ from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
 
+from capsule import __version__
 from capsule.catalogue import Catalogue, FileRow, LayerRow
-from capsule.errors import IntegrityError, NotFound, SealedObjectError, StorageFull
+from capsule.errors import EnvironmentProblem, IntegrityError, NotFound, SealedObjectError, StorageFull
 from capsule.fsutil import disk_usage, install_readonly, is_enospc, make_private_dir, translating_enospc
 from capsule.names import check_object_id
 from capsule.storelock import lock_for
@@ -62,6 +63,18 @@ def default_home() -> Path:
         return SYSTEM_HOME
     data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(data) / "capsule"
+
+
+def check_format(meta_path: Path, store_format: object) -> None:
+    """Refuse a store this release cannot read: made by a newer release, or with a format that is not one."""
+    if type(store_format) is not int or store_format < 1:
+        raise IntegrityError(f"{meta_path} names no store format this release knows ({str(store_format)[:20]!r}); "
+                             "the store cannot be used")
+    if store_format > STORE_FORMAT:
+        raise EnvironmentProblem(
+            f"the store at {meta_path.parent} was made by a newer Capsule (store format {store_format}); "
+            f"capsule {__version__} reads store formats up to {STORE_FORMAT}: upgrade Capsule on this host "
+            "(the store was left as it is)")
 
 
 class Store:
@@ -92,9 +105,11 @@ class Store:
                     meta = {"id": secrets.token_hex(4), "format": STORE_FORMAT, "created": time.time()}
                     write_atomic(meta_path, json.dumps(meta).encode(), mode=PRIVATE_FILE_MODE)
         try:
-            store_id = json.loads(meta_path.read_text())["id"]
+            meta = json.loads(meta_path.read_text())
+            store_id, store_format = meta["id"], meta.get("format", 1)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"{meta_path} is unreadable ({exc}); the store cannot be used") from exc
+        check_format(meta_path, store_format)
         catalogue_path = home / "catalogue.sqlite"
         new_catalogue = not catalogue_path.exists()
         catalogue = Catalogue(catalogue_path)
