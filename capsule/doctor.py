@@ -9,6 +9,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from capsule import sandbox
 from capsule.errors import CapsuleError
 from capsule.runtime.connection import connect, libvirt_uri
 from capsule.runtime.guestaccess import USER_ENV, check_reachable, guest_user
@@ -85,6 +86,16 @@ def _guest_user_check(store: Store | None) -> Check:
                                      "the store grants its group what each guest opens")
 
 
+def _sandbox_check() -> Check:
+    """The unprivileged user guest file systems are parsed as (``capsule.sandbox``)."""
+    try:
+        uid, _ = sandbox.ids()
+    except CapsuleError as exc:
+        return Check("sandbox user", False, str(exc))
+    return Check("sandbox user", True, f"guest file systems are parsed as {sandbox.USER} (uid {uid}), "
+                                       "with no capabilities")
+
+
 def doctor(store: Store | None, probe: bool = True, reprobe: bool = False) -> DoctorReport:
     report = DoctorReport()
     tools = [
@@ -115,6 +126,7 @@ def doctor(store: Store | None, probe: bool = True, reprobe: bool = False) -> Do
     except CapsuleError as exc:
         report.checks.append(Check("libvirt", False, str(exc)))
     report.checks.append(_guest_user_check(store))
+    report.checks.append(_sandbox_check())
     if store is not None:
         report.checks.append(Check("store", True, f"{store.home} (id {store.id})"))
         report.checks.append(_modes_check(store))

@@ -75,6 +75,10 @@ install_packages() {
     # ostree (static deltas) and casync (content-defined chunks): peers in bench/update_bytes.py (B1)
     pkg_ok ostree || missing_base+=(ostree)
     pkg_ok casync || missing_base+=(casync)
+    # libguestfs (and a kernel for its appliance): a peer in bench/backup_files.py, beside `backup files`'
+    # own sandboxed e2fsprogs; Capsule itself does not use it
+    pkg_ok libguestfs-tools || missing_base+=(libguestfs-tools)
+    pkg_ok linux-image-amd64 || missing_base+=(linux-image-amd64)
     # clang with libFuzzer and the sanitizers: the guest agent's fuzz harness (make fuzz, guest-balloon/fuzz/)
     pkg_ok clang-14 || missing_base+=(clang-14)
     pkg_ok libclang-rt-14-dev || missing_base+=(libclang-rt-14-dev)
@@ -123,6 +127,21 @@ configure_libvirt() {
   if ! id libvirt-qemu >/dev/null 2>&1; then
     log "libvirt-qemu, the user QEMU runs as, is missing: is libvirt-daemon-system installed?"
     exit 1
+  fi
+}
+
+# --- capsule-sandbox: the unprivileged user that parses guest-controlled data (capsule/sandbox.py) ---
+# `backup files` runs e2fsck and debugfs on a guest's file system as this user, with no capabilities.
+# It owns nothing, has no home or shell and belongs to no other group.
+create_users() {
+  if ! getent group capsule-sandbox >/dev/null; then
+    log "creating the group capsule-sandbox"
+    groupadd --system capsule-sandbox
+  fi
+  if ! id capsule-sandbox >/dev/null 2>&1; then
+    log "creating the user capsule-sandbox (guest file systems are parsed as it)"
+    useradd --system --gid capsule-sandbox --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin capsule-sandbox
   fi
 }
 
@@ -191,6 +210,7 @@ need_root
 add_backports
 install_packages
 configure_libvirt
+create_users
 if [ "$image" = 1 ]; then
   # inside a Capsule host image build (compose/Dockerfile): packages and configuration only;
   # the container's entrypoint starts the daemons

@@ -4,10 +4,13 @@ The version's disk — its chain of sealed, read-only layers — is flattened by
 raw file in the store's ``tmp/`` (only allocated blocks are written), its ext3/4 journal replayed into
 that copy (``e2fsck -E journal_only``: a disk saved while mounted may hold its last changes only there),
 and read there with e2fsprogs' ``debugfs`` in read-only catastrophic mode (it opens the file system
-without trusting its bitmaps and never writes). The flattened copy is removed afterwards; nothing in the
-store changes. ext2/3/4 only: the file systems Capsule's images have. A memory backup's disk lacks what
-the guest held only in memory (dirty pages) when it was saved. Symbolic links are followed inside the
-guest's file system."""
+without trusting its bitmaps and never writes). The guest wrote that file system: e2fsck and debugfs parse
+it as the unprivileged ``capsule-sandbox`` user with no capabilities (``capsule/sandbox.py``), on a copy
+handed to that user alone; a file's bytes come back on debugfs's standard output. Damage in the guest's
+file system is an IntegrityError naming the path, never a partial answer. The flattened copy is removed
+afterwards; nothing in the store changes. ext2/3/4 only: the file systems Capsule's images have. A memory
+backup's disk lacks what the guest held only in memory (dirty pages) when it was saved. Symbolic links are
+followed inside the guest's file system."""
 
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from capsule import capsules, demand, qemuimg
-from capsule.errors import Conflict, EnvironmentProblem, InvalidInput, NotFound
+from capsule import capsules, demand, qemuimg, sandbox
+from capsule.errors import Conflict, EnvironmentProblem, IntegrityError, InvalidInput, NotFound
 from capsule.store import Store
 
 MAX_LINKS = 16
@@ -69,30 +72,47 @@ def check_path(path: str) -> str:
     return posixpath.normpath(path).replace("//", "/")
 
 
-class _Disk:
-    """A flattened disk and debugfs commands on it."""
+def _subject(request: str) -> str:
+    """The guest path a debugfs request names (between its quotes)."""
+    m = re.search(r'"(.*)"', request)
+    return m.group(1) if m else request
 
-    def __init__(self, raw: Path, ref: str) -> None:
-        self.raw = raw
+
+class _Disk:
+    """A flattened disk, handed to the sandbox user, and debugfs commands on it run as that user."""
+
+    def __init__(self, workdir: Path, name: str, ref: str) -> None:
+        self.workdir = workdir      # a sandbox.workdir(); the tools start there
+        self.name = name            # the flattened copy's name in it, owned by the sandbox user
         self.ref = ref
 
-    def command(self, request: str) -> str:
-        try:
-            proc = subprocess.run(["debugfs", "-c", "-R", request, str(self.raw)], capture_output=True,
-                                  text=True, errors="surrogateescape", timeout=300, check=False)
-        except FileNotFoundError as exc:
-            raise EnvironmentProblem("debugfs (e2fsprogs) is not installed; run `make setup`") from exc
-        problems = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("debugfs ")]
+    def _debugfs(self, request: str, stdout: IO[bytes] | int = subprocess.PIPE) -> subprocess.CompletedProcess:
+        return sandbox.run(["debugfs", "-c", "-R", request, self.name], self.workdir, timeout=300, stdout=stdout,
+                           text=stdout == subprocess.PIPE)
+
+    def _check(self, request: str, proc: subprocess.CompletedProcess) -> None:
+        stderr = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode(errors="replace")
+        problems = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("debugfs ")]
         for line in problems:
             if "while trying to open" in line or "Bad magic number" in line:
                 raise InvalidInput(f"{self.ref}'s disk holds no ext2/3/4 file system that backup files can "
                                    f"read ({line.strip()})")
             if "File not found" in line:
-                raise NotFound(f"{self.ref} has no {request.split(' ', 2)[-1].strip(chr(34))}")
-            if "not a directory" in line:
+                raise NotFound(f"{self.ref} has no {_subject(request)}")
+            if "not a directory" in line.lower():
                 raise NotFound(f"{self.ref}: a part of that path is not a directory")
+        if problems:
+            # whatever else debugfs reports is damage in the guest's file system (a checksum, an inode):
+            # never an empty or partial answer as if it were whole
+            raise IntegrityError(f"{self.ref}'s file system is damaged where {_subject(request)} lies "
+                                 f"({' / '.join(p.strip() for p in problems[-3:])}); the backup's layers are "
+                                 "intact: this is how the guest left its disk")
         if proc.returncode != 0:
-            raise EnvironmentProblem(f"debugfs failed on {self.ref}'s disk: {' / '.join(problems[-3:])}")
+            raise EnvironmentProblem(f"debugfs failed on {self.ref}'s disk (exit status {proc.returncode})")
+
+    def command(self, request: str) -> str:
+        proc = self._debugfs(request)
+        self._check(request, proc)
         return proc.stdout
 
     def stat(self, path: str) -> tuple[str, int, str | None]:
@@ -133,19 +153,34 @@ class _Disk:
         return sorted(out, key=lambda e: e.name)
 
     def dump(self, path: str, out: Path) -> None:
-        self.command(f'dump "{path}" "{out}"')
-        if not out.exists():
-            raise NotFound(f"{self.ref}: {path} could not be read")
+        """The file's bytes into ``out``, a new file the caller's process opens: the sandboxed debugfs only
+        writes its standard output."""
+        with open(out, "xb") as f:
+            proc = self._debugfs(f'cat "{path}"', stdout=f)
+        try:
+            self._check(f'cat "{path}"', proc)
+        except BaseException:
+            out.unlink(missing_ok=True)
+            raise
 
 
-def _replay_journal(raw: Path) -> None:
+def _replay_journal(d: _Disk) -> None:
     """Replay the ext3/4 journal into the private copy: a disk saved while mounted (a memory backup, a
     crash-consistent one) may hold its last metadata only there. Not an ext file system: debugfs says so."""
-    try:
-        subprocess.run(["e2fsck", "-E", "journal_only", "-y", str(raw)], capture_output=True, timeout=600,
-                       check=False)
-    except FileNotFoundError as exc:
-        raise EnvironmentProblem("e2fsck (e2fsprogs) is not installed; run `make setup`") from exc
+    sandbox.run(["e2fsck", "-E", "journal_only", "-y", d.name], d.workdir, timeout=600)
+
+
+@contextmanager
+def flattened(top: Path, scratch: Path, ref: str) -> Iterator[_Disk]:
+    """The disk layer ``top`` shows, flattened to a private raw copy in a sandbox work directory under
+    ``scratch``, its journal replayed — every guest-controlled byte parsed as the sandbox user only."""
+    with sandbox.workdir(scratch) as work:
+        name = "disk.raw"
+        qemuimg.flatten_to_raw(top, work / name)
+        sandbox.hand_over(work / name)
+        d = _Disk(work, name, ref)
+        _replay_journal(d)
+        yield d
 
 
 @contextmanager
@@ -158,14 +193,8 @@ def _disk(store: Store, ref: str, disk: int) -> Iterator[_Disk]:
     if demand.chain_needs_server(store, chain):
         raise Conflict(f"{version.ref}'s disk is still partly on another host (demand-paged): "
                        "`capsule localize` fetches the rest first")
-    top = store.layer_path(chain[-1])
-    raw = store.temp_path(".raw")
-    try:
-        qemuimg.flatten_to_raw(top, raw)
-        _replay_journal(raw)
-        yield _Disk(raw, version.ref)
-    finally:
-        raw.unlink(missing_ok=True)
+    with flattened(store.layer_path(chain[-1]), store.tmp_dir, version.ref) as d:
+        yield d
 
 
 def listing(store: Store, ref: str, path: str = "/", *, disk: int = 0, save_to: Path | None = None) -> Listing:

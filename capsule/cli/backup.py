@@ -279,7 +279,8 @@ def files(
     """Read a backup's files without booting it: list a directory, print or save a file.
 
     The version's disk is read from its sealed layers (flattened into a temporary sparse file, read with
-    e2fsprogs' debugfs, read-only); nothing in the store changes and the capsule need not be stopped.
+    e2fsprogs' debugfs, read-only, as the unprivileged capsule-sandbox user with no capabilities: the guest
+    wrote that file system); nothing in the store changes and the capsule need not be stopped.
     ext2/3/4 file systems; symbolic links are followed inside the guest.
 
     Examples:
