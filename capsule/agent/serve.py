@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import secrets
@@ -12,7 +11,10 @@ from pathlib import Path
 from capsule.agent.limits import Limits
 from capsule.errors import InvalidName
 from capsule.names import check_host
-from hashcache.transport import tls
+from hashcache.transport import plain, tls
+from hashcache.transport.plain import is_loopback
+
+__all__ = ["Identity", "ensure_token", "host_fingerprint", "identity", "is_loopback", "parse_listen", "serve"]
 
 TLS_DIR = "tls"  # in the store: host.crt, host.key (0600)
 
@@ -44,16 +46,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
         raise InvalidName(f"--listen {listen!r}: expected HOST:PORT")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     return check_host(host or "127.0.0.1", f"--listen host in {listen!r}"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) only reaches this machine."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -101,6 +93,8 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
 
     host, port = parse_listen(listen)
     ident = ident or identity(home, listen)
+    if ident.cert is None:      # --insecure-http: this side is configured for plain HTTP, its disk servers too
+        plain.allow()
     app = create_app(home, ensure_token(token_file))
     app.state.tls_fingerprint = ident.fingerprint  # what peers pin for this agent (dashboard migrations)
     from capsule.backup.scheduler import start_in_serve
