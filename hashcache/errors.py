@@ -187,6 +187,15 @@ class HostKeyError(Error):
     http_status = 502
 
 
+class InsecureTransport(Error):
+    """A bearer token would go over plain HTTP to another machine (readable by anyone on the path): refused
+    before any connection unless this side was configured for it (:mod:`hashcache.transport.plain`)."""
+
+    code = "insecure_http"
+    exit_code = 2
+    http_status = 400
+
+
 class InvalidInput(Error):
     """A request or argument is malformed."""
 

@@ -90,6 +90,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     if not token or len(token) < 16:
         raise InvalidName("the agent's token must be at least 16 characters")
     app = FastAPI(title="Capsule host agent", version=capsule_version, docs_url=None, redoc_url=None)
+    app.state.public_url = None     # the URL other hosts reach it at: set by `capsule serve` (serve.public_url)
     store = Store.open(home)
     objects = ObjectServer(store)
     activity = fleet.Activity()

@@ -8,15 +8,15 @@ thread of the agent, its progress kept and streamed, and a cancel.
     POST /api/migrations/{id}/cancel       stop it; the capsule runs here again (409 once the other host is starting it)
 
 The destination is always a known peer (``capsule host add``): its URL and token come from this host's peers
-table, never from the request. In demand mode the other host reads the disks from this agent at the URL the
-page reached it at (``CAPSULE_AGENT_URL`` overrides it, e.g. behind a proxy). Sessions and CSRF as for every
+table, never from the request. In demand mode the other host reads the disks from this agent at its public URL
+(``capsule serve --public-url``, by default what it listens on), never at one made from the request (its Host
+or X-Forwarded-* headers are the caller's to choose). Sessions and CSRF as for every
 ``/api`` call (:mod:`capsule.agent.sessions`). Mounted by :func:`capsule.agent.dashboard.install`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import threading
 import time
@@ -191,8 +191,13 @@ class Migrations:
 
 
 def source_url_for(request: Request) -> str:
-    """This agent's URL as the other host should reach it (demand mode)."""
-    return hosts.check_url(os.environ.get("CAPSULE_AGENT_URL") or str(request.base_url))
+    """This agent's URL as the other host should reach it (demand mode): its configured public URL."""
+    url = getattr(request.app.state, "public_url", None)
+    if not url:
+        raise Conflict("this agent does not know the URL other hosts reach it at (it listens on every address): "
+                       "start `capsule serve` with --public-url https://HOST:PORT for demand migrations; "
+                       "nothing was changed")
+    return hosts.check_url(url)
 
 
 def router(store: Store, sessions: Sessions, token: str, migrations: Migrations | None = None) -> APIRouter:

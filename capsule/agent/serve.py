@@ -8,11 +8,16 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from capsule.agent.limits import Limits
 from capsule.errors import InvalidName
 from capsule.names import check_host
-from hashcache.transport import tls
+from hashcache.transport import plain, tls
+from hashcache.transport.plain import is_loopback
+
+__all__ = ["Identity", "ensure_token", "host_fingerprint", "identity", "is_loopback", "parse_listen",
+           "public_url", "serve", "trusted_proxies"]
 
 TLS_DIR = "tls"  # in the store: host.crt, host.key (0600)
 
@@ -44,16 +49,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
         raise InvalidName(f"--listen {listen!r}: expected HOST:PORT")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     return check_host(host or "127.0.0.1", f"--listen host in {listen!r}"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) only reaches this machine."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -92,8 +87,64 @@ def identity(home: Path, listen: str, *, insecure_http: bool = False, cert: Path
     return Identity(own.cert, own.key, own.fingerprint, own.created)
 
 
+def _every_address(host: str) -> bool:
+    """0.0.0.0, :: and their spellings: every address of the machine, none of them in particular."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def public_url(scheme: str, listen: str, given: str | None = None) -> str | None:
+    """The URL other hosts reach this agent at (what a demand migration hands the destination): ``given``
+    (``--public-url``, checked), else ``scheme`` (what it serves: https, or http) and the host and port of
+    ``listen``; None when it listens on every address (0.0.0.0, ::), where no one address can be picked for
+    the others. A plain ``http://`` URL only for an agent serving plain HTTP (``--insecure-http``)."""
+    from capsule.hosts import check_url
+
+    if given is not None:
+        try:
+            url = check_url(given)
+        except InvalidName as exc:
+            raise InvalidName(f"--public-url: {exc}; give the URL other hosts reach this agent at, e.g. "
+                              "https://host.example:7070") from None
+        if _every_address(urlsplit(url).hostname or ""):
+            raise InvalidName(f"--public-url {url}: that is every address of this machine, not one other hosts "
+                              "can reach it at: give its name or address, e.g. https://host.example:7070")
+        if url.startswith("http://") and scheme == "https":
+            raise InvalidName(f"--public-url {url} is plain HTTP, but this agent serves TLS: give its https:// "
+                              "URL (the token and the disks must not cross the network in clear)")
+        return url
+    host, port = parse_listen(listen)
+    if _every_address(host):
+        return None
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def trusted_proxies(value: str | None) -> list[str]:
+    """The addresses ``--trust-proxy ADDR[,ADDR…]`` names (IP addresses or networks, e.g. 127.0.0.1 or
+    10.0.0.0/24): only from these are X-Forwarded-For/-Proto believed. Empty: none (the default)."""
+    if value is None:
+        return []
+    out = []
+    for item in value.split(","):
+        item = item.strip()
+        try:
+            out.append(str(ipaddress.ip_network(item) if "/" in item else ipaddress.ip_address(item)))
+        except ValueError:
+            raise InvalidName(f"--trust-proxy {value!r}: {item!r} is not an IP address or network (give the "
+                              "reverse proxies' addresses, e.g. 127.0.0.1 or 10.0.0.0/24, comma-separated; "
+                              "names and * are not taken)") from None
+    return out
+
+
 def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = None,
-          limits: Limits | None = None) -> None:
+          limits: Limits | None = None, *, public: str | None = None, trust_proxy: list[str] | None = None) -> None:
+    """Run the agent until it is stopped: ``public`` (``--public-url``) is the URL other hosts reach it at,
+    by default what it listens on (:func:`public_url`), ``trust_proxy`` the
+    addresses whose X-Forwarded-For/-Proto headers are believed (none by default: the connection's own
+    address and scheme count). An agent serving plain HTTP may also send tokens over plain HTTP
+    (:mod:`hashcache.transport.plain`)."""
     import uvicorn
 
     from capsule.agent.app import create_app
@@ -101,8 +152,12 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
 
     host, port = parse_listen(listen)
     ident = ident or identity(home, listen)
+    public = public_url(ident.scheme, listen, public)
+    if ident.cert is None:      # --insecure-http: this side is configured for plain HTTP, its disk servers too
+        plain.allow()
     app = create_app(home, ensure_token(token_file))
     app.state.tls_fingerprint = ident.fingerprint  # what peers pin for this agent (dashboard migrations)
+    app.state.public_url = public                  # what they reach it at: configured, never from a request
     from capsule.backup.scheduler import start_in_serve
     start_in_serve(home)  # scheduled backups run inside the agent (capsule/backup/scheduler.py)
     limits = limits or Limits()
@@ -112,5 +167,7 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
                 access_log=False, server_header=False, date_header=False,
                 timeout_keep_alive=limits.keep_alive,   # idle: once the last answer has left (limits.py)
                 http=http_protocol, ws=ws_protocol, ws_max_size=limits.ws_max_message,
+                # X-Forwarded-* only from the configured proxies (uvicorn would believe them from 127.0.0.1)
+                proxy_headers=bool(trust_proxy), forwarded_allow_ips=trust_proxy or None,
                 ssl_certfile=str(ident.cert) if ident.cert else None,
                 ssl_keyfile=str(ident.key) if ident.key else None)

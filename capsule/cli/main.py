@@ -14,6 +14,7 @@ from capsule import __version__
 from capsule.cli import accounts, backup, capsules, fleet, hosts, images, migrate, pod, runtime, transfer, update
 from capsule.cli.audited import audited_command
 from capsule.cli.common import OPTIONS, report
+from hashcache.transport import plain
 
 app = typer.Typer(
     help="Capsule: name, version, run and move whole virtual computers.\n\n"
@@ -40,9 +41,16 @@ def _global(
     json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
     version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
                                           help="Print Capsule's version and exit.")] = False,
+    insecure_http: Annotated[bool, typer.Option(
+        "--insecure-http", envvar=plain.ENV,
+        help="Allow sending a token over plain http:// to another machine (refused otherwise: it would cross "
+             "the network readable by anyone on the path). Only for hosts deliberately set up without TLS; "
+             "loopback URLs never need it.")] = False,
 ) -> None:
     OPTIONS.home = home
     OPTIONS.json = json
+    if insecure_http:
+        plain.allow()   # this process and what it starts (disk servers, the watcher)
 
 
 capsules.register(app)

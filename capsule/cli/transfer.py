@@ -135,8 +135,18 @@ def serve(
                        "with --key.")] = None,
     key: Annotated[Path | None, typer.Option("--key", help="The private key of --cert (PEM).")] = None,
     insecure_http: Annotated[bool, typer.Option(
-        "--insecure-http", help="Plain HTTP without TLS: only on a loopback --listen (tests, a local proxy).")]
+        "--insecure-http", help="Plain HTTP without TLS: only on a loopback --listen (tests, a local proxy). "
+                                "This agent may then also send tokens over plain HTTP to other hosts.")]
     = False,
+    public_url: Annotated[str | None, typer.Option(
+        "--public-url", help="The URL other hosts reach this agent at, e.g. https://host.example:7070: what a "
+                             "demand migration from the dashboard tells the destination to read the disks from. "
+                             "Default: the scheme it serves and the --listen address; required when listening "
+                             "on 0.0.0.0 or ::.")] = None,
+    trust_proxy: Annotated[str | None, typer.Option(
+        "--trust-proxy", metavar="ADDR[,ADDR]",
+        help="Reverse proxies (IP addresses or networks) whose X-Forwarded-For and X-Forwarded-Proto headers "
+             "are believed. Default: none; the connection's own address and scheme count.")] = None,
     max_connections_per_client: Annotated[int, typer.Option(
         "--max-connections-per-client", min=1,
         help="Connections one client address may hold at once (HTTP and WebSocket); one more is answered "
@@ -159,9 +169,12 @@ def serve(
     On first start the host's key and a self-signed certificate are made in STORE/tls/ (the key 0600) and
     kept. The certificate's fingerprint (SHA256:…) is printed: other hosts pin it with `capsule host add`
     (they show it; compare it with this one) or --fingerprint, as ssh does with host keys."""
-    from capsule.agent.serve import identity
+    from capsule.agent.serve import identity, trusted_proxies
+    from capsule.agent.serve import public_url as own_url
     from capsule.agent.serve import serve as run_serve
 
+    proxies = trusted_proxies(trust_proxy)   # both refused here, before anything is made or started
+    public = own_url("http" if insecure_http else "https", listen, public_url)
     store = open_store()
     tf = token_file or store.home / "agent.token"
     ident = identity(store.home, listen, insecure_http=insecure_http, cert=cert, key=key)
@@ -173,9 +186,15 @@ def serve(
     if ident.fingerprint:
         made = "new host key; " if ident.created else ""
         err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", soft_wrap=True)
+    err_console.print(f"other hosts reach it at {public}" if public else
+                      "no --public-url: demand migrations from the dashboard are refused until it is given",
+                      soft_wrap=True)
+    if proxies:
+        err_console.print(f"X-Forwarded-For/-Proto believed from {', '.join(proxies)}", soft_wrap=True)
     store.close()
     run_serve(store.home, listen, tf, ident,
-              Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive))
+              Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive),
+              public=public, trust_proxy=proxies)
 
 
 @cache_app.command("prime")

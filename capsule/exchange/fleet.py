@@ -45,8 +45,10 @@ class Activity:
 
 
 def parse_pull_request(req: Any) -> tuple[str, str, str]:
-    """(source agent URL, its token, NAME@V) of a pull request, or InvalidName."""
+    """(source agent URL, its token, NAME@V) of a pull request, or InvalidName; a source over plain HTTP off
+    loopback is refused before anything is sent to it (:mod:`hashcache.transport.plain`)."""
     from capsule.hosts import check_url
+    from hashcache.transport import plain
 
     if not isinstance(req, dict):
         raise InvalidName("malformed pull request: expected a JSON object")
@@ -57,7 +59,9 @@ def parse_pull_request(req: Any) -> tuple[str, str, str]:
         raise InvalidName(f"a pull request names one version (NAME@V), not {ref!r}")
     if not 16 <= len(token) <= 4096 or any(c.isspace() for c in token):
         raise InvalidName("the source's token must be 16 to 4096 characters with no spaces")
-    return check_url(source), token, ref
+    source = check_url(source)
+    plain.check(source)
+    return source, token, ref
 
 
 def pull_level(req: Any) -> int:

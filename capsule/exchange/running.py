@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from capsule.errors import InvalidName
 from capsule.names import check_name
 from capsule.store import Store
+from hashcache.transport import plain
 from hashcache.transport.tls import parse_fingerprint
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ def stop(store: Store, name: str, discard: bool = False) -> SealResult:
 
 
 def parse_run_request(req: Any) -> tuple[str, str, str, bool]:
-    """(source agent URL, its token, NAME[@V], prefetch) of a run request, or InvalidName."""
+    """(source agent URL, its token, NAME[@V], prefetch) of a run request, or InvalidName; a source over plain
+    HTTP off loopback is refused before anything is sent to it or kept (:mod:`hashcache.transport.plain`)."""
     try:
         source, token, ref = req["source"], req["token"], req["ref"]
         prefetch = bool(req.get("prefetch", False))
@@ -43,6 +45,7 @@ def parse_run_request(req: Any) -> tuple[str, str, str, bool]:
         raise InvalidName(f"malformed run request: {exc}") from exc
     if not isinstance(source, str) or not source.startswith(("http://", "https://")) or not isinstance(token, str):
         raise InvalidName("run needs a source agent URL and its token")
+    plain.check(source)
     return source, token, str(ref), prefetch
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 
 from hashcache.errors import Unreachable
-from hashcache.transport import tls
+from hashcache.transport import plain, tls
 from hashcache.transport.base import Call, Reply, TokenSource
 
 # a connection that stalled or broke; anything else (refused, unknown host) means nobody listens
@@ -36,12 +36,15 @@ class HttpTransport:
     """Calls over HTTP(S). ``client`` (an ``httpx.Client`` whose base URL is the agent) replaces the
     default pool, e.g. with one that drives an ASGI app in-process. Over https the peer's certificate must
     have the ``fingerprint`` (``SHA256:…``) pinned for it, or without one pass the system's CA validation
-    (:mod:`hashcache.transport.tls`)."""
+    (:mod:`hashcache.transport.tls`). Over plain HTTP to another machine it is refused before any connection
+    unless this process was configured insecure (:mod:`hashcache.transport.plain`)."""
 
     def __init__(self, url: str, token: TokenSource | str | Path, *, timeout: float = 120.0,
                  connect_timeout: float = 30.0, max_connections: int = 32, user_agent: str = "capsule",
                  client: httpx.Client | None = None, fingerprint: str | None = None) -> None:
         self.url = url.rstrip("/")
+        if client is None:  # connections of its own: a token in clear only to loopback, unless configured
+            plain.check(self.url)
         self.fingerprint = fingerprint
         self.token = _token(token)
         self.connect_timeout = connect_timeout

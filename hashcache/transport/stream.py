@@ -29,7 +29,7 @@ from websockets.uri import parse_uri
 
 from hashcache.errors import Unreachable
 from hashcache.hcp import decode_stream_reply, encode_stream_read
-from hashcache.transport import tls
+from hashcache.transport import plain, tls
 from hashcache.transport.base import Call, Reply, TokenSource, Transport
 
 log = logging.getLogger("hashcache.transport")
@@ -133,8 +133,10 @@ class _Connection:
 
 def socket_connector(url: str, fingerprint: str | None = None) -> Connector:
     """Connections over TCP to the agent at ``url`` (http:// → ws://, https:// → wss:// with the certificate
-    pinned to ``fingerprint``, or CA-validated without one: :func:`hashcache.transport.tls.client_context`)."""
+    pinned to ``fingerprint``, or CA-validated without one: :func:`hashcache.transport.tls.client_context`);
+    ws:// to another machine refused unless configured (:func:`hashcache.transport.plain.check`)."""
     base = url.rstrip("/")
+    plain.check(base)
     ws_url = ("wss://" + base[8:] if base.startswith("https://") else "ws://" + base[7:]) + STREAM_PATH
     return lambda token, timeout: _Connection(ws_url, token, timeout, fingerprint)
 

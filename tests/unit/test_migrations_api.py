@@ -149,21 +149,34 @@ def test_without_a_session_nothing_is_revealed(world):
         assert r.status_code == 401 and SECRET not in r.text and "office" not in r.text
 
 
-def test_demand_mode_gives_the_other_host_this_agent_as_the_source(world, monkeypatch):
+PUBLIC = "https://work.example:7070"
+
+
+def test_demand_mode_gives_the_other_host_this_agents_configured_url_never_the_requests(world):
+    """The source URL the destination reads the disks from (and sends its token to) is the one `capsule serve`
+    was configured with; a forged Host header or X-Forwarded-Proto (uvicorn believes the latter from loopback
+    by default) changes nothing."""
     client, csrf, stand_in, _peer = world
-    h = {"X-CSRF-Token": csrf}
-    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"},
-                       headers=h).status_code == 202
+    client.app.state.public_url = PUBLIC            # what `capsule serve --public-url` sets
+    forged = {"X-CSRF-Token": csrf, "Host": "evil.example:1", "X-Forwarded-Proto": "http",
+              "X-Forwarded-Host": "evil.example:1", "X-Forwarded-For": "127.0.0.1"}
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=forged)
+    assert r.status_code == 202, r.text
     wait_until(lambda: stand_in.calls, 10, "the migration never started")
-    assert stand_in.calls[0]["source_url"] == "http://testserver"   # the address the page used
+    assert stand_in.calls[0]["source_url"] == PUBLIC
     assert stand_in.calls[0]["source_token"] == TOKEN
-    stand_in.go.set()
-    wait_until(lambda: client.get("/api/migrations").json()[0]["progress"]["outcome"] == "done", 10, "no end")
-    monkeypatch.setenv("CAPSULE_AGENT_URL", "http://work.example:7070")
-    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"},
-                       headers=h).status_code == 202
-    wait_until(lambda: len(stand_in.calls) == 2, 10, "the second migration never started")
-    assert stand_in.calls[1]["source_url"] == "http://work.example:7070"
+
+
+def test_demand_mode_without_a_public_url_is_refused_and_starts_nothing(world):
+    """An agent listening on every address (0.0.0.0) has no URL of its own unless --public-url gives one: a
+    demand migration is refused with what to do, rather than guessed from the request; full mode still runs."""
+    client, csrf, stand_in, _peer = world
+    client.app.state.public_url = None
+    h = {"X-CSRF-Token": csrf}
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=h)
+    assert r.status_code == 409 and "--public-url" in r.json()["detail"], r.text
+    assert client.get("/api/migrations").json() == [] and not stand_in.calls
+    assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office"}, headers=h).status_code == 202
 
 
 def test_once_accounts_exist_demand_mode_hands_out_a_host_only_grant(world, home):  # noqa: F811
@@ -172,6 +185,7 @@ def test_once_accounts_exist_demand_mode_hands_out_a_host_only_grant(world, home
     from capsule.accounts import owners, tokens, users
 
     client, _csrf, stand_in, _peer = world
+    client.app.state.public_url = PUBLIC
     store = Store.open(home)
     users.add(store, "root", "admin")
     users.add(store, "alice", "owner")
