@@ -105,7 +105,8 @@ def user_passwd(
     password_stdin: Annotated[bool, typer.Option("--password-stdin", help="Read it from standard input.")] = False,
     json: JsonOpt = False,
 ) -> None:
-    """Set a user's password (stored as a salted scrypt hash, never as is)."""
+    """Set a user's password (stored as a salted scrypt hash, never as is). The user's dashboard sessions end, on
+    a running agent too: they sign in again with the new password."""
     json_flag(json)
     store = open_store()
     users.get(store, name)
