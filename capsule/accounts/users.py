@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ def remove(store: Store, name: str) -> User:
 
 
 def set_password(store: Store, name: str, password: str) -> User:
+    """Set a user's password; the user's dashboard sessions end (the agent finds the stored hash changed)."""
     get(store, name)
     table(store.catalogue).query("UPDATE users SET password=? WHERE name=?",
                                  (passwords.hash_password(password), name))
@@ -94,6 +96,12 @@ def set_password(store: Store, name: str, password: str) -> User:
 
 def sign_in(store: Store, name: str, password: str) -> Principal | None:
     """The principal for a right user name and password, else None (the same work either way)."""
+    found = check_password(store, name, password)
+    return found[0] if found is not None else None
+
+
+def check_password(store: Store, name: str, password: str) -> tuple[Principal, str] | None:
+    """:func:`sign_in`, with the password's :func:`password_stamp` as it was checked (what a session keeps)."""
     try:
         check_user(name)
         rows = table(store.catalogue).query("SELECT * FROM users WHERE name=?", (name,))
@@ -104,4 +112,18 @@ def sign_in(store: Store, name: str, password: str) -> Principal | None:
     if not rows or not rows[0]["password"] or not ok:
         return None
     role = rows[0]["role"]
-    return Principal(name, role, ROLE_SCOPES[role])
+    return Principal(name, role, ROLE_SCOPES[role]), _stamp(stored)
+
+
+def password_stamp(store: Store, name: str) -> str | None:
+    """A digest of the user's stored password hash (salted afresh by every change, so any change — ``capsule user
+    passwd``, or the user removed and added again — gives another); ``""`` without a password, None without the
+    user. Sessions made with a password end when this changes."""
+    rows = table(store.catalogue).query("SELECT password FROM users WHERE name=?", (name,))
+    if not rows:
+        return None
+    return _stamp(rows[0]["password"]) if rows[0]["password"] else ""
+
+
+def _stamp(stored: str) -> str:
+    return hashlib.sha256(b"capsule password stamp\0" + stored.encode()).hexdigest()[:32]

@@ -54,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capsule import __version__ as capsule_version
 from capsule.accounts import tokens
 from capsule.agent import authz, dashboard
+from capsule.agent.auditlog import AuditLog
 from capsule.agent.turns import Turns
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
@@ -339,5 +340,6 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent
+    app.state.audit_log = AuditLog(home)  # the guard's writer (a bad CAPSULE_AUDIT_* setting: no agent)
     app.add_middleware(authz.Guard, fastapi=app, store=store, sessions=app.state.sessions, token=token)
     return app

@@ -9,8 +9,9 @@ capsule, where its name is: an ``owner`` acts only on capsules it owns; operator
 2. authenticates: ``Authorization: Bearer`` (a user's token, or the old host token while no admin user exists),
    else the dashboard's session cookie (+ CSRF token and same-origin check on a change);
 3. authorizes: scope, role, ownership → :class:`Forbidden` (403) naming what was missing;
-4. for a call that changes something (every non-GET route but the few that only read), appends one line to the
-   audit log (``capsule.audit``): who, what, which capsule, from where, and the result.
+4. for a call that changes something (every non-GET route but the few that only read), and for every console
+   ticket and console opened, appends one line to the audit log (``capsule.agent.auditlog``, which counts a
+   refusal repeated rather than writing it again): who, what, which capsule, from where, and the result.
 
 Refusals are the agent's usual JSON errors; a dashboard call without a valid session gets the one bare 401."""
 
@@ -30,9 +31,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Mount, compile_path
 from starlette.websockets import WebSocket
 
-from capsule import audit
 from capsule.accounts import owners, tokens, users
 from capsule.accounts.model import ROLE_SCOPES, Principal
+from capsule.agent.auditlog import AuditLog, handshake_refusal, relayed_capsule
 from capsule.agent.sessions import CSRF_HEADER, Caller, Sessions, check_same_origin, forbidden, unauthorized
 from capsule.errors import AuthFailed, Error, Forbidden, Internal
 from capsule.store import Store
@@ -238,6 +239,7 @@ class Guard:
 
     def __init__(self, app: ASGI, *, fastapi: FastAPI, store: Store, sessions: Sessions, token: str) -> None:
         self.app, self.fastapi, self.store, self.sessions, self.token = app, fastapi, store, sessions, token
+        self.audit_log: AuditLog = getattr(fastapi.state, "audit_log", None) or AuditLog(store.home)
 
     def _principal_live(self, p: Principal) -> Principal:
         """A session's principal as of now: the old host token ends with the first admin; a removed user ends."""
@@ -285,13 +287,13 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
         if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
+            await self.app(scope, self._stopping(receive) if scope["type"] == "lifespan" else receive, send)
             return
         ws = scope["type"] == "websocket"
         key, params = match("WS" if ws else scope["method"], scope["path"])
         rule = RULES[key] if key is not None else NO_ROUTE
         conn: Request | WebSocket = WebSocket(scope, receive, send) if ws else Request(scope, receive)
-        audited = not ws and scope["method"] not in READ_METHODS and rule.changes
+        audited = (not ws and scope["method"] not in READ_METHODS and rule.changes) or key in AUDITED_ALWAYS
         action = f"{scope.get('method', 'WS')} {key[1] if key else scope['path']}"
         remote = scope["client"][0] if scope.get("client") else None
         state = scope.setdefault("state", {})
@@ -305,6 +307,12 @@ class Guard:
             check(self.store, caller.principal, rule, name)
             return name
 
+        def audit_line(result: str) -> None:
+            c = state.get("caller")
+            who = c.principal.who if c else state.get("audit_who") or _who_tried(conn)
+            self.audit_log.record(who=who, action=action, capsule=capsule or relayed_capsule(params), remote=remote,
+                                  result=result)
+
         try:
             if not rule.public:
                 capsule = await anyio.to_thread.run_sync(admit)
@@ -312,9 +320,7 @@ class Guard:
             capsule = state.get("capsule")
             reply = _reply(exc)
             if audited:
-                c = state.get("caller")
-                audit.record(self.store.home, who=c.principal.who if c else _who_tried(conn), action=action,
-                             capsule=capsule, remote=remote, result=_result(reply))
+                audit_line(_result(reply))
             if ws:
                 if "websocket.http.response" in scope.get("extensions", {}):
                     await conn.send_denial_response(reply)   # type: ignore[union-attr]
@@ -328,29 +334,46 @@ class Guard:
             return
         seen: dict[str, Any] = {"status": 500, "body": b"", "recorded": False}
 
-        def record() -> None:
+        def record(result: str | None = None) -> None:
             if seen["recorded"]:
                 return
             seen["recorded"] = True
-            c = state.get("caller")
-            who = c.principal.who if c else state.get("audit_who") or "anonymous"
-            audit.record(self.store.home, who=who, action=action, capsule=capsule, remote=remote,
-                         result="ok" if seen["status"] < 400 else _code(seen["status"], seen["body"]))
+            audit_line(result or ("ok" if seen["status"] < 400 else _code(seen["status"], seen["body"])))
 
         async def watch(message: Any) -> None:
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind in ("http.response.start", "websocket.http.response.start"):
                 seen["status"] = message["status"]
-            elif message["type"] == "http.response.body":
+            elif kind in ("http.response.body", "websocket.http.response.body"):
                 if seen["status"] >= 400 and len(seen["body"]) < 4096:
                     seen["body"] += message.get("body", b"")
                 if not message.get("more_body", False):
-                    record()   # before the answer's last byte leaves: whoever got the answer finds the line
+                    # before the answer's last byte leaves: whoever got the answer finds the line
+                    record(handshake_refusal(seen["status"]) if ws else None)
+            elif kind == "websocket.accept":
+                record("ok")                 # a console opened
+            elif kind == "websocket.close":
+                record("closed_before_open")
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
         finally:
             record()   # (an app that failed before answering)
+
+    def _stopping(self, receive: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+        """The lifespan's ``receive``: when the agent stops, the refusals still being counted get their line."""
+        async def wrapped() -> Any:
+            message = await receive()
+            if message.get("type") == "lifespan.shutdown":
+                self.audit_log.close()
+            return message
+
+        return wrapped
+
+
+# audited whatever the method: a console ticket asked for (a POST that changes nothing) and a console opened
+AUDITED_ALWAYS = frozenset(k for k in RULES if k[1].endswith("/console-ticket") or "/console/" in k[1])
 
 
 def _who_tried(conn: Request | WebSocket) -> str:

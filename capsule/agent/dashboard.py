@@ -39,9 +39,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
-from capsule.accounts import tokens, users
-from capsule.accounts.model import legacy_principal
-from capsule.agent import authz, backupsapi, console, migrations
+from capsule.agent import authz, backupsapi, console, migrations, signin
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -59,8 +57,7 @@ from capsule.agent.apimodels import (
     TreeOut,
     VersionOut,
 )
-from capsule.agent.sessions import Attempts, Caller, Sessions, check_same_origin, unauthorized
-from capsule.errors import AuthFailed
+from capsule.agent.sessions import Attempts, Caller, Sessions, check_same_origin
 from capsule.names import check_name
 from capsule.store import Store
 
@@ -81,14 +78,15 @@ PAGE_HEADERS = {
 
 def install(app: FastAPI, store: Store, token: str) -> None:
     """Add the dashboard to an agent app: the API, the page at ``/`` and its files under ``/web/``."""
-    sessions = Sessions(token, store.id)
+    sessions = Sessions(token, store.id, live=signin.live(store))   # a password changed ends its sessions
     app.state.sessions = sessions
     app.state.sign_in_attempts = Attempts()
+    app.state.sign_in_pool = signin.HashPool()
     console.install(app, store, sessions)  # the live console (capsule/agent/console.py), before the catch-all
     app.state.migrations = migrations.Migrations()      # authz finds a migration's capsule here
     app.include_router(migrations.router(store, sessions, token, app.state.migrations))  # before api_router's catch-all
     app.include_router(backupsapi.router(store, sessions))          # (also)
-    app.include_router(api_router(store, sessions, app.state.sign_in_attempts))
+    app.include_router(api_router(store, sessions, app.state.sign_in_attempts, app.state.sign_in_pool))
 
     @app.get("/", include_in_schema=False)
     def page() -> FileResponse:
@@ -98,7 +96,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
         app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
 
-def api_router(store: Store, sessions: Sessions, attempts: Attempts) -> APIRouter:
+def api_router(store: Store, sessions: Sessions, attempts: Attempts, pool: signin.HashPool) -> APIRouter:
     def caller(request: Request, response: Response) -> Caller:
         response.headers["Cache-Control"] = "no-store"
         request.state.caller = sessions.authenticate(request)
@@ -117,31 +115,19 @@ def api_router(store: Store, sessions: Sessions, attempts: Attempts) -> APIRoute
     # -- sign-in ---------------------------------------------------------------------------------------
     @public.post("/session", response_model=SessionOut, summary="Sign in with a user name and password "
                                                                  "(or the host's token, until an admin exists)")
-    def sign_in(body: SignIn, request: Request, response: Response) -> SessionOut:
-        """Failed attempts are bounded per client address and per user name (429 with Retry-After)."""
+    async def sign_in(body: SignIn, request: Request, response: Response) -> SessionOut:
+        """Failed attempts are bounded per client address and per user name, checked before the password is
+        (429 with Retry-After); passwords are checked a few at a time (429 when too many wait)."""
         response.headers["Cache-Control"] = "no-store"
         check_same_origin(request)
-        keys = [f"address:{request.client.host if request.client else '?'}"]
         if body.user is not None:
-            keys.append(f"user:{body.user}")
             request.state.audit_who = body.user
-        attempts.check(*keys)
-        if body.user is not None:
-            principal = users.sign_in(store, body.user, body.password or "")
-        elif sessions.check_token(body.token or ""):
-            if users.admin_exists(store):
-                raise AuthFailed(tokens.LEGACY_GONE)
-            principal = legacy_principal()
-        else:
-            principal = None
-        if principal is None:
-            attempts.failed(*keys)
-            raise unauthorized()
-        s = sessions.create(principal)
+        s = await signin.sign_in(store, sessions, attempts, pool, address=request.client.host if request.client
+                                 else "?", user=body.user, password=body.password, token=body.token)
         response.set_cookie(sessions.cookie, s.sid, max_age=int(sessions.lifetime), path="/", httponly=True,
                             samesite="strict", secure=request.url.scheme == "https")
-        request.state.audit_who = principal.who
-        return session_out(Caller(s, principal))
+        request.state.audit_who = s.principal.who
+        return session_out(Caller(s, s.principal))
 
     @router.get("/session", response_model=SessionOut, summary="The current session")
     def session(request: Request) -> SessionOut:

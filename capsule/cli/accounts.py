@@ -8,6 +8,7 @@ import time
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from capsule import audit as auditlog
@@ -104,7 +105,8 @@ def user_passwd(
     password_stdin: Annotated[bool, typer.Option("--password-stdin", help="Read it from standard input.")] = False,
     json: JsonOpt = False,
 ) -> None:
-    """Set a user's password (stored as a salted scrypt hash, never as is)."""
+    """Set a user's password (stored as a salted scrypt hash, never as is). The user's dashboard sessions end, on
+    a running agent too: they sign in again with the new password."""
     json_flag(json)
     store = open_store()
     users.get(store, name)
@@ -181,8 +183,10 @@ def audit(
     user: Annotated[str | None, typer.Option("--user", help="Only this user's (or host-token, unix:NAME).")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Read the audit log (STORE/audit.log): every change made through the agent — who, what, which capsule, from
-    where, the result, refusals included — and every local change made with this command."""
+    """Read the audit log (STORE/audit.log and its rotated files audit.log.1 …, oldest first): every change made
+    through the agent — who, what, which capsule, from where, the result, refusals included (a refusal repeated
+    is one line, then one saying how many more times and between when) — and every local change made with this
+    command."""
     json_flag(json)
     store = open_store()
     rows = list(auditlog.entries(store.home, since=auditlog.parse_since(since) if since else None, user=user))
@@ -194,11 +198,12 @@ def audit(
         t = Table("time", "who", "action", "capsule", "from", "result")
         for r in rows:
             if "damaged" in r:
-                t.add_row("?", "?", f"damaged line: {r['damaged']}", "", "", "")
+                t.add_row("?", "?", f"damaged line: {escape(r['damaged'])}", "", "", "")
                 continue
-            res = r.get("result", "")
-            t.add_row(_when(r.get("time")), str(r.get("who")), str(r.get("action")), r.get("capsule") or "-",
-                      str(r.get("from") or "-"), "ok" if res == "ok" else f"[red]{res}[/]")
+            res = auditlog.describe(r)
+            t.add_row(_when(r.get("time")), *(escape(str(r.get(k) or "-")) for k in ("who", "action", "capsule",
+                                                                                     "from")),
+                      "ok" if res == "ok" else f"[red]{escape(res)}[/]")
         console.print(t)
 
     emit(rows, human)

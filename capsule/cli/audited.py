@@ -1,15 +1,17 @@
 """The CLI's lines in the audit log: a command that changes something, run locally, is recorded (who: the local
-unix user) with its result — ``ok``, or the error's wire code. Commands that only look are not."""
+unix user) with its result — ``ok``, or the error's wire code. Commands that only look are not. The log is
+rotated at the same size cap as the agent's (``capsule.audit``: ``CAPSULE_AUDIT_MAX_SIZE``, ``CAPSULE_AUDIT_KEEP``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import pwd
+import sys
 from collections.abc import Iterator
 
 from capsule import audit
-from capsule.cli.common import OPTIONS
+from capsule.cli.common import OPTIONS, report
 from capsule.store import default_home
 from hashcache.errors import Error
 
@@ -61,6 +63,10 @@ def audited_command(argv: list[str]) -> Iterator[Outcome]:
     changes = verb is not None and verb not in LOOKING and "--help" not in argv and not (
         verb == "verify" and "--fix-modes" not in argv)
     try:
+        rotation = audit.Rotation.from_env() if changes else None
+    except Error as exc:            # a bad CAPSULE_AUDIT_* setting: the command is refused, not run
+        sys.exit(report(exc))
+    try:
         yield outcome
     except SystemExit as exc:
         if exc.code not in (0, None) and outcome.result == "ok":
@@ -71,4 +77,4 @@ def audited_command(argv: list[str]) -> Iterator[Outcome]:
         if changes and (home / "store.json").exists():
             with contextlib.suppress(OSError):
                 audit.record(home, who=f"unix:{_unix_user()}", action="capsule " + " ".join(cmd), capsule=capsule,
-                             remote="local", result=outcome.result, via="cli")
+                             remote="local", result=outcome.result, via="cli", rotation=rotation)

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
 from starlette.websockets import WebSocketDisconnect
 
-from capsule import capsules, screen
+from capsule import audit, capsules, screen
 from capsule.agent.app import create_app
 from capsule.agent.console import Tickets
 from capsule.catalogue import InstanceRow
@@ -254,3 +254,21 @@ def test_serial_console_shows_the_log_then_splices_the_pty(client, home, monkeyp
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_console_tickets_and_opens_are_audited(client, app, home, servers):
+    """Who asked for which capsule's console ticket, and who opened (or was refused) which console, from where."""
+    csrf = sign_in(client)
+    t = ticket(client, csrf, "desk")
+    with client.websocket_connect(f"/api/console/desk?ticket={t}") as ws:
+        assert ws.receive_bytes() == b"RFB 003.008\n"
+    assert refused(client, f"/api/console/desk?ticket={t}") == 403            # used up
+    assert refused(TestClient(app), "/api/console/other?ticket=x") == 401      # no session
+    got = [(e["who"], e["action"], e["capsule"], e["from"], e["result"]) for e in audit.entries(home / "a")
+           if "console" in e["action"]]
+    assert got == [
+        ("host-token", "POST /api/capsules/{name}/console-ticket", "desk", "testclient", "ok"),
+        ("host-token", "WS /api/console/{name}", "desk", "testclient", "ok"),
+        ("host-token", "WS /api/console/{name}", "desk", "testclient", "forbidden"),
+        ("anonymous", "WS /api/console/{name}", None, "testclient", "auth_failed"),
+    ]

@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
 
-from capsule import capsules, hosts
+from capsule import audit, capsules, hosts
 from capsule.agent.app import create_app
 from capsule.catalogue import InstanceRow
 from capsule.memimage import VNC_SOCKET
@@ -94,3 +94,13 @@ def test_peer_checks_its_own_session_for_the_direct_console(peer):
     with pytest.raises(InvalidStatus) as info:
         connect(agent.url.replace("http", "ws", 1) + "/api/console/desk?ticket=x", open_timeout=5, **pinned)
     assert info.value.response.status_code == 401
+
+
+def test_relayed_console_is_audited_with_its_host(client, peer, tmp_path):
+    csrf = sign_in(client)
+    t = relay_ticket(client, csrf, "home", "desk")
+    with client.websocket_connect(t["url"]) as ws:
+        assert ws.receive_bytes() == b"RFB 003.008\n"
+    got = [(e["action"], e["capsule"], e["result"]) for e in audit.entries(tmp_path / "a") if "console" in e["action"]]
+    assert got == [("POST /api/hosts/{host}/capsules/{name}/console-ticket", "home/desk", "ok"),
+                   ("WS /api/hosts/{host}/console/{name}", "home/desk", "ok")]
