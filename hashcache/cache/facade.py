@@ -30,6 +30,7 @@ from hashcache.cache.format import (
     _create_file,
     _paths_db,
     _read_header,
+    narrow_mode,
 )
 from hashcache.cache.lookup import VerifiedLookup
 from hashcache.cache.priming import Priming
@@ -72,6 +73,7 @@ class HashCache(FileRegistry, BucketTable, VerifiedLookup, Priming):
         for _ in range(5):
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                narrow_mode(path)
                 break
             except FileNotFoundError:
                 if not create:

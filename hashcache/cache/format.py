@@ -31,6 +31,7 @@ class CacheError(HashcacheError):
 # -- format ------------------------------------------------------------------------------------------
 
 MAGIC = b"CAPSULE-HCACHE\n\x00"
+CACHE_MODE = 0o600          # the cache file and its path table (whatever the umask)
 FORMAT_VERSION = 1
 PAGE_SIZE = 4096
 BUCKET_SIZE = 4096
@@ -98,6 +99,14 @@ def _check_hash(h: object) -> bytes:
     return h
 
 
+def narrow_mode(path: str) -> None:
+    """Make ``path`` (if it exists and is ours) its owner's alone: caches made before CACHE_MODE were 0644."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.stat(path)
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            os.chmod(path, CACHE_MODE)
+
+
 def _paths_db(path: str) -> str:
     return path + ".files"
 
@@ -156,7 +165,7 @@ def _create_file(path: str, size_bytes: int, evict_sample: int | None) -> None:
         raise CacheError(f"hash cache {path}: cannot create: {e.strerror or e}") from e
     try:
         try:
-            os.fchmod(fd, 0o644)
+            os.fchmod(fd, CACHE_MODE)   # its owner's alone: it names every indexed file and its hashes
             # Reserve the space now: a write through the map into a hole of a full disk is SIGBUS.
             os.posix_fallocate(fd, 0, file_size)
             os.pwrite(fd, header, 0)

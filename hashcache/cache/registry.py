@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from hashcache.cache.format import (
     _MAX_DEAD_IDS,
     _MAX_OPEN_FILES,
+    CACHE_MODE,
     CacheError,
     _s64,
+    narrow_mode,
 )
 from hashcache.errors import HashcacheError
 
@@ -35,7 +37,14 @@ CREATE TABLE IF NOT EXISTS files (
 def _open_paths_db(db_path: str, cache_uuid: str) -> sqlite3.Connection:
     """Open (or create) the path table; reset it if it belonged to an earlier cache file."""
     try:
+        # made (or narrowed) to its owner's alone before SQLite opens it: SQLite gives the -wal and -shm files
+        # the database file's mode, and the table names every indexed file
+        os.close(os.open(db_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, CACHE_MODE))
+        for suffix in ("", "-wal", "-shm"):
+            narrow_mode(db_path + suffix)
         db = sqlite3.connect(db_path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    except OSError as e:
+        raise CacheError(f"hash cache path table {db_path}: cannot open: {e.strerror or e}") from e
     except sqlite3.Error as e:
         raise CacheError(f"hash cache path table {db_path}: cannot open: {e}") from e
     try:

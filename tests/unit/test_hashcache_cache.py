@@ -645,3 +645,26 @@ def test_lookup_by_prefix(tmp_path):
         assert cache.lookup_prefix(hashes[3][:8]) is None
         with pytest.raises(ValueError):
             cache.lookup_prefix(b"short")
+
+
+def test_the_cache_and_its_path_table_are_their_owners_alone(tmp_path: Path) -> None:
+    """They name every indexed file and its block hashes; a store's directories let QEMU's group pass, so a
+    readable cache would show a confined guest what the host holds. Caches made as 0644 are narrowed."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "cache.bin"
+        data = tmp_path / "data"
+        hashes = write_blocks(data, [content(i) for i in range(4)])
+        with HashCache.open(path, size_bytes=1 << 20) as c:
+            c.insert(hashes[1], data, B)
+        files = [p for p in tmp_path.iterdir() if p.name.startswith("cache.bin")]
+        assert {p.name for p in files} >= {"cache.bin", "cache.bin.files"}
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: "0o600" for p in files}
+        for p in files:
+            os.chmod(p, 0o644)                           # as a cache made by 0.1.0
+        with HashCache.open(path) as c:
+            assert c.lookup(hash_block(content(1))) == content(1)
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in files if p.exists()} == \
+               {p.name: "0o600" for p in files if p.exists()}
+    finally:
+        os.umask(old)
