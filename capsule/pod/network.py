@@ -13,6 +13,7 @@ import tarfile
 from pathlib import Path
 
 from capsule.errors import IntegrityError
+from capsule.pod import replies
 from capsule.pod.errors import PodAddressClash, PodLayerMissing
 from capsule.pod.relay import Relay
 from capsule.runtime.podnet import CONFIG_KEY
@@ -33,7 +34,7 @@ def addresses_in_use(store: Store, except_capsule: str | None = None) -> dict[ip
         if inst.capsule == except_capsule or not on_pod_network(store, inst.capsule):
             continue
         try:
-            pods = Relay(store, inst.capsule).call("ls")
+            pods = replies.listed(Relay(store, inst.capsule).call("ls"), inst.capsule)
         except PodLayerMissing:
             continue
         for p in pods:
