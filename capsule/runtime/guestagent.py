@@ -17,12 +17,12 @@ import json
 import math
 import re
 import reprlib
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from capsule.errors import CapsuleError
+from capsule.runtime import guestfiles
 from hashcache import wirejson
 
 MAX_REPLY = 16 << 20       # a reply line longer than this is refused
@@ -151,12 +151,10 @@ class GuestAgent:
         self._ids = itertools.count(1)
         self._buf = b""
         self._synced = False  # a reply has come on this connection: the agent reads it
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(CONNECT_TIMEOUT)
-        try:
-            self._sock.connect(str(sock_path))
+        try:  # libvirt makes the channel's socket (root's); never through a link QEMU may have put in its place
+            self._sock = guestfiles.connect_socket(Path(sock_path), "the guest agent's socket", CONNECT_TIMEOUT,
+                                                   root_too=True)
         except OSError as exc:
-            self._sock.close()
             raise AgentUnavailable(f"no guest agent channel at {sock_path}: {exc.strerror or exc}") from exc
         self._send(b"\n")  # ends any partial line a previous host left behind
 
