@@ -30,7 +30,7 @@ from typing import Any
 import libvirt
 
 from capsule.errors import InvalidName
-from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
+from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent, Reply
 
 POLICIES = ("none", "cache", "aggressive")
 METHODS = ("agent", "virtio")
@@ -63,7 +63,8 @@ def check(policy: str, method: str) -> None:
 
 
 def inflate(agent_sock: Path, dom: libvirt.virDomain, policy: str, method: str) -> BalloonResult:
-    """Balloon the running guest; never raises for a missing or silent agent."""
+    """Balloon the running guest; never raises for a missing, silent or misbehaving agent (what it answers is
+    checked: a malformed reply skips the balloon like a missing agent)."""
     check(policy, method)
     t0 = time.monotonic()
     result = BalloonResult(method, policy)
@@ -71,24 +72,26 @@ def inflate(agent_sock: Path, dom: libvirt.virDomain, policy: str, method: str) 
         with GuestAgent(agent_sock, timeout=AGENT_TIMEOUT) as agent:
             agent.ping()
             if method == "agent":
-                r = agent.inflate(policy=policy, timeout_s=INFLATE_TIMEOUT, hold_s=HOLD_SAFETY_S)
-                result.held_bytes = int(r.get("held_bytes", 0))
-                result.stop_reason = r.get("stop_reason")
+                r = Reply(agent.inflate(policy=policy, timeout_s=INFLATE_TIMEOUT, hold_s=HOLD_SAFETY_S),
+                          "balloon.inflate")
+                result.held_bytes, result.stop_reason = (r.integer("held_bytes", hi=dom.maxMemory() << 10, default=0),
+                                                         r.text("stop_reason", 200, default=None, nullable=True))
             else:
                 if policy != "none":
                     agent.call("balloon.inflate", {"policy": policy, "max_bytes": 0}, timeout=INFLATE_TIMEOUT)
-                stats = agent.stats()
-                result.held_bytes, result.stop_reason = _virtio_inflate(dom, stats)
+                stats = Reply(agent.stats(), "stats")
+                result.held_bytes, result.stop_reason = _virtio_inflate(
+                    dom, stats.integer("MemTotal", default=0), stats.integer("MemAvailable", default=0))
     except (AgentUnavailable, AgentError) as exc:
         result.skipped = str(exc)
     result.seconds = time.monotonic() - t0
     return result
 
 
-def _virtio_inflate(dom: libvirt.virDomain, stats: dict[str, Any]) -> tuple[int, str]:
-    """Shrink the guest through the virtio-balloon device to what it uses plus a margin."""
+def _virtio_inflate(dom: libvirt.virDomain, total: int, available: int) -> tuple[int, str]:
+    """Shrink the guest through the virtio-balloon device to what it uses (``total`` - ``available`` bytes, as
+    it says) plus a margin."""
     max_kib = dom.maxMemory()
-    total, available = int(stats.get("MemTotal", 0)), int(stats.get("MemAvailable", 0))
     used_kib = max(0, total - available) // 1024
     target = max(used_kib + VIRTIO_MARGIN_MIB * 1024, 64 * 1024)
     if target >= max_kib:

@@ -158,7 +158,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 say(f"restoring {version.ref} from its memory image")
                 restored = memimage.restore(store, version.ref, version.config, store.file_path(version.memory),
                                             name=domain, uuid=cap.uuid, disks=leaves, instance_dir=inst_dir,
-                                            disk_servers=sockets)
+                                            disk_servers=sockets, chains=version.chains)
                 accel, forked = restored.accel, restored.forked
                 if version.config.get("balloon"):
                     say("giving the guest its memory back")
@@ -173,7 +173,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 if kernel_args:
                     spec.cmdline = f"{spec.cmdline} {kernel_args}"
                 say(f"booting {version.ref} ({accel})")
-                memimage.grant(store, spec)
+                memimage.grant(store, spec, version.chains)
                 try:
                     connect().createXML(build(spec), 0)
                 except libvirt.libvirtError as exc:

@@ -40,10 +40,18 @@ def machine_spec(store: Store, config: dict[str, Any], *, name: str, uuid: str, 
                        disk_servers=disk_servers or {})
 
 
-def grant(store: Store, spec: MachineSpec) -> None:
-    """Let the unprivileged QEMU user open what ``spec``'s machine needs (``runtime.guestaccess``)."""
+def layer_files(store: Store, chains: list[list[str]]) -> list[list[Path]]:
+    """For each disk's chain (layer ids, root first), its layer files nearest first: what a leaf on it may
+    name below it."""
+    return [[store.layer_path(lid) for lid in reversed(chain)] for chain in chains]
+
+
+def grant(store: Store, spec: MachineSpec, chains: list[list[str]] | None = None) -> None:
+    """Let the unprivileged QEMU user open what ``spec``'s machine needs (``runtime.guestaccess``): below each
+    leaf only layers of its disk's chain in ``chains`` (the catalogue's), whatever the leaf's header names."""
     guestaccess.grant_machine(store.home, kernel=spec.kernel, initrd=spec.initrd, leaves=spec.disks,
-                              instance_dir=spec.agent_socket.parent, sockets=list(spec.disk_servers.values()))
+                              instance_dir=spec.agent_socket.parent, sockets=list(spec.disk_servers.values()),
+                              chains=None if chains is None else layer_files(store, chains))
 
 
 def restore_spec(store: Store, config: dict[str, Any], saved_xml: str, *, name: str, uuid: str, disks: list[Path],
@@ -65,8 +73,10 @@ def check(store: Store, config: dict[str, Any], image: Path, *, name: str, uuid:
 
 
 def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, name: str, uuid: str,
-            disks: list[Path], instance_dir: Path, disk_servers: dict[int, Path] | None = None) -> Restored:
-    """Restore ``image`` as domain ``name``/``uuid`` on ``disks``. ``label`` names the version in errors."""
+            disks: list[Path], instance_dir: Path, disk_servers: dict[int, Path] | None = None,
+            chains: list[list[str]] | None = None) -> Restored:
+    """Restore ``image`` as domain ``name``/``uuid`` on ``disks`` (on the layers of ``chains``, as :func:`grant`).
+    ``label`` names the version in errors."""
     header = saveimage.read_header(image)
     forked = False
     if saveimage.identity(header.domain_xml, image.name) != (name, uuid):
@@ -79,7 +89,7 @@ def restore(store: Store, label: str, config: dict[str, Any], image: Path, *, na
                             console_log=instance_dir / "console.log", agent_socket=instance_dir / "agent.sock",
                             disk_servers=disk_servers)
         xml, accel = restorexml.rebuild(header.domain_xml, spec)   # IntegrityError before anything is granted
-        grant(store, spec)
+        grant(store, spec, chains)
         try:
             connect().restoreParams({libvirt.VIR_DOMAIN_SAVE_PARAM_FILE: str(image),
                                      libvirt.VIR_DOMAIN_SAVE_PARAM_DXML: xml}, 0)

@@ -6,6 +6,7 @@ agent's console WebSockets (``capsule.agent.console``) are the only way to them 
 from __future__ import annotations
 
 import re
+import socket
 import struct
 import xml.etree.ElementTree as ET
 import zlib
@@ -18,6 +19,7 @@ from capsule.catalogue import InstanceRow
 from capsule.errors import Conflict, RuntimeFailure
 from capsule.memimage import VNC_SOCKET
 from capsule.names import check_name
+from capsule.runtime import guestfiles
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store
 
@@ -36,15 +38,33 @@ def _instance(store: Store, name: str, what: str) -> InstanceRow:
     return inst
 
 
+def _no_screen(name: str) -> Conflict:
+    return Conflict(f"capsule {name!r} has no screen: it was restored from a memory image saved without one; "
+                    "its next boot (`capsule stop`, then `capsule start`) gives it one")
+
+
 def vnc_socket(store: Store, name: str) -> Path:
     """The unix socket of the running capsule ``name``'s VNC server. NotFound for an unknown capsule, Conflict
-    when it is not running or has no screen (restored from a memory image saved before capsules had one)."""
+    when it is not running or has no screen (restored from a memory image saved before capsules had one),
+    GuestFileRefused when what is there is not a socket of QEMU's (a link, another owner: ``guestfiles``)."""
     inst = _instance(store, name, "screen")
     sock = Path(inst.dir) / VNC_SOCKET
-    if not sock.is_socket():
-        raise Conflict(f"capsule {name!r} has no screen: it was restored from a memory image saved without one; "
-                       "its next boot (`capsule stop`, then `capsule start`) gives it one")
+    try:
+        guestfiles.check_socket(sock, f"capsule {name!r}'s screen socket")
+    except FileNotFoundError:
+        raise _no_screen(name) from None
     return sock
+
+
+def connect_screen(store: Store, name: str, timeout: float = 5.0) -> socket.socket:
+    """A connection to the running capsule ``name``'s VNC server, made through the socket's own node (no link
+    followed, its owner checked: ``guestfiles.connect_socket``). Errors as :func:`vnc_socket`; OSError when
+    nothing listens there."""
+    inst = _instance(store, name, "screen")
+    try:
+        return guestfiles.connect_socket(Path(inst.dir) / VNC_SOCKET, f"capsule {name!r}'s screen socket", timeout)
+    except FileNotFoundError:
+        raise _no_screen(name) from None
 
 
 def serial_console(store: Store, name: str) -> Serial:

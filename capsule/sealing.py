@@ -103,13 +103,13 @@ def resume_after_failed_seal(store: Store, inst: InstanceRow, image: Path | None
         base = store.catalogue.version(inst.capsule, inst.version)
         if base is None:
             return
+        chains = [[*c, sealed[i].id] if str(disks[i]) != inst.leaves[i] else c for i, c in enumerate(inst.chains)]
         memimage.restore(store, f"{inst.capsule}@{inst.version}", base.config, image, name=name, uuid=uuid,
                          disks=disks, instance_dir=Path(inst.dir),
                          disk_servers=demand.server_sockets(Path(inst.dir), [str(d) == leaf for d, leaf
-                                                                              in zip(disks, inst.leaves, strict=True)]))
+                                                                              in zip(disks, inst.leaves, strict=True)]),
+                         chains=chains)
         if [str(d) for d in disks] != inst.leaves:
-            chains = [[*c, sealed[i].id] if str(disks[i]) != inst.leaves[i] else c
-                      for i, c in enumerate(inst.chains)]
             with store.catalogue.transaction():
                 store.catalogue.delete_instance(inst.capsule)
                 inst.leaves, inst.chains = [str(d) for d in disks], chains

@@ -41,6 +41,7 @@ from starlette.websockets import WebSocketState
 from capsule import screen
 from capsule.agent.sessions import Caller, Sessions
 from capsule.errors import Error
+from capsule.runtime import guestfiles
 from capsule.store import Store
 
 TICKET_LIFETIME = 30.0
@@ -159,8 +160,8 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
         if not await admit(sessions, tickets, ws, name, ticket, "screen"):
             return
         try:
-            sock = await asyncio.to_thread(screen.vnc_socket, store, name)
-            reader, writer = await asyncio.open_unix_connection(str(sock))
+            sock = await asyncio.to_thread(screen.connect_screen, store, name)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
         except Error as exc:
             await deny(ws, exc.http_status, str(exc))
             return
@@ -224,9 +225,10 @@ def log_tail(log: Path, size: int) -> bytes:
 
 
 async def open_pty(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Callable[[], None]]:
-    """asyncio streams on a host pty (raw mode), and a function that closes both."""
+    """asyncio streams on the guest's pty (raw mode; opened as ``guestfiles.open_pty`` checks it), and a function
+    that closes both."""
     loop = asyncio.get_running_loop()
-    fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+    fd = guestfiles.open_pty(path)
     try:
         tty.setraw(fd)
         wfd = os.dup(fd)

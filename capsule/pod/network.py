@@ -7,17 +7,16 @@ network (a pod of another store's capsule on the same bridge is not seen; give s
 from __future__ import annotations
 
 import ipaddress
-import json
-import subprocess
-import tarfile
-from pathlib import Path
 
-from capsule.errors import IntegrityError
+from capsule.pod import replies
 from capsule.pod.errors import PodAddressClash, PodLayerMissing
+from capsule.pod.imagemeta import image_address
 from capsule.pod.relay import Relay
 from capsule.runtime.podnet import CONFIG_KEY
 from capsule.store import Store
 from pods.names import PodError, allocate
+
+__all__ = ["addresses_in_use", "free_address", "image_address", "on_pod_network", "refuse_clash"]
 
 
 def on_pod_network(store: Store, capsule: str) -> bool:
@@ -33,7 +32,7 @@ def addresses_in_use(store: Store, except_capsule: str | None = None) -> dict[ip
         if inst.capsule == except_capsule or not on_pod_network(store, inst.capsule):
             continue
         try:
-            pods = Relay(store, inst.capsule).call("ls")
+            pods = replies.listed(Relay(store, inst.capsule).call("ls"), inst.capsule)
         except PodLayerMissing:
             continue
         for p in pods:
@@ -59,31 +58,3 @@ def refuse_clash(store: Store, ip: str, into: str, leaving: str | None = None) -
     if holder is not None and not holder.startswith(f"{into}/"):
         raise PodAddressClash(f"{ip.split('/')[0]} is held by pod {holder} on this host's pod network; "
                               "the pod is not restored (it runs on where it was, if it still runs)")
-
-
-def _pod_json(archive: Path) -> tuple[str, str]:
-    """The text of an image's pod.json and why it may be missing: format 2 is a plain tar (pod.json its last
-    member; the headers are read, the data skipped), format 1 a ``.tar.zst``."""
-    with archive.open("rb") as f:
-        zstd = f.read(4) == b"\x28\xb5\x2f\xfd"
-    if zstd:
-        r = subprocess.run(["tar", "--zstd", "-xOf", str(archive), "./pod.json"], capture_output=True, text=True)
-        return r.stdout, r.stderr.strip()
-    try:
-        with tarfile.open(archive, mode="r:") as tar:
-            for m in tar:
-                if m.name == "pod.json" and m.isfile():
-                    data = tar.extractfile(m)
-                    return (data.read(1 << 20).decode(errors="replace") if data else ""), ""
-    except (tarfile.TarError, OSError) as e:
-        return "", str(e)
-    return "", "no such member"
-
-
-def image_address(archive: Path) -> str:
-    """The address a pod image holds (its pod.json), read without unpacking the rest."""
-    text, why = _pod_json(archive)
-    try:
-        return str(json.loads(text)["ip"])
-    except (ValueError, KeyError, TypeError):
-        raise IntegrityError(f"pod image {archive.name} holds no pod.json ({why})") from None

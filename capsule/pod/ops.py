@@ -4,13 +4,15 @@ with HCP like any memory image."""
 
 from __future__ import annotations
 
+import contextlib
+import shlex
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from capsule.errors import Error
 from capsule.names import check_name as validate_capsule_name
-from capsule.pod import POD_IMAGE_ROLE
+from capsule.pod import POD_IMAGE_ROLE, replies
 from capsule.pod import network as podnet
 from capsule.pod.errors import BY_KIND, PodAddressClash, PodExists, PodLayerMissing, PodNameInvalid, PodNotFound
 from capsule.pod.relay import Progress, Relay
@@ -59,33 +61,39 @@ def create(store: Store, capsule: str, pod: str, cmd: list[str], ip: str | None 
             podnet.refuse_clash(store, ip, capsule)
     extra = ["--ip", ip] if ip else []
     # (a first create in a capsule starts python, sets up the bridge and the cgroup: slow on a busy TCG guest)
-    return {"capsule": capsule, **Relay(store, capsule).call("create", *extra, pod, "--", *cmd, timeout=180)}
+    return replies.tagged(capsule, Relay(store, capsule).call("create", *extra, pod, "--", *cmd, timeout=180), "create")
 
 
 def exec_in(store: Store, ref: str, cmd: list[str], timeout: float = 30.0) -> dict[str, Any]:
     capsule, pod = parse_ref(ref)
     if not cmd:
         raise PodNameInvalid("nothing to run: capsule pod exec CAPSULE/POD -- CMD…")
-    return Relay(store, capsule).call("exec", "--timeout", str(timeout), pod, "--", *cmd, timeout=timeout + 10)
+    return replies.tagged(capsule, Relay(store, capsule).call("exec", "--timeout", str(timeout), pod, "--", *cmd,
+                                                              timeout=timeout + 10), "exec")
 
 
 def ls(store: Store, capsule: str | None = None) -> list[dict[str, Any]]:
     """The pods of one running capsule, or of every running capsule of this store that has the pod layer."""
     if capsule:
         validate_capsule_name(capsule)
-        return [{"capsule": capsule, **p} for p in Relay(store, capsule).call("ls")]
+        return [replies.tagged(capsule, p, "ls") for p in listed(Relay(store, capsule), capsule)]
     out = []
     for inst in store.catalogue.instances():
         try:
-            out += [{"capsule": inst.capsule, **p} for p in Relay(store, inst.capsule).call("ls")]
+            out += [replies.tagged(inst.capsule, p, "ls") for p in listed(Relay(store, inst.capsule), inst.capsule)]
         except PodLayerMissing:
             continue  # a guest without pods (the tiny image) has none to list
     return out
 
 
+def listed(relay: Relay, capsule: str) -> list[dict[str, Any]]:
+    """The pods of a running capsule, as its pod layer lists them (checked: ``replies.listed``)."""
+    return replies.listed(relay.call("ls"), capsule)
+
+
 def _verb(store: Store, verb: str, ref: str) -> dict[str, Any]:
     capsule, pod = parse_ref(ref)
-    return {"capsule": capsule, **Relay(store, capsule).call(verb, pod)}
+    return replies.tagged(capsule, Relay(store, capsule).call(verb, pod), verb)
 
 
 def suspend(store: Store, ref: str) -> dict[str, Any]:
@@ -132,14 +140,34 @@ def checkpoint(store: Store, ref: str, *, leave_running: bool = False, progress:
         return _checkpoint(store, relay, capsule, pod, leave_running, progress, t0)
 
 
+def image_cap(store: Store, capsule: str) -> int:
+    """The largest pod image capsule ``capsule`` (running) may hand this host (``replies.image_cap``)."""
+    inst = store.catalogue.instance(capsule)
+    version = store.catalogue.version(capsule, inst.version) if inst else None
+    if version is None:
+        raise PodNotFound(f"capsule {capsule!r} is not running here")
+    return replies.image_cap(int(version.config["memory_mib"]))
+
+
 def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_running: bool, progress: Progress,
                 t0: float) -> CheckpointResult:
-    dumped = relay.call("checkpoint", pod, *(["--leave-running"] if leave_running else []), timeout=180)
+    cap = image_cap(store, capsule)
+    result = relay.call("checkpoint", pod, *(["--leave-running"] if leave_running else []), timeout=180)
+    path = replies.image_path(result, capsule, pod)   # a path it did not ask about: nothing of it is touched
+    try:
+        dumped = replies.dumped(result, capsule, pod, cap)   # a size over the cap: nothing is made or copied
+        replies.check_room(store.tmp_dir, dumped.size)
+    except Error:
+        with contextlib.suppress(Error):   # the pod runs on where it was; its image goes
+            if not leave_running:
+                relay.call("restore", path, timeout=180)
+            relay.sh(f"rm -f {shlex.quote(path)}")
+        raise
     tmp = store.temp_path(".pod.tar.zst")
     done = False
     try:
         t1 = time.monotonic()
-        calls = relay.download(dumped["path"], dumped["size"], tmp, progress)
+        calls = relay.download(dumped.path, dumped.size, tmp, progress)
         copy_seconds = time.monotonic() - t1
         row = store.seal_file(tmp, ROLE)
         with store.catalogue.transaction():
@@ -149,10 +177,10 @@ def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_runnin
     finally:
         tmp.unlink(missing_ok=True)
         if not done and not leave_running:
-            relay.call("restore", dumped["path"], timeout=180)  # the pod runs on where it was
-        relay.sh(f"rm -f {dumped['path']}")
-    return CheckpointResult(capsule, pod, row.id, row.size, dumped["ip"], leave_running, dumped["dump_seconds"],
-                            dumped["seconds"], round(copy_seconds, 3), calls, round(time.monotonic() - t0, 3))
+            relay.call("restore", dumped.path, timeout=180)  # the pod runs on where it was
+        relay.sh(f"rm -f {shlex.quote(dumped.path)}")
+    return CheckpointResult(capsule, pod, row.id, row.size, dumped.ip, leave_running, dumped.dump_seconds,
+                            dumped.seconds, round(copy_seconds, 3), calls, round(time.monotonic() - t0, 3))
 
 
 def resolve_image(store: Store, ref: str) -> str:
@@ -187,9 +215,10 @@ def restore(store: Store, image: str, into: str, progress: Progress = None, *, l
         if progress:
             progress("restoring")
         try:
-            result = relay.call("restore", guest_path, timeout=180)
+            result = replies.restored(relay.call("restore", guest_path, timeout=180), into)
         finally:
             relay.sh(f"rm -f {guest_path}")
+    result = {k: v for k, v in result.items() if k not in ("capsule", "image")}
     return {"capsule": into, "image": file_id, **result, "copy_seconds": round(copy_seconds, 3),
             "copy_calls": calls, "seconds": round(time.monotonic() - t0, 3)}
 
@@ -197,7 +226,7 @@ def restore(store: Store, image: str, into: str, progress: Progress = None, *, l
 def source_pod(store: Store, ref: str) -> dict[str, Any]:
     """The pod ``CAPSULE/POD`` as its capsule lists it (name, address, state …)."""
     capsule, pod = parse_ref(ref)
-    source = {p["name"]: p for p in Relay(store, capsule).call("ls")}
+    source = {p["name"]: p for p in listed(Relay(store, capsule), capsule)}
     if pod not in source:
         raise PodNotFound(f"capsule {capsule!r}: no pod {pod!r} in this capsule")
     return source[pod]
@@ -227,7 +256,7 @@ def migrate(store: Store, ref: str, to: str, progress: Progress = None) -> dict[
     if to == capsule:
         raise PodNameInvalid(f"pod {ref} is in {to!r} already")
     source = source_pod(store, ref)
-    check_target(source, Relay(store, to).call("ls"), to, ref)
+    check_target(source, listed(Relay(store, to), to), to, ref)
     podnet.refuse_clash(store, source["ip"], to, leaving=capsule)
     ck = checkpoint(store, ref, progress=progress)
     try:

@@ -7,8 +7,10 @@ line, replies ≤ 8 MiB of output). Either way the copy is checked by sha256 at 
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import hashlib
+import re
 import secrets
 import shlex
 from collections.abc import Callable, Iterator
@@ -19,7 +21,7 @@ from capsule.catalogue import InstanceRow
 from capsule.errors import Conflict, NotFound
 from capsule.pod.errors import BY_KIND, PodFailed, PodLayerMissing
 from capsule.runtime.connection import lookup_domain
-from capsule.runtime.guestagent import AgentError, GuestAgent
+from capsule.runtime.guestagent import AgentError, AgentReplyInvalid, GuestAgent, exec_result
 from capsule.runtime.hotdisk import HotDisk, HotDiskUnavailable, scratch_file
 from capsule.store import Store
 from hashcache import wirejson
@@ -32,6 +34,7 @@ OUTPUT_CAP = 8 << 20
 LEND_FROM_IN = 2 << 20
 LEND_FROM_OUT = 16 << 20
 Progress = Callable[[str], None] | None
+_SHA256 = re.compile(r"([0-9a-f]{64})(?:\s.*)?", re.DOTALL)
 
 
 def _instance(store: Store, capsule: str) -> InstanceRow:
@@ -75,10 +78,11 @@ class Relay:
         with self.session():
             assert self._agent is not None
             try:
-                return self._agent.call("exec", args, timeout=timeout + 5)
+                reply = self._agent.call("exec", args, timeout=timeout + 5)
             except AgentError as exc:
                 raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer ({exc}); pods need a guest "
                                       f"with python3 and pods/, such as the debian image") from exc
+        return exec_result(reply, f"capsule {self.capsule!r}: {argv[0]}")
 
     def call(self, *argv: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Any:
         """``python3 -m pods ARGV…`` in the guest (with ``env`` added to its environment); its result, or its
@@ -91,22 +95,30 @@ class Relay:
             reply = wirejson.loads(r["stdout"].strip().splitlines()[-1])
             if not isinstance(reply, dict):
                 raise ValueError("not a JSON object")
-        except (ValueError, IndexError, AttributeError):
-            err = r.get("stderr", "").strip()
+        except (ValueError, IndexError):
+            err = r["stderr"].strip()
             if "No module named pods" in err or "No such file" in err:
                 raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer (its image lacks pods/); "
                                       f"pods need a guest with python3 and pods/, such as the debian image") from None
             raise PodFailed(f"capsule {self.capsule!r}: pods {argv[0]} failed: {err[-500:]}") from None
-        if reply.get("ok"):
+        if reply.get("ok") is True:
+            if "result" not in reply:
+                raise AgentReplyInvalid(f"capsule {self.capsule!r}: pods {argv[0]}: the guest's reply has no result")
             return reply["result"]
-        cls = BY_KIND.get(reply.get("kind"), PodFailed)
-        raise cls(f"capsule {self.capsule!r}: {reply.get('error')}")
+        kind = reply.get("kind")
+        cls = BY_KIND.get(kind, PodFailed) if isinstance(kind, str) else PodFailed
+        raise cls(f"capsule {self.capsule!r}: {str(reply.get('error'))[:1000]}")
 
     def sh(self, script: str, timeout: float = 60.0, stdin: str | None = None) -> str:
         r = self._exec(["sh", "-c", script], timeout, stdin)
         if r.get("exit_code") != 0:
-            raise PodFailed(f"capsule {self.capsule!r}: {script.split()[0]} failed: {r.get('stderr', '')[-500:]}")
+            raise PodFailed(f"capsule {self.capsule!r}: {script.split()[0]} failed: {r['stderr'][-500:]}")
         return r["stdout"]
+
+    def sha256(self, guest_path: str, timeout: float = 60.0) -> str:
+        """The sha256 of a file in the guest (``sha256sum``), checked to be one."""
+        out = self.sh(f"sha256sum {shlex.quote(guest_path)}", timeout=timeout)
+        return _digest(out, f"capsule {self.capsule!r}: sha256sum {guest_path}")
 
     def _has_device(self, device: str) -> bool:
         return self.sh(f"test -b {shlex.quote(device)} && echo yes || true").strip() == "yes"
@@ -138,8 +150,8 @@ class Relay:
             with self.session(), lent as disk:
                 if progress:
                     progress(f"copying {size >> 10} KiB out on a lent disk")
-                theirs = self.sh(f"dd if={q} of={disk.guest_device} bs=1M conv=fsync status=none && "
-                                 f"sha256sum {q}", timeout=600).split()[0]
+                theirs = _digest(self.sh(f"dd if={q} of={disk.guest_device} bs=1M conv=fsync status=none && "
+                                         f"sha256sum {q}", timeout=600), f"capsule {self.capsule!r}: dd")
             with scratch.open("r+b") as f:
                 f.truncate(size)
             if _sha256(scratch) != theirs:
@@ -156,9 +168,17 @@ class Relay:
         with self.session(), dest.open("wb") as out:
             offset = 0
             while offset < size:
-                b64 = self.sh(f"dd if={q} bs=1M iflag=skip_bytes,count_bytes skip={offset} count={DOWN_CHUNK} "
+                ask = min(DOWN_CHUNK, size - offset)
+                b64 = self.sh(f"dd if={q} bs=1M iflag=skip_bytes,count_bytes skip={offset} count={ask} "
                               f"status=none | base64 -w0", timeout=120)
-                raw = base64.b64decode(b64)
+                try:
+                    raw = base64.b64decode(b64.strip(), validate=True)
+                except binascii.Error:
+                    raise AgentReplyInvalid(f"capsule {self.capsule!r}: {guest_path} at {offset}: the guest sent "
+                                            "something other than base64") from None
+                if len(raw) > ask:  # the file never grows past the size the host accepted
+                    raise AgentReplyInvalid(f"capsule {self.capsule!r}: {guest_path} at {offset}: the guest sent "
+                                            f"{len(raw)} bytes where {ask} were asked for")
                 if not raw:
                     raise PodFailed(f"capsule {self.capsule!r}: {guest_path} ended at {offset} of {size} bytes")
                 out.write(raw)
@@ -167,7 +187,7 @@ class Relay:
                 calls += 1
                 if progress:
                     progress(f"{offset >> 10} of {size >> 10} KiB")
-            theirs = self.sh(f"sha256sum {q}").split()[0]
+            theirs = self.sha256(guest_path)
         if theirs != digest.hexdigest():
             raise PodFailed(f"capsule {self.capsule!r}: {guest_path} changed while it was copied")
         return calls
@@ -192,8 +212,8 @@ class Relay:
         with self.session(), lent as disk:
             if progress:
                 progress(f"copying {size >> 10} KiB in on a lent disk")
-            theirs = self.sh(f"mkdir -p $(dirname {q}) && head -c {size} {disk.guest_device} > {part} && "
-                             f"sha256sum {part}", timeout=600).split()[0]
+            theirs = _digest(self.sh(f"mkdir -p $(dirname {q}) && head -c {size} {disk.guest_device} > {part} && "
+                                     f"sha256sum {part}", timeout=600), f"capsule {self.capsule!r}: head")
         if theirs != _sha256(src):
             self.sh(f"rm -f {part}")
             raise PodFailed(f"capsule {self.capsule!r}: the pod image arrived damaged")
@@ -214,11 +234,19 @@ class Relay:
                 calls += 1
                 if progress:
                     progress(f"{f.tell() >> 10} of {size >> 10} KiB")
-            theirs = self.sh(f"sha256sum {part}").split()[0]
+            theirs = self.sha256(guest_path + ".part")
         if theirs != digest.hexdigest():
             raise PodFailed(f"capsule {self.capsule!r}: the pod image arrived damaged")
         self.sh(f"mv {part} {q}")
         return calls
+
+
+def _digest(out: str, what: str) -> str:
+    """The digest ``sha256sum`` printed (its first word)."""
+    m = _SHA256.fullmatch(out.strip())
+    if m is None:
+        raise AgentReplyInvalid(f"{what}: the guest printed {out[:80]!r}, not a sha256 digest")
+    return m[1]
 
 
 def _sha256(path: Path) -> str:

@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from capsule.errors import GuestTimeout, RuntimeFailure
+from capsule.runtime import guestfiles
 from capsule.runtime.connection import lookup_domain
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]")
@@ -61,7 +62,7 @@ class ConsoleSession:
         path = src.get("path") if src is not None else None
         if not path:
             raise RuntimeFailure(f"domain {domain} has no serial console pty")
-        self.fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+        self.fd = guestfiles.open_pty(Path(path), f"domain {domain}'s serial console")
         tty.setraw(self.fd)
         self.buffer = b""
         self._wait_for_shell(ready_timeout)

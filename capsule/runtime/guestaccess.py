@@ -33,7 +33,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from capsule.errors import EnvironmentProblem
+from capsule.errors import EnvironmentProblem, IntegrityError
 from capsule.storemodes import GUEST_DIR_MODE, GUEST_SUBDIRS
 
 USER_ENV = "CAPSULE_QEMU_USER"
@@ -136,9 +136,16 @@ def grant_store(home: Path, user: GuestUser | None = None) -> None:
 
 
 def backing_chain(leaf: Path) -> list[Path]:
-    """The local files below ``leaf`` in its qcow2 backing chain, nearest first (a network backing ends it)."""
+    """The local files below ``leaf`` in its qcow2 backing chain, nearest first (a network backing ends it; so
+    does a backing file that is not there).
+
+    A leaf's header is QEMU's to write, and so is a sealed layer's, once its leaf was sealed. So every backing
+    file named must be, links resolved, a ``.qcow2`` file in ``leaf``'s own directory (the store's ``layers/``,
+    where a layer names its parent by its bare name). A header naming anything else — ``/etc/shadow``,
+    ``../files/<a memory image>``, a link out of the store — is refused with IntegrityError."""
     from hashcache.qcow2 import Qcow2Image
 
+    home = leaf.parent.resolve()
     chain: list[Path] = []
     path = leaf
     while len(chain) < _MAX_CHAIN:
@@ -146,27 +153,48 @@ def backing_chain(leaf: Path) -> list[Path]:
             name = img.backing_file
         if not name or "://" in name or name.startswith(("nbd:", "json:")):
             return chain
-        path = (path.parent / name).resolve()
-        if not path.is_file():
+        real = (path.parent / name).resolve()
+        if real.parent != home or real.suffix != ".qcow2" or real.exists() and not stat.S_ISREG(real.stat().st_mode):
+            raise IntegrityError(f"{path.name} names {name!r} as its backing file, which is not a layer in {home}; "
+                                 "refused (a header QEMU wrote is not trusted): nothing was granted to the guest")
+        if not real.exists():
             return chain
-        chain.append(path)
+        chain.append(real)
+        path = real
     raise EnvironmentProblem(f"the backing chain of {leaf} is longer than {_MAX_CHAIN} layers")
 
 
+def checked_chain(leaf: Path, known: list[Path] | None = None) -> list[Path]:
+    """:func:`backing_chain`, each file in it also one of ``known`` (the layers the catalogue lists for this disk,
+    where the caller knows them): what the header says never adds a file to what the guest is granted."""
+    chain = backing_chain(leaf)
+    if known is not None:
+        allowed = {p.resolve() for p in known}
+        for layer in chain:
+            if layer not in allowed:
+                raise IntegrityError(f"{leaf.name}'s backing chain names {layer.name}, which is not a layer of its "
+                                     "disk in the catalogue; refused: nothing was granted to the guest")
+    return chain
+
+
 def grant_machine(store_home: Path, *, kernel: Path, initrd: Path, leaves: list[Path], instance_dir: Path,
-                  sockets: list[Path] | tuple[Path, ...] = (), user: GuestUser | None = None) -> None:
+                  sockets: list[Path] | tuple[Path, ...] = (), user: GuestUser | None = None,
+                  chains: list[list[Path]] | None = None) -> None:
     """Everything a guest's QEMU opens, before libvirt starts it: the store's directories, the instance
-    directory, the kernel and initrd, each leaf (read-write) and the layers below it (read-only)."""
+    directory, the kernel and initrd, each leaf (read-write) and the layers below it (read-only).
+    ``chains``: for each leaf, the layer files the catalogue lists below it; a backing chain naming another file
+    (:func:`checked_chain`, :func:`backing_chain`) is refused before anything is granted."""
     user = user or guest_user()
     if user.unconfined:
         return
+    below = [checked_chain(leaf, chains[i] if chains is not None else None) for i, leaf in enumerate(leaves)]
     grant_store(store_home, user)
     _group(instance_dir, user.gid, INSTANCE_DIR_MODE)
     for path in (kernel, initrd):
         _allow_read(path, user.gid)
-    for leaf in leaves:
+    for leaf, layers in zip(leaves, below, strict=True):
         _allow_read(leaf, user.gid, write=True)
-        for layer in backing_chain(leaf):
+        for layer in layers:
             _allow_read(layer, user.gid)
     for sock in sockets:
         _allow_read(sock, user.gid, write=True)

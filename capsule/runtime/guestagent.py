@@ -3,19 +3,26 @@ over the virtio-serial channel libvirt exposes as a unix socket.
 
 Every call has a deadline and never hangs the caller: a guest without an
 agent, an agent that does not answer, or one that sends garbage or endless
-lines gives ``AgentUnavailable`` (or ``AgentError`` for an error reply)."""
+lines gives ``AgentUnavailable`` (or ``AgentError`` for an error reply).
+
+What a guest answers is read through :class:`Reply`: a field missing, of the wrong type or outside the range
+the host expects raises ``AgentReplyInvalid`` (an ``AgentError``) naming it, never a ValueError, TypeError or
+KeyError (:func:`exec_result` for ``exec``)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import json
-import socket
+import math
+import re
+import reprlib
 import time
 from pathlib import Path
 from typing import Any
 
 from capsule.errors import CapsuleError
+from capsule.runtime import guestfiles
 from hashcache import wirejson
 
 MAX_REPLY = 16 << 20       # a reply line longer than this is refused
@@ -43,6 +50,98 @@ class AgentError(CapsuleError):
     http_status = 502
 
 
+class AgentReplyInvalid(AgentError):
+    """The guest answered with a reply of the wrong shape: a field missing, of the wrong type, or outside what
+    the host asked for (a size over the cap, a path it did not ask about)."""
+
+    code = "guest_agent_reply_invalid"
+
+
+_REQUIRED: Any = object()
+MAX_INT = (1 << 63) - 1
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 60, 60, 40
+
+
+def _show(value: object) -> str:
+    """A short rendering of what the guest sent, for a message (bounded whatever its size or depth)."""
+    return _SHOW.repr(value)
+
+
+class Reply:
+    """The result of one guest reply, read field by field. Each reader takes the field's ``key``, its bounds and
+    a ``default`` for a field that may be missing (a required field has none); a field missing, of the wrong
+    type or out of bounds raises :class:`AgentReplyInvalid` naming ``what`` answered and the field."""
+
+    def __init__(self, value: object, what: str) -> None:
+        if not isinstance(value, dict):
+            raise AgentReplyInvalid(f"{what}: the guest answered {_show(value)}, not a JSON object")
+        self.value: dict[str, Any] = value
+        self.what = what
+
+    def invalid(self, key: str, want: str) -> AgentReplyInvalid:
+        """The error for field ``key``, which should have been ``want``."""
+        return AgentReplyInvalid(f"{self.what}: the guest's {key!r} should be {want}, not {_show(self.value.get(key))}")
+
+    def _get(self, key: str, default: object, want: str) -> tuple[bool, Any]:
+        """(present, value): a missing field is its default, or an error when it has none."""
+        if key in self.value:
+            return True, self.value[key]
+        if default is _REQUIRED:
+            raise AgentReplyInvalid(f"{self.what}: the guest's reply has no {key!r} (it should be {want})")
+        return False, default
+
+    def integer(self, key: str, lo: int = 0, hi: int = MAX_INT, default: Any = _REQUIRED,
+                nullable: bool = False) -> Any:
+        """A whole number in [lo, hi] (a float with no fraction counts); null only where ``nullable``."""
+        want = f"a whole number from {lo} to {hi}" + (" or null" if nullable else "")
+        present, v = self._get(key, default, want)
+        if not present or v is None and nullable:
+            return v
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self.invalid(key, want)
+        return v
+
+    def number(self, key: str, lo: float = 0.0, hi: float = 1e12, default: Any = _REQUIRED) -> Any:
+        want = f"a number from {lo:g} to {hi:g}"
+        present, v = self._get(key, default, want)
+        if present and (isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi):  # NaN fails
+            raise self.invalid(key, want)
+        return v
+
+    def text(self, key: str, max_len: int = 4096, pattern: re.Pattern[str] | None = None,
+             default: Any = _REQUIRED, nullable: bool = False) -> Any:
+        want = (f"text matching {pattern.pattern}" if pattern else f"text of at most {max_len} characters") \
+            + (" or null" if nullable else "")
+        present, v = self._get(key, default, want)
+        if not present or v is None and nullable:
+            return v
+        if not isinstance(v, str) or len(v) > max_len or pattern is not None and not pattern.fullmatch(v):
+            raise self.invalid(key, want)
+        return v
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+        present, v = self._get(key, default, "true or false")
+        if present and not isinstance(v, bool):
+            raise self.invalid(key, "true or false")
+        return v
+
+
+def exec_result(value: object, what: str = "exec") -> dict[str, Any]:
+    """An ``exec`` result (PROTOCOL.md), checked: ``exit_code`` and ``signal`` whole numbers or null,
+    ``timed_out`` a flag, ``stdout`` and ``stderr`` text (missing: empty)."""
+    r = Reply(value, what)
+    return {"exit_code": r.integer("exit_code", -(1 << 31), (1 << 31) - 1, default=None, nullable=True),
+            "signal": r.integer("signal", 0, 255, default=None, nullable=True),
+            "timed_out": r.flag("timed_out", default=False),
+            "stdout": r.text("stdout", MAX_REPLY, default=""),
+            "stderr": r.text("stderr", MAX_REPLY, default="")}
+
+
 class GuestAgent:
     """One connection to a guest's agent socket."""
 
@@ -52,12 +151,10 @@ class GuestAgent:
         self._ids = itertools.count(1)
         self._buf = b""
         self._synced = False  # a reply has come on this connection: the agent reads it
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(CONNECT_TIMEOUT)
-        try:
-            self._sock.connect(str(sock_path))
+        try:  # libvirt makes the channel's socket (root's); never through a link QEMU may have put in its place
+            self._sock = guestfiles.connect_socket(Path(sock_path), "the guest agent's socket", CONNECT_TIMEOUT,
+                                                   root_too=True)
         except OSError as exc:
-            self._sock.close()
             raise AgentUnavailable(f"no guest agent channel at {sock_path}: {exc.strerror or exc}") from exc
         self._send(b"\n")  # ends any partial line a previous host left behind
 
@@ -166,10 +263,11 @@ class GuestAgent:
         return self.call("fs.thaw", timeout=30)
 
     def exec(self, argv: list[str], timeout_s: float = 30.0, stdin: str | None = None) -> dict[str, Any]:
+        """Run ``argv`` in the guest; its result checked by :func:`exec_result`."""
         args: dict[str, Any] = {"argv": argv, "timeout_s": timeout_s}
         if stdin is not None:
             args["stdin"] = stdin
-        return self.call("exec", args, timeout=timeout_s + 3)
+        return exec_result(self.call("exec", args, timeout=timeout_s + 3), f"exec {argv[0] if argv else ''}")
 
 
 def wait_for_agent(sock_path: Path, timeout: float = 30.0) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from capsule.agent.app import create_app
 from capsule.agent.console import Tickets
 from capsule.catalogue import InstanceRow
 from capsule.memimage import VNC_SOCKET
+from capsule.runtime.guestaccess import guest_user
 from capsule.store import Store
 from tests.unit.test_dashboard_api import TOKEN, Clock, _fake_image, sign_in
 
@@ -34,6 +35,7 @@ class EchoServer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(4)
+        os.chown(path, guest_user().uid, guest_user().gid)   # QEMU makes it, as the guest user
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -226,6 +228,7 @@ def test_tickets_unit():
 def test_serial_console_shows_the_log_then_splices_the_pty(client, home, monkeypatch):
     """The guest's side of the serial port is a pty master held by the test."""
     master, slave = os.openpty()
+    os.fchown(slave, guest_user().uid, -1)   # QEMU opens it, as the guest user
     log = home / "inst" / "desk" / "console.log"
     log.write_bytes(b"x" * 20000 + b"\nearlier boot output\n")
     monkeypatch.setattr(screen, "serial_console", lambda store, name: screen.Serial(Path(os.ttyname(slave)), log))

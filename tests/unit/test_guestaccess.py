@@ -3,13 +3,14 @@ group exactly what a guest opens (``capsule/runtime/guestaccess.py``). Run as ro
 
 from __future__ import annotations
 
+import os
 import stat
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from capsule.errors import EnvironmentProblem
+from capsule.errors import EnvironmentProblem, IntegrityError
 from capsule.runtime import guestaccess
 from capsule.runtime.domainxml import MachineSpec, build
 from capsule.runtime.guestaccess import GuestUser, backing_chain, grant_machine, lend, let_pass
@@ -192,3 +193,69 @@ def test_doctor_says_who_qemu_runs_as_and_whether_it_reaches_the_store(machine, 
         hidden.close()
     monkeypatch.setattr(doctor, "guest_user", lambda: ROOT)
     assert "no confinement" in doctor._guest_user_check(store).detail
+
+
+def _state(*paths: Path) -> dict[Path, tuple[int, int, int]]:
+    return {p: (p.stat().st_uid, p.stat().st_gid, _mode(p)) for p in paths}
+
+
+@pytest.fixture
+def secret(tmp_path):
+    """A root-only file outside the store (standing in for /etc/shadow)."""
+    (tmp_path / "etc").mkdir()
+    path = tmp_path / "etc" / "shadow"
+    path.write_bytes(b"root:secret\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "link", "memory", "catalogue"])
+def test_a_leaf_naming_a_file_outside_the_stores_layers_is_refused_and_nothing_changes(machine, secret, how):
+    """A leaf's header is QEMU's to write: whatever it names outside layers/ is never granted to the guest."""
+    store, m = machine
+    leaf = store.layers_dir / "leaf-2.qcow2"
+    if how == "absolute":
+        backing = str(secret)
+    elif how == "dotdot":
+        backing = os.path.relpath(secret, store.layers_dir)
+    elif how == "link":
+        (store.layers_dir / "evil.qcow2").symlink_to(secret)
+        backing = "evil.qcow2"
+    elif how == "memory":
+        backing = "../files/memory"
+    else:
+        backing = "../catalogue.sqlite"
+    _layer(leaf, backing)
+    leaf.chmod(0o660)
+    watched = (secret, m["memory"], store.home / "catalogue.sqlite", store.home, store.layers_dir, m["base"],
+               m["kernel"], m["inst"], leaf)
+    before = _state(*watched)
+    with pytest.raises(IntegrityError, match="not a layer in"):
+        grant_machine(store.home, kernel=m["kernel"], initrd=m["initrd"], leaves=[leaf], instance_dir=m["inst"],
+                      user=GUEST)
+    assert _state(*watched) == before       # refused before anything was granted
+    assert secret.read_bytes() == b"root:secret\n"
+
+
+def test_backing_chain_refuses_a_system_file(tmp_path):
+    leaf = _layer(tmp_path / "leaf.qcow2", "/etc/passwd")
+    with pytest.raises(IntegrityError, match="'/etc/passwd'"):
+        backing_chain(leaf)
+
+
+def test_the_chain_the_catalogue_knows_is_what_is_granted(machine):
+    """A header naming another layer of the store (not one of this disk's chain) is refused; the chain the
+    catalogue lists goes through."""
+    store, m = machine
+    other = _layer(store.layers_dir / "other.qcow2", None)
+    other.chmod(0o440)
+    leaf = _layer(store.layers_dir / "leaf-3.qcow2", "other.qcow2")
+    before = _state(other, store.home)
+    with pytest.raises(IntegrityError, match="not a layer of its disk in the catalogue"):
+        grant_machine(store.home, kernel=m["kernel"], initrd=m["initrd"], leaves=[leaf], instance_dir=m["inst"],
+                      user=GUEST, chains=[[m["mid"], m["base"]]])
+    assert _state(other, store.home) == before
+    grant_machine(store.home, kernel=m["kernel"], initrd=m["initrd"], leaves=[m["leaf"]], instance_dir=m["inst"],
+                  user=GUEST, chains=[[m["mid"], m["base"]]])
+    assert (m["mid"].stat().st_gid, m["base"].stat().st_gid) == (GUEST.gid, GUEST.gid)
+    assert other.stat().st_gid == 0
