@@ -40,30 +40,50 @@ static void capture_read(int *fd, capture *c)
     }
 }
 
-int cmd_exec(const jval *args, jw *w, errbuf *e)
+/* What to run, as the request's arguments say. */
+typedef struct {
+    const jval *argv;       /* a non-empty array of strings */
+    const jval *env;        /* strings NAME=VALUE put into the environment, or NULL */
+    const char *cwd;        /* or NULL: ours */
+    double timeout_s;       /* > 0 */
+    unsigned long long cap; /* stdout / stderr capture cap, each */
+    const char *in_data;    /* stdin ("" when none) */
+    size_t in_len;
+} exec_req;
+
+/* Read and check exec's arguments; the first that is wrong is the error. */
+static int exec_args(const jval *args, exec_req *q, errbuf *e)
 {
     static const char *const allowed[] = {"argv", "timeout_s", "stdin", "env", "cwd", "max_output_bytes", NULL};
-    const jval *argv_v, *env_v, *stdin_v;
     int have_argv, have_env;
-    const char *cwd;
-    double timeout_s;
-    unsigned long long cap;
-    if (check_keys(args, allowed, e) < 0 || arg_str_array(args, "argv", &argv_v, &have_argv, e) < 0 ||
-        arg_str_array(args, "env", &env_v, &have_env, e) < 0 || arg_cstr(args, "cwd", &cwd, e) < 0 ||
-        arg_seconds(args, "timeout_s", 30, 86400, &timeout_s, e) < 0 ||
-        arg_u64(args, "max_output_bytes", EXEC_DEFAULT_CAP, &cap, e) < 0)
+    if (check_keys(args, allowed, e) < 0 || arg_str_array(args, "argv", &q->argv, &have_argv, e) < 0 ||
+        arg_str_array(args, "env", &q->env, &have_env, e) < 0 || arg_cstr(args, "cwd", &q->cwd, e) < 0 ||
+        arg_seconds(args, "timeout_s", 30, 86400, &q->timeout_s, e) < 0 ||
+        arg_u64(args, "max_output_bytes", EXEC_DEFAULT_CAP, &q->cap, e) < 0)
         return -1;
-    if (!have_argv || argv_v->n == 0)
+    if (!have_argv || q->argv->n == 0)
         return fail(e, "argument 'argv' must be a non-empty array of strings");
-    if (cap > EXEC_MAX_CAP)
-        cap = EXEC_MAX_CAP;
-    stdin_v = jget(args, "stdin");
+    if (q->cap > EXEC_MAX_CAP)
+        q->cap = EXEC_MAX_CAP;
+    const jval *stdin_v = jget(args, "stdin");
     if (stdin_v && stdin_v->t == J_NULL)
         stdin_v = NULL;
     if (stdin_v && stdin_v->t != J_STR)
         return fail(e, "argument 'stdin' must be a string");
-    if (timeout_s <= 0)
-        timeout_s = 30;
+    q->in_data = stdin_v ? stdin_v->s : "";
+    q->in_len = stdin_v ? stdin_v->slen : 0;
+    if (q->timeout_s <= 0)
+        q->timeout_s = 30;
+    return 0;
+}
+
+int cmd_exec(const jval *args, jw *w, errbuf *e)
+{
+    exec_req q;
+    if (exec_args(args, &q, e) < 0)
+        return -1;
+    const jval *argv_v = q.argv, *env_v = q.env;
+    const char *cwd = q.cwd;
 
     char **argv = calloc(argv_v->n + 1, sizeof *argv);
     if (!argv)
@@ -113,7 +133,7 @@ int cmd_exec(const jval *args, jw *w, errbuf *e)
             err = errno;
             in_chdir = 1;
         }
-        if (!err && have_env)
+        if (!err && env_v)
             for (size_t k = 0; k < env_v->n; k++)
                 putenv(env_v->items[k]->s);
         if (!err) {
@@ -137,16 +157,16 @@ int cmd_exec(const jval *args, jw *w, errbuf *e)
     set_nonblock(fout);
     set_nonblock(ferr);
     set_nonblock(fst);
-    const char *in_data = stdin_v ? stdin_v->s : "";
-    size_t in_len = stdin_v ? stdin_v->slen : 0, in_off = 0;
+    const char *in_data = q.in_data;
+    size_t in_len = q.in_len, in_off = 0;
     if (in_len == 0) {
         close(fin);
         fin = -1;
     }
 
-    capture out = {.cap = cap}, err = {.cap = cap};
+    capture out = {.cap = q.cap}, err = {.cap = q.cap};
     int status = 0, reaped = 0, timed_out = 0, exec_errno = 0, exec_in_chdir = 0;
-    double deadline = t0 + timeout_s, grace = 0;
+    double deadline = t0 + q.timeout_s, grace = 0;
     int idle_ms = 1;
     for (;;) {
         service_timers();
