@@ -77,228 +77,296 @@ static int exec_args(const jval *args, exec_req *q, errbuf *e)
     return 0;
 }
 
-int cmd_exec(const jval *args, jw *w, errbuf *e)
-{
-    exec_req q;
-    if (exec_args(args, &q, e) < 0)
-        return -1;
-    const jval *argv_v = q.argv, *env_v = q.env;
-    const char *cwd = q.cwd;
+/* One running (or finished) exec: the child and our ends of its pipes. */
+typedef struct {
+    pid_t pid;
+    int fin, fout, ferr, fst; /* its stdin, stdout, stderr, exec status; -1 = closed */
+    const char *in_data;      /* stdin still to write: in_data[in_off .. in_len) */
+    size_t in_len, in_off;
+    capture out, err;
+    int status, reaped, timed_out;
+    int exec_errno, exec_in_chdir; /* why the child never ran the program (from the status pipe) */
+    double t0, deadline, grace;    /* grace: after the exit, how long its output may still drain */
+    int idle_ms;                   /* back-off while only the exit is left to wait for */
+} exec_run;
 
-    char **argv = calloc(argv_v->n + 1, sizeof *argv);
+enum { P_IN, P_OUT, P_ERR, P_STATUS, NPIPES };
+
+static void close_pipes(int p[NPIPES][2])
+{
+    for (int k = 0; k < NPIPES; k++)
+        for (int end = 0; end < 2; end++)
+            if (p[k][end] >= 0)
+                close(p[k][end]);
+}
+
+/* In the child: become the program, or report on the status pipe why not (chdir or exec, errno). */
+static void run_child(const exec_req *q, char **argv, int p[NPIPES][2]) __attribute__((noreturn));
+static void run_child(const exec_req *q, char **argv, int p[NPIPES][2])
+{
+    /* own process group (so a timeout kills the whole tree) */
+    setpgid(0, 0);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    if (g_oom_state != 0)
+        write_file("/proc/self/oom_score_adj", g_oom_orig);
+    dup2(p[P_IN][0], 0);
+    dup2(p[P_OUT][1], 1);
+    dup2(p[P_ERR][1], 2);
+    int err = 0;
+    unsigned char in_chdir = 0;
+    if (q->cwd && chdir(q->cwd) < 0) {
+        err = errno;
+        in_chdir = 1;
+    }
+    if (!err && q->env)
+        for (size_t k = 0; k < q->env->n; k++)
+            putenv(q->env->items[k]->s);
+    if (!err) {
+        execvp(argv[0], argv);
+        err = errno;
+    }
+    unsigned char msg[5] = {in_chdir};
+    memcpy(msg + 1, &err, 4);
+    ssize_t wr = write(p[P_STATUS][1], msg, 5);
+    (void)wr;
+    _exit(127);
+}
+
+/* Make the pipes and fork the child; r then holds our (non-blocking) ends. */
+static int start_child(const exec_req *q, exec_run *r, errbuf *e)
+{
+    char **argv = calloc(q->argv->n + 1, sizeof *argv);
     if (!argv)
         return fail(e, "out of memory");
-    for (size_t k = 0; k < argv_v->n; k++)
-        argv[k] = argv_v->items[k]->s;
+    for (size_t k = 0; k < q->argv->n; k++)
+        argv[k] = q->argv->items[k]->s;
 
-    int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pst[2] = {-1, -1};
-    if (pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0 ||
-        pipe2(pst, O_CLOEXEC) < 0) {
+    int p[NPIPES][2] = {{-1, -1}, {-1, -1}, {-1, -1}, {-1, -1}};
+    for (int k = 0; k < NPIPES; k++)
+        if (pipe2(p[k], O_CLOEXEC) < 0) {
+            int s = errno;
+            close_pipes(p);
+            free(argv);
+            return fail(e, "pipe: %s", strerror(s));
+        }
+    r->t0 = now_mono();
+    r->pid = fork();
+    if (r->pid < 0) {
         int s = errno;
-        int fds[] = {pin[0], pin[1], pout[0], pout[1], perr[0], perr[1], pst[0], pst[1]};
-        for (size_t k = 0; k < 8; k++)
-            if (fds[k] >= 0)
-                close(fds[k]);
-        free(argv);
-        return fail(e, "pipe: %s", strerror(s));
-    }
-    double t0 = now_mono();
-    pid_t pid = fork();
-    if (pid < 0) {
-        int s = errno;
-        int fds[] = {pin[0], pin[1], pout[0], pout[1], perr[0], perr[1], pst[0], pst[1]};
-        for (size_t k = 0; k < 8; k++)
-            close(fds[k]);
+        close_pipes(p);
         free(argv);
         return fail(e, "fork: %s", strerror(s));
     }
-    if (pid == 0) {
-        /* child: own process group (so a timeout kills the whole tree) */
-        setpgid(0, 0);
-        sigset_t none;
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        signal(SIGPIPE, SIG_DFL);
-        signal(SIGTERM, SIG_DFL);
-        signal(SIGINT, SIG_DFL);
-        signal(SIGHUP, SIG_DFL);
-        if (g_oom_state != 0)
-            write_file("/proc/self/oom_score_adj", g_oom_orig);
-        dup2(pin[0], 0);
-        dup2(pout[1], 1);
-        dup2(perr[1], 2);
-        int err = 0;
-        unsigned char in_chdir = 0;
-        if (cwd && chdir(cwd) < 0) {
-            err = errno;
-            in_chdir = 1;
-        }
-        if (!err && env_v)
-            for (size_t k = 0; k < env_v->n; k++)
-                putenv(env_v->items[k]->s);
-        if (!err) {
-            execvp(argv[0], argv);
-            err = errno;
-        }
-        unsigned char msg[5] = {in_chdir};
-        memcpy(msg + 1, &err, 4);
-        ssize_t wr = write(pst[1], msg, 5);
-        (void)wr;
-        _exit(127);
-    }
-    setpgid(pid, pid); /* also from the parent: no race with an early kill */
+    if (r->pid == 0)
+        run_child(q, argv, p);
+    setpgid(r->pid, r->pid); /* also from the parent: no race with an early kill */
     free(argv);
-    close(pin[0]);
-    close(pout[1]);
-    close(perr[1]);
-    close(pst[1]);
-    int fin = pin[1], fout = pout[0], ferr = perr[0], fst = pst[0];
-    set_nonblock(fin);
-    set_nonblock(fout);
-    set_nonblock(ferr);
-    set_nonblock(fst);
-    const char *in_data = q.in_data;
-    size_t in_len = q.in_len, in_off = 0;
-    if (in_len == 0) {
-        close(fin);
-        fin = -1;
+    close(p[P_IN][0]);
+    close(p[P_OUT][1]);
+    close(p[P_ERR][1]);
+    close(p[P_STATUS][1]);
+    r->fin = p[P_IN][1];
+    r->fout = p[P_OUT][0];
+    r->ferr = p[P_ERR][0];
+    r->fst = p[P_STATUS][0];
+    set_nonblock(r->fin);
+    set_nonblock(r->fout);
+    set_nonblock(r->ferr);
+    set_nonblock(r->fst);
+    r->in_data = q->in_data;
+    r->in_len = q->in_len;
+    if (r->in_len == 0) {
+        close(r->fin);
+        r->fin = -1;
     }
+    r->out.cap = r->err.cap = q->cap;
+    r->deadline = r->t0 + q->timeout_s;
+    r->idle_ms = 1;
+    return 0;
+}
 
-    capture out = {.cap = q.cap}, err = {.cap = q.cap};
-    int status = 0, reaped = 0, timed_out = 0, exec_errno = 0, exec_in_chdir = 0;
-    double deadline = t0 + q.timeout_s, grace = 0;
-    int idle_ms = 1;
-    for (;;) {
+/* The child's message on the status pipe, if it sent one: it never ran the program. */
+static ssize_t read_exec_status(exec_run *r)
+{
+    unsigned char msg[5];
+    ssize_t n = read(r->fst, msg, sizeof msg);
+    if (n == 5) {
+        r->exec_in_chdir = msg[0];
+        memcpy(&r->exec_errno, msg + 1, 4);
+    }
+    return n;
+}
+
+static void write_stdin(exec_run *r)
+{
+    ssize_t n = write(r->fin, r->in_data + r->in_off, r->in_len - r->in_off);
+    if (n > 0)
+        r->in_off += (size_t)n;
+    if ((n < 0 && errno != EAGAIN && errno != EINTR) || r->in_off >= r->in_len) {
+        close(r->fin);
+        r->fin = -1;
+    }
+}
+
+/* Timeout or termination: kill the child's process group and take what output is left. */
+static void kill_child(exec_run *r)
+{
+    kill(-r->pid, SIGKILL);
+    kill(r->pid, SIGKILL);
+    /* Not a blocking waitpid: a child stuck writing to a file system we
+     * froze dies only once the auto-thaw (a timer of ours) has run. */
+    for (int k = 0; k < 1000 && waitpid(r->pid, &r->status, WNOHANG) == 0; k++) {
         service_timers();
-        if (!reaped) {
-            pid_t r = waitpid(pid, &status, WNOHANG);
-            if (r == pid) {
-                reaped = 1;
-                grace = now_mono() + 1.0; /* let background children's output drain briefly */
-            }
-        }
-        if (reaped && fout < 0 && ferr < 0 && fst < 0)
-            break;
-        double t = now_mono();
-        if (reaped && t >= grace)
-            break; /* a background grandchild holds the pipes: stop waiting for it */
-        if (!reaped && (t >= deadline || g_term)) {
-            timed_out = !g_term || t >= deadline;
-            kill(-pid, SIGKILL);
-            kill(pid, SIGKILL);
-            /* Not a blocking waitpid: a child stuck writing to a file system we
-             * froze dies only once the auto-thaw (a timer of ours) has run. */
-            for (int k = 0; k < 1000 && waitpid(pid, &status, WNOHANG) == 0; k++) {
-                service_timers();
-                sleep_ms(10);
-            }
-            if (fout >= 0)
-                capture_read(&fout, &out);
-            if (ferr >= 0)
-                capture_read(&ferr, &err);
-            break;
-        }
-        struct pollfd pf[4];
-        int np = 0, iout = -1, ierr = -1, iin = -1, ist = -1;
-        if (fout >= 0) {
-            pf[np] = (struct pollfd){fout, POLLIN, 0};
-            iout = np++;
-        }
-        if (ferr >= 0) {
-            pf[np] = (struct pollfd){ferr, POLLIN, 0};
-            ierr = np++;
-        }
-        if (fin >= 0) {
-            pf[np] = (struct pollfd){fin, POLLOUT, 0};
-            iin = np++;
-        }
-        if (fst >= 0) {
-            pf[np] = (struct pollfd){fst, POLLIN, 0};
-            ist = np++;
-        }
-        double until = reaped ? grace : deadline;
-        int ms = (int)((until - t) * 1000) + 1;
-        /* wake at least every 100 ms: child exit, timers, termination */
-        if (ms > 100)
-            ms = 100;
-        int tm = next_timer_ms(100);
-        if (tm < ms)
-            ms = tm;
-        if (np == 0) {
-            /* only the exit is left to wait for: back off 1, 2, 4 .. 64 ms */
-            if (ms > idle_ms)
-                ms = idle_ms;
-            if (idle_ms < 64)
-                idle_ms *= 2;
-        }
-        int pr = poll(pf, (nfds_t)np, ms);
-        if (pr <= 0)
-            continue;
-        if (iout >= 0 && pf[iout].revents)
-            capture_read(&fout, &out);
-        if (ierr >= 0 && pf[ierr].revents)
-            capture_read(&ferr, &err);
-        if (iin >= 0 && pf[iin].revents) {
-            ssize_t n = write(fin, in_data + in_off, in_len - in_off);
-            if (n > 0)
-                in_off += (size_t)n;
-            if ((n < 0 && errno != EAGAIN && errno != EINTR) || in_off >= in_len) {
-                close(fin);
-                fin = -1;
-            }
-        }
-        if (ist >= 0 && pf[ist].revents) {
-            unsigned char msg[5];
-            ssize_t n = read(fst, msg, sizeof msg);
-            if (n == 5) {
-                exec_in_chdir = msg[0];
-                memcpy(&exec_errno, msg + 1, 4);
-            }
-            if (n >= 0 || errno != EAGAIN) {
-                close(fst);
-                fst = -1;
-            }
+        sleep_ms(10);
+    }
+    if (r->fout >= 0)
+        capture_read(&r->fout, &r->out);
+    if (r->ferr >= 0)
+        capture_read(&r->ferr, &r->err);
+}
+
+/* How long the next poll may wait: until the deadline (or the end of the grace), at most 100 ms,
+ * no later than our next timer. */
+static int poll_wait_ms(exec_run *r, double t, int npipes)
+{
+    double until = r->reaped ? r->grace : r->deadline;
+    int ms = (int)((until - t) * 1000) + 1;
+    /* wake at least every 100 ms: child exit, timers, termination */
+    if (ms > 100)
+        ms = 100;
+    int tm = next_timer_ms(100);
+    if (tm < ms)
+        ms = tm;
+    if (npipes == 0) {
+        /* only the exit is left to wait for: back off 1, 2, 4 .. 64 ms */
+        if (ms > r->idle_ms)
+            ms = r->idle_ms;
+        if (r->idle_ms < 64)
+            r->idle_ms *= 2;
+    }
+    return ms;
+}
+
+/* Wait for the open pipes, then read output, write stdin, read the exec status. */
+static void poll_pipes(exec_run *r, double t)
+{
+    struct pollfd pf[4];
+    int np = 0, iout = -1, ierr = -1, iin = -1, ist = -1;
+    if (r->fout >= 0) {
+        pf[np] = (struct pollfd){r->fout, POLLIN, 0};
+        iout = np++;
+    }
+    if (r->ferr >= 0) {
+        pf[np] = (struct pollfd){r->ferr, POLLIN, 0};
+        ierr = np++;
+    }
+    if (r->fin >= 0) {
+        pf[np] = (struct pollfd){r->fin, POLLOUT, 0};
+        iin = np++;
+    }
+    if (r->fst >= 0) {
+        pf[np] = (struct pollfd){r->fst, POLLIN, 0};
+        ist = np++;
+    }
+    int pr = poll(pf, (nfds_t)np, poll_wait_ms(r, t, np));
+    if (pr <= 0)
+        return;
+    if (iout >= 0 && pf[iout].revents)
+        capture_read(&r->fout, &r->out);
+    if (ierr >= 0 && pf[ierr].revents)
+        capture_read(&r->ferr, &r->err);
+    if (iin >= 0 && pf[iin].revents)
+        write_stdin(r);
+    if (ist >= 0 && pf[ist].revents) {
+        ssize_t n = read_exec_status(r);
+        if (n >= 0 || errno != EAGAIN) {
+            close(r->fst);
+            r->fst = -1;
         }
     }
-    if (fin >= 0)
-        close(fin);
-    if (fout >= 0)
-        close(fout);
-    if (ferr >= 0)
-        close(ferr);
-    if (fst >= 0) {
-        unsigned char msg[5];
-        if (read(fst, msg, sizeof msg) == 5) {
-            exec_in_chdir = msg[0];
-            memcpy(&exec_errno, msg + 1, 4);
-        }
-        close(fst);
+}
+
+/* One round of waiting for the child; returns 1 when the exec is over. */
+static int wait_round(exec_run *r)
+{
+    service_timers();
+    if (!r->reaped && waitpid(r->pid, &r->status, WNOHANG) == r->pid) {
+        r->reaped = 1;
+        r->grace = now_mono() + 1.0; /* let background children's output drain briefly */
     }
+    if (r->reaped && r->fout < 0 && r->ferr < 0 && r->fst < 0)
+        return 1;
+    double t = now_mono();
+    if (r->reaped && t >= r->grace)
+        return 1; /* a background grandchild holds the pipes: stop waiting for it */
+    if (!r->reaped && (t >= r->deadline || g_term)) {
+        r->timed_out = !g_term || t >= r->deadline;
+        kill_child(r);
+        return 1;
+    }
+    poll_pipes(r, t);
+    return 0;
+}
+
+/* Close our ends; a status message still unread is read first. */
+static void close_ends(exec_run *r)
+{
+    if (r->fin >= 0)
+        close(r->fin);
+    if (r->fout >= 0)
+        close(r->fout);
+    if (r->ferr >= 0)
+        close(r->ferr);
+    if (r->fst >= 0) {
+        read_exec_status(r);
+        close(r->fst);
+    }
+}
+
+static void write_result(const exec_run *r, jw *w)
+{
+    jw_key(w, "exit_code");
+    if (WIFEXITED(r->status))
+        jw_i64(w, WEXITSTATUS(r->status));
+    else
+        jw_null(w);
+    jw_key(w, "signal");
+    if (WIFSIGNALED(r->status))
+        jw_i64(w, WTERMSIG(r->status));
+    else
+        jw_null(w);
+    kv_bool(w, "timed_out", r->timed_out);
+    jw_key(w, "stdout");
+    jw_str(w, r->out.buf.p ? r->out.buf.p : "", r->out.buf.len);
+    jw_key(w, "stderr");
+    jw_str(w, r->err.buf.p ? r->err.buf.p : "", r->err.buf.len);
+    kv_bool(w, "stdout_truncated", r->out.truncated);
+    kv_bool(w, "stderr_truncated", r->err.truncated);
+    kv_dbl(w, "seconds", now_mono() - r->t0);
+}
+
+int cmd_exec(const jval *args, jw *w, errbuf *e)
+{
+    exec_req q;
+    exec_run r = {0};
+    if (exec_args(args, &q, e) < 0 || start_child(&q, &r, e) < 0)
+        return -1;
+    while (!wait_round(&r))
+        ;
+    close_ends(&r);
     int rc = 0;
-    if (exec_errno) {
-        rc = fail(e, "%s %.200s: %s", exec_in_chdir ? "chdir" : "exec", exec_in_chdir ? cwd : argv_v->items[0]->s,
-                  strerror(exec_errno));
-    } else {
-        jw_key(w, "exit_code");
-        if (WIFEXITED(status))
-            jw_i64(w, WEXITSTATUS(status));
-        else
-            jw_null(w);
-        jw_key(w, "signal");
-        if (WIFSIGNALED(status))
-            jw_i64(w, WTERMSIG(status));
-        else
-            jw_null(w);
-        kv_bool(w, "timed_out", timed_out);
-        jw_key(w, "stdout");
-        jw_str(w, out.buf.p ? out.buf.p : "", out.buf.len);
-        jw_key(w, "stderr");
-        jw_str(w, err.buf.p ? err.buf.p : "", err.buf.len);
-        kv_bool(w, "stdout_truncated", out.truncated);
-        kv_bool(w, "stderr_truncated", err.truncated);
-        kv_dbl(w, "seconds", now_mono() - t0);
-    }
-    sb_free(&out.buf);
-    sb_free(&err.buf);
+    if (r.exec_errno)
+        rc = fail(e, "%s %.200s: %s", r.exec_in_chdir ? "chdir" : "exec", r.exec_in_chdir ? q.cwd : q.argv->items[0]->s,
+                  strerror(r.exec_errno));
+    else
+        write_result(&r, w);
+    sb_free(&r.out.buf);
+    sb_free(&r.err.buf);
     return rc;
 }
