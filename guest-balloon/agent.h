@@ -88,19 +88,19 @@ int read_meminfo(meminfo *m);
 extern unsigned long long g_held;
 extern char g_oom_orig[32];
 extern int g_oom_state;
-extern double g_auto_deflate_at;
-extern double g_next_balloon_check;
 
 void oom_update(int inflating);
 unsigned long long balloon_release(unsigned long long bytes);
 void balloon_tick(void);
+double balloon_due(void);
 
 /* file-system freeze (freeze.c, mounts.c) */
 
 extern int g_nfrozen;
-extern double g_thaw_at;
 
 int thaw_all(jw *w);
+void freeze_tick(void);
+double freeze_due(void);
 int default_mounts(char ***out, int *count);
 
 /* timers shared by the main loop and long-running commands (timers.c) */

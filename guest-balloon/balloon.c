@@ -23,8 +23,8 @@ int g_oom_state;             /* 0 = original, 1 = +1000 (victim), -1 = -1000 (pr
 static char g_last_stop[32] = "";
 static unsigned long long g_floor = 32 * MiB;
 static unsigned long long g_pressure_released;
-double g_auto_deflate_at;    /* 0 = never */
-double g_next_balloon_check; /* monotonic seconds */
+static double g_auto_deflate_at;    /* 0 = never */
+static double g_next_balloon_check; /* monotonic seconds */
 
 /* While the balloon holds memory, be the OOM killer's first victim: the
  * guest survives and the memory comes back.  But while file systems are
@@ -259,4 +259,15 @@ void balloon_tick(void)
         g_pressure_released += r;
         logmsg("memory pressure (MemAvailable %lld): released %llu bytes", m.avail, r);
     }
+}
+
+/* When balloon_tick has work next (monotonic seconds), or 0: nothing while no memory is held. */
+double balloon_due(void)
+{
+    if (g_held == 0)
+        return 0;
+    double b = g_next_balloon_check;
+    if (g_auto_deflate_at > 0 && g_auto_deflate_at < b)
+        b = g_auto_deflate_at;
+    return b;
 }

@@ -18,7 +18,7 @@ typedef struct {
 
 static frozen_fs g_frozen[MAX_FROZEN];
 int g_nfrozen;    /* g_frozen[0 .. g_nfrozen) are frozen */
-double g_thaw_at; /* 0 = no timer */
+static double g_thaw_at; /* 0 = no timer */
 
 static int frozen_index(dev_t dev)
 {
@@ -247,6 +247,24 @@ int cmd_fs_thaw(const jval *args, jw *w, errbuf *e)
         return fail(e, "%s", firsterr);
     list_frozen(w, "still_frozen");
     return 0;
+}
+
+/* Called from the main loop (and during exec): once a freeze has lasted its timeout, thaw. */
+void freeze_tick(void)
+{
+    if (g_nfrozen > 0 && g_thaw_at > 0 && now_mono() >= g_thaw_at) {
+        int n = g_nfrozen;
+        if (thaw_all(NULL) > 0)
+            g_thaw_at = now_mono() + 1; /* retry in a second */
+        else
+            logmsg("freeze timeout: thawed %d file system(s)", n);
+    }
+}
+
+/* When freeze_tick has work next (monotonic seconds), or 0: nothing while nothing is frozen. */
+double freeze_due(void)
+{
+    return g_nfrozen > 0 && g_thaw_at > 0 ? g_thaw_at : 0;
 }
 
 int cmd_fs_status(const jval *args, jw *w, errbuf *e)
