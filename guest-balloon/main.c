@@ -60,7 +60,9 @@ static void usage(FILE *f)
 }
 
 #ifndef CAPSULE_AGENT_FUZZ /* a fuzz build links libFuzzer's entry point instead */
-int main(int argc, char **argv)
+/* The command line into g_stdio, g_verbose, g_device and g_port.  Returns -1 to go on, or the exit
+ * status: 0 after --help or --version, 2 after a bad argument (with the usage on stderr). */
+static int parse_options(int argc, char **argv)
 {
     for (int k = 1; k < argc; k++) {
         const char *a = argv[k];
@@ -93,6 +95,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "capsule-agent: --stdio and --device are exclusive\n");
         return 2;
     }
+    return -1;
+}
+
+/* Before serving: the start time, the OOM score to give back, a PATH for exec, the signals. */
+static void start_up(void)
+{
     g_start = now_mono();
     if (read_file("/proc/self/oom_score_adj", g_oom_orig, sizeof g_oom_orig) <= 0)
         strcpy(g_oom_orig, "0\n");
@@ -107,7 +115,11 @@ int main(int argc, char **argv)
         sigaction(SIGHUP, &sa, NULL);
     else
         signal(SIGHUP, SIG_IGN); /* a daemon: a console hangup must not stop it */
+}
 
+/* Answer requests until stdin ends (--stdio) or a signal says stop; reopen a lost channel. */
+static void serve(void)
+{
     static char rbuf[65536];
     long backoff = HUP_SLEEP_MS;
     int host_gone = 0;
@@ -198,6 +210,15 @@ int main(int argc, char **argv)
         sleep_ms(backoff);
         backoff = backoff * 2 > REOPEN_MAX_MS ? REOPEN_MAX_MS : backoff * 2;
     }
+}
+
+int main(int argc, char **argv)
+{
+    int rc = parse_options(argc, argv);
+    if (rc >= 0)
+        return rc;
+    start_up();
+    serve();
     /* leaving (stdin EOF or SIGTERM): never leave the guest frozen or squeezed */
     if (g_nfrozen)
         thaw_all(NULL);
