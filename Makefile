@@ -70,7 +70,7 @@ web/node_modules/.package-lock.json: web/package.json web/package-lock.json
 	cd web && npm ci --no-audit --no-fund
 
 # The guest agent (static C binary guest-balloon/capsule-agent). Image builds run this themselves
-# when the binary is missing or older than agent.c, so nothing above depends on it.
+# when the binary is missing or older than any of its sources, so nothing above depends on it.
 agent:
 	$(MAKE) -C guest-balloon
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -12,7 +13,7 @@ import shutil
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ MARKER = "CAPSULE-GUEST-READY"
 Progress = Callable[[str], None]
 
 AGENT_SOURCE_DIR = Path(__file__).resolve().parents[2] / "guest-balloon"
-"""guest-balloon/ of the repository: agent.c and the Makefile that builds capsule-agent from it."""
+"""guest-balloon/ of the repository: the agent's C sources and the Makefile that builds capsule-agent from them."""
 AGENT_ENV = "CAPSULE_AGENT_BINARY"
 """Environment variable naming a prebuilt agent binary to use instead of building one."""
 AGENT_PORT = "org.capsule.agent.0"
@@ -232,9 +233,27 @@ def _agent_build_hint(output: str) -> str:
     return "building the agent needs make, gcc and the static glibc (Debian packages make, gcc, libc6-dev)"
 
 
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive flock on ``directory`` itself, so no lock file is left behind."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def agent_sources(source_dir: Path) -> list[Path]:
+    """The guest agent's source files: every ``*.c`` and ``*.h`` directly in ``source_dir``
+    (its ``fuzz/`` harness is not part of the agent)."""
+    return sorted(p for pattern in ("*.c", "*.h") for p in source_dir.glob(pattern) if p.is_file())
+
+
 def agent_binary(progress: Progress | None = None, source_dir: Path | None = None) -> Path:
     """The static guest agent binary (capsule-agent), built with `make -C guest-balloon` if it is
-    missing or older than agent.c.  $CAPSULE_AGENT_BINARY names a prebuilt one instead."""
+    missing or older than any of its sources (``agent_sources``).  $CAPSULE_AGENT_BINARY names a
+    prebuilt one instead."""
     env = os.environ.get(AGENT_ENV)
     if env and source_dir is None:
         binary = Path(env)
@@ -244,17 +263,15 @@ def agent_binary(progress: Progress | None = None, source_dir: Path | None = Non
             raise ImageBuildError(f"${AGENT_ENV}={env}: not a static x86-64 ELF executable")
         return binary
     src_dir = Path(source_dir) if source_dir is not None else AGENT_SOURCE_DIR
-    source = src_dir / "agent.c"
     binary = src_dir / "capsule-agent"
-    if not source.is_file():
+    if not any(p.suffix == ".c" for p in agent_sources(src_dir)):
         raise ImageBuildError(
-            f"the guest agent source {source} is missing (a Capsule checkout has it), "
+            f"the guest agent sources (*.c in {src_dir}) are missing (a Capsule checkout has them), "
             f"or set ${AGENT_ENV} to a prebuilt capsule-agent"
         )
-    # one build at a time (concurrent image builds); agent.c itself is the lock, so no lock file is left
-    with source.open("rb") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not binary.is_file() or binary.stat().st_mtime < source.stat().st_mtime:
+    with _locked(src_dir):  # one build at a time (concurrent image builds)
+        newest = max((p.stat().st_mtime for p in agent_sources(src_dir)), default=0.0)
+        if not binary.is_file() or binary.stat().st_mtime < newest:
             say(progress, f"building the guest agent: make -C {src_dir}")
             try:
                 proc = subprocess.run(["make", "-C", str(src_dir)], capture_output=True, timeout=600, check=False)

@@ -1,4 +1,4 @@
-/* libFuzzer harness for the guest agent's request path (agent.c built with -DCAPSULE_AGENT_FUZZ):
+/* libFuzzer harness for the guest agent's request path (its sources built with -DCAPSULE_AGENT_FUZZ):
  * the input is what the host writes on the channel — any bytes, any number of lines. It goes through
  * feed() (line splitting, the line limit), handle_line() (the JSON parser, the request checks,
  * dispatch: only the handlers that change nothing run, see fuzz_dispatch) and the JSON writer.
@@ -8,8 +8,12 @@
  *
  * Build and run: make -C guest-balloon fuzz (a bounded run; see the Makefile). */
 
-#define CAPSULE_AGENT_FUZZ 1
-#include "../agent.c"
+#include "../agent.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include <sys/mman.h>
 

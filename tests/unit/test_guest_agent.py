@@ -1,4 +1,4 @@
-"""The guest agent (guest-balloon/agent.c), built with make and run on the host.
+"""The guest agent (guest-balloon/*.c), built with make and run on the host.
 
 The agent normally talks over a virtio-serial port inside a guest; here it runs
 with --stdio, on a pty (--device) and on a unix socket (--device), which

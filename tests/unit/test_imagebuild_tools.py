@@ -15,6 +15,7 @@ from capsule.imagebuild.common import (
     ImageBuildError,
     agent_binary,
     agent_info,
+    agent_sources,
     is_static_elf,
     run,
 )
@@ -65,13 +66,19 @@ needs_cc = pytest.mark.skipif(
 
 def _agent_tree(tmp_path: Path) -> Path:
     d = tmp_path / "guest-balloon"
-    d.mkdir()
-    for name in ("agent.c", "Makefile"):
-        shutil.copy2(AGENT_SOURCE_DIR / name, d / name)
+    (d / "fuzz").mkdir(parents=True)
+    harness = AGENT_SOURCE_DIR / "fuzz" / "fuzz_request.c"
+    for src in [*agent_sources(AGENT_SOURCE_DIR), AGENT_SOURCE_DIR / "Makefile", harness]:
+        shutil.copy2(src, d / src.relative_to(AGENT_SOURCE_DIR))
     return d
 
 
+def _age(path: Path, seconds: float, now: float) -> None:
+    os.utime(path, (now - seconds, now - seconds))
+
+
 @needs_cc
+@pytest.mark.timeout(300)
 def test_agent_binary_builds_when_missing_or_stale(tmp_path: Path) -> None:
     d = _agent_tree(tmp_path)
     msgs: list[str] = []
@@ -84,11 +91,20 @@ def test_agent_binary_builds_when_missing_or_stale(tmp_path: Path) -> None:
     # up to date: no build
     msgs.clear()
     assert agent_binary(msgs.append, source_dir=d) == binary and msgs == []
-    # agent.c newer than the binary: built again
-    src_mtime = (d / "agent.c").stat().st_mtime
-    os.utime(binary, (src_mtime - 100, src_mtime - 100))
-    assert agent_binary(msgs.append, source_dir=d) == binary and msgs
-    assert binary.stat().st_mtime >= (d / "agent.c").stat().st_mtime
+    # any one source newer than the binary, a header as much as a .c file: built again
+    for newer in ("main.c", "agent.h"):
+        now = binary.stat().st_mtime
+        for src in agent_sources(d):
+            _age(src, 200, now)
+        _age(binary, 100, now)
+        _age(d / newer, 0, now)
+        msgs.clear()
+        assert agent_binary(msgs.append, source_dir=d) == binary and msgs, newer
+        assert binary.stat().st_mtime >= (d / newer).stat().st_mtime
+    # the fuzz harness is not the agent: a newer one builds nothing
+    _age(d / "fuzz" / "fuzz_request.c", -100, binary.stat().st_mtime)
+    msgs.clear()
+    assert agent_binary(msgs.append, source_dir=d) == binary and msgs == []
 
 
 def _failing_tree(tmp_path: Path, recipe: str) -> Path:

@@ -12,6 +12,7 @@ from capsule.imagebuild.common import (
     AGENT_SOURCE_DIR,
     ImageBuildError,
     agent_binary,
+    agent_sources,
     cache_dir,
 )
 from capsule.imagebuild.cpio import CpioWriter
@@ -107,11 +108,23 @@ def test_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_agent_source_dir_is_the_repos() -> None:
-    assert (AGENT_SOURCE_DIR / "agent.c").is_file() and (AGENT_SOURCE_DIR / "Makefile").is_file()
+    names = {p.name for p in agent_sources(AGENT_SOURCE_DIR)}
+    assert {"main.c", "protocol.c", "exec.c", "agent.h"} <= names and (AGENT_SOURCE_DIR / "Makefile").is_file()
 
 
+@pytest.mark.timeout(10)
+def test_agent_sources_are_every_c_and_h_file_but_not_the_fuzz_harness(tmp_path: Path) -> None:
+    for name in ("main.c", "exec.c", "agent.h", "Makefile", "PROTOCOL.md", "capsule-agent", "fuzz/fuzz_request.c"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    assert agent_sources(tmp_path) == [tmp_path / "agent.h", tmp_path / "exec.c", tmp_path / "main.c"]
+    assert agent_sources(tmp_path / "no-such-dir") == []
+
+
+@pytest.mark.timeout(10)
 def test_agent_binary_missing_source(tmp_path: Path) -> None:
-    with pytest.raises(ImageBuildError, match="agent.c"):
+    (tmp_path / "agent.h").write_text("/* a header alone is no agent */\n")
+    with pytest.raises(ImageBuildError, match=r"guest agent sources \(\*\.c in .*\) are missing"):
         agent_binary(source_dir=tmp_path)
 
 
