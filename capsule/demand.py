@@ -217,14 +217,15 @@ RELEASE_TIMEOUT = 5.0
 
 
 def sources_of(store: Store, layers: list[str] | None = None) -> dict[str, str | None]:
-    """The source URLs (with their pinned fingerprints) of these remote layers, or of every remote layer."""
-    ids = layers if layers is not None else [p.stem for p in remote_dir(store).glob("*.json")]
+    """The source URLs (with their pinned fingerprints) of these layers that are remote, or of every layer this
+    host knows as remote (``layers`` None)."""
+    infos = [remote_info_path(store, lid) for lid in layers if is_remote(store, lid)] if layers is not None \
+        else sorted(remote_dir(store).glob("*.json"))
     out: dict[str, str | None] = {}
-    for lid in ids:
-        if is_remote(store, lid):
-            with contextlib.suppress(NotFound):
-                info = remote_info(store, lid)
-                out.setdefault(info["url"], info.get("fingerprint"))
+    for path in infos:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(path.read_text())
+            out.setdefault(info["url"], info.get("fingerprint"))
     return out
 
 

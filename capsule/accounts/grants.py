@@ -20,7 +20,6 @@ import os
 import pwd
 import re
 import threading
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -37,7 +36,6 @@ DEFAULT_SECONDS = 3600.0
 # this is the backstop for a destination that never says so: three days, in which prefetch brings a 10 GB
 # disk even over the slowest link the benchmarks shape (384 kbit/s moves ~12 GB in 72 h).
 DEMAND_RUN_SECONDS = 72 * 3600.0
-REFRESH = 1.0                      # a capsule grant's objects are looked up again at most once a second
 _ID = re.compile(r"cap_([0-9a-f]{12})_")
 USAGE = ('a grant request names what it allows: {"allow": "read", "capsule": NAME, "version": V (optional), '
          '"expires_in": SECONDS} or {"allow": "push", "record": VERSION_RECORD, "expires_in": SECONDS}')
@@ -153,32 +151,43 @@ def end(store: Store, principal: Principal) -> dict[str, Any]:
 # -- what a grant covers -------------------------------------------------------------------------------------
 
 class _Objects:
-    """The objects of a read grant's target, looked up once (a version never changes; a capsule's versions are
-    looked up again on a miss, at most every :data:`REFRESH` seconds), shared by every request thread."""
+    """The objects of a read grant's target, looked up once and shared by every request thread: a version never
+    changes, so a miss is final; for a capsule, a miss asks only which versions it has now (numbers and times,
+    no records) and looks its objects up again if those changed."""
 
     def __init__(self, size: int = 256) -> None:
         self._lock = threading.Lock()
-        self._by_target: OrderedDict[tuple[Any, ...], tuple[float, frozenset[str], frozenset[str]]] = OrderedDict()
+        self._by_target: OrderedDict[tuple[Any, ...], tuple[Any, frozenset[str], frozenset[str]]] = OrderedDict()
         self._size = size
 
+    @staticmethod
+    def _key(store: Store, g: Grant) -> tuple[Any, ...]:
+        return str(store.home), g.capsule, g.version, g.uuid
+
     def peek(self, store: Store, g: Grant, kind: str, oid: str) -> bool | None:
-        """From what was looked up already: True, False, or None when it must be looked up (no catalogue here)."""
+        """From what was looked up already: True, False, or None when the catalogue must be asked."""
         with self._lock:
-            entry = self._by_target.get((str(store.home), g.capsule, g.version, g.uuid))
+            entry = self._by_target.get(self._key(store, g))
         if entry is None:
             return None
         if oid in (entry[1] if kind == "layer" else entry[2]):
             return True
-        return False if time.monotonic() - entry[0] < REFRESH else None
+        return False if g.version is not None else None
 
     def look_up(self, store: Store, g: Grant, kind: str, oid: str) -> bool:
-        key = (str(store.home), g.capsule, g.version, g.uuid)
-        entry = (time.monotonic(), *_target_objects(store, g))
+        key = self._key(store, g)
+        stamp = None if g.version is not None else tuple(
+            (r[0], r[1]) for r in store.catalogue.query(
+                "SELECT number, created FROM versions WHERE capsule=? ORDER BY number", (g.capsule,)))
         with self._lock:
-            self._by_target[key] = entry
-            self._by_target.move_to_end(key)
-            while len(self._by_target) > self._size:
-                self._by_target.popitem(last=False)
+            entry = self._by_target.get(key)
+        if entry is None or entry[0] != stamp:
+            entry = (stamp, *_target_objects(store, g))
+            with self._lock:
+                self._by_target[key] = entry
+                self._by_target.move_to_end(key)
+                while len(self._by_target) > self._size:
+                    self._by_target.popitem(last=False)
         return oid in (entry[1] if kind == "layer" else entry[2])
 
 
