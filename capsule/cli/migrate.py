@@ -95,7 +95,9 @@ def migrate(
                                                                         "destination reaches it.")] = None,
     source_token_file: Annotated[Path | None, typer.Option(
         "--source-token-file", help="demand: the token the destination reads this host's disks with (default: "
-                                    "STORE/agent.token, or once users exist a new host-only grant).")] = None,
+                                    "STORE/agent.token, or once users exist a grant to read this capsule, which "
+                                    "the destination ends when the run stops or is all local; at most 72 h).")]
+    = None,
     prefetch: Annotated[bool, typer.Option("--prefetch", help="demand: pull the rest in the background.")] = False,
     fingerprint: FingerprintOpt = None,
     source_fingerprint: Annotated[str | None, typer.Option(

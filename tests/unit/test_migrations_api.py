@@ -195,5 +195,8 @@ def test_once_accounts_exist_demand_mode_hands_out_a_read_grant_for_the_capsule(
     assert client.get(f"/v1/objects/layer/{'ab' * 32}", headers=g).status_code == 403  # not this capsule's
     assert client.post(f"/v1/capsules/{SECRET}/stop", headers=g).status_code == 403
     assert [m["capsule"] for m in client.get("/api/migrations", headers=auth).json()] == [SECRET]
-    stand_in.go.set()
+    # cancelled, it runs here again: the other host never runs it, and its grant ends at once
+    assert client.post(f"/api/migrations/{r.json()['id']}/cancel", headers=auth).status_code == 200
+    wait_until(lambda: tokens.get(store, p.token_id).state() == "revoked", 10, "the grant outlived the migration")
+    assert client.get(f"/v1/objects/layer/{ours}", headers=g).status_code == 401
     store.close()
