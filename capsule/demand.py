@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from capsule import qemuimg
-from capsule.errors import NotFound
+from capsule.errors import AuthFailed, Error, NotFound
 from capsule.runtime import guestaccess
 from capsule.store import Store
 from capsule.storemodes import OBJECT_MODE
@@ -56,9 +56,13 @@ def is_remote(store: Store, layer_id: str) -> bool:
     return remote_info_path(store, layer_id).exists() and not store.layer_path(layer_id).exists()
 
 
+def token_path(store: Store, url: str) -> Path:
+    return remote_dir(store) / f"token-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
 def token_file_for(store: Store, url: str, token: str) -> Path:
     """The token for ``url``, kept 0600 beside the remote manifests (the disk server reads it)."""
-    path = remote_dir(store) / f"token-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+    path = token_path(store, url)
     if not path.exists() or path.read_text().strip() != token:
         write_atomic(path, (token + "\n").encode(), durable=False, mode=0o600)
     return path
@@ -173,7 +177,16 @@ def layer_progress(store: Store, layer_id: str) -> tuple[int, int]:
 
 def localize(store: Store) -> list[str]:
     """Turn every remote layer whose shadow is complete into a sealed local layer (rebuilt from the
-    shadow and verified against its manifest, like a received layer). Returns the layers localized."""
+    shadow and verified against its manifest, like a received layer). Returns the layers localized. A source
+    nothing here reads from any more is told so: its grant ends (:func:`release_sources`)."""
+    before = sources_of(store)
+    done = _localize(store)
+    left = sources_of(store)
+    release_sources(store, {url: pin for url, pin in before.items() if url not in left})
+    return done
+
+
+def _localize(store: Store) -> list[str]:
     from capsule.objectio import install_received
 
     done = []
@@ -196,4 +209,57 @@ def localize(store: Store) -> list[str]:
         info_path.unlink(missing_ok=True)
         store.index_object(store.layer_path(lid), m)
         done.append(lid)
-    return done + (localize(store) if done else [])
+    return done + (_localize(store) if done else [])
+
+
+# -- ending a source's grant ------------------------------------------------------------------------------
+RELEASE_TIMEOUT = 5.0
+
+
+def sources_of(store: Store, layers: list[str] | None = None) -> dict[str, str | None]:
+    """The source URLs (with their pinned fingerprints) of these layers that are remote, or of every layer this
+    host knows as remote (``layers`` None)."""
+    infos = [remote_info_path(store, lid) for lid in layers if is_remote(store, lid)] if layers is not None \
+        else sorted(remote_dir(store).glob("*.json"))
+    out: dict[str, str | None] = {}
+    for path in infos:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(path.read_text())
+            out.setdefault(info["url"], info.get("fingerprint"))
+    return out
+
+
+def sources_in_use(store: Store) -> set[str]:
+    """The sources the running instances here read remote layers from."""
+    return set(sources_of(store, [lid for inst in store.catalogue.instances() for c in inst.chains for lid in c]))
+
+
+def release_sources(store: Store, sources: dict[str, str | None], since: float | None = None) -> list[str]:
+    """End this host's grant at each source (URL → pinned fingerprint) no running instance reads from — the run
+    that used it stopped, or every layer it sent is local now — and forget its token; a token file written after
+    ``since`` belongs to a newer run and is kept. The source answers ``DELETE /v1/grants/self``; a token that is
+    no grant (the old host token, a user's token) is refused there and kept, and a source out of reach keeps
+    the grant until it expires. Returns the sources whose grant ended."""
+    from capsule import hosts
+    from hashcache.transport import Call, HttpTransport, check
+
+    ended = []
+    for url in sorted(set(sources) - sources_in_use(store)):
+        path = token_path(store, url)
+        try:
+            if since is not None and path.stat().st_mtime > since:
+                continue
+            token = path.read_text().strip()
+        except OSError:
+            continue
+        try:
+            with contextlib.closing(HttpTransport(url, token, timeout=RELEASE_TIMEOUT, connect_timeout=RELEASE_TIMEOUT,
+                                                  fingerprint=hosts.pin_for(store, url, sources[url]))) as t:
+                check(t.call(Call("DELETE", "/v1/grants/self")), f"agent {url}")
+        except AuthFailed:
+            pass                      # it had ended already (expired, revoked): the token is useless
+        except Error:
+            continue                  # no grant, or out of reach: kept
+        path.unlink(missing_ok=True)
+        ended.append(url)
+    return ended

@@ -86,6 +86,12 @@ def _check_objects(store: Store, version: VersionRow) -> None:
             if demand.is_remote(store, lid):
                 if not demand.remote_manifest_path(store, lid).exists():
                     raise IntegrityError(f"remote layer {lid[:12]} of {version.ref} has no manifest here")
+                url = demand.remote_info(store, lid)["url"]
+                if not demand.token_path(store, url).exists():
+                    raise Conflict(f"layer {lid[:12]} of {version.ref} is still read from {url}, and this host's "
+                                   "grant to read it there ended when its demand run stopped: run it from there "
+                                   f"again (`capsule run {version.capsule}@V --from {url}` with a token of that "
+                                   "host), or copy it here first")
                 continue
             if not path.exists():
                 raise IntegrityError(f"layer {lid[:12]} of {version.ref} is missing from the store")
@@ -300,7 +306,19 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
     host's system disk, replaced by the fleet's next version). ``compact``: leaves
     lose the zero marks their chains already read as zero before they are sealed, and (``release``, a
     callable ``(disk index, leaf, chain) → blocks``, asked after the guest is off) blocks whose content
-    the caller knows is dead (``update make``: the ext4 journal, see ``capsule.update.journal``)."""
+    the caller knows is dead (``update make``: the ext4 journal, see ``capsule.update.journal``). A demand run's
+    sources that no running instance reads from any more are told its run ended: their grants end
+    (:func:`capsule.demand.release_sources`)."""
+    result, inst = _stop(store, name, timeout=timeout, force=force, discard=discard, compact=compact,
+                         release=release, note=note, say=say)
+    sources = demand.sources_of(store, [lid for chain in inst.chains for lid in chain])
+    if sources:
+        demand.release_sources(store, sources, since=inst.started)
+    return result
+
+
+def _stop(store: Store, name: str, *, timeout: float, force: bool, discard: bool, compact: bool,
+          release: Release | None, note: str, say: Say) -> tuple[SealResult, InstanceRow]:
     with store.lock():
         resolve(store, name)
         inst = store.catalogue.instance(name)
@@ -327,7 +345,7 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
             for leaf in inst.leaves:
                 Path(leaf).unlink(missing_ok=True)
             shutil.rmtree(inst.dir, ignore_errors=True)
-            return SealResult(None, [], None, 0.0, time.monotonic() - t1)
+            return SealResult(None, [], None, 0.0, time.monotonic() - t1), inst
         dropped: list[int] = []
         released: list[int] = []
         chains, layers = sealing.seal_leaves(store, inst, say, compacted=dropped if compact else None,
@@ -341,7 +359,7 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
             version = None
         shutil.rmtree(inst.dir, ignore_errors=True)
         return SealResult(version, layers, None, 0.0, time.monotonic() - t1, zero_marks_dropped=sum(dropped),
-                          released_blocks=sum(released))
+                          released_blocks=sum(released)), inst
 
 
 def console_log(store: Store, name: str) -> Path:

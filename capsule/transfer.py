@@ -481,6 +481,8 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
         remote: list[str] = []
         for lid in layers:
             if has_object(store, "layer", lid) or demand.is_remote(store, lid):
+                if demand.is_remote(store, lid) and demand.remote_info(store, lid)["url"] == url:
+                    demand.token_file_for(store, url, token)   # a new run's token (an earlier one may have ended)
                 report.skipped.append(lid)
                 continue
             say(f"manifest of layer {lid[:12]}")

@@ -8,12 +8,18 @@ Roles: ``owner`` acts on the capsules it owns; ``operator`` on all capsules, and
 - ``host``: host-to-host calls only (HCP LOOKUP/READ-HASH/READ, push's receiving side, fleet pull, verify and
   prune of backup copies) — the credential one agent gives another;
 - ``admin``: users, tokens, hosts and fleet rollouts.
+
+A *grant* is not a role: it is a capability this host hands a peer for one job — read the objects of one
+capsule (or one version of it), or receive one push of one version — that expires, and ends with the user or
+token that made it (:mod:`capsule.accounts.grants`). A request made with one acts as a principal of role
+``grant`` carrying the :class:`Grant`; no role or scope of a user applies to it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from capsule.errors import InvalidName
 
@@ -68,6 +74,34 @@ def parse_scopes(scopes: list[str] | str, role: str) -> frozenset[str]:
     return got
 
 
+READ, PUSH = "read", "push"
+CAPABILITIES = (READ, PUSH)
+GRANT_ROLE = "grant"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What one grant allows: ``read`` the objects of ``capsule`` (of its ``version`` only, if one is named),
+    or ``push`` the version ``record`` names (its objects, then that record and no other). ``uuid``: the
+    capsule a read grant was made for (one removed and made again under its name is another capsule).
+    ``issuer``: who made it (a user, ``host-token`` or ``unix:NAME``), with ``issuer_token`` (a token id)."""
+
+    allow: str
+    capsule: str
+    version: int | None
+    issuer: str
+    issuer_token: str | None = None
+    uuid: str | None = None
+    record: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        return f"{self.allow} {self.capsule}{'' if self.version is None else f'@{self.version}'}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"allow": self.allow, "capsule": self.capsule, "version": self.version, "issuer": self.issuer,
+                "issuer_token": self.issuer_token}
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who a request acts as: a user (with a token or a password session) or the legacy host token."""
@@ -76,6 +110,7 @@ class Principal:
     role: str
     scopes: frozenset[str]
     token_id: str | None = None
+    grant: Grant | None = None  # a grant's capability (then ``role`` is ``grant`` and ``scopes`` is empty)
 
     @property
     def who(self) -> str:
@@ -87,7 +122,11 @@ class Principal:
         return self.role in ("operator", "admin")
 
     def as_dict(self) -> dict[str, object]:
-        return {"user": self.user, "role": self.role, "scopes": sorted(self.scopes), "token": self.token_id}
+        out: dict[str, object] = {"user": self.user, "role": self.role, "scopes": sorted(self.scopes),
+                                  "token": self.token_id}
+        if self.grant is not None:
+            out["grant"] = self.grant.as_dict()
+        return out
 
 
 def legacy_principal() -> Principal:

@@ -70,8 +70,8 @@ def admin_exists(store: Store) -> bool:
 
 
 def remove(store: Store, name: str) -> User:
-    """Remove a user, its tokens and its ownerships (the capsules stay; operators still act on them). The last
-    admin is kept: without one, the old host token would work again."""
+    """Remove a user, its tokens, the grants it made and its ownerships (the capsules stay; operators still act
+    on them). The last admin is kept: without one, the old host token would work again."""
     from capsule.accounts import owners, tokens
 
     user = get(store, name)
@@ -82,6 +82,7 @@ def remove(store: Store, name: str) -> User:
                            "--role admin`)")
         cat.query("DELETE FROM users WHERE name=?", (name,))
         tokens.table(cat).query("DELETE FROM tokens WHERE user=?", (name,))
+        tokens.revoke_issued_by(cat, name)
         owners.table(cat).query("DELETE FROM owners WHERE user=?", (name,))
     return user
 

@@ -30,7 +30,11 @@ Pods (the destination side of `capsule pod migrate --host`)::
 
 Fleet (capsule/exchange/fleet.py)::
 
-    POST /v1/grants/host                         {"expires_in": S} → {"token", "id", "expires"}: a host-only grant
+    POST /v1/grants/host                         {"allow": "read", "capsule": C, "version": V, "expires_in": S}
+                                                 or {"allow": "push", "record": R, "expires_in": S}
+                                                 → {"token", "id", "expires", "allow", "capsule", "version", ...}:
+                                                 a grant for one job (capsule/accounts/grants.py)
+    DELETE /v1/grants/self                       the calling grant ends (its job is done)
     POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V", "fingerprint": F,
                                                  "zstd_level": 1..19 (optional, 3)}: pull it
     GET  /v1/fleet/activity                      this agent's recent pulls and what it served
@@ -52,8 +56,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
-from capsule.accounts import tokens
-from capsule.agent import authz, dashboard
+from capsule.accounts import grants
+from capsule.agent import authz, dashboard, guard
 from capsule.agent.auditlog import AuditLog
 from capsule.agent.turns import Turns
 from capsule.backup import runner as backup_runner
@@ -198,6 +202,7 @@ def create_app(home: Path, token: str) -> FastAPI:
                 await ws.close(code=1008)
             return
         await ws.accept()
+        gate = authz.StreamGate(ws, store, token)      # each message's object, checked as the upgrade was
         try:
             while True:
                 msg = await ws.receive()
@@ -207,16 +212,17 @@ def create_app(home: Path, token: str) -> FastAPI:
                     await ws.close(code=1003, reason="binary messages only")
                     return
                 try:
-                    reply = b"\x00" + await stream_read(msg["bytes"])
+                    reply = b"\x00" + await stream_read(msg["bytes"], gate)
                 except Error as exc:
                     reply = encode_stream_error(str(exc), exc.code, exc.http_status)
                 await ws.send_bytes(reply)
         except WebSocketDisconnect:
             return
 
-    async def stream_read(msg: bytes) -> bytes:
+    async def stream_read(msg: bytes, gate: authz.StreamGate) -> bytes:
         kind, oid, level, raw = decode_stream_read(msg)
         check_object_id(oid)
+        await gate.admit(kind, oid)
         if objects.cached_manifest(kind, oid) is None:  # read from disk (in a thread) only the first time
             await asyncio.to_thread(objects.manifest, kind, oid)
         indices = objects.indices(kind, oid, raw)
@@ -259,6 +265,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     @app.post("/v1/versions")
     async def versions(request: Request) -> dict[str, Any]:
         record = await json_body(request, "version record")
+        authz.check_record(request, store, record)     # a push grant: only the version it was made for
         row, created = await asyncio.to_thread(record_version, store, record)
         return {"version": row.ref, "created": created}
 
@@ -287,10 +294,19 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     @app.post("/v1/grants/host")
     async def grant_host(request: Request) -> dict[str, Any]:
-        """A host-only credential of this host, expiring, for a third host's calls to it (a fleet rollout's
-        fan-out hands it to the host that pulls from here, never the rollout's own credential)."""
+        """A grant of this host for one job of a third host (a fleet rollout's fan-out hands the host that pulls
+        a version from here a read grant for that version, never the rollout's own credential)."""
         req = await json_body(request, "grant request")
-        return await asyncio.to_thread(tokens.grant_request, store, req)
+        caller = authz.caller_of(request)
+        assert caller is not None
+        return await asyncio.to_thread(grants.request, store, caller.principal, req)
+
+    @app.delete("/v1/grants/self")
+    async def end_grant(request: Request) -> dict[str, Any]:
+        """The calling grant ends: the peer's job is done (a demand run stopped or no longer needs this host)."""
+        caller = authz.caller_of(request)
+        assert caller is not None
+        return await asyncio.to_thread(grants.end, store, caller.principal)
 
     @app.get("/v1/fleet/activity")
     def fleet_activity() -> dict[str, Any]:
@@ -341,5 +357,5 @@ def create_app(home: Path, token: str) -> FastAPI:
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent
     app.state.audit_log = AuditLog(home)  # the guard's writer (a bad CAPSULE_AUDIT_* setting: no agent)
-    app.add_middleware(authz.Guard, fastapi=app, store=store, sessions=app.state.sessions, token=token)
+    app.add_middleware(guard.Guard, fastapi=app, store=store, sessions=app.state.sessions, token=token)
     return app

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from capsule import hosts
 from capsule import migrate as lib
-from capsule.accounts import tokens
+from capsule.accounts import grants
 from capsule.agent import authz
 from capsule.agent.sessions import Caller, Sessions
 from capsule.errors import Conflict, Error, Internal, NotFound
@@ -140,6 +140,8 @@ class Migration:
             self.remote = r.remote
         except Error as exc:
             self.error = exc.to_wire()
+            if b.mode == "demand" and getattr(exc, "restored", True):   # the other host does not run it
+                grants.discard(store, source_token)
         except Exception as exc:  # noqa: BLE001 - a bug must still end the migration the page is watching
             self.error = Internal(f"{type(exc).__name__}: {exc}").to_wire()
         if final:
@@ -214,9 +216,19 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
         source = source_url_for(request) if body.mode == "demand" else ""
         # the other host pins this agent's certificate (the one it serves with, --cert included)
         pin = getattr(request.app.state, "tls_fingerprint", None)
-        # what the other host pages the disks in with: the old token, or (once accounts exist) a host grant
-        grant = tokens.source_token(store, token) if body.mode == "demand" else token
-        return migrations.begin(store, name, body, source, grant, pin).out()
+        if body.mode != "demand":
+            return migrations.begin(store, name, body, source, token, pin).out()
+        # what the other host pages the disks in with: the old token, or (once accounts exist) a read grant for
+        # this capsule, made by the signed-in user who started the migration (it ends with that user or token)
+        caller = authz.caller_of(request)
+        assert caller is not None
+        issuer, issuer_token = grants.issuer_of(caller.principal)
+        grant = grants.for_demand_run(store, token, name, issuer, issuer_token)
+        try:
+            return migrations.begin(store, name, body, source, grant, pin).out()
+        except BaseException:
+            grants.discard(store, grant)
+            raise
 
     @r.get("/migrations", response_model=list[MigrationOut], summary="This agent's migrations, newest first")
     def list_all(request: Request) -> list[MigrationOut]:

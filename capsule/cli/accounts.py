@@ -28,7 +28,9 @@ token_app = typer.Typer(no_args_is_help=True, help=(
     "API tokens: each belongs to a user and has scopes (read, capsules, host, admin), at most what the user's "
     "role allows. Send one as `Authorization: Bearer TOKEN`, or put it in a token file for --token-file. A peer "
     "that pushes, pulls or pages disks from this host needs scope host; one that migrates capsules here, "
-    "host,capsules."))
+    "host,capsules.\n\n"
+    "Grants (user @host) are what this host hands a peer for one job: read one capsule's or version's objects, or "
+    "receive one push. Each expires, and ends with the user or token that made it."))
 
 
 def _when(t: float | None) -> str:
@@ -137,20 +139,27 @@ def token_create(
 
 
 @token_app.command("ls")
-def token_ls(user: Annotated[str | None, typer.Option("--user", help="Only this user's.")] = None,
-             json: JsonOpt = False) -> None:
-    """List tokens (never their secrets): id, user, scopes, state. Host grants (made for a demand migration's
-    destination) are listed under @host."""
+def token_ls(user: Annotated[str | None, typer.Option("--user", help="Only this user's (@host: the grants).")]
+             = None, json: JsonOpt = False) -> None:
+    """List tokens (never their secrets): id, user, what it allows, state, who made it. A user's token allows its
+    scopes; a grant (user @host: made for a fleet pull, a demand run's destination, a push) allows one job —
+    read NAME or NAME@V, or push NAME@V — and names who made it (user/token, unix:NAME for this command line)."""
     json_flag(json)
     rows = [t.as_dict() for t in tokens.tokens(open_store(), user)]
+
+    def allows(r: dict) -> str:
+        if r["allow"] is None:
+            return ",".join(r["scopes"]) if r["user"] != tokens.HOST_USER else "(old host grant: refused)"
+        return f"{r['allow']} {r['capsule']}{'' if r['version'] is None else '@' + str(r['version'])}"
 
     def human() -> None:
         if not rows:
             console.print("no tokens")
             return
-        t = Table("id", "user", "scopes", "state", "created", "expires")
+        t = Table("id", "user", "allows", "state", "made by", "created", "expires")
         for r in rows:
-            t.add_row(r["id"], r["user"], ",".join(r["scopes"]), r["state"], _when(r["created"]), _when(r["expires"]))
+            by = "-" if r["issuer"] is None else r["issuer"] + (f"/{r['issuer_token']}" if r["issuer_token"] else "")
+            t.add_row(r["id"], r["user"], allows(r), r["state"], by, _when(r["created"]), _when(r["expires"]))
         console.print(t)
 
     emit(rows, human)
@@ -159,7 +168,7 @@ def token_ls(user: Annotated[str | None, typer.Option("--user", help="Only this 
 @token_app.command("revoke")
 def token_revoke(tid: Annotated[str, typer.Argument(help="The token's id (`capsule token ls`).")],
                  json: JsonOpt = False) -> None:
-    """Revoke a token: the next call with it is refused."""
+    """Revoke a token (or a grant): the next call with it is refused, and so is every grant it made."""
     json_flag(json)
     t = tokens.revoke(open_store(), tid)
     emit(t.as_dict(), lambda: console.print(f"revoked token {t.id} of {t.user}"))

@@ -26,6 +26,7 @@ from capsule.cli.common import (
     peer_destination,
 )
 from capsule.cli.runtime import MethodOpt, PolicyOpt
+from capsule.errors import Error
 from capsule.migrateprogress import CancelToken, Snapshot
 from capsule.units import human
 
@@ -95,7 +96,9 @@ def migrate(
                                                                         "destination reaches it.")] = None,
     source_token_file: Annotated[Path | None, typer.Option(
         "--source-token-file", help="demand: the token the destination reads this host's disks with (default: "
-                                    "STORE/agent.token, or once users exist a new host-only grant).")] = None,
+                                    "STORE/agent.token, or once users exist a grant to read this capsule, which "
+                                    "the destination ends when the run stops or is all local; at most 72 h).")]
+    = None,
     prefetch: Annotated[bool, typer.Option("--prefetch", help="demand: pull the rest in the background.")] = False,
     fingerprint: FingerprintOpt = None,
     source_fingerprint: Annotated[str | None, typer.Option(
@@ -116,10 +119,11 @@ def migrate(
     if mode == "demand":
         if source_token_file is not None:
             source_token = read_token(source_token_file)
-        else:   # the agent's token while it works, else a host-only grant of this host (capsule token ls: @host)
-            from capsule.accounts import tokens
+        else:   # the agent's token while it works, else a read grant for this capsule (capsule token ls: @host)
+            from capsule.accounts import grants
             legacy = store.home / "agent.token"
-            source_token = tokens.source_token(store, read_token(legacy) if legacy.exists() else None)
+            source_token = grants.for_demand_run(store, read_token(legacy) if legacy.exists() else None, name,
+                                                 grants.local_issuer())
     cancel = CancelToken()
     quiet = OPTIONS.json or not err_console.is_terminal
     view = None if quiet else Live(console=err_console, refresh_per_second=8)
@@ -128,10 +132,16 @@ def migrate(
             if view is not None:
                 view.update(render(s))
 
-        r = lib.migrate(store, name, url, token, mode=mode, balloon=balloon_policy if balloon else None,
-                        balloon_method=balloon_method, source_url=source_url, source_token=source_token,
-                        prefetch=prefetch, on_event=show, cancel=cancel, to_name=label, fingerprint=fingerprint,
-                        source_fingerprint=source_fingerprint)
+        try:
+            r = lib.migrate(store, name, url, token, mode=mode, balloon=balloon_policy if balloon else None,
+                            balloon_method=balloon_method, source_url=source_url, source_token=source_token,
+                            prefetch=prefetch, on_event=show, cancel=cancel, to_name=label,
+                            fingerprint=fingerprint, source_fingerprint=source_fingerprint)
+        except Error as exc:
+            if source_token_file is None and getattr(exc, "restored", True):   # the other host does not run it
+                from capsule.accounts import grants
+                grants.discard(store, source_token)
+            raise
     data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
             "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3),
             "progress": r.last.as_dict() if r.last else None}

@@ -12,8 +12,9 @@ from typing import Any
 from capsule import hosts, transfer
 from capsule.agentclient import AgentClient
 from capsule.catalogue import VersionRow
-from capsule.errors import Error, TransferFailed
+from capsule.errors import Error, InvalidName, TransferFailed
 from capsule.fleet.members import Member
+from capsule.names import parse_ref
 from capsule.records import version_record
 from capsule.store import Store
 
@@ -107,11 +108,12 @@ def push_from_origin(store: Store, ref: str, member: Member, on_bytes: Callable[
 GRANT_SECONDS = 3 * 3600   # a fan-out grant outlives the longest pull a rollout waits for
 
 
-def host_grant(source: Member) -> str:
-    """A host-only, expiring credential the source's agent mints for a host that pulls from it: the
-    rollout's own credential for the source never leaves this host."""
+def host_grant(source: Member, name: str, number: int) -> str:
+    """A grant the source's agent makes for a host that pulls ``name@number`` from it: to read that version's
+    objects and nothing else, expiring; the rollout's own credential for the source never leaves this host."""
     with AgentClient(source.peer.url, source.peer.token, fingerprint=source.peer.fingerprint) as client:
-        reply = client.post_json("/v1/grants/host", {"expires_in": GRANT_SECONDS})
+        reply = client.post_json("/v1/grants/host", {"allow": "read", "capsule": name, "version": number,
+                                                     "expires_in": GRANT_SECONDS})
     token = reply.get("token") if isinstance(reply, dict) else None
     if not isinstance(token, str):
         raise TransferFailed(f"host {source.name} answered a grant request without a token")
@@ -120,9 +122,14 @@ def host_grant(source: Member) -> str:
 
 def pull_from_peer(ref: str, member: Member, source: Member, level: int | None = None,
                    grant: str | None = None) -> int:
-    """The member's agent pulls ``ref`` from ``source``'s agent (given its URL and a host-only ``grant``
-    of it: :func:`host_grant`), asking for zstd at ``level`` (the agent's default when None); wire bytes."""
-    grant = grant or host_grant(source)
+    """The member's agent pulls ``ref`` (NAME@V) from ``source``'s agent (given its URL and a read ``grant`` of
+    it for that version: :func:`host_grant`), asking for zstd at ``level`` (the agent's default when None);
+    wire bytes."""
+    if grant is None:
+        r = parse_ref(ref)
+        if r.version is None:
+            raise InvalidName(f"a fleet pull names one version (NAME@V), not {ref!r}")
+        grant = host_grant(source, r.name, r.version)
     with AgentClient(member.peer.url, member.peer.token, timeout=TRANSFER_TIMEOUT,
                      fingerprint=member.peer.fingerprint) as client:
         body: dict[str, Any] = {"source": source.peer.url, "token": grant, "ref": ref,

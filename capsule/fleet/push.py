@@ -117,10 +117,10 @@ def push(store: Store, ref: str, opts: PushOptions,
     grants_lock = threading.Lock()
 
     def grant_of(source: str) -> str:
-        """One host-only grant per source host and rollout (asked for once, shared by its pulls)."""
+        """One read grant for the version per source host and rollout (asked for once, shared by its pulls)."""
         with grants_lock:
             if source not in grants:
-                grants[source] = hostops.host_grant(by_name[source])
+                grants[source] = hostops.host_grant(by_name[source], version.capsule, version.number)
             return grants[source]
 
     def activate(host: str) -> str:

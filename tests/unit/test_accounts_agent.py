@@ -313,24 +313,37 @@ def test_the_audit_log_reads_back_filtered(tmp_path):
     assert text.count("\n") == 3 and json.loads(text.splitlines()[0])["capsule"] == "a"
 
 
-def test_a_host_caller_gets_an_expiring_host_only_grant_for_a_third_host(world):
-    """What a fleet rollout's origin asks of a source host for the host that pulls from it: a credential
-    no stronger than host calls, that expires; a malformed request is refused and mints nothing."""
+def test_a_host_caller_gets_an_expiring_read_grant_for_one_version_for_a_third_host(world):
+    """What a fleet rollout's origin asks of a source host for the host that pulls from it: a grant to read one
+    version, that expires; a request without what it allows, or malformed, is refused and mints nothing."""
     _, store, client = world
     t = accounts(store)
-    r = client.post("/v1/grants/host", json={"expires_in": 600}, headers=bearer(t["host"]))
+    r = client.post("/v1/grants/host", json={"allow": "read", "capsule": SECRET, "version": 1, "expires_in": 600},
+                    headers=bearer(t["host"]))
     assert r.status_code == 200, r.text
     grant = r.json()
+    assert (grant["allow"], grant["capsule"], grant["version"]) == ("read", SECRET, 1)
     g = tokens.get(store, grant["id"])
-    assert g.user == tokens.HOST_USER and g.scopes == frozenset({"host"})
+    assert g.user == tokens.HOST_USER and g.grant is not None and g.grant.describe() == f"read {SECRET}@1"
+    assert (g.grant.issuer, g.grant.issuer_token) == ("ops", t["host"].split("_")[1])
     assert 590 < g.expires - time.time() <= 600
     h = bearer(grant["token"])
-    assert client.post("/v1/objects/missing", json={"layers": []}, headers=h).status_code == 200
+    assert client.get(f"/v1/capsules/{SECRET}/versions/1", headers=h).status_code == 200
+    assert client.post("/v1/objects/missing", json={"layers": []}, headers=h).status_code == 403
     assert client.post(f"/v1/capsules/{SECRET}/start", headers=h).status_code == 403
-    assert client.post("/v1/grants/host", json={}, headers=bearer(t["alice"])).status_code == 403
+    assert client.post("/v1/grants/host", json={"allow": "read", "capsule": SECRET},
+                       headers=bearer(t["alice"])).status_code == 403
     before = len(tokens.tokens(store, tokens.HOST_USER))
-    for bad in ({"expires_in": 5}, {"expires_in": 10**7}, {"expires_in": "1h"}, [1]):
+    for bad, words in (({"expires_in": 600}, "what it allows"), ({"allow": "everything", "capsule": SECRET},
+                       "what it allows"), ({"allow": "read"}, "what it allows"),
+                       ({"allow": "read", "capsule": SECRET, "expires_in": 5}, "expires_in"),
+                       ({"allow": "read", "capsule": SECRET, "expires_in": 10**7}, "expires_in"),
+                       ({"allow": "read", "capsule": SECRET, "expires_in": "1h"}, "expires_in"),
+                       ({"allow": "read", "capsule": SECRET, "version": "1"}, "version number"),
+                       ({"allow": "push", "record": {"capsule": SECRET}}, "record"), ([1], "what it allows")):
         r = client.post("/v1/grants/host", json=bad, headers=bearer(t["host"]))
-        assert r.status_code == 400 and "expires_in" in r.json()["detail"], r.text
+        assert r.status_code == 400 and words in r.json()["detail"], (bad, r.text)
+    r = client.post("/v1/grants/host", json={"allow": "read", "capsule": "no-such"}, headers=bearer(t["host"]))
+    assert r.status_code == 404 and "nothing to grant" in r.json()["detail"]
     assert len(tokens.tokens(store, tokens.HOST_USER)) == before
     assert [e["action"] for e in lines(store)].count("POST /v1/grants/host") >= 2

@@ -40,6 +40,7 @@ KINDS = {
     "act-staff": {"admin", "operator", "legacy"},
     "look-migration": {"admin", "operator", "owner", "read", "legacy"},
     "look-staff-or-host": {"admin", "operator", "read", "host", "legacy"},
+    "grant-only": set(),            # only a grant (none of these callers) ends itself
 }
 EXPECTED = {
     ("GET", "/v1/info"): "look-or-host",
@@ -56,6 +57,7 @@ EXPECTED = {
     ("POST", "/v1/versions"): "host",
     ("POST", "/v1/fleet/pull"): "host",
     ("POST", "/v1/grants/host"): "host",
+    ("DELETE", "/v1/grants/self"): "grant-only",
     ("GET", "/v1/fleet/activity"): "look-or-host",
     ("POST", "/v1/verify"): "host",
     ("POST", "/v1/backups/{name}/prune"): "host",

@@ -87,9 +87,9 @@ def test_canary_waves_down_host_caught_up_on_rerun_and_fanout_from_peers(fleet):
     assert pulls[0]["wire_bytes"] > MiB                           # the new layer's random bytes travelled
     assert fleet.activity("h1")["served_blocks"] >= 2 * MiB // 4096
     assert fleet.activity("h1")["pulls"] == []                  # h1 got it from the origin's push
-    # h2 pulled with a host-only grant h1 minted for the rollout (expiring), never the origin's token for h1
+    # h2 pulled with a grant h1 minted for the rollout: to read web@2 only, expiring; never the origin's token
     grants = tokens.tokens(fleet.stores["h1"], tokens.HOST_USER)
-    assert [(g.scopes, g.expires is not None) for g in grants] == [(frozenset({"host"}), True)]
+    assert [(g.grant.describe() if g.grant else None, g.expires is not None) for g in grants] == [("read web@2", True)]
     assert [e["action"] for e in audit.entries(fleet.stores["h1"].home) if "grants" in e["action"]] == \
         ["POST /v1/grants/host"]
     # the down host comes back: the rerun sends it only there, from a peer, not the origin

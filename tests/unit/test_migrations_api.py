@@ -179,9 +179,10 @@ def test_demand_mode_without_a_public_url_is_refused_and_starts_nothing(world):
     assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office"}, headers=h).status_code == 202
 
 
-def test_once_accounts_exist_demand_mode_hands_out_a_host_only_grant(world, home):  # noqa: F811
+def test_once_accounts_exist_demand_mode_hands_out_a_read_grant_for_the_capsule(world, home):  # noqa: F811
     """The old token is retired by the first admin: the other host pages the disks in with a grant of this host
-    that allows host-to-host calls only (and an owner migrates only its own capsule)."""
+    to read that capsule's objects and nothing else, made by the user who started the migration (and an owner
+    migrates only its own capsule)."""
     from capsule.accounts import owners, tokens, users
 
     client, _csrf, stand_in, _peer = world
@@ -200,11 +201,16 @@ def test_once_accounts_exist_demand_mode_hands_out_a_host_only_grant(world, home
     grant = stand_in.calls[0]["source_token"]
     assert grant != TOKEN
     p = tokens.resolve(store, grant, TOKEN)
-    assert p.scopes == {"host"} and p.user == tokens.HOST_USER
-    assert client.get("/v1/objects/layer/" + "ab" * 32, headers={"Authorization": f"Bearer {grant}"}
-                      ).status_code == 404                                   # HCP: allowed (nothing there)
-    assert client.post(f"/v1/capsules/{SECRET}/stop", headers={"Authorization": f"Bearer {grant}"}
-                       ).status_code == 403
+    assert p.user == tokens.HOST_USER and p.grant is not None and p.grant.describe() == f"read {SECRET}"
+    assert (p.grant.issuer, p.grant.issuer_token) == ("alice", alice.split("_")[1])
+    g = {"Authorization": f"Bearer {grant}"}
+    ours = store.catalogue.latest_version(SECRET).chains[0][-1]
+    assert client.get(f"/v1/objects/layer/{ours}", headers=g).status_code == 404     # HCP: allowed (absent)
+    assert client.get(f"/v1/objects/layer/{'ab' * 32}", headers=g).status_code == 403  # not this capsule's
+    assert client.post(f"/v1/capsules/{SECRET}/stop", headers=g).status_code == 403
     assert [m["capsule"] for m in client.get("/api/migrations", headers=auth).json()] == [SECRET]
-    stand_in.go.set()
+    # cancelled, it runs here again: the other host never runs it, and its grant ends at once
+    assert client.post(f"/api/migrations/{r.json()['id']}/cancel", headers=auth).status_code == 200
+    wait_until(lambda: tokens.get(store, p.token_id).state() == "revoked", 10, "the grant outlived the migration")
+    assert client.get(f"/v1/objects/layer/{ours}", headers=g).status_code == 401
     store.close()
