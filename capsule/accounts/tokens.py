@@ -17,6 +17,7 @@ from typing import Any
 
 from capsule.accounts import users
 from capsule.accounts.model import ROLE_SCOPES, Principal, legacy_principal, parse_scopes
+from capsule.bounds import GRANT_SECONDS, check
 from capsule.catalogue import Catalogue
 from capsule.errors import AuthFailed, InvalidName, NotFound
 from capsule.store import Store
@@ -86,9 +87,6 @@ def create(store: Store, user: str, scopes: list[str] | str, expires_in: float |
     return get(store, tid), f"cap_{tid}_{secret}"
 
 
-MAX_GRANT_SECONDS = 86400.0   # a grant asked for over the network lives at most a day
-
-
 def host_grant(store: Store, expires_in: float | None = None) -> str:
     """A credential of this host for a peer's calls back to it (demand paging of a migration's disks, a
     fleet host pulling a version from here): scope ``host`` only, listed by ``capsule token ls`` under
@@ -105,10 +103,10 @@ def grant_request(store: Store, req: Any) -> dict[str, Any]:
     """``POST /v1/grants/host``: a host-only grant for a third host, asked for by a caller that may make
     host calls itself (a fleet rollout's origin, for the host that will pull from this one). It expires:
     ``{"expires_in": seconds}``, at most a day (default an hour)."""
-    seconds = req.get("expires_in", 3600) if isinstance(req, dict) else None
-    if type(seconds) not in (int, float) or not 60 <= seconds <= MAX_GRANT_SECONDS:
-        raise InvalidName(f'a grant request is {{"expires_in": SECONDS}}, 60 to {MAX_GRANT_SECONDS:.0f}')
-    token = host_grant(store, float(seconds))
+    if not isinstance(req, dict):
+        raise InvalidName('a grant request is {"expires_in": SECONDS}')
+    seconds = check(GRANT_SECONDS, req.get("expires_in", 3600), "expires_in")
+    token = host_grant(store, seconds)
     return {"token": token, "id": token.split("_")[1], "expires": time.time() + seconds}
 
 

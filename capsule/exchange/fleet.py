@@ -9,6 +9,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from capsule.bounds import ZSTD_LEVEL, check
 from capsule.errors import Conflict, InvalidName
 from capsule.names import check_name, parse_ref
 from capsule.store import Store
@@ -63,9 +64,7 @@ def parse_pull_request(req: Any) -> tuple[str, str, str]:
 def pull_level(req: Any) -> int:
     """The zstd level a pull request asks the source to send at (``zstd_level``, 1..19; 3 if absent)."""
     level = req.get("zstd_level", 3) if isinstance(req, dict) else 3
-    if not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 19:
-        raise InvalidName(f"zstd_level must be a whole number from 1 to 19, not {level!r}")
-    return level
+    return int(check(ZSTD_LEVEL, level, "zstd_level"))
 
 
 def pull_from(store: Store, req: Any, activity: Activity) -> TransferReport:
