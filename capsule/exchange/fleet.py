@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from capsule.bounds import ZSTD_LEVEL, check
+from capsule.bounds import TIMEOUT, VERSION, ZSTD_LEVEL, check
 from capsule.errors import Conflict, InvalidName
 from capsule.names import check_name, parse_ref
 from capsule.store import Store
@@ -87,10 +87,10 @@ def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> s
     it did."""
     from capsule import lifecycle
     from capsule.capsules import resolve
-    from capsule.exchange.running import MAX_START_TIMEOUT
 
     check_name(name)
-    ref = f"{name}@{version}"
+    timeout = check(TIMEOUT, timeout, "timeout")
+    ref = f"{name}@{check(VERSION, version, 'version')}"
     resolve(store, ref)  # NotFound before anything stops
     inst = store.catalogue.instance(name)
     what = ""
@@ -105,7 +105,7 @@ def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> s
         lifecycle.stop(store, name, discard=True)
         what = f"stopped {name}@{inst.version}, "
     try:
-        lifecycle.start(store, ref, timeout=min(max(timeout, 1.0), MAX_START_TIMEOUT))
+        lifecycle.start(store, ref, timeout=timeout)
     except Exception as exc:
         raise Conflict(f"{what}then starting {ref} failed: {exc}") from exc
     return f"{what}started {ref}"
