@@ -5,8 +5,10 @@ string in a JSON body, only plain decimal in a query, and within range. A refusa
 error, which the agent answers like every malformed request (400 ``invalid_name``, the field, the value and
 the range in its detail); the OpenAPI schema says the range.
 
-    timeout: bounded.query(TIMEOUT) = 180.0              # ?timeout=
-    version: bounded.field(VERSION) | None = None        # {"version": …}
+    TimeoutQuery = query(TIMEOUT)           # a type, made once, below
+    def start(name: str, timeout: TimeoutQuery = 180.0) -> …      # ?timeout=
+    class StartIn(BaseModel):
+        version: Version | None = None                             # {"version": …}
 """
 
 from __future__ import annotations
