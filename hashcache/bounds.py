@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 
 from hashcache.blocks import BLOCK_SIZE
@@ -35,13 +36,19 @@ _INT_TEXT = re.compile(r"[+-]?[0-9]{1,30}", re.ASCII)
 _REAL_TEXT = re.compile(r"[+-]?(?:[0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})(?:[eE][+-]?[0-9]{1,4})?", re.ASCII)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, SHOWN, SHOWN
+
+
 def shown(value: object) -> str:
-    """``value`` as a message repeats it: its repr, cut to :data:`SHOWN` characters (a huge integer by its
-    size: its decimal form may be too long to make)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * SHOWN:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
+    """``value`` as a message repeats it: its repr, cut to about :data:`SHOWN` characters without making the
+    whole of a long one first (a huge integer by its size: its decimal form may be too long to make)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > 4 * SHOWN:
+            return f"an integer of {value.bit_length()} bits"
+        return repr(value)
+    text = _REPR.repr(value)
+    return text if len(text) <= SHOWN + 8 else text[:SHOWN - 3] + "..."
 
 
 @dataclass(frozen=True)
