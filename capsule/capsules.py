@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capsule import qemuimg
+from capsule.bounds import VCPUS
 from capsule.catalogue import CapsuleRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import AlreadyExists, InvalidName, NotFound
 from capsule.names import check_name, parse_ref
@@ -42,8 +43,8 @@ def create(store: Store, name: str, image: str, memory: str = DEFAULT_MEMORY, cp
     check_name(name)
     check_name(image, "image")
     memory_mib = parse_memory_mib(memory)
-    if not 1 <= cpus <= 64:
-        raise InvalidName(f"--cpus {cpus} out of range: give 1 to 64")
+    if not VCPUS.contains(cpus):
+        raise InvalidName(f"--cpus {cpus} out of range: give {VCPUS.lo} to {VCPUS.hi}")
     sizes = [data_disk_size(s) for s in data_disks]
     if len(sizes) > MAX_DATA_DISKS:
         raise InvalidName(f"{len(sizes)} data disks: at most {MAX_DATA_DISKS}")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from capsule.bounds import CREATED, MEMORY_MIB, VCPUS, VERSION, check
 from capsule.catalogue import CapsuleRow, VersionRow
 from capsule.errors import Conflict, InvalidName, NotFound
 from capsule.names import check_name, check_object_id, check_uuid
 from capsule.store import Store
 
 CONFIG_KEYS = {"memory_mib": int, "vcpus": int, "kernel": str, "initrd": str, "cmdline": str, "marker": str}
+CONFIG_BOUNDS = {"memory_mib": MEMORY_MIB, "vcpus": VCPUS}   # a received capsule asks a host for these
 
 
 def version_record(store: Store, v: VersionRow) -> dict[str, Any]:
@@ -37,14 +39,13 @@ def objects_of(record: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]
 
 
 def validate(record: Any) -> dict[str, Any]:
-    """Check a record from a peer: names, ids, types. Raises InvalidName."""
+    """Check a record from a peer: names, ids, types, and every number within its bounds (a received capsule
+    asks this host for its vCPUs and memory). Raises InvalidName."""
     if not isinstance(record, dict):
         raise InvalidName("a version record must be a JSON object")
     try:
         check_name(record["capsule"])
-        number = record["number"]
-        if not isinstance(number, int) or isinstance(number, bool) or not 0 < number < 10**9:
-            raise InvalidName(f"bad version number {number!r}")
+        check(VERSION, record["number"], "version number")
         chains = record["chains"]
         if (not isinstance(chains, list) or not chains or len(chains) > 16
                 or not all(isinstance(c, list) and 0 < len(c) <= 4096 for c in chains)):
@@ -58,7 +59,9 @@ def validate(record: Any) -> dict[str, Any]:
         if not isinstance(config, dict):
             raise InvalidName("bad config")
         for key, typ in CONFIG_KEYS.items():
-            if not isinstance(config.get(key), typ):
+            if key in CONFIG_BOUNDS and key in config:
+                check(CONFIG_BOUNDS[key], config[key], f"config.{key}")
+            elif not isinstance(config.get(key), typ):
                 raise InvalidName(f"config field {key!r} missing or of the wrong type")
         optional = {"image": (str, type(None)), "free_page_reporting": (bool,), "balloon": (dict, type(None)),
                     "pod_network": (bool,)}
@@ -77,10 +80,12 @@ def validate(record: Any) -> dict[str, Any]:
             check_name(config["image"], "image")
         if record.get("parent_capsule") is not None:
             check_name(record["parent_capsule"])
-        parent_version = record.get("parent_version")
-        if parent_version is not None and (not isinstance(parent_version, int) or isinstance(parent_version, bool)
-                                           or not 0 < parent_version < 10**9):
-            raise InvalidName(f"bad parent version {parent_version!r}")
+        if record.get("parent_version") is not None:
+            check(VERSION, record["parent_version"], "parent version")
+        if record.get("created") is not None:
+            check(CREATED, record["created"], "created")
+        if not isinstance(record.get("note"), str | None):
+            raise InvalidName("the note of a version record must be text")
     except (KeyError, TypeError) as exc:
         raise InvalidName(f"malformed version record ({exc})") from exc
     return record

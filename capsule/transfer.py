@@ -42,6 +42,7 @@ from hashcache.hcp import (
     decode_indices,
     decompress_bounded,
     encode_indices,
+    manifest_header,
     pack_blocks,
     records_chunks,
     unpack_blocks,
@@ -131,17 +132,22 @@ def _never() -> None:
 def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) -> tuple[Expectation, dict]:
     """LOOKUP, then READ-HASH in chunks: what the object must turn out to be."""
     head = client.get_json(f"/v1/objects/{kind}/{oid}")
-    count = head.get("count") if isinstance(head, dict) else None
-    if not isinstance(count, int) or count < 0:
-        raise TransferFailed(f"{kind} {oid[:12]}: malformed LOOKUP reply")
+    try:  # the peer's numbers checked before any of them sizes a loop or a buffer
+        count = manifest_header(head)["count"]
+    except ProtocolError as exc:
+        raise TransferFailed(f"{kind} {oid[:12]}: malformed LOOKUP reply from {client.url}: {exc}") from exc
     parts = []
     for start, n in records_chunks(count):
         resp = client.request("GET", f"/v1/objects/{kind}/{oid}/records",
                               params={"start": start, "count": n, "hash_len": hash_len})
         try:
-            parts.append(decompress_bounded(resp.content, n * (8 + hash_len), "records"))
+            part = decompress_bounded(resp.content, n * (8 + hash_len), "records")
         except ProtocolError as exc:
             raise TransferFailed(f"{kind} {oid[:12]}: bad manifest records from the peer: {exc}") from exc
+        if len(part) != n * (8 + hash_len):   # each chunk whole, or the next is never asked for
+            raise TransferFailed(f"{kind} {oid[:12]}: the peer sent {len(part)} bytes of records {start}.. "
+                                 f"for {n} records")
+        parts.append(part)
     try:
         return Expectation.from_records(head, b"".join(parts), oid, hash_len), head
     except ProtocolError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from capsule.bounds import MEMORY_MIB
 from capsule.errors import InvalidName
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -23,7 +24,7 @@ def parse_memory_mib(text: str) -> int:
     if size < 1 << 20 and re.fullmatch(r"\s*\d+\s*", str(text), re.ASCII):
         size <<= 20  # a bare number means MiB
     mib = size >> 20
-    if mib < 64 or mib > 1 << 20:
+    if not MEMORY_MIB.contains(mib):
         raise InvalidName(f"memory {text!r} out of range: give between 64M and 1T")
     return mib
 

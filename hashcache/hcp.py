@@ -31,6 +31,7 @@ import zstandard
 
 from hashcache import native, wirejson
 from hashcache.blocks import BLOCK_SIZE, hash_block
+from hashcache.bounds import OBJECT_SIZE, blocks_in
 from hashcache.errors import HashcacheError, ManifestMismatch
 from hashcache.manifest import RECORD_SIZE, Manifest
 from hashcache.shadow import Shadow
@@ -305,17 +306,8 @@ class Expectation:
     @classmethod
     def from_records(cls, header: dict, data: bytes, digest: str, hash_len: int) -> Expectation:
         """Parse (and validate: this may come from a hostile peer) compact or full records."""
-        try:
-            kind, algorithm, size = header["kind"], header["algorithm"], header["size"]
-            block_size, parent, count = header["block_size"], header.get("parent"), header["count"]
-        except (KeyError, TypeError) as exc:
-            raise ProtocolError(f"malformed manifest header: {exc}") from exc
-        if kind not in ("layer", "file") or algorithm != "blake3" or block_size != BLOCK_SIZE:
-            raise ProtocolError(f"unsupported manifest header {header!r:.200}")
-        if type(size) is not int or not 0 <= size < 1 << 50 or type(count) is not int or count < 0:
-            raise ProtocolError("bad manifest size or count")
-        if parent is not None and (not isinstance(parent, str) or len(parent) != 64):
-            raise ProtocolError("bad manifest parent")
+        clean = manifest_header(header)
+        size, count = clean["size"], clean["count"]
         if hash_len not in (PREFIX_SIZE, RECORD_SIZE - 8):
             raise ProtocolError(f"unsupported hash length {hash_len}")
         rec = 8 + hash_len
@@ -333,8 +325,6 @@ class Expectation:
             prev = index
             keys.append(key)
             hashes += data[o + 8:o + rec]
-        clean = {"kind": kind, "algorithm": algorithm, "block_size": block_size, "size": size,
-                 "parent": parent, "count": count}
         return cls(clean, digest, keys, bytes(hashes), hash_len)
 
     @classmethod
@@ -422,8 +412,32 @@ class Expectation:
         return cls.from_records(header, data[8 + hlen:], digest, n)
 
 
-def records_chunks(count: int, chunk: int = 65536) -> list[tuple[int, int]]:
-    return [(s, min(chunk, count - s)) for s in range(0, count, chunk)]
+def manifest_header(header: object) -> dict:
+    """The manifest header of a LOOKUP reply or a manifest upload (a peer's: checked before any of its
+    numbers sizes anything): kind, algorithm, block size, size, parent and record count, the size within
+    :data:`~hashcache.bounds.OBJECT_SIZE` and the count at most the object's blocks; else ProtocolError."""
+    if not isinstance(header, dict):
+        raise ProtocolError("malformed manifest header: expected a JSON object")
+    try:
+        kind, algorithm, size = header["kind"], header["algorithm"], header["size"]
+        block_size, parent, count = header["block_size"], header.get("parent"), header["count"]
+    except KeyError as exc:
+        raise ProtocolError(f"malformed manifest header: no {exc}") from exc
+    if kind not in ("layer", "file") or algorithm != "blake3" or type(block_size) is not int \
+            or block_size != BLOCK_SIZE:
+        raise ProtocolError(f"unsupported manifest header {header!r:.200}")
+    size = OBJECT_SIZE.check(size, "manifest size", ProtocolError)
+    count = blocks_in(size).check(count, f"manifest record count of a {size}-byte {kind}", ProtocolError)
+    if parent is not None and (not isinstance(parent, str) or len(parent) != 64):
+        raise ProtocolError("bad manifest parent")
+    return {"kind": kind, "algorithm": algorithm, "block_size": BLOCK_SIZE, "size": size, "parent": parent,
+            "count": count}
+
+
+def records_chunks(count: int, chunk: int = 65536) -> Iterator[tuple[int, int]]:
+    """(start, count) of each READ-HASH request for ``count`` records, one after the other (made as they are
+    asked for: ``count`` comes from a peer)."""
+    return ((s, min(chunk, count - s)) for s in range(0, count, chunk))
 
 
 # -- the receiving side ----------------------------------------------------------
@@ -685,5 +699,6 @@ class Receiver:
 __all__ = [
     "RECORD_SIZE", "STREAM_KINDS", "BlockLookup", "ProtocolError", "Receiver", "TransferStats", "decode_indices",
     "decode_stream_read", "decode_stream_reply", "encode_indices", "encode_stream_error", "encode_stream_read",
-    "decompress_bounded", "header_of", "manifest_from_parts", "pack_blocks", "records_chunks", "unpack_blocks",
+    "decompress_bounded", "header_of", "manifest_from_parts", "manifest_header", "pack_blocks", "records_chunks",
+    "unpack_blocks",
 ]

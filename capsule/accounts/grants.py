@@ -25,12 +25,13 @@ from typing import Any
 
 from capsule.accounts import tokens, users
 from capsule.accounts.model import CAPABILITIES, PUSH, READ, Grant, Principal
+from capsule.bounds import GRANT_SECONDS, check
 from capsule.errors import Forbidden, InvalidName, NotFound
 from capsule.names import check_name
 from capsule.records import objects_of, validate, version_record
 from capsule.store import Store
 
-MAX_GRANT_SECONDS = 86400.0        # a grant asked for over the network lives at most a day
+MAX_GRANT_SECONDS = GRANT_SECONDS.hi  # a grant asked for over the network lives at most a day
 DEFAULT_SECONDS = 3600.0
 # A demand run's grant ends when the run stops or no longer depends on its source (its destination ends it);
 # this is the backstop for a destination that never says so: three days, in which prefetch brings a 10 GB
@@ -59,9 +60,7 @@ def local_issuer() -> str:
 
 
 def _seconds(value: Any) -> float:
-    if type(value) not in (int, float) or not 60 <= value <= MAX_GRANT_SECONDS:
-        raise InvalidName(f"a grant's expires_in is 60 to {MAX_GRANT_SECONDS:.0f} seconds, not {value!r}")
-    return float(value)
+    return float(check(GRANT_SECONDS, value, "expires_in"))     # the one rule for numbers from the network
 
 
 def read_grant(store: Store, capsule: str, version: int | None, *, issuer: str, issuer_token: str | None = None,

@@ -1,11 +1,14 @@
 """The dashboard API's request and response bodies (they document the API on the OpenAPI page, and a
-peer's answers are checked against them)."""
+peer's answers are checked against them). Every number a request gives is a bounded type
+(:mod:`capsule.agent.bounded`)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
+
+from capsule.agent.bounded import StopTimeout, Timeout, Version
 
 
 class SignIn(BaseModel):
@@ -97,9 +100,9 @@ class HostOut(BaseModel):
 
 
 class StartIn(BaseModel):
-    version: int | None = Field(default=None, ge=1, description="Start this version (default: latest).")
+    version: Version | None = Field(default=None, description="Start this version (default: latest).")
     wait: bool = Field(default=True, description="Wait until a booting guest is up.")
-    timeout: float = Field(default=180.0, ge=1.0, le=900.0)
+    timeout: Timeout = Field(default=180.0, description="Seconds to wait for a booting guest.")
 
 
 class StartOut(BaseModel):
@@ -118,7 +121,7 @@ class SealIn(BaseModel):
 
 
 class StopIn(BaseModel):
-    timeout: float = Field(default=30.0, ge=0.0, le=600.0, description="Seconds to wait for a clean shutdown.")
+    timeout: StopTimeout = Field(default=30.0, description="Seconds to wait for a clean shutdown.")
     force: bool = Field(default=False, description="Power off at once.")
 
 
@@ -143,11 +146,11 @@ class SnapshotOut(SealOut):
 
 class DeriveIn(BaseModel):
     child: str = Field(description="Name of the new child capsule.")
-    version: int | None = Field(default=None, ge=1, description="Derive from this version (default: latest).")
+    version: Version | None = Field(default=None, description="Derive from this version (default: latest).")
 
 
 class RmIn(BaseModel):
-    version: int | None = Field(default=None, ge=1, description="Remove only this version.")
+    version: Version | None = Field(default=None, description="Remove only this version.")
     promote: bool = Field(default=False, description="Fold removed layers into versions that build on them.")
 
 

@@ -1,7 +1,9 @@
 """The host agent's HTTP API (FastAPI). Every request carries a bearer token (a user's token, or the host's
 token while no admin user exists); what each call needs — role, token scope, owning the capsule — is checked
 before any route by :mod:`capsule.agent.authz`, which also writes the audit line of every change. The agent only
-ever serves objects of its own store, named by validated ids.
+ever serves objects of its own store, named by validated ids, and every number a request gives (a query
+parameter, a body field) is finite and within its bounds (:mod:`capsule.agent.bounded`, :mod:`capsule.bounds`)
+or the request is refused with 400 before anything happens.
 
 HCP calls (stateless, §4.4.3)::
 
@@ -59,6 +61,17 @@ from capsule import __version__ as capsule_version
 from capsule.accounts import grants
 from capsule.agent import authz, dashboard, guard
 from capsule.agent.auditlog import AuditLog
+from capsule.agent.bounded import (
+    HashLenQuery,
+    PartQuery,
+    PartsQuery,
+    RecordCountQuery,
+    RecordStartQuery,
+    SegmentQuery,
+    TimeoutQuery,
+    VersionQuery,
+    ZstdLevelQuery,
+)
 from capsule.agent.turns import Turns
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
@@ -178,12 +191,13 @@ def create_app(home: Path, token: str) -> FastAPI:
         return objects.lookup(kind, oid)
 
     @app.get("/v1/objects/{kind}/{oid}/records")
-    def records(kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS, hash_len: int = 32) -> Response:
+    def records(kind: str, oid: str, start: RecordStartQuery = 0, count: RecordCountQuery = MAX_RECORDS,
+                hash_len: HashLenQuery = 32) -> Response:
         payload, n = objects.records(kind, oid, start, count, hash_len)
         return Response(payload, media_type="application/octet-stream", headers={"X-Capsule-Records": str(n)})
 
     @app.post("/v1/objects/{kind}/{oid}/read")
-    async def read(kind: str, oid: str, request: Request, level: int = 3, compress: bool = True) -> Response:
+    async def read(kind: str, oid: str, request: Request, level: ZstdLevelQuery = 3, compress: bool = True) -> Response:
         indices = objects.indices(kind, oid, await body(request, 1 << 20))
         payload = await asyncio.to_thread(objects.read, kind, oid, indices, level, compress)
         activity.served(len(indices))
@@ -233,8 +247,8 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     # -- receiving: state lives on disk (capsule/exchange/receiving.py), none in the protocol ----------
     @app.post("/v1/recv/{kind}/{oid}/begin")
-    async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True, part: int = 0,
-                         parts: int = 1) -> Response:
+    async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True, part: PartQuery = 0,
+                         parts: PartsQuery = 1) -> Response:
         """Part ``part`` of ``parts`` of the manifest → the indices of the blocks still needed."""
         data = decode_manifest_upload(await body(request, MAX_MANIFEST_UPLOAD))
         needed = await asyncio.to_thread(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash)
@@ -244,7 +258,7 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     @app.post("/v1/recv/{kind}/{oid}/blocks")
     async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True, stream: str | None = None,
-                          seq: int = 0, codec: str = "zstd") -> dict[str, int]:
+                          seq: SegmentQuery = 0, codec: str = "zstd") -> dict[str, int]:
         """A batch of blocks: a zstd frame of its own, or segment ``seq`` of block stream ``stream``
         (``codec``: zstd or xz)."""
         raw = await body(request, MAX_BLOCKS_UPLOAD)
@@ -271,7 +285,8 @@ def create_app(home: Path, token: str) -> FastAPI:
 
     # -- running (the destination side of `capsule migrate`) ---------------------------------------
     @app.post("/v1/capsules/{name}/start")
-    async def start_capsule(name: str, version: int | None = None, timeout: float = 180.0) -> dict[str, Any]:
+    async def start_capsule(name: str, version: VersionQuery | None = None, timeout: TimeoutQuery = 180.0
+                            ) -> dict[str, Any]:
         r = await asyncio.to_thread(running.start, store, name, version, timeout)
         return {"version": r.version.ref, "mode": r.mode, "domain": r.domain, "seconds": r.seconds}
 
@@ -313,7 +328,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         return activity.as_dict()
 
     @app.post("/v1/capsules/{name}/activate")
-    async def activate_capsule(name: str, version: int, timeout: float = 180.0) -> dict[str, Any]:
+    async def activate_capsule(name: str, version: VersionQuery, timeout: TimeoutQuery = 180.0) -> dict[str, Any]:
         return {"did": await asyncio.to_thread(fleet.activate, store, name, version, timeout)}
 
     @app.post("/v1/capsules/{name}/stop")

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from capsule.agent import authz
+from capsule.agent.bounded import Version
 from capsule.agent.sessions import Sessions
 from capsule.backup import jobs, runner, verifyjob
 from capsule.errors import Conflict
@@ -27,7 +28,7 @@ from capsule.store import Store
 
 class RestoreIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    version: int = Field(ge=1, description="The backup's version number (NAME@V)")
+    version: Version = Field(description="The backup's version number (NAME@V)")
     as_name: str | None = Field(default=None, max_length=64,
                                 description="Start it as a new capsule of this name; without it the backup "
                                             "becomes NAME's latest version (NAME must not be running)")

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from capsule.bounds import TIMEOUT, VERSION, ZSTD_LEVEL, check
 from capsule.errors import Conflict, InvalidName
 from capsule.names import check_name, parse_ref
 from capsule.store import Store
@@ -67,9 +68,7 @@ def parse_pull_request(req: Any) -> tuple[str, str, str]:
 def pull_level(req: Any) -> int:
     """The zstd level a pull request asks the source to send at (``zstd_level``, 1..19; 3 if absent)."""
     level = req.get("zstd_level", 3) if isinstance(req, dict) else 3
-    if not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 19:
-        raise InvalidName(f"zstd_level must be a whole number from 1 to 19, not {level!r}")
-    return level
+    return int(check(ZSTD_LEVEL, level, "zstd_level"))
 
 
 def pull_from(store: Store, req: Any, activity: Activity) -> TransferReport:
@@ -92,10 +91,10 @@ def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> s
     it did."""
     from capsule import lifecycle
     from capsule.capsules import resolve
-    from capsule.exchange.running import MAX_START_TIMEOUT
 
     check_name(name)
-    ref = f"{name}@{version}"
+    timeout = check(TIMEOUT, timeout, "timeout")
+    ref = f"{name}@{check(VERSION, version, 'version')}"
     resolve(store, ref)  # NotFound before anything stops
     inst = store.catalogue.instance(name)
     what = ""
@@ -110,7 +109,7 @@ def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> s
         lifecycle.stop(store, name, discard=True)
         what = f"stopped {name}@{inst.version}, "
     try:
-        lifecycle.start(store, ref, timeout=min(max(timeout, 1.0), MAX_START_TIMEOUT))
+        lifecycle.start(store, ref, timeout=timeout)
     except Exception as exc:
         raise Conflict(f"{what}then starting {ref} failed: {exc}") from exc
     return f"{what}started {ref}"

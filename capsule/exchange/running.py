@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from capsule.bounds import TIMEOUT, VERSION, check
 from capsule.errors import InvalidName
 from capsule.names import check_name
 from capsule.store import Store
@@ -15,16 +16,16 @@ if TYPE_CHECKING:
     from capsule.lifecycle import SealResult, StartResult
     from capsule.transfer import RunReport
 
-MAX_START_TIMEOUT = 900.0
-
 
 def start(store: Store, name: str, version: int | None = None, timeout: float = 180.0) -> StartResult:
-    """Start ``name`` (its latest version, or ``version``) here; the wait is clamped to 1 s … 15 min."""
+    """Start ``name`` (its latest version, or ``version``) here, waiting ``timeout`` seconds (1 s … 15 min) for a
+    booting guest."""
     from capsule import lifecycle
 
     check_name(name)
-    ref = name if version is None else f"{name}@{version}"
-    return lifecycle.start(store, ref, timeout=min(max(timeout, 1.0), MAX_START_TIMEOUT))
+    timeout = check(TIMEOUT, timeout, "timeout")
+    ref = name if version is None else f"{name}@{check(VERSION, version, 'version')}"
+    return lifecycle.start(store, ref, timeout=timeout)
 
 
 def stop(store: Store, name: str, discard: bool = False) -> SealResult:

@@ -11,6 +11,7 @@ from typing import Any
 
 from capsule import hosts, transfer
 from capsule.agentclient import AgentClient
+from capsule.bounds import VERSION, WIRE_BYTES
 from capsule.catalogue import VersionRow
 from capsule.errors import Error, InvalidName, TransferFailed
 from capsule.fleet.members import Member
@@ -46,8 +47,8 @@ def _parse_capsules(answer: Any) -> dict[str, dict[str, Any]]:
     for c in answer:
         if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("versions"), list):
             raise TransferFailed("malformed /v1/capsules answer")
-        versions = [v for v in c["versions"] if isinstance(v, int) and not isinstance(v, bool)]
-        running = c.get("running") if isinstance(c.get("running"), int) else None
+        versions = [v for v in c["versions"] if VERSION.contains(v)]    # a peer's numbers: bounded
+        running = c.get("running") if VERSION.contains(c.get("running")) else None
         out[c["name"]] = {"versions": sorted(versions), "running": running}
     return out
 
@@ -137,7 +138,8 @@ def pull_from_peer(ref: str, member: Member, source: Member, level: int | None =
         if level is not None:
             body["zstd_level"] = level
         reply = client.post_json("/v1/fleet/pull", body)
-    return int(reply.get("wire_bytes", 0)) if isinstance(reply, dict) else 0
+    wire = reply.get("wire_bytes", 0) if isinstance(reply, dict) else 0
+    return int(WIRE_BYTES.check(wire, f"{member.name}'s wire_bytes", TransferFailed))
 
 
 def activate(member: Member, name: str, version: int, timeout: float = 180.0) -> str:

@@ -6,6 +6,7 @@ names the field."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -150,8 +151,8 @@ class ChainSpec:
         rt = self.retry
         for key in ("seconds", "initial_delay", "max_delay", "request_timeout"):
             v = getattr(rt, key)
-            if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-                raise SpecError(f"retry.{key} must be a non-negative number")
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
+                raise SpecError(f"retry.{key} must be a non-negative finite number, not {v!r:.40}")
         if rt.request_timeout <= 0:
             raise SpecError("retry.request_timeout must be positive")
         if not isinstance(self.compress, bool) or not isinstance(self.write_behind, bool):

@@ -27,6 +27,7 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri
 
+from hashcache.bounds import HTTP_ERROR
 from hashcache.errors import Unreachable
 from hashcache.hcp import decode_stream_reply, encode_stream_read
 from hashcache.transport import plain, tls
@@ -251,7 +252,7 @@ class StreamTransport:
         payload, err = decode_stream_reply(raw)  # a malformed reply: ProtocolError
         if payload is None:
             status = err.get("status")
-            status = status if isinstance(status, int) and 400 <= status <= 599 else 502
+            status = status if HTTP_ERROR.contains(status) else 502
             body = {k: v for k, v in err.items() if k != "status"}
             return Reply(status, json.dumps(body).encode(), {}, wire)
         return Reply(200, payload, {}, wire)

@@ -183,7 +183,7 @@ def test_refusals_are_http_errors(client):
         ("/api/capsules/ghost/start", {}, 404, "no capsule named 'ghost'"),
         (f"/api/capsules/{SECRET}/suspend", {}, 409, "is not running"),
         (f"/api/capsules/{SECRET}/snapshot", {"balloon": True}, 409, "is not running"),
-        (f"/api/capsules/{SECRET}/start", {"version": 0}, 400, "greater than or equal to 1"),
+        (f"/api/capsules/{SECRET}/start", {"version": 0}, 400, "version: 0 is not a whole number from 1 to"),
         (f"/api/capsules/{SECRET}/suspend", {"balloon_policy": "rm -rf"}, 400, "balloon_policy"),
         (f"/api/capsules/{SECRET}/rm", {"version": 3}, 404, "has no version 3"),
         ("/api/capsules/bad%20name/rm", {}, 400, "invalid capsule name"),

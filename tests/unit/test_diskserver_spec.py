@@ -44,6 +44,9 @@ def test_spec_round_trips_and_resolves_relative_paths(tmp_path):
     (lambda d: d.update(version=7), "version"),
     (lambda d: d.update(size=-5), "size"),
     (lambda d: d.update(name="../evil"), "name"),
+    # JSON has no Infinity: a spec saved with it could not be read back (CAPSULE_SOURCE_RETRY_SECONDS=inf)
+    (lambda d: d.update(retry={"seconds": float("inf")}), "retry.seconds must be a non-negative finite number"),
+    (lambda d: d.update(retry={"max_delay": float("nan")}), "retry.max_delay must be a non-negative finite"),
 ])
 def test_bad_specs_are_refused_clearly(mutate, message):
     d = {"layers": [{"id": "a" * 64, "manifest_path": "/m", "local_path": None,

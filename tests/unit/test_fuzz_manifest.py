@@ -133,10 +133,13 @@ def test_deeply_nested_part_header_is_a_protocol_error():
         Expectation.from_bytes(struct.pack("<II", 4000, 8) + deep_json(2000), "0" * 64)
 
 
-def test_boolean_size_or_count_is_refused():
+@pytest.mark.parametrize(("size", "count", "says"), [("true", "true", "manifest size: True is not a whole number"),
+                                                    ("4096", "true", "record count .*: True is not a whole number")])
+def test_boolean_size_or_count_is_refused(size, count, says):
     """Regression: ``"size": true, "count": true`` passed as 1 (bool is an int in Python)."""
-    head = b'{"algorithm":"blake3","block_size":4096,"count":true,"kind":"layer","parent":null,"size":true}'
-    with pytest.raises(ProtocolError, match="bad manifest size or count"):
+    head = (b'{"algorithm":"blake3","block_size":4096,"count":%s,"kind":"layer","parent":null,"size":%s}'
+            % (count.encode(), size.encode()))
+    with pytest.raises(ProtocolError, match=says):
         Expectation.from_bytes(struct.pack("<II", len(head), 8) + head + bytes(16), "0" * 64)
 
 
