@@ -8,11 +8,12 @@ It runs an asyncio loop in a thread and forwards every connection to ``target``.
 - ``half_open()``: keep connections open but forward nothing either way (a peer that stops answering);
 - ``pass_through()``: forward again.
 
-``up`` and ``down`` count the bytes forwarded client→target and target→client.
+``up`` and ``down`` count the bytes forwarded client→target and target→client (TLS records included: the
+proxy forwards bytes, it does not terminate TLS; ``url`` is ``https://…`` unless ``tls=False``).
 
     with FaultProxy("127.0.0.1", agent.port) as proxy:
         proxy.reset_after = 8 << 20
-        transfer.push(store, "cap", proxy.url, token)
+        transfer.push(store, "cap", proxy.url, token, fingerprint=agent.fingerprint)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _rst(writer: asyncio.StreamWriter) -> None:
 class FaultProxy:
     """A proxy on ``host`` (a free port) to ``target_host:target_port``; see the module's docstring."""
 
-    def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1", *, tls: bool = True) -> None:
         self.target = (target_host, target_port)
         self.mode = PASS
         self.up = 0
@@ -65,7 +66,8 @@ class FaultProxy:
             raise RuntimeError("the fault proxy did not start")
         assert self._server is not None
         self.port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
+        # the bytes pass as they are: a TLS agent behind the proxy is reached with https and its pin
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
 
     def _run(self, start: Callable[[], object]) -> None:
         asyncio.set_event_loop(self._loop)
@@ -172,4 +174,7 @@ class FaultProxy:
                     self._reset()
                     return
         except (ConnectionError, OSError):
+            # a side reset (a killed agent's socket): reset the other side too, as a link would carry it,
+            # rather than keep it waiting for an answer that cannot come
+            writer.transport.abort()
             return

@@ -10,6 +10,13 @@ wrapped (`guarded_protocols`) so that
   kept-alive connection, of the first byte of its next request: a slow-loris client that trickles its
   headers is answered ``408`` and closed instead of holding the connection for ever (uvicorn keeps a
   connection whose headers never end); an idle kept-alive connection is left to uvicorn's keep-alive timeout;
+* a request's body must keep arriving: in every ``header_timeout`` seconds while it is being received, at
+  least ``min_body_rate`` bytes per second of it (unless the agent itself paused reading it), or the request
+  is answered ``408`` and the connection closed (a slow-loris client trickling a body a byte at a time held
+  its connection for ever);
+* an answer that stops leaving (the client does not read it, its queue does not shrink) for
+  ``STALLED_PERIODS`` keep-alive timeouts gets its connection aborted: uvicorn waited for ever to write it,
+  and a plain close would wait for ever to flush it;
 * a WebSocket message is at most ``ws_max_message`` bytes (a block-stream request or a console frame is far
   smaller): over it the connection is closed with code 1009, "message too big".
 
@@ -53,10 +60,11 @@ class Limits:
     keep_alive: float = 75.0
     max_body: int = 1 << 20          # bytes of any request body without a limit of its own
     ws_max_message: int = 1 << 20    # bytes of one WebSocket message
+    min_body_rate: float = 64.0      # bytes/s a request body must average over each header_timeout
 
     def __post_init__(self) -> None:
         if (self.per_client < 1 or self.header_timeout <= 0 or self.keep_alive <= 0 or self.max_body < 1
-                or self.ws_max_message < 1024):
+                or self.ws_max_message < 1024 or self.min_body_rate < 0):
             raise InvalidName(f"limits out of range: {self}")
 
 
@@ -120,6 +128,11 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
         _header_timer: asyncio.TimerHandle | None = None
         _unsent_before: int | None = None   # bytes left to send when the keep-alive timeout last ended
         _stalled = 0                        # keep-alive periods since the last progress in sending
+        _body_timer: asyncio.TimerHandle | None = None
+        _body_bytes = 0                     # bytes received since the body timer was last armed
+        _write_timer: asyncio.TimerHandle | None = None
+        _write_stalled = 0
+        _write_left: int | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -154,7 +167,11 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
             if self._counted is None:
                 return  # refused: whatever it sends is dropped
             self._unsent_before = None
+            self._body_bytes += len(data)
             super().data_received(data)
+            if self.conn.their_state is h11.SEND_BODY and self._body_timer is None and limits.min_body_rate:
+                self._body_bytes = 0
+                self._body_timer = self.loop.call_later(limits.header_timeout, self._body_check)
             if self.transport.is_closing():
                 self._disarm_header_timer()
             elif self.conn.their_state is h11.IDLE:
@@ -163,6 +180,48 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                 self._arm_header_timer()
             else:
                 self._disarm_header_timer()
+
+        def _body_check(self) -> None:
+            """Every ``header_timeout`` while a request's body arrives: too few bytes came (and not because
+            the agent paused reading): 408 (if no answer has begun) and close."""
+            self._body_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+                return
+            if self._body_bytes >= limits.min_body_rate * limits.header_timeout or self.flow.read_paused:
+                self._body_bytes = 0
+                self._body_timer = self.loop.call_later(limits.header_timeout, self._body_check)
+                return
+            if self.conn.our_state is h11.SEND_RESPONSE:
+                self.transport.write(_raw_reply(RequestTimeout(
+                    f"the request's body arrived slower than {limits.min_body_rate:g} bytes/s over "
+                    f"{limits.header_timeout:g} s"), b"Request Timeout", []))
+            self.transport.close()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_stalled, self._write_left = 0, unsent_bytes(self.transport)
+                self._write_timer = self.loop.call_later(self.timeout_keep_alive, self._write_check)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_check(self) -> None:
+            """Every keep-alive timeout while writing is paused: after STALLED_PERIODS of them in which the
+            answer's queue did not shrink, abort (a close would wait to flush what the client never reads)."""
+            self._write_timer = None
+            if self.transport.is_closing() or not self.flow.write_paused:
+                return
+            left = unsent_bytes(self.transport)
+            self._write_stalled = 0 if self._write_left is None or left < self._write_left else self._write_stalled + 1
+            self._write_left = left
+            if self._write_stalled >= STALLED_PERIODS:
+                self.transport.abort()
+                return
+            self._write_timer = self.loop.call_later(self.timeout_keep_alive, self._write_check)
 
         def timeout_keep_alive_handler(self) -> None:
             # idle only once the last answer has left (see the module's docstring): while the send queue
@@ -179,6 +238,9 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                                                                     self.timeout_keep_alive_handler)
                 return
             self._unsent_before = None
+            if left and not self.transport.is_closing():
+                self.transport.abort()   # a close would wait for ever to flush what the client does not read
+                return
             super().timeout_keep_alive_handler()
 
         def handle_websocket_upgrade(self, event: h11.Request) -> None:
@@ -191,6 +253,10 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
+            for timer in (self._body_timer, self._write_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._body_timer = self._write_timer = None
             if self._counted is not None:
                 counts.give(self._counted)
                 self._counted = None
