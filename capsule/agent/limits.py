@@ -15,8 +15,9 @@ wrapped (`guarded_protocols`) so that
   is answered ``408`` and the connection closed (a slow-loris client trickling a body a byte at a time held
   its connection for ever);
 * an answer that stops leaving (the client does not read it, its queue does not shrink) for
-  ``STALLED_PERIODS`` keep-alive timeouts gets its connection aborted: uvicorn waited for ever to write it,
-  and a plain close would wait for ever to flush it;
+  ``STALLED_PERIODS`` keep-alive timeouts gets its connection closed (uvicorn waited for ever to write it),
+  and aborted if its queue still does not shrink for ``ABORT_PERIODS`` more (a close waits for ever to flush
+  what a client never reads, holding the connection and its count);
 * a WebSocket message is at most ``ws_max_message`` bytes (a block-stream request or a console frame is far
   smaller): over it the connection is closed with code 1009, "message too big".
 
@@ -46,6 +47,8 @@ from hashcache.errors import Error, Overloaded, RequestTimeout
 
 #: Keep-alive periods in a row in which a connection's queued answer did not move before it is closed.
 STALLED_PERIODS = 2
+#: Keep-alive periods after that close in which the queue did not shrink before the connection is aborted.
+ABORT_PERIODS = 2 * STALLED_PERIODS
 
 #: Routes whose bodies are bounded by the route itself (the receiving side of push: manifests and batches).
 OWN_LIMIT_PREFIXES = ("/v1/recv/",)
@@ -133,6 +136,7 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
         _write_timer: asyncio.TimerHandle | None = None
         _write_stalled = 0
         _write_left: int | None = None
+        _lost = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -219,9 +223,27 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
             self._write_stalled = 0 if self._write_left is None or left < self._write_left else self._write_stalled + 1
             self._write_left = left
             if self._write_stalled >= STALLED_PERIODS:
-                self.transport.abort()
+                self._close_then_abort(left)
                 return
             self._write_timer = self.loop.call_later(self.timeout_keep_alive, self._write_check)
+
+        def _close_then_abort(self, left: int) -> None:
+            """Close (what was queued still goes out to a client that reads again), and abort if the queue
+            then does not shrink for ``ABORT_PERIODS`` keep-alive timeouts: a close waits for ever to flush."""
+            if not self.transport.is_closing():
+                with contextlib.suppress(h11.LocalProtocolError):
+                    self.conn.send(h11.ConnectionClosed())
+                self.transport.close()
+            self.loop.call_later(self.timeout_keep_alive * ABORT_PERIODS, self._abort_if_stuck, left)
+
+        def _abort_if_stuck(self, left: int) -> None:
+            if self._lost:
+                return
+            now = unsent_bytes(self.transport)
+            if now and now < left:
+                self.loop.call_later(self.timeout_keep_alive * ABORT_PERIODS, self._abort_if_stuck, now)
+            else:
+                self.transport.abort()
 
         def timeout_keep_alive_handler(self) -> None:
             # idle only once the last answer has left (see the module's docstring): while the send queue
@@ -238,10 +260,10 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                                                                     self.timeout_keep_alive_handler)
                 return
             self._unsent_before = None
-            if left and not self.transport.is_closing():
-                self.transport.abort()   # a close would wait for ever to flush what the client does not read
-                return
-            super().timeout_keep_alive_handler()
+            if left:
+                self._close_then_abort(left)
+            else:
+                super().timeout_keep_alive_handler()
 
         def handle_websocket_upgrade(self, event: h11.Request) -> None:
             # the WebSocket protocol object takes the connection over, and its count with it
@@ -252,6 +274,7 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                 counts.give(address)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._lost = True
             self._disarm_header_timer()
             for timer in (self._body_timer, self._write_timer):
                 if timer is not None:
