@@ -1,7 +1,8 @@
 """Faults in the middle of demand paging, on a real guest (issue 14), for tests/vm/test_demand_faults.py and
 ``bench.faults``: the disk server SIGKILLed at random points of the guest's reads, and the link to the source
 reset or gone half-open. Store A holds a capsule whose disk has ``regions`` regions of random blocks no other
-store has; B runs it by demand paging through a fault proxy (bench/faultproxy.py) in front of A's agent. Each
+store has; B runs it by demand paging through a fault proxy (bench/faultproxy.py) in front of A's agent (TLS,
+pinned). Each
 fault strikes while the guest reads a region it never read before; the read must then return the bytes A
 reads there, with no I/O error reaching the guest, and B's store must verify clean."""
 
@@ -115,7 +116,7 @@ def demand_run(tmp: Path, source: Store, regions: int) -> Iterator[DemandRun]:
         digests = [guest_run(a, digest_cmd(s, n)).split()[0] for s, n in spans]
         lifecycle.stop(a, "cap", force=True)
         with FaultProxy("127.0.0.1", ag.port) as proxy:
-            transfer.run(b, proxy.url, "cap", ag.token)
+            transfer.run(b, proxy.url, "cap", ag.token, fingerprint=ag.fingerprint)
             try:
                 yield DemandRun(a, b, proxy, [(s, n, d) for (s, n), d in zip(spans, digests, strict=True)])
             finally:

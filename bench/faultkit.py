@@ -1,15 +1,15 @@
 """Fault scenarios on real transfers (no guest), shared by the fault tests and ``bench.faults``.
 
 Each scenario pushes or pulls a version whose newest layer holds ``size`` random bytes between two
-stores, one behind a real ``capsule serve`` (capsule/agent/launch.py) and, where the link is at fault,
-behind :class:`bench.faultproxy.FaultProxy`. It injects its fault, checks the after-conditions (both
+stores, one behind a real ``capsule serve`` (capsule/agent/launch.py) speaking TLS with its own host key
+(every client pins its certificate's fingerprint, as between hosts) and, where the link is at fault, behind
+:class:`bench.faultproxy.FaultProxy`. It injects its fault, checks the after-conditions (both
 stores verify clean, nothing of the object installed before its commit, the transfer completes on a
 rerun) and returns an :class:`Outcome`: faults injected and survived, block bytes sent again after the
 fault and the bytes that were missing at the receiver when it happened."""
 
 from __future__ import annotations
 
-import random
 import signal
 import subprocess
 import sys
@@ -42,6 +42,8 @@ class Outcome:
     resent: int = 0     # block bytes sent after the faults
     missing: int = 0    # block bytes the receiver lacked when they struck
     detail: str = ""    # the error the user saw
+    missed: int = 0     # kill draws that would have landed outside a transfer (drawn again, not counted)
+    worst: int = 0      # the most one fault's resend exceeded what was missing then (bytes; may be < 0)
 
     @property
     def ratio(self) -> float:
@@ -105,9 +107,11 @@ def short_client(timeout: float = 3.0, tries: int = 1) -> Iterator[None]:
 
 
 def agent(home: Path, port: int | None = None, **env: str) -> AgentProcess:
+    """``capsule serve`` for ``home`` with TLS on its host key (``.fingerprint`` is its pin)."""
     import os
 
-    return AgentProcess(home, home.parent / f"{home.name}.token", port, env={**os.environ, **env} if env else None)
+    return AgentProcess(home, home.parent / f"{home.name}.token", port, env={**os.environ, **env} if env else None,
+                        tls=True)
 
 
 def kill(proc: subprocess.Popen | AgentProcess) -> None:
@@ -139,8 +143,8 @@ def link_fault(a: Store, b: Store, direction: str, fault: str, at: float = 0.5) 
 
             def run() -> transfer.TransferReport:
                 if direction == "push":
-                    return transfer.push(a, "cap", proxy.url, token)
-                return transfer.pull(b, proxy.url, "cap", token)
+                    return transfer.push(a, "cap", proxy.url, token, fingerprint=ag.fingerprint)
+                return transfer.pull(b, proxy.url, "cap", token, fingerprint=ag.fingerprint)
 
             if fault == "reset":
                 proxy.reset_after = int(raw * at)
@@ -190,7 +194,7 @@ def reset_retried(a: Store, b: Store, at: float = 0.5, down_for: float = 1.5) ->
         with FaultProxy("127.0.0.1", ag.port) as proxy:
             proxy.reset_after = int(raw * at)
             proxy.on_reset = lambda: threading.Timer(down_for, proxy.pass_through).start()
-            report = transfer.push(a, "cap", proxy.url, ag.token)
+            report = transfer.push(a, "cap", proxy.url, ag.token, fingerprint=ag.fingerprint)
             out.injected = proxy.resets
             assert proxy.resets == 1 and report.recorded
             sent = sum(o.fetched_bytes for o in report.objects if o.id == lid)
@@ -204,60 +208,15 @@ def reset_retried(a: Store, b: Store, at: float = 0.5, down_for: float = 1.5) ->
     return out
 
 
-# -- SIGKILL at random points ----------------------------------------------------------------------------
+# -- `capsule push` as a process -------------------------------------------------------------------------
 
-def _push_cli(a: Store, url: str, token_file: Path) -> subprocess.Popen:
+def push_cli(a: Store, ag: AgentProcess, url: str | None = None) -> subprocess.Popen:
+    """`capsule push` of A's ``cap`` to agent ``ag`` (at ``url``: a proxy in front of it), its pin given."""
+    assert ag.fingerprint is not None, "the agent speaks plain HTTP"
     return subprocess.Popen([sys.executable, "-m", "capsule.cli.main", "--home", str(a.home), "push", "cap",
-                             "--to", url, "--token-file", str(token_file)], stdout=subprocess.DEVNULL,
+                             "--to", url or ag.url, "--token-file", str(ag.token_file),
+                             "--fingerprint", ag.fingerprint], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
-
-
-def kills(a: Store, b: Store, victim: str, times: int, size: int, seed: int = 7,
-          max_delay: float = 2.0) -> Outcome:
-    """``times`` times: `capsule push` of A's ``cap`` to B's agent (through a counting proxy), SIGKILL of
-    ``victim`` ('agent': the receiving agent, restarted on the same store and port; 'cli': the push) after
-    a random delay; after each, B is sound and nothing is installed that its push did not commit. When a
-    push got through before its kill, A gets a new version to push. At the end a push completes.
-    Bytes: block bytes that crossed the proxy toward B over the raw bytes of the layers B lacked."""
-    rnd = random.Random(seed)
-    out = Outcome(f"SIGKILL {victim} mid-push")
-    ag = agent(b.home)
-    port = ag.port
-    need = 0
-    pushed: set[str] = set()
-    try:
-        with FaultProxy("127.0.0.1", port) as proxy:
-            for i in range(times):
-                lid = top_layer(a)
-                if lid in pushed or has_object(b, "layer", lid):
-                    pushed.add(lid)
-                    new_version(a, "cap", size, seed * 1000 + i)
-                    lid = top_layer(a)
-                if lid not in pushed:
-                    pushed.add(lid)
-                    need += object_manifest(a, "layer", lid).nonzero_blocks * BLOCK_SIZE
-                cli = _push_cli(a, proxy.url, ag.token_file)
-                time.sleep(rnd.uniform(0.05, max_delay))
-                done = cli.poll() is not None
-                if victim == "agent":
-                    kill(ag)
-                    ag = agent(b.home, port)   # the push retries its batches meanwhile, or fails
-                    cli.wait(180)
-                else:
-                    kill(cli)
-                out.injected += 0 if done else 1
-                if problems := sound(b):
-                    out.detail = out.detail or f"kill {i}: {problems[0]}"
-                else:
-                    out.survived += 0 if done else 1
-            proc = _push_cli(a, proxy.url, ag.token_file)
-            _, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err.decode()
-            assert has_object(b, "layer", top_layer(a)) and sound(b) == []
-            out.missing, out.resent = need, proxy.up
-    finally:
-        ag.stop()
-    return out
 
 
 # -- a disk that fills up mid-receive --------------------------------------------------------------------
@@ -288,7 +247,7 @@ def disk_full(a: Store, tmp: Path, small: str = "48m", large: str = "256m", cach
         ag = agent(home, **({"CAPSULE_HASHCACHE_SIZE": str(cache)} if cache else {}))
         b = Store.open(home)
         try:
-            proc = _push_cli(a, ag.url, ag.token_file)
+            proc = push_cli(a, ag)
             _, err = proc.communicate(timeout=300)
             out.injected = 1
             assert proc.returncode == 8, (proc.returncode, err.decode()[-2000:])
@@ -296,7 +255,7 @@ def disk_full(a: Store, tmp: Path, small: str = "48m", large: str = "256m", cach
             assert sound(b) == [], sound(b)
             subprocess.run(["mount", "-o", f"remount,size={large}", str(mnt)], check=True)
             before = arrived(b, a, lid)
-            report = transfer.push(a, "cap", ag.url, ag.token)
+            report = transfer.push(a, "cap", ag.url, ag.token, fingerprint=ag.fingerprint)
             assert report.recorded and has_object(b, "layer", lid) and sound(b) == []
             sent = sum(o.fetched_bytes for o in report.objects if o.id == lid)
             assert sent <= raw - before, (sent, raw, before)

@@ -8,11 +8,12 @@ It runs an asyncio loop in a thread and forwards every connection to ``target``.
 - ``half_open()``: keep connections open but forward nothing either way (a peer that stops answering);
 - ``pass_through()``: forward again.
 
-``up`` and ``down`` count the bytes forwarded client→target and target→client.
+``up`` and ``down`` count the bytes forwarded client→target and target→client (TLS records included: the
+proxy forwards bytes, it does not terminate TLS; ``url`` is ``https://…`` unless ``tls=False``).
 
     with FaultProxy("127.0.0.1", agent.port) as proxy:
         proxy.reset_after = 8 << 20
-        transfer.push(store, "cap", proxy.url, token)
+        transfer.push(store, "cap", proxy.url, token, fingerprint=agent.fingerprint)
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ def _rst(writer: asyncio.StreamWriter) -> None:
 class FaultProxy:
     """A proxy on ``host`` (a free port) to ``target_host:target_port``; see the module's docstring."""
 
-    def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1", *, tls: bool = True) -> None:
         self.target = (target_host, target_port)
         self.mode = PASS
         self.up = 0
         self.down = 0
+        self.up_new = 0                    # bytes toward the target on connections opened since mark()
+        self._generation = 0
         self.resets = 0                    # times the proxy reset its connections
         self.reset_after: int | None = None  # reset once this many bytes went through (up + down)
         self.on_reset: Callable[[], None] | None = None
@@ -65,7 +68,8 @@ class FaultProxy:
             raise RuntimeError("the fault proxy did not start")
         assert self._server is not None
         self.port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
+        # the bytes pass as they are: a TLS agent behind the proxy is reached with https and its pin
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
 
     def _run(self, start: Callable[[], object]) -> None:
         asyncio.set_event_loop(self._loop)
@@ -136,7 +140,14 @@ class FaultProxy:
         if self.on_reset is not None:
             self.on_reset()
 
+    def mark(self) -> None:
+        """Count ``up_new`` from zero, on connections opened from now on: what crossed to a target that was
+        listening then (a connection to a killed target's socket writes into a buffer nobody reads)."""
+        self._generation += 1
+        self.up_new = 0
+
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        generation = self._generation
         if self.mode == RESET:
             _rst(cw)
             return
@@ -146,12 +157,14 @@ class FaultProxy:
             _rst(cw)
             return
         self._writers.update((cw, uw))
-        await asyncio.gather(self._pump(cr, uw, "up"), self._pump(ur, cw, "down"), return_exceptions=True)
+        await asyncio.gather(self._pump(cr, uw, "up", generation), self._pump(ur, cw, "down", generation),
+                             return_exceptions=True)
         for w in (cw, uw):
             self._writers.discard(w)
             w.transport.abort()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, way: str) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, way: str,
+                    generation: int = 0) -> None:
         assert self._passing is not None
         try:
             while True:
@@ -167,9 +180,14 @@ class FaultProxy:
                 writer.write(data)
                 await writer.drain()
                 setattr(self, way, getattr(self, way) + len(data))
+                if way == "up" and generation == self._generation:
+                    self.up_new += len(data)
                 if self.reset_after is not None and self.total >= self.reset_after:
                     self.reset_after = None
                     self._reset()
                     return
         except (ConnectionError, OSError):
+            # a side reset (a killed agent's socket): reset the other side too, as a link would carry it,
+            # rather than keep it waiting for an answer that cannot come
+            writer.transport.abort()
             return

@@ -1,14 +1,18 @@
 """Fault injection on real transfers, counted (python -m bench.faults [--kills N] [--size MiB]).
 
 Runs each fault kind of bench/faultkit.py between stores in a temporary directory (real `capsule serve`
-agents on loopback, the fault proxy of bench/faultproxy.py, no guest): link resets and a half-open link
-mid-push and mid-pull, a push retried through a short reset, a disk filling up mid-receive (a tmpfs: needs
-root), SIGKILL of the receiving agent and of `capsule push` at random points (``--kills`` times each);
+agents on loopback speaking TLS, their certificates pinned, the fault proxy of bench/faultproxy.py, no
+guest): link resets and a half-open link mid-push and mid-pull, a push retried through a short reset, a disk
+filling up mid-receive (a tmpfs: needs root), SIGKILL of the receiving agent and of `capsule push` at random
+points mid-transfer (``--kills`` times each, bench/faultkills.py: a draw landing after the push ended is
+drawn again and counted as missed), slow-loris clients during a push (bench/loris.py);
 then, on a tiny guest run by demand paging (bench/demandfaults.py; ``--no-guest`` leaves it out), SIGKILL
 of its disk server at random points of its reads (``--kills`` times) and the link to the source reset and
 half-open mid-read.
 Writes bench/results/faults.json: per kind the faults injected and survived, the block bytes sent after
-them, the bytes that were missing at the receiver, and their ratio."""
+them, the bytes that were missing at the receiver, their ratio, and for the kills the draws missed and the
+worst excess of one kill's resend over what was missing (against one batch and the batches in flight).
+A kind whose faults injected fall short of those asked is printed as a warning and says why in its detail."""
 
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.common import ROOT, table, temp_workdir, write_result
-from bench.faultkit import MiB, Outcome, disk_full, kills, link_fault, make_pair, reset_retried
-from capsule import capsules, images
+from bench.faultkills import batch_bytes, kills
+from bench.faultkit import MiB, Outcome, disk_full, link_fault, make_pair, reset_retried
+from bench.loris import slow_loris
+from capsule import capsules, images, transfer
 from capsule.store import Store
 
 
@@ -73,6 +79,7 @@ def main() -> None:
     run("disk full at install", lambda t: full(t, 40))
     for victim in ("agent", "cli"):
         run(f"SIGKILL {victim} mid-push", lambda t, v=victim: kills(*pair(t), v, a.kills, size))
+    run("slow-loris during a push", lambda t: slow_loris(*pair(t)))
     if not a.no_guest:
         from bench import demandfaults
 
@@ -85,11 +92,21 @@ def main() -> None:
         run("faults mid-demand-paging", mid_demand)
 
     rows = [{**asdict(o), "detail": _scrub(o.detail), "ratio": round(o.ratio, 3)} for o in outcomes]
-    path = write_result("faults", {"layer_mib": a.size, "kills": a.kills, "kinds": rows,
+    opts = transfer.Options()
+    bound = {"batch_bytes": batch_bytes(), "inflight_bytes": opts.inflight * batch_bytes(),
+             "worst_kill_excess": max((o.worst for o in outcomes if o.kind.startswith("SIGKILL") and o.injected),
+                                      default=0)}
+    short = [o for o in outcomes if o.kind.startswith("SIGKILL") and o.injected < a.kills]
+    for o in short:
+        print(f"WARNING: {o.kind}: {o.injected} of {a.kills} kills injected: {o.detail}", file=sys.stderr)
+    path = write_result("faults", {"layer_mib": a.size, "kills": a.kills, "tls": True, "resend_bound": bound,
+                                   "short_of_kills": [o.kind for o in short], "kinds": rows,
                                    "injected": sum(o.injected for o in outcomes),
                                    "survived": sum(o.survived for o in outcomes)})
-    table("faults on real transfers", ["fault", "injected", "survived", "bytes resent", "bytes missing", "ratio"],
-          [[o.kind, o.injected, o.survived, o.resent, o.missing, f"{o.ratio:.3f}"] for o in outcomes])
+    table("faults on real transfers (TLS)", ["fault", "injected", "missed", "survived", "bytes resent", "bytes missing",
+                                             "ratio", "worst excess"],
+          [[o.kind, o.injected, o.missed, o.survived, o.resent, o.missing, f"{o.ratio:.3f}", o.worst]
+           for o in outcomes])
     print(path)
 
 

@@ -10,6 +10,14 @@ wrapped (`guarded_protocols`) so that
   kept-alive connection, of the first byte of its next request: a slow-loris client that trickles its
   headers is answered ``408`` and closed instead of holding the connection for ever (uvicorn keeps a
   connection whose headers never end); an idle kept-alive connection is left to uvicorn's keep-alive timeout;
+* a request's body must keep arriving: in every ``header_timeout`` seconds while it is being received, at
+  least ``min_body_rate`` bytes per second of it (unless the agent itself paused reading it), or the request
+  is answered ``408`` and the connection closed (a slow-loris client trickling a body a byte at a time held
+  its connection for ever);
+* an answer that stops leaving (the client does not read it, its queue does not shrink) for
+  ``STALLED_PERIODS`` keep-alive timeouts gets its connection closed (uvicorn waited for ever to write it),
+  and aborted if its queue still does not shrink for ``ABORT_PERIODS`` more (a close waits for ever to flush
+  what a client never reads, holding the connection and its count);
 * a WebSocket message is at most ``ws_max_message`` bytes (a block-stream request or a console frame is far
   smaller): over it the connection is closed with code 1009, "message too big".
 
@@ -39,6 +47,8 @@ from hashcache.errors import Error, Overloaded, RequestTimeout
 
 #: Keep-alive periods in a row in which a connection's queued answer did not move before it is closed.
 STALLED_PERIODS = 2
+#: Keep-alive periods after that close in which the queue did not shrink before the connection is aborted.
+ABORT_PERIODS = 2 * STALLED_PERIODS
 
 #: Routes whose bodies are bounded by the route itself (the receiving side of push: manifests and batches).
 OWN_LIMIT_PREFIXES = ("/v1/recv/",)
@@ -53,10 +63,11 @@ class Limits:
     keep_alive: float = 75.0
     max_body: int = 1 << 20          # bytes of any request body without a limit of its own
     ws_max_message: int = 1 << 20    # bytes of one WebSocket message
+    min_body_rate: float = 64.0      # bytes/s a request body must average over each header_timeout
 
     def __post_init__(self) -> None:
         if (self.per_client < 1 or self.header_timeout <= 0 or self.keep_alive <= 0 or self.max_body < 1
-                or self.ws_max_message < 1024):
+                or self.ws_max_message < 1024 or self.min_body_rate < 0):
             raise InvalidName(f"limits out of range: {self}")
 
 
@@ -120,6 +131,12 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
         _header_timer: asyncio.TimerHandle | None = None
         _unsent_before: int | None = None   # bytes left to send when the keep-alive timeout last ended
         _stalled = 0                        # keep-alive periods since the last progress in sending
+        _body_timer: asyncio.TimerHandle | None = None
+        _body_bytes = 0                     # bytes received since the body timer was last armed
+        _write_timer: asyncio.TimerHandle | None = None
+        _write_stalled = 0
+        _write_left: int | None = None
+        _lost = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -154,7 +171,11 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
             if self._counted is None:
                 return  # refused: whatever it sends is dropped
             self._unsent_before = None
+            self._body_bytes += len(data)
             super().data_received(data)
+            if self.conn.their_state is h11.SEND_BODY and self._body_timer is None and limits.min_body_rate:
+                self._body_bytes = 0
+                self._body_timer = self.loop.call_later(limits.header_timeout, self._body_check)
             if self.transport.is_closing():
                 self._disarm_header_timer()
             elif self.conn.their_state is h11.IDLE:
@@ -163,6 +184,66 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                 self._arm_header_timer()
             else:
                 self._disarm_header_timer()
+
+        def _body_check(self) -> None:
+            """Every ``header_timeout`` while a request's body arrives: too few bytes came (and not because
+            the agent paused reading): 408 (if no answer has begun) and close."""
+            self._body_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+                return
+            if self._body_bytes >= limits.min_body_rate * limits.header_timeout or self.flow.read_paused:
+                self._body_bytes = 0
+                self._body_timer = self.loop.call_later(limits.header_timeout, self._body_check)
+                return
+            if self.conn.our_state is h11.SEND_RESPONSE:
+                self.transport.write(_raw_reply(RequestTimeout(
+                    f"the request's body arrived slower than {limits.min_body_rate:g} bytes/s over "
+                    f"{limits.header_timeout:g} s"), b"Request Timeout", []))
+            self.transport.close()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_stalled, self._write_left = 0, unsent_bytes(self.transport)
+                self._write_timer = self.loop.call_later(self.timeout_keep_alive, self._write_check)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_check(self) -> None:
+            """Every keep-alive timeout while writing is paused: after STALLED_PERIODS of them in which the
+            answer's queue did not shrink, abort (a close would wait to flush what the client never reads)."""
+            self._write_timer = None
+            if self.transport.is_closing() or not self.flow.write_paused:
+                return
+            left = unsent_bytes(self.transport)
+            self._write_stalled = 0 if self._write_left is None or left < self._write_left else self._write_stalled + 1
+            self._write_left = left
+            if self._write_stalled >= STALLED_PERIODS:
+                self._close_then_abort(left)
+                return
+            self._write_timer = self.loop.call_later(self.timeout_keep_alive, self._write_check)
+
+        def _close_then_abort(self, left: int) -> None:
+            """Close (what was queued still goes out to a client that reads again), and abort if the queue
+            then does not shrink for ``ABORT_PERIODS`` keep-alive timeouts: a close waits for ever to flush."""
+            if not self.transport.is_closing():
+                with contextlib.suppress(h11.LocalProtocolError):
+                    self.conn.send(h11.ConnectionClosed())
+                self.transport.close()
+            self.loop.call_later(self.timeout_keep_alive * ABORT_PERIODS, self._abort_if_stuck, left)
+
+        def _abort_if_stuck(self, left: int) -> None:
+            if self._lost:
+                return
+            now = unsent_bytes(self.transport)
+            if now and now < left:
+                self.loop.call_later(self.timeout_keep_alive * ABORT_PERIODS, self._abort_if_stuck, now)
+            else:
+                self.transport.abort()
 
         def timeout_keep_alive_handler(self) -> None:
             # idle only once the last answer has left (see the module's docstring): while the send queue
@@ -179,7 +260,10 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                                                                     self.timeout_keep_alive_handler)
                 return
             self._unsent_before = None
-            super().timeout_keep_alive_handler()
+            if left:
+                self._close_then_abort(left)
+            else:
+                super().timeout_keep_alive_handler()
 
         def handle_websocket_upgrade(self, event: h11.Request) -> None:
             # the WebSocket protocol object takes the connection over, and its count with it
@@ -190,7 +274,12 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                 counts.give(address)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._lost = True
             self._disarm_header_timer()
+            for timer in (self._body_timer, self._write_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._body_timer = self._write_timer = None
             if self._counted is not None:
                 counts.give(self._counted)
                 self._counted = None

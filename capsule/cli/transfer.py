@@ -160,6 +160,11 @@ def serve(
         help="Seconds an idle connection is kept open for the client's next request. A connection whose last "
              "answer is still on its way (a slow link) is not idle; one whose client stopped reading it is "
              "closed after this long without progress.")] = Limits.keep_alive,
+    min_body_rate: Annotated[float, typer.Option(
+        "--min-body-rate", min=0.0,
+        help="Bytes per second a request's body must average over each --header-timeout while it arrives: a "
+             "client trickling it (slow-loris) is answered 408 and closed; 0 turns this off.")]
+    = Limits.min_body_rate,
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
@@ -193,7 +198,8 @@ def serve(
         err_console.print(f"X-Forwarded-For/-Proto believed from {', '.join(proxies)}", soft_wrap=True)
     store.close()
     run_serve(store.home, listen, tf, ident,
-              Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive),
+              Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive,
+                     min_body_rate=min_body_rate),
               public=public, trust_proxy=proxies)
 
 

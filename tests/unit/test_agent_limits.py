@@ -208,3 +208,24 @@ def test_a_connection_whose_answer_is_still_on_its_way_is_not_idle_and_a_stalled
         stalled.settimeout(5.0)
         assert stalled.recv(65536) == b""                 # then the agent's close
         stalled.close()
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut_off_with_408(tmp_path):
+    """header timeout 1 s, at least 64 bytes/s of a body: a POST whose body comes a byte every 0.2 s is
+    answered 408 and closed within a few seconds (it held its connection for ever), and others are served."""
+    with _agent(tmp_path, "--header-timeout", "1") as agent:
+        s = _open(agent)
+        s.sendall(b"POST /v1/objects/missing HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + agent.token.encode() + b"\r\nContent-Length: 1000\r\n\r\n")
+        started, got = time.monotonic(), b""
+        s.settimeout(0.2)
+        while time.monotonic() - started < 15 and not got.endswith(b"}"):
+            with contextlib.suppress(TimeoutError, OSError):
+                s.sendall(b" ")
+                got += s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+        assert "slower than 64 bytes/s" in _json_of(got)["detail"]
+        assert time.monotonic() - started < 5
+        assert _read_reply(s, 5.0) == b""
+        assert _info(agent).status_code == 200
+
