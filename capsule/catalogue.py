@@ -17,73 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS layers(
-    id TEXT PRIMARY KEY,
-    parent TEXT,
-    virtual_size INTEGER NOT NULL,
-    file_size INTEGER NOT NULL,
-    stored_bytes INTEGER NOT NULL,
-    blocks INTEGER NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS files(
-    id TEXT PRIMARY KEY,
-    role TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    allocated INTEGER NOT NULL,
-    stored_bytes INTEGER NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS images(
-    name TEXT PRIMARY KEY,
-    kind TEXT NOT NULL,
-    root_layer TEXT NOT NULL,
-    kernel TEXT NOT NULL,
-    initrd TEXT NOT NULL,
-    cmdline TEXT NOT NULL,
-    marker TEXT NOT NULL,
-    info TEXT NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS capsules(
-    name TEXT PRIMARY KEY,
-    uuid TEXT NOT NULL,
-    image TEXT,
-    parent_capsule TEXT,
-    parent_version INTEGER,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS versions(
-    capsule TEXT NOT NULL REFERENCES capsules(name),
-    number INTEGER NOT NULL,
-    parent_capsule TEXT,
-    parent_version INTEGER,
-    memory TEXT,
-    chains TEXT NOT NULL,
-    config TEXT NOT NULL,
-    note TEXT NOT NULL DEFAULT '',
-    created REAL NOT NULL,
-    PRIMARY KEY(capsule, number)
-);
-CREATE TABLE IF NOT EXISTS pending(
-    kind TEXT NOT NULL,
-    id TEXT NOT NULL,
-    added REAL NOT NULL,
-    PRIMARY KEY(kind, id)
-);
-CREATE TABLE IF NOT EXISTS instances(
-    capsule TEXT PRIMARY KEY REFERENCES capsules(name),
-    version INTEGER NOT NULL,
-    domain TEXT NOT NULL,
-    leaves TEXT NOT NULL,
-    chains TEXT NOT NULL,
-    accel TEXT NOT NULL,
-    dir TEXT NOT NULL,
-    started REAL NOT NULL
-);
-"""
+from capsule import schema
 
 
 @dataclass
@@ -190,7 +124,7 @@ class Catalogue:
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(SCHEMA)
+        schema.upgrade(self.db, path)   # every table, at this release's schema (capsule/schema.py)
         self._depth = 0
 
     def close(self) -> None:
@@ -370,26 +304,7 @@ class Catalogue:
     def delete_instance(self, capsule: str) -> None:
         self._exec("DELETE FROM instances WHERE capsule=?", (capsule,))
 
-    # -- tables owned by other modules (capsule/hosts.py: peers) ---------------
-    def ensure_table(self, ddl: str) -> None:
-        """Create a module's own table once per open catalogue (one ``CREATE TABLE IF NOT EXISTS``
-        statement; safe inside a transaction)."""
-        with self._rlock:
-            done = self.__dict__.setdefault("_ensured", set())
-            if ddl not in done:
-                self.db.execute(ddl)
-                done.add(ddl)
-
-    def ensure_column(self, table: str, column: str, decl: str) -> None:
-        """Add a column a module's table gained after some catalogues were made (once per open catalogue)."""
-        with self._rlock:
-            done = self.__dict__.setdefault("_ensured_columns", set())
-            if (table, column) in done:
-                return
-            if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
-                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-            done.add((table, column))
-
+    # -- tables owned by other modules (their schema: capsule/schema.py) ----------
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         """One statement for a module that owns its table; rows as ``sqlite3.Row``."""
         return self._exec(sql, args)

@@ -17,21 +17,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from capsule.agentclient import AgentClient
-from capsule.catalogue import Catalogue
 from capsule.errors import AlreadyExists, Conflict, Error, InvalidName, NotFound, TransferFailed, Unreachable
 from capsule.names import check_name
 from capsule.store import Store
 from hashcache.errors import HostKeyError
 from hashcache.transport import tls
 
-SCHEMA = """CREATE TABLE IF NOT EXISTS peers(
-    name TEXT PRIMARY KEY,
-    url TEXT NOT NULL UNIQUE,
-    token TEXT NOT NULL,
-    store_id TEXT NOT NULL,
-    added REAL NOT NULL,
-    fingerprint TEXT
-)"""
 ADD_TIMEOUT = 10.0
 ASK_TIMEOUT = 3.0
 _STORE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
@@ -64,17 +55,6 @@ class PeerStatus:
     def as_dict(self) -> dict[str, Any]:
         return self.peer.as_dict() | {"reachable": self.reachable, "error": self.error,
                                       "seconds": round(self.seconds, 3)}
-
-
-def _table(cat: Catalogue) -> Catalogue:
-    """The catalogue, with the peers table created on first use (CREATE TABLE IF NOT EXISTS); a table made
-    before host keys gets its fingerprint column."""
-    cat.ensure_table(SCHEMA)
-    if not cat.__dict__.get("_peers_pins"):
-        if not any(r["name"] == "fingerprint" for r in cat.query("PRAGMA table_info(peers)")):
-            cat.query("ALTER TABLE peers ADD COLUMN fingerprint TEXT")
-        cat.__dict__["_peers_pins"] = True
-    return cat
 
 
 def check_url(url: str) -> str:
@@ -111,12 +91,12 @@ def _row(r: Any) -> Peer:
 
 def peers(store: Store) -> list[Peer]:
     """The known peers, by name (no network)."""
-    return [_row(r) for r in _table(store.catalogue).query("SELECT * FROM peers ORDER BY name")]
+    return [_row(r) for r in store.catalogue.query("SELECT * FROM peers ORDER BY name")]
 
 
 def get(store: Store, name: str) -> Peer:
     check_name(name, "host")
-    rows = _table(store.catalogue).query("SELECT * FROM peers WHERE name=?", (name,))
+    rows = store.catalogue.query("SELECT * FROM peers WHERE name=?", (name,))
     if not rows:
         raise NotFound(f"no host named {name!r} (see `capsule host ls`)")
     return _row(rows[0])
@@ -133,7 +113,7 @@ def pin_for(store: Store, url: str, fingerprint: str | None = None) -> str | Non
         url = check_url(url)
     except InvalidName:
         return None
-    rows = _table(store.catalogue).query("SELECT fingerprint FROM peers WHERE url=?", (url,))
+    rows = store.catalogue.query("SELECT fingerprint FROM peers WHERE url=?", (url,))
     return rows[0]["fingerprint"] if rows else None
 
 
@@ -199,7 +179,7 @@ def add(store: Store, name: str, url: str, token: str, *, timeout: float = ADD_T
     if same := next((p for p in known if p.store_id == info["store_id"]), None):
         raise AlreadyExists(f"{url} serves store {info['store_id']}, already known as host {same.name!r}")
     peer = Peer(name, url, info["store_id"], time.time(), token, pin)
-    cat = _table(store.catalogue)
+    cat = store.catalogue
     with store.lock(), cat.transaction():
         if cat.query("SELECT 1 FROM peers WHERE name=? OR url=?", (name, url)):
             raise AlreadyExists(f"a host named {name!r} or at {url} was added meanwhile")
@@ -211,7 +191,7 @@ def add(store: Store, name: str, url: str, token: str, *, timeout: float = ADD_T
 def remove(store: Store, name: str) -> Peer:
     """Forget a peer. Layers demand-paged from it keep their own record of its URL and token."""
     peer = get(store, name)
-    cat = _table(store.catalogue)
+    cat = store.catalogue
     with store.lock(), cat.transaction():
         cat.query("DELETE FROM peers WHERE name=?", (name,))
     return peer

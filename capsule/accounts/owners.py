@@ -7,22 +7,9 @@ from __future__ import annotations
 import time
 
 from capsule.accounts import users
-from capsule.catalogue import Catalogue
 from capsule.errors import NotFound
 from capsule.names import check_name
 from capsule.store import Store
-
-SCHEMA = """CREATE TABLE IF NOT EXISTS owners(
-    capsule TEXT PRIMARY KEY,
-    uuid TEXT NOT NULL,
-    user TEXT NOT NULL,
-    since REAL NOT NULL
-)"""
-
-
-def table(cat: Catalogue) -> Catalogue:
-    cat.ensure_table(SCHEMA)
-    return cat
 
 
 def set_owner(store: Store, capsule: str, user: str) -> None:
@@ -32,25 +19,25 @@ def set_owner(store: Store, capsule: str, user: str) -> None:
     row = store.catalogue.capsule(capsule)
     if row is None:
         raise NotFound(f"no capsule named {capsule!r} on this host")
-    table(store.catalogue).query("INSERT OR REPLACE INTO owners VALUES(?,?,?,?)",
+    store.catalogue.query("INSERT OR REPLACE INTO owners VALUES(?,?,?,?)",
                                  (capsule, row.uuid, user, time.time()))
 
 
 def owner_of(store: Store, capsule: str) -> str | None:
-    rows = table(store.catalogue).query(
+    rows = store.catalogue.query(
         "SELECT o.user FROM owners o JOIN capsules c ON c.name = o.capsule AND c.uuid = o.uuid "
         "WHERE o.capsule=?", (capsule,))
     return rows[0]["user"] if rows else None
 
 
 def owned_by(store: Store, user: str) -> set[str]:
-    rows = table(store.catalogue).query(
+    rows = store.catalogue.query(
         "SELECT o.capsule FROM owners o JOIN capsules c ON c.name = o.capsule AND c.uuid = o.uuid "
         "WHERE o.user=?", (user,))
     return {r["capsule"] for r in rows}
 
 
 def owners(store: Store) -> dict[str, str]:
-    rows = table(store.catalogue).query(
+    rows = store.catalogue.query(
         "SELECT o.capsule, o.user FROM owners o JOIN capsules c ON c.name = o.capsule AND c.uuid = o.uuid")
     return {r["capsule"]: r["user"] for r in rows}

@@ -26,22 +26,12 @@ from capsule.catalogue import Catalogue
 from capsule.errors import AuthFailed, InvalidName, NotFound
 from capsule.store import Store
 
-SCHEMA = """CREATE TABLE IF NOT EXISTS tokens(
-    id TEXT PRIMARY KEY,
-    user TEXT NOT NULL,
-    scopes TEXT NOT NULL,
-    hash TEXT NOT NULL,
-    created REAL NOT NULL,
-    expires REAL,
-    revoked REAL
-)"""
 # a grant's columns (added in place to a table made before grants named what they allow): its capability,
 # capsule and version, who made it (a user, LEGACY_ISSUER or unix:NAME, and the token it used), and a JSON
 # detail (a read grant's capsule uuid, a push grant's version record). A @host row without ``allow`` is an
 # old unbounded host grant: refused.
-GRANT_COLUMNS = (("allow", "TEXT"), ("capsule", "TEXT"), ("version", "INTEGER"), ("issuer", "TEXT"),
-                 ("issuer_token", "TEXT"), ("detail", "TEXT"))
-COLUMNS = ("id", "user", "scopes", "hash", "created", "expires", "revoked") + tuple(c for c, _ in GRANT_COLUMNS)
+COLUMNS = ("id", "user", "scopes", "hash", "created", "expires", "revoked",      # the table: capsule/schema.py
+           "allow", "capsule", "version", "issuer", "issuer_token", "detail")
 _TOKEN_RE = re.compile(r"cap_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
 _ID_RE = re.compile(r"[0-9a-f]{12}")
 HOST_USER = "@host"     # the user of grants: capabilities this host hands a peer (capsule/accounts/grants.py)
@@ -81,14 +71,6 @@ class Token:
                 "allow": g.allow if g else None, "capsule": g.capsule if g else None,
                 "version": g.version if g else None, "issuer": g.issuer if g else None,
                 "issuer_token": g.issuer_token if g else None}
-
-
-def table(cat: Catalogue) -> Catalogue:
-    cat.ensure_table(SCHEMA)
-    users.table(cat)
-    for column, decl in GRANT_COLUMNS:
-        cat.ensure_column("tokens", column, decl)
-    return cat
 
 
 def _digest(secret: str) -> str:
@@ -135,7 +117,7 @@ def create(store: Store, user: str, scopes: list[str] | str, expires_in: float |
         raise InvalidName("a token's expiry must be in the future and within ten years")
     tid, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     now = time.time()
-    _insert(table(store.catalogue), {"id": tid, "user": u.name, "scopes": ",".join(sorted(granted)),
+    _insert(store.catalogue, {"id": tid, "user": u.name, "scopes": ",".join(sorted(granted)),
                                      "hash": _digest(secret), "created": now,
                                      "expires": now + expires_in if expires_in else None})
     return get(store, tid), f"cap_{tid}_{secret}"
@@ -149,7 +131,7 @@ def insert_grant(store: Store, grant: Grant, expires_in: float) -> str:
     tid, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     now = time.time()
     detail = {k: v for k, v in (("uuid", grant.uuid), ("record", grant.record)) if v is not None}
-    _insert(table(store.catalogue), {
+    _insert(store.catalogue, {
         "id": tid, "user": HOST_USER, "scopes": GRANT_SCOPE, "hash": _digest(secret), "created": now,
         "expires": now + expires_in, "allow": grant.allow, "capsule": grant.capsule, "version": grant.version,
         "issuer": grant.issuer, "issuer_token": grant.issuer_token, "detail": json.dumps(detail)})
@@ -159,14 +141,14 @@ def insert_grant(store: Store, grant: Grant, expires_in: float) -> str:
 def get(store: Store, tid: str) -> Token:
     if not isinstance(tid, str) or not _ID_RE.fullmatch(tid):
         raise InvalidName(f"token id {str(tid)[:20]!r}: 12 hex digits, as `capsule token ls` shows")
-    rows = table(store.catalogue).query(_SELECT + " WHERE t.id=?", (tid,))
+    rows = store.catalogue.query(_SELECT + " WHERE t.id=?", (tid,))
     if not rows:
         raise NotFound(f"no token {tid} (`capsule token ls`)")
     return _token(rows[0], users.admin_exists(store))
 
 
 def tokens(store: Store, user: str | None = None) -> list[Token]:
-    cat = table(store.catalogue)
+    cat = store.catalogue
     admin = users.admin_exists(store)
     if user is None:
         return [_token(r, admin) for r in cat.query(_SELECT + " ORDER BY t.created")]
@@ -178,7 +160,7 @@ def tokens(store: Store, user: str | None = None) -> list[Token]:
 def revoke(store: Store, tid: str) -> Token:
     """Revoke a token, and with it every grant made with it."""
     t = get(store, tid)
-    cat = table(store.catalogue)
+    cat = store.catalogue
     with cat.transaction():
         now = time.time()
         cat.query("UPDATE tokens SET revoked=? WHERE id=? AND revoked IS NULL", (now, tid))
@@ -188,7 +170,7 @@ def revoke(store: Store, tid: str) -> Token:
 
 def revoke_issued_by(cat: Catalogue, user: str) -> None:
     """Revoke every grant ``user`` made (the user is being removed)."""
-    table(cat).query("UPDATE tokens SET revoked=? WHERE user=? AND issuer=? AND revoked IS NULL",
+    cat.query("UPDATE tokens SET revoked=? WHERE user=? AND issuer=? AND revoked IS NULL",
                      (time.time(), HOST_USER, user))
 
 
@@ -201,7 +183,7 @@ def resolve(store: Store, bearer: str, legacy: str | None) -> Principal:
     m = _TOKEN_RE.fullmatch(bearer)
     if m is None:
         raise AuthFailed("missing or wrong bearer token")
-    rows = table(store.catalogue).query(_SELECT + " WHERE t.id=?", (m[1],))
+    rows = store.catalogue.query(_SELECT + " WHERE t.id=?", (m[1],))
     if not rows or not hmac.compare_digest(_digest(m[2]), rows[0]["hash"]):
         raise AuthFailed("missing or wrong bearer token")
     row = rows[0]

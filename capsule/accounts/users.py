@@ -8,16 +8,8 @@ from dataclasses import dataclass
 
 from capsule.accounts import passwords
 from capsule.accounts.model import ROLE_SCOPES, Principal, check_role, check_user
-from capsule.catalogue import Catalogue
 from capsule.errors import AlreadyExists, Conflict, NotFound
 from capsule.store import Store
-
-SCHEMA = """CREATE TABLE IF NOT EXISTS users(
-    name TEXT PRIMARY KEY,
-    role TEXT NOT NULL,
-    password TEXT,
-    created REAL NOT NULL
-)"""
 
 
 @dataclass(frozen=True)
@@ -31,11 +23,6 @@ class User:
         return {"name": self.name, "role": self.role, "created": self.created, "password": self.has_password}
 
 
-def table(cat: Catalogue) -> Catalogue:
-    cat.ensure_table(SCHEMA)
-    return cat
-
-
 def _user(row) -> User:  # noqa: ANN001 - sqlite3.Row
     return User(row["name"], row["role"], row["created"], row["password"] is not None)
 
@@ -45,7 +32,7 @@ def add(store: Store, name: str, role: str, password: str | None = None) -> User
     check_user(name)
     check_role(role)
     digest = passwords.hash_password(password) if password is not None else None
-    cat = table(store.catalogue)
+    cat = store.catalogue
     with cat.transaction():
         if cat.query("SELECT 1 FROM users WHERE name=?", (name,)):
             raise AlreadyExists(f"user {name!r} exists already (`capsule user ls`)")
@@ -55,43 +42,42 @@ def add(store: Store, name: str, role: str, password: str | None = None) -> User
 
 def get(store: Store, name: str) -> User:
     check_user(name)
-    rows = table(store.catalogue).query("SELECT * FROM users WHERE name=?", (name,))
+    rows = store.catalogue.query("SELECT * FROM users WHERE name=?", (name,))
     if not rows:
         raise NotFound(f"no user named {name!r} (`capsule user ls` lists them)")
     return _user(rows[0])
 
 
 def users(store: Store) -> list[User]:
-    return [_user(r) for r in table(store.catalogue).query("SELECT * FROM users ORDER BY name")]
+    return [_user(r) for r in store.catalogue.query("SELECT * FROM users ORDER BY name")]
 
 
 def admin_exists(store: Store) -> bool:
-    return bool(table(store.catalogue).query("SELECT 1 FROM users WHERE role='admin' LIMIT 1"))
+    return bool(store.catalogue.query("SELECT 1 FROM users WHERE role='admin' LIMIT 1"))
 
 
 def remove(store: Store, name: str) -> User:
     """Remove a user, its tokens, the grants it made and its ownerships (the capsules stay; operators still act
     on them). The last admin is kept: without one, the old host token would work again."""
-    from capsule.accounts import owners, tokens
+    from capsule.accounts import tokens
 
     user = get(store, name)
-    cat = table(store.catalogue)
+    cat = store.catalogue
     with cat.transaction():
         if user.role == "admin" and len(cat.query("SELECT 1 FROM users WHERE role='admin'")) == 1:
             raise Conflict(f"{name!r} is the last admin: add another admin first (`capsule user add NAME "
                            "--role admin`)")
         cat.query("DELETE FROM users WHERE name=?", (name,))
-        tokens.table(cat).query("DELETE FROM tokens WHERE user=?", (name,))
+        cat.query("DELETE FROM tokens WHERE user=?", (name,))
         tokens.revoke_issued_by(cat, name)
-        owners.table(cat).query("DELETE FROM owners WHERE user=?", (name,))
+        cat.query("DELETE FROM owners WHERE user=?", (name,))
     return user
 
 
 def set_password(store: Store, name: str, password: str) -> User:
     """Set a user's password; the user's dashboard sessions end (the agent finds the stored hash changed)."""
     get(store, name)
-    table(store.catalogue).query("UPDATE users SET password=? WHERE name=?",
-                                 (passwords.hash_password(password), name))
+    store.catalogue.query("UPDATE users SET password=? WHERE name=?", (passwords.hash_password(password), name))
     return get(store, name)
 
 
@@ -105,7 +91,7 @@ def check_password(store: Store, name: str, password: str) -> tuple[Principal, s
     """:func:`sign_in`, with the password's :func:`password_stamp` as it was checked (what a session keeps)."""
     try:
         check_user(name)
-        rows = table(store.catalogue).query("SELECT * FROM users WHERE name=?", (name,))
+        rows = store.catalogue.query("SELECT * FROM users WHERE name=?", (name,))
     except Exception:  # noqa: BLE001 - a malformed name is just a failed sign-in
         rows = []
     stored = rows[0]["password"] if rows and rows[0]["password"] else passwords.DUMMY
@@ -120,7 +106,7 @@ def password_stamp(store: Store, name: str) -> str | None:
     """A digest of the user's stored password hash (salted afresh by every change, so any change — ``capsule user
     passwd``, or the user removed and added again — gives another); ``""`` without a password, None without the
     user. Sessions made with a password end when this changes."""
-    rows = table(store.catalogue).query("SELECT password FROM users WHERE name=?", (name,))
+    rows = store.catalogue.query("SELECT password FROM users WHERE name=?", (name,))
     if not rows:
         return None
     return _stamp(rows[0]["password"]) if rows[0]["password"] else ""

@@ -14,20 +14,9 @@ from capsule import hosts, transfer
 from capsule.agentclient import AgentClient
 from capsule.backup import jobs
 from capsule.backup.retention import Policy
-from capsule.catalogue import Catalogue
 from capsule.errors import Error
 from capsule.store import Store
 from hashcache.hcp import ProtocolError
-
-SCHEMA = """CREATE TABLE IF NOT EXISTS backup_copies(
-    capsule TEXT NOT NULL,
-    number INTEGER NOT NULL,
-    target TEXT NOT NULL,
-    copied REAL NOT NULL,
-    wire_bytes INTEGER NOT NULL,
-    pruned REAL,
-    PRIMARY KEY(capsule, number, target)
-)"""
 
 
 @dataclass
@@ -43,15 +32,9 @@ class CopyResult:
         return dict(self.__dict__)
 
 
-def _table(cat: Catalogue) -> Catalogue:
-    cat.ensure_table(SCHEMA)
-    cat.ensure_column("backup_copies", "pruned", "REAL")       # catalogues made before it existed
-    return cat
-
-
 def copied(store: Store, name: str, target: str) -> set[int]:
     """The backups copied to ``target`` once (pruned there since or not: never sent again)."""
-    rows = _table(store.catalogue).query("SELECT number FROM backup_copies WHERE capsule=? AND target=?",
+    rows = store.catalogue.query("SELECT number FROM backup_copies WHERE capsule=? AND target=?",
                                          (name, target))
     return {r["number"] for r in rows}
 
@@ -59,7 +42,7 @@ def copied(store: Store, name: str, target: str) -> set[int]:
 def copied_to(store: Store, name: str) -> dict[str, set[int]]:
     """Every backup host that holds copies of ``name``'s backups, with the numbers it still holds."""
     out: dict[str, set[int]] = {}
-    for r in _table(store.catalogue).query("SELECT target, number FROM backup_copies WHERE capsule=? AND "
+    for r in store.catalogue.query("SELECT target, number FROM backup_copies WHERE capsule=? AND "
                                            "pruned IS NULL", (name,)):
         out.setdefault(r["target"], set()).add(r["number"])
     return out

@@ -16,30 +16,11 @@ from capsule import hosts
 from capsule.backup.calendar import CalendarError, CalendarEvent, parse
 from capsule.backup.retention import Policy
 from capsule.capsules import resolve
-from capsule.catalogue import Catalogue, VersionRow
+from capsule.catalogue import VersionRow
 from capsule.errors import Conflict, NotFound
 from capsule.names import check_name
 from capsule.store import Store
 
-SCHEMA = """CREATE TABLE IF NOT EXISTS backup_jobs(
-    capsule TEXT PRIMARY KEY,
-    calendar TEXT NOT NULL,
-    policy TEXT NOT NULL,
-    mode TEXT NOT NULL,
-    target TEXT,
-    created REAL NOT NULL,
-    next_run REAL,
-    running_since REAL,
-    running_by TEXT,
-    last_run REAL,
-    last_result TEXT,
-    last_duration REAL,
-    last_bytes INTEGER,
-    last_pause REAL,
-    last_version INTEGER,
-    last_error TEXT,
-    target_policy TEXT
-)"""
 MODES = ("memory", "disk-only")
 NOTE_PREFIX = "backup"
 STALE_RUN = 6 * 3600.0      # a run marked running longer than this died with its process
@@ -92,12 +73,6 @@ class Job:
         return d
 
 
-def _table(cat: Catalogue) -> Catalogue:
-    cat.ensure_table(SCHEMA)
-    cat.ensure_column("backup_jobs", "target_policy", "TEXT")     # catalogues made before it existed
-    return cat
-
-
 def _job(row: Any) -> Job:
     d = dict(row)
     d["policy"] = Policy.from_dict(json.loads(d["policy"]))
@@ -106,11 +81,11 @@ def _job(row: Any) -> Job:
 
 
 def jobs(store: Store) -> list[Job]:
-    return [_job(r) for r in _table(store.catalogue).query("SELECT * FROM backup_jobs ORDER BY capsule")]
+    return [_job(r) for r in store.catalogue.query("SELECT * FROM backup_jobs ORDER BY capsule")]
 
 
 def find(store: Store, name: str) -> Job | None:
-    rows = _table(store.catalogue).query("SELECT * FROM backup_jobs WHERE capsule=?", (name,))
+    rows = store.catalogue.query("SELECT * FROM backup_jobs WHERE capsule=?", (name,))
     return _job(rows[0]) if rows else None
 
 
@@ -142,7 +117,7 @@ def schedule(store: Store, name: str, every: str, policy: Policy, *, mode: str =
     elif target_policy is not None:
         raise Conflict("a backup host's policy (--to-keep) needs a backup host: give --to HOST")
     there = json.dumps(target_policy.as_dict()) if target_policy is not None else None
-    cat = _table(store.catalogue)
+    cat = store.catalogue
     with cat.transaction():
         old = find(store, name)
         if old is None:
@@ -190,7 +165,7 @@ def _alive(running_by: str | None) -> bool:
 def claim(store: Store, name: str, now: float) -> bool:
     """Mark the job running unless a run is already going (in any process); False if one is. A mark left
     by a process that died (on this host), or older than STALE_RUN, does not count."""
-    cat = _table(store.catalogue)
+    cat = store.catalogue
     with cat.transaction():
         rows = cat.query("SELECT running_since, running_by FROM backup_jobs WHERE capsule=?", (name,))
         if rows and rows[0]["running_since"] is not None and now - rows[0]["running_since"] < STALE_RUN \
@@ -202,7 +177,7 @@ def claim(store: Store, name: str, now: float) -> bool:
 
 
 def advance(store: Store, name: str, next_run: float | None) -> None:
-    _table(store.catalogue).query("UPDATE backup_jobs SET next_run=? WHERE capsule=?", (next_run, name))
+    store.catalogue.query("UPDATE backup_jobs SET next_run=? WHERE capsule=?", (next_run, name))
 
 
 def finish(store: Store, name: str, *, started: float, ok: bool, duration: float, version: int | None = None,
@@ -210,7 +185,7 @@ def finish(store: Store, name: str, *, started: float, ok: bool, duration: float
            result: str | None = None) -> None:
     """Record a run's outcome (the job may have been unscheduled meanwhile: then nothing is recorded).
     ``result`` (default ok/failed) may say more, e.g. 'not copied' when the backup host was down."""
-    _table(store.catalogue).query(
+    store.catalogue.query(
         "UPDATE backup_jobs SET running_since=NULL, running_by=NULL, last_run=?, last_result=?, last_duration=?, "
         "last_bytes=?, last_pause=?, last_version=?, last_error=? WHERE capsule=?",
         (started, result or ("ok" if ok else "failed"), duration, nbytes, pause, version, error, name))

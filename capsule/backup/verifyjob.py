@@ -23,14 +23,6 @@ from capsule.errors import Error, NotFound
 from capsule.store import Store
 from capsule.verify import Problem, VerifyReport, users_of, verify_versions
 
-SCHEMA = """CREATE TABLE IF NOT EXISTS backup_verify(
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    calendar TEXT NOT NULL,
-    next_run REAL,
-    last_run REAL,
-    last_result TEXT,
-    last_error TEXT
-)"""
 HERE = "here"
 _running = threading.Lock()
 
@@ -139,13 +131,10 @@ def _problem(p: dict[str, Any]) -> Problem:
 
 
 # -- the job ------------------------------------------------------------------------------------------
-def _table(store: Store) -> Any:
-    store.catalogue.ensure_table(SCHEMA)
-    return store.catalogue
 
 
 def get(store: Store) -> VerifyJob | None:
-    rows = _table(store).query("SELECT calendar, next_run, last_run, last_result, last_error FROM backup_verify")
+    rows = store.catalogue.query("SELECT calendar, next_run, last_run, last_result, last_error FROM backup_verify")
     return VerifyJob(**dict(rows[0])) if rows else None
 
 
@@ -155,7 +144,7 @@ def schedule(store: Store, calendar: str, now: float | None = None) -> VerifyJob
     nxt = event.next_after(time.time() if now is None else now)
     if nxt is None:
         raise CalendarError(f"{calendar!r} ({event.normalized()}) never elapses after now: nothing would run")
-    _table(store).query("INSERT INTO backup_verify(id, calendar, next_run) VALUES(1, ?, ?) "
+    store.catalogue.query("INSERT INTO backup_verify(id, calendar, next_run) VALUES(1, ?, ?) "
                         "ON CONFLICT(id) DO UPDATE SET calendar=excluded.calendar, next_run=excluded.next_run",
                         (calendar, nxt.timestamp()))
     job = get(store)
@@ -167,7 +156,7 @@ def unschedule(store: Store) -> VerifyJob:
     job = get(store)
     if job is None:
         raise NotFound("no verify job is scheduled (see `capsule backup verify --schedule`)")
-    _table(store).query("DELETE FROM backup_verify")
+    store.catalogue.query("DELETE FROM backup_verify")
     return job
 
 
@@ -177,7 +166,7 @@ def due(store: Store, now: float) -> bool:
     if job is None or job.next_run is None or job.next_run > now:
         return False
     nxt = parse(job.calendar).next_after(now)
-    _table(store).query("UPDATE backup_verify SET next_run=?", (nxt.timestamp() if nxt else None,))
+    store.catalogue.query("UPDATE backup_verify SET next_run=?", (nxt.timestamp() if nxt else None,))
     return True
 
 
@@ -190,7 +179,7 @@ def run_job(store: Store, *, clock: Callable[[], float] = time.time) -> VerifyRe
         started = clock()
         result = run(store)
         verdict = "ok" if result.ok else ("broken" if result.first_broken else "not checked")
-        _table(store).query("UPDATE backup_verify SET last_run=?, last_result=?, last_error=?",
+        store.catalogue.query("UPDATE backup_verify SET last_run=?, last_result=?, last_error=?",
                             (started, verdict, None if result.ok else result.summary()))
         return result
     finally:

@@ -10,17 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from capsule import hosts
-from capsule.catalogue import Catalogue
 from capsule.errors import AlreadyExists, Conflict, NotFound
 from capsule.names import check_name
 from capsule.store import Store
 
-SCHEMA = """CREATE TABLE IF NOT EXISTS fleet_members(
-    host TEXT PRIMARY KEY,
-    grp TEXT NOT NULL,
-    added REAL NOT NULL,
-    last_seen REAL
-)"""
 DEFAULT_GROUP = "default"
 
 
@@ -40,11 +33,6 @@ class Member:
                 "last_seen": self.last_seen}
 
 
-def _table(cat: Catalogue) -> Catalogue:
-    cat.ensure_table(SCHEMA)
-    return cat
-
-
 def members(store: Store, group: str | None = None, names: list[str] | None = None) -> list[Member]:
     """The members (of ``group``; only those in ``names``), by host name. Unknown names or an empty
     group are errors: a rollout to nobody is a mistake."""
@@ -53,7 +41,7 @@ def members(store: Store, group: str | None = None, names: list[str] | None = No
     for n in names or []:
         check_name(n, "host")
     by_name = {p.name: p for p in hosts.peers(store)}
-    rows = _table(store.catalogue).query("SELECT * FROM fleet_members ORDER BY host")
+    rows = store.catalogue.query("SELECT * FROM fleet_members ORDER BY host")
     out = [Member(by_name[r["host"]], r["grp"], r["added"], r["last_seen"]) for r in rows if r["host"] in by_name]
     if names:
         known = {m.name for m in out}
@@ -89,7 +77,7 @@ def add(store: Store, host: str, url: str, token: str, group: str = DEFAULT_GROU
         if not hmac.compare_digest(peer.token.encode(), token.encode()):
             raise Conflict(f"host {host!r} is known with another token (`capsule host rm {host}` and add it "
                            "again if its token changed)")
-    cat = _table(store.catalogue)
+    cat = store.catalogue
     with store.lock(), cat.transaction():
         if cat.query("SELECT 1 FROM fleet_members WHERE host=?", (host,)):
             raise AlreadyExists(f"host {host!r} is already in the fleet (`capsule fleet rm {host}` first)")
@@ -101,7 +89,7 @@ def add(store: Store, host: str, url: str, token: str, group: str = DEFAULT_GROU
 def remove(store: Store, host: str) -> Member:
     """Take ``host`` out of the fleet (it stays a known peer; nothing on it changes)."""
     member = get(store, host)
-    cat = _table(store.catalogue)
+    cat = store.catalogue
     with store.lock(), cat.transaction():
         cat.query("DELETE FROM fleet_members WHERE host=?", (host,))
     return member
@@ -111,7 +99,7 @@ def seen(store: Store, answered: dict[str, float]) -> None:
     """Record when hosts last answered."""
     if not answered:
         return
-    cat = _table(store.catalogue)
+    cat = store.catalogue
     with store.lock(), cat.transaction():
         for host, t in answered.items():
             cat.query("UPDATE fleet_members SET last_seen=? WHERE host=?", (t, host))

@@ -24,12 +24,6 @@ from capsule.fleet.rollout import HostResult, Outcome, Rollout
 from capsule.names import parse_ref
 from capsule.store import Store
 
-SCHEMA = """CREATE TABLE IF NOT EXISTS fleet_capsules(
-    name TEXT PRIMARY KEY,
-    version INTEGER NOT NULL,
-    pushed REAL NOT NULL
-)"""
-
 
 @dataclass
 class PushOptions:
@@ -59,12 +53,10 @@ class PushReport:
 def fleet_capsules(store: Store) -> dict[str, int]:
     """Capsules pushed to the fleet and the version last pushed."""
     cat = store.catalogue
-    cat.ensure_table(SCHEMA)
     return {r["name"]: r["version"] for r in cat.query("SELECT * FROM fleet_capsules ORDER BY name")}
 
 
 def _remember(cat: Catalogue, name: str, version: int) -> None:
-    cat.ensure_table(SCHEMA)
     with cat.transaction():
         cat.query("INSERT OR REPLACE INTO fleet_capsules VALUES(?,?,?)", (name, version, time.time()))
 

@@ -274,12 +274,11 @@ def test_cli_schedule_ls_json(store):
 
 
 def test_a_backup_host_that_is_down_leaves_the_copy_waiting(store):
-    from capsule import hosts
     from tests.unit.inprocess_agent import free_port
 
-    store.catalogue.ensure_table(hosts.SCHEMA)      # a known host, whose agent no longer answers
-    store.catalogue.query("INSERT INTO peers VALUES('vault', ?, 'a-token-of-the-vault-0123', 'abcdef0123', 0, NULL)",
-                          (f"http://127.0.0.1:{free_port()}",))
+    store.catalogue.query(      # a known host, whose agent no longer answers
+        "INSERT INTO peers VALUES('vault', ?, 'a-token-of-the-vault-0123', 'abcdef0123', 0, NULL)",
+        (f"http://127.0.0.1:{free_port()}",))
     clock = Clock(T0)
     take = Taker(clock)
     job, _ = jobs.schedule(store, "desk", "hourly UTC", Policy(last=5), target="vault", now=T0)

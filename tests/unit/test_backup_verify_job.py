@@ -123,7 +123,12 @@ def test_a_catalogue_from_before_the_backup_hosts_policy_still_works(tmp_path):
     s.catalogue.add_capsule(CapsuleRow("desk", "u-1", "tiny", None, None, T0))
     s.close()
     db = sqlite3.connect(tmp_path / "old" / "catalogue.sqlite")
-    db.execute(jobs.SCHEMA.replace(",\n    target_policy TEXT", ""))
+    db.execute("DROP TABLE backup_jobs")     # as a catalogue made before the column: 0.1.0's first table, no version
+    db.execute("CREATE TABLE backup_jobs(capsule TEXT PRIMARY KEY, calendar TEXT NOT NULL, policy TEXT NOT NULL, "
+               "mode TEXT NOT NULL, target TEXT, created REAL NOT NULL, next_run REAL, running_since REAL, "
+               "running_by TEXT, last_run REAL, last_result TEXT, last_duration REAL, last_bytes INTEGER, "
+               "last_pause REAL, last_version INTEGER, last_error TEXT)")
+    db.execute("PRAGMA user_version = 0")
     db.execute("INSERT INTO backup_jobs(capsule, calendar, policy, mode, created, next_run) "
                "VALUES('desk', 'daily', '{\"last\": 2}', 'memory', ?, ?)", (T0, T0 + 50400))
     db.commit()

@@ -72,8 +72,6 @@ def test_status_marks_a_hung_host_and_the_others_answer_within_the_deadline(stor
         store.catalogue.query("INSERT INTO peers VALUES(?,?,?,?,?,NULL)",
                               ("hung", silent.url, TOKEN_C, "00000000", 0.0))
         store.catalogue.query("INSERT INTO fleet_members VALUES(?,?,?,?)", ("hung", "default", 0.0, None))
-        store.catalogue.ensure_table("CREATE TABLE IF NOT EXISTS fleet_capsules(name TEXT PRIMARY KEY, "
-                                     "version INTEGER NOT NULL, pushed REAL NOT NULL)")
         store.catalogue.query("INSERT INTO fleet_capsules VALUES('web', 2, 0)")
         t0 = time.monotonic()
         st = status(store, timeout=1.0)

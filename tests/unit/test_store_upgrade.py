@@ -8,6 +8,7 @@ grant, peers, a fleet member, a backup schedule and a copy."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import tarfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from capsule.backup import copies, jobs
 from capsule.errors import EnvironmentProblem, IntegrityError
 from capsule.fleet import members
 from capsule.hosts import peers
+from capsule.schema import SCHEMA_VERSION
 from capsule.store import STORE_FORMAT, Store
 from capsule.verify import verify
 
@@ -33,9 +35,24 @@ def unpack(release: str, into: Path) -> Path:
     return into / "store"
 
 
-def test_a_store_of_0_1_0_opens_with_everything_in_it(tmp_path):
-    store = Store.open(unpack("0.1.0", tmp_path))
+def user_version(home: Path) -> int:
+    db = sqlite3.connect(home / "catalogue.sqlite")
     try:
+        return db.execute("PRAGMA user_version").fetchone()[0]
+    finally:
+        db.close()
+
+
+def test_a_store_of_0_1_0_opens_with_everything_in_it(tmp_path):
+    home = unpack("0.1.0", tmp_path)
+    assert user_version(home) == 0                      # 0.1.0 had no schema version
+    store = Store.open(home)
+    try:
+        assert user_version(home) == SCHEMA_VERSION
+        columns = {r[1] for r in store.catalogue.query("PRAGMA table_info(tokens)")}
+        assert {"allow", "capsule", "version", "issuer"} <= columns
+        grant = next(t for t in tokens.tokens(store) if t.user == tokens.HOST_USER)
+        assert grant.grant is None and grant.state() == "expired"   # 0.1.0's host grants named no capability
         assert {c.name for c in capsules.list_states(store)} == {"desk", "web"}
         desk2 = capsules.resolve(store, "desk@2")
         assert desk2.memory is not None and len(desk2.chains[0]) == 2
@@ -54,6 +71,43 @@ def test_a_store_of_0_1_0_opens_with_everything_in_it(tmp_path):
         assert json.loads((store.home / "store.json").read_text())["format"] == STORE_FORMAT
     finally:
         store.close()
+    again = Store.open(home)                             # a second open changes nothing
+    again.close()
+    assert user_version(home) == SCHEMA_VERSION
+
+
+def test_a_catalogue_of_a_newer_release_is_refused_and_left_alone(tmp_path):
+    home = unpack("0.1.0", tmp_path)
+    Store.open(home).close()
+    db = sqlite3.connect(home / "catalogue.sqlite")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.commit()
+    db.close()
+    with pytest.raises(EnvironmentProblem) as err:
+        Store.open(home)
+    assert f"schema {SCHEMA_VERSION + 1}" in str(err.value) and f"up to {SCHEMA_VERSION}" in str(err.value)
+    assert user_version(home) == SCHEMA_VERSION + 1
+
+
+def test_a_failing_migration_changes_nothing(tmp_path, monkeypatch):
+    from capsule import schema
+
+    home = unpack("0.1.0", tmp_path)
+
+    def broken(db):
+        db.execute("CREATE TABLE half_done(x)")
+        raise RuntimeError("disk trouble in the middle of a migration")
+
+    monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS[:1], schema.Migration(2, "broken", broken)))
+    with pytest.raises(RuntimeError):
+        Store.open(home)
+    db = sqlite3.connect(home / "catalogue.sqlite")
+    try:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 0
+        assert not db.execute("SELECT 1 FROM sqlite_master WHERE name='half_done'").fetchall()
+        assert "allow" not in {r[1] for r in db.execute("PRAGMA table_info(tokens)")}
+    finally:
+        db.close()
 
 
 def test_a_store_of_a_newer_release_is_refused_and_left_alone(tmp_path):

@@ -281,9 +281,8 @@ def test_a_changed_host_key_is_refused_by_every_client_path(store, peer, tmp_pat
         refused(lambda: AgentClient(peer_row.url, peer_row.token, fingerprint=peer_row.fingerprint)
                 .get_json("/v1/info"))
         refused(hostops.activity, members.Member(peer_row, "default", 0.0, None))
-        copies._table(store.catalogue)  # noqa: SLF001 - a copy recorded as made before the key changed
-        store.catalogue.query("INSERT INTO backup_copies(capsule, number, target, copied, wire_bytes) "
-                              "VALUES('desk', 1, 'b', 0, 0)")
+        store.catalogue.query(  # a copy recorded as made before the key changed
+            "INSERT INTO backup_copies(capsule, number, target, copied, wire_bytes) VALUES('desk', 1, 'b', 0, 0)")
         [_here, there] = verifyjob.run(store, ["desk"]).hosts
         assert there.host == "b" and CHANGED in there.error and pinned in there.error
         refused(copies.prune_there, store, "desk", "b", Policy(last=1))
