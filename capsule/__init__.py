@@ -1,3 +1,3 @@
 """Capsule: move whole running computers between machines."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

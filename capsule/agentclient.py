@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from capsule import __version__
 from capsule.errors import InvalidName
 from hashcache.transport import (
     Call,
@@ -18,6 +19,7 @@ from hashcache.transport import (
     RetryPolicy,
     Transport,
     check,
+    protocol,
 )
 from hashcache.transport import read_token as _read_token
 
@@ -41,8 +43,10 @@ class AgentClient:
         if not url.startswith(("http://", "https://")):
             raise InvalidName(f"agent URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
-        base: Transport = transport or HttpTransport(self.url, token, timeout=timeout, connect_timeout=30.0,
-                                                              fingerprint=fingerprint)
+        self.peer: protocol.Peer | None = None      # the agent's release and protocol, from its last answer
+        base: Transport = transport or HttpTransport(
+            self.url, token, timeout=timeout, connect_timeout=30.0, fingerprint=fingerprint,
+            user_agent=protocol.user_agent(__version__))
         if rate is not None:  # bytes per second of request and answer bodies
             base = RateLimited(base, rate)
         self._counter = Counting(base)   # under the retries: every attempt's bytes count
@@ -71,7 +75,10 @@ class AgentClient:
             content = json.dumps(json_body).encode()
         call = Call(method, path, params=params, content=content or b"", json=json_body is not None,
                     idempotent=(method == "GET") if idempotent is None else idempotent)
-        return check(self._calls.call(call), f"agent {self.url}")
+        reply = self._calls.call(call)
+        self.peer = protocol.check(protocol.of_agent(reply.headers.get(protocol.HEADER)), __version__,
+                                   f"the agent at {self.url}")
+        return check(reply, f"agent {self.url}")
 
     def get_json(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params=params or None).json()

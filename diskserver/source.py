@@ -25,7 +25,7 @@ from pathlib import Path
 from diskserver.errors import SourceError, SourceUnavailable
 from hashcache.errors import AuthFailed, HashcacheError, HostKeyError, Unreachable
 from hashcache.hcp import MAX_BATCH, unpack_blocks
-from hashcache.transport import HttpTransport, Retrying, RetryPolicy, StreamTransport, Transport, read_call
+from hashcache.transport import HttpTransport, Retrying, RetryPolicy, StreamTransport, Transport, protocol, read_call
 from hashcache.transport.base import TokenSource, error_of
 from hashcache.transport.wrappers import Reauthenticating
 
@@ -80,7 +80,8 @@ class HcpSource:
         if transport is None:
             transport = HttpTransport(self.url, self.token, timeout=request_timeout,
                                       connect_timeout=min(5.0, request_timeout), max_connections=16,
-                                      user_agent="capsule-diskserver", fingerprint=fingerprint)
+                                      user_agent=protocol.user_agent(part="capsule-diskserver"),
+                                      fingerprint=fingerprint)
             if stream:
                 transport = StreamTransport(transport, self.token, timeout=request_timeout)
         self.base = transport

@@ -116,6 +116,15 @@ class PeerError(Error):
     http_status = 502
 
 
+class ProtocolMismatch(Error):
+    """The other side speaks a protocol this release no longer speaks (it is more than one release older, or
+    asks for what its release was given and this one no longer gives). The message names both releases."""
+
+    code = "protocol_mismatch"
+    exit_code = 13
+    http_status = 400
+
+
 class AuthFailed(Error):
     """The agent refused the token (or none was given)."""
 

@@ -23,6 +23,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from capsule import __version__
 from capsule.accounts import tokens, users
 from capsule.accounts.model import CAPABILITIES, PUSH, READ, Grant, Principal
 from capsule.bounds import GRANT_SECONDS, check
@@ -30,6 +31,8 @@ from capsule.errors import Forbidden, InvalidName, NotFound
 from capsule.names import check_name
 from capsule.records import objects_of, validate, version_record
 from capsule.store import Store
+from hashcache.errors import ProtocolMismatch
+from hashcache.transport import protocol
 
 MAX_GRANT_SECONDS = GRANT_SECONDS.hi  # a grant asked for over the network lives at most a day
 DEFAULT_SECONDS = 3600.0
@@ -90,9 +93,15 @@ def _version_of(req: dict[str, Any]) -> int | None:
     return v
 
 
-def request(store: Store, principal: Principal, req: Any) -> dict[str, Any]:
+def request(store: Store, principal: Principal, req: Any, peer: protocol.Peer | None = None) -> dict[str, Any]:
     """``POST /v1/grants/host``: a grant for a third host, asked for by a user allowed host calls here (a fleet
-    rollout's origin, for the host that pulls a version from this one). Refused without what it allows."""
+    rollout's origin, for the host that pulls a version from this one). Refused without what it allows; a caller
+    of protocol 1 (0.1.0), which asks for a grant of any host call, is told that this release gives none."""
+    if isinstance(req, dict) and "allow" not in req and peer is not None and peer.protocol < 2:
+        raise ProtocolMismatch(
+            f"the caller is {peer} and asks for a host grant that allows every host call; this is capsule "
+            f"{__version__} (protocol {protocol.PROTOCOL}), whose grants allow one job (reading one capsule, "
+            "receiving one push): upgrade Capsule on the calling host")
     if not isinstance(req, dict) or req.get("allow") not in CAPABILITIES:
         raise InvalidName(USAGE)
     issuer, issuer_token = issuer_of(principal)

@@ -59,7 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
 from capsule.accounts import grants
-from capsule.agent import authz, dashboard, guard
+from capsule.agent import authz, dashboard, guard, protocol
 from capsule.agent.auditlog import AuditLog
 from capsule.agent.bounded import (
     HashLenQuery,
@@ -314,7 +314,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         req = await json_body(request, "grant request")
         caller = authz.caller_of(request)
         assert caller is not None
-        return await asyncio.to_thread(grants.request, store, caller.principal, req)
+        return await asyncio.to_thread(grants.request, store, caller.principal, req, protocol.peer_of(request))
 
     @app.delete("/v1/grants/self")
     async def end_grant(request: Request) -> dict[str, Any]:
@@ -373,4 +373,5 @@ def create_app(home: Path, token: str) -> FastAPI:
     authz.check_rules(app)      # every route has its rule, or no agent
     app.state.audit_log = AuditLog(home)  # the guard's writer (a bad CAPSULE_AUDIT_* setting: no agent)
     app.add_middleware(guard.Guard, fastapi=app, store=store, sessions=app.state.sessions, token=token)
+    app.add_middleware(protocol.Versions)     # outermost: every answer names this agent's protocol and release
     return app

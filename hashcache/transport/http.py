@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 
 from hashcache.errors import Unreachable
-from hashcache.transport import plain, tls
+from hashcache.transport import plain, protocol, tls
 from hashcache.transport.base import Call, Reply, TokenSource
 
 # a connection that stalled or broke; anything else (refused, unknown host) means nobody listens
@@ -40,7 +40,7 @@ class HttpTransport:
     unless this process was configured insecure (:mod:`hashcache.transport.plain`)."""
 
     def __init__(self, url: str, token: TokenSource | str | Path, *, timeout: float = 120.0,
-                 connect_timeout: float = 30.0, max_connections: int = 32, user_agent: str = "capsule",
+                 connect_timeout: float = 30.0, max_connections: int = 32, user_agent: str = protocol.user_agent(),
                  client: httpx.Client | None = None, fingerprint: str | None = None) -> None:
         self.url = url.rstrip("/")
         if client is None:  # connections of its own: a token in clear only to loopback, unless configured

@@ -30,7 +30,7 @@ from websockets.uri import parse_uri
 from hashcache.bounds import HTTP_ERROR
 from hashcache.errors import Unreachable
 from hashcache.hcp import decode_stream_reply, encode_stream_read
-from hashcache.transport import plain, tls
+from hashcache.transport import plain, protocol, tls
 from hashcache.transport.base import Call, Reply, TokenSource, Transport
 
 log = logging.getLogger("hashcache.transport")
@@ -76,7 +76,7 @@ class _Connection:
             self._events: collections.deque[object] = collections.deque()
             request = self.proto.connect()
             request.headers["Authorization"] = f"Bearer {token}"
-            request.headers["User-Agent"] = "capsule"
+            request.headers["User-Agent"] = protocol.user_agent()
             self.proto.send_request(request)
             self._flush()
             while True:
