@@ -34,6 +34,7 @@ from capsule import migrate as lib
 from capsule.accounts import tokens
 from capsule.agent import authz
 from capsule.agent.sessions import Caller, Sessions
+from capsule.agent.workers import Ticket, workers_of
 from capsule.errors import Conflict, Error, Internal, NotFound
 from capsule.migrateprogress import CancelToken, Snapshot, planned
 from capsule.names import check_name
@@ -69,9 +70,10 @@ class MigrationOut(BaseModel):
 class Migration:
     """One migration run by this agent: its cancel token, its snapshots, and who waits for the next one."""
 
-    def __init__(self, name: str, peer: hosts.Peer, body: MigrateIn) -> None:
+    def __init__(self, name: str, peer: hosts.Peer, body: MigrateIn, ticket: Ticket | None = None) -> None:
         self.id = secrets.token_hex(8)
         self.capsule, self.peer, self.body = name, peer, body
+        self.ticket = ticket        # its owner's count of operations under way, given back when it ends
         self.started = time.time()
         self.cancel = CancelToken()
         self.error: dict[str, Any] | None = None
@@ -123,6 +125,13 @@ class Migration:
                             progress=self.last.as_dict(), error=self.error, remote=self.remote)
 
     def run(self, store: Store, source_url: str, source_token: str, source_fingerprint: str | None = None) -> None:
+        try:
+            self._run(store, source_url, source_token, source_fingerprint)
+        finally:
+            if self.ticket is not None:
+                self.ticket.release()
+
+    def _run(self, store: Store, source_url: str, source_token: str, source_fingerprint: str | None) -> None:
         b = self.body
         final: list[Snapshot] = []
 
@@ -170,14 +179,16 @@ class Migrations:
             return list(reversed(self._by_id.values()))
 
     def begin(self, store: Store, name: str, body: MigrateIn, source_url: str, source_token: str,
-              source_fingerprint: str | None = None) -> Migration:
+              source_fingerprint: str | None = None, ticket: Ticket | None = None) -> Migration:
+        """Start migrating ``name`` in a thread of its own; ``ticket`` (its caller's admission, see
+        ``workers.py``) is released when the migration ends."""
         peer = hosts.get(store, body.to)
         check_name(name)
         if store.catalogue.capsule(name) is None:
             raise NotFound(f"no capsule named {name!r} on this host")
         if store.catalogue.instance(name) is None:
             raise Conflict(f"capsule {name!r} is not running: only a running capsule migrates")
-        m = Migration(name, peer, body)
+        m = Migration(name, peer, body, ticket)
         with self._lock:
             if any(o.capsule == name and not o.finished for o in self._by_id.values()):
                 raise Conflict(f"capsule {name!r} is already being migrated")
@@ -211,7 +222,12 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
         pin = getattr(request.app.state, "tls_fingerprint", None)
         # what the other host pages the disks in with: the old token, or (once accounts exist) a host grant
         grant = tokens.source_token(store, token) if body.mode == "demand" else token
-        return migrations.begin(store, name, body, source, grant, pin).out()
+        ticket = workers_of(request).quota.admit(request)   # counted against its owner until it ends
+        try:
+            return migrations.begin(store, name, body, source, grant, pin, ticket).out()
+        except BaseException:
+            ticket.release()        # (it never began; once begun, its thread releases it)
+            raise
 
     @r.get("/migrations", response_model=list[MigrationOut], summary="This agent's migrations, newest first")
     def list_all(request: Request) -> list[MigrationOut]:

@@ -101,11 +101,11 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
 
     host, port = parse_listen(listen)
     ident = ident or identity(home, listen)
-    app = create_app(home, ensure_token(token_file))
+    limits = limits or Limits()
+    app = create_app(home, ensure_token(token_file), limits)
     app.state.tls_fingerprint = ident.fingerprint  # what peers pin for this agent (dashboard migrations)
     from capsule.backup.scheduler import start_in_serve
     start_in_serve(home)  # scheduled backups run inside the agent (capsule/backup/scheduler.py)
-    limits = limits or Limits()
     http_protocol, ws_protocol = guarded_protocols(limits)  # per-client connections, slow headers, WS messages
     uvicorn.run(BodyLimit(app, limits.max_body), host=host, port=port,
                 log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),

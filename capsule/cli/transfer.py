@@ -150,6 +150,19 @@ def serve(
         help="Seconds an idle connection is kept open for the client's next request. A connection whose last "
              "answer is still on its way (a slow link) is not idle; one whose client stopped reading it is "
              "closed after this long without progress.")] = Limits.keep_alive,
+    max_operations_per_owner: Annotated[int, typer.Option(
+        "--max-operations-per-owner", min=1,
+        help="Capsule operations (start, stop, suspend, snapshot, migrate, backup, …) one owner may have under way "
+             "at once; one more is answered 429 with Retry-After. Operators and admins are not counted per "
+             "user.")] = Limits.per_owner,
+    lifecycle_workers: Annotated[int, typer.Option(
+        "--lifecycle-workers", min=1,
+        help="Threads for capsule operations; more wait their turn. HCP block serving has its own threads, "
+             "which these never take.")] = Limits.lifecycle_workers,
+    serving_workers: Annotated[int, typer.Option(
+        "--serving-workers", min=1,
+        help="Threads for HCP block serving and receiving pushes (LOOKUP, READ, the block stream, push).")]
+    = Limits.serving_workers,
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
@@ -175,7 +188,9 @@ def serve(
         err_console.print(f"{made}certificate fingerprint {ident.fingerprint}", soft_wrap=True)
     store.close()
     run_serve(store.home, listen, tf, ident,
-              Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive))
+              Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive,
+                     per_owner=max_operations_per_owner, lifecycle_workers=lifecycle_workers,
+                     serving_workers=serving_workers))
 
 
 @cache_app.command("prime")
