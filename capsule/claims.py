@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from capsule.errors import CapsuleBusy, Internal
+from capsule.fsutil import make_private_dir
 from capsule.names import check_name
 from capsule.store import Store
 from capsule.storelock import lock_for
@@ -133,7 +134,7 @@ def check_unlocked(store: Store, what: str) -> None:
 
 
 def _acquire(path: Path, name: str, doing: str) -> Claim:
-    path.parent.mkdir(mode=0o700, exist_ok=True)
+    make_private_dir(path.parent)      # made on the store's first claim
     settle = time.monotonic() + SETTLE
     while True:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)

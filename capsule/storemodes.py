@@ -31,7 +31,7 @@ MEMORY_MODE = 0o400
 OBJECT_MODE = 0o440
 LEAF_MODE = 0o660
 PRIVATE_FILE_MODE = 0o600
-SUBDIRS = ("layers", "files", "instances", "tmp", "recv", "remote", "shadows", "busy")
+SUBDIRS = ("layers", "files", "instances", "tmp", "recv", "remote", "shadows")
 GUEST_SUBDIRS = ("layers", "files", "instances")
 
 
