@@ -10,15 +10,16 @@ from hashcache.errors import (
     Forbidden,
     Internal,
     InvalidInput,
+    Overloaded,
     PeerError,
     TooManyAttempts,
     Unreachable,
 )
 
-__all__ = ["AlreadyExists", "AuthFailed", "CapsuleError", "Cancelled", "Conflict", "EnvironmentProblem", "Error",
-           "Forbidden", "GuestTimeout", "IntegrityError", "Internal", "InvalidInput", "InvalidName", "NotFound",
-           "PeerError", "RequestTooLarge", "RuntimeFailure",
-           "SealedObjectError", "StorageFull", "TooManyAttempts", "TransferFailed", "Unreachable"]
+__all__ = ["AlreadyExists", "AuthFailed", "CapsuleBusy", "CapsuleError", "Cancelled", "Conflict", "EnvironmentProblem",
+           "Error", "Forbidden", "GuestTimeout", "IntegrityError", "Internal", "InvalidInput", "InvalidName",
+           "NotFound", "PeerError", "RequestTooLarge", "RuntimeFailure", "SealedObjectError", "StorageFull",
+           "TooManyAttempts", "TooManyOperations", "TransferFailed", "Unreachable"]
 
 
 class CapsuleError(Error):
@@ -67,6 +68,33 @@ class Conflict(CapsuleError):
     exit_code = 5
     http_status = 409
     status_default = True
+
+
+class CapsuleBusy(Conflict):
+    """Another operation is under way on this capsule (``doing``: "stopping", "suspending" …); others are not
+    held up by it. Try again when it is done."""
+
+    code = "capsule_busy"
+    status_default = False
+    fields = ("doing",)
+
+    def __init__(self, message: str, *, doing: str = "busy") -> None:
+        super().__init__(message)
+        self.doing = doing
+
+
+class TooManyOperations(Overloaded):
+    """One owner asked this host for more capsule operations at once than it runs for one owner: wait
+    ``retry_after`` seconds, or for one of them to finish."""
+
+    code = "too_many_operations"
+    status_default = False
+    fields = ("retry_after", "limit")
+
+    def __init__(self, message: str, *, retry_after: int = 10, limit: int = 0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.limit = limit
 
 
 class SealedObjectError(Conflict):

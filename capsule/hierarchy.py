@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from capsule import qemuimg
+from capsule import claims, qemuimg
 from capsule.capsules import resolve
 from capsule.catalogue import LayerRow, VersionRow
 from capsule.errors import Conflict, NotFound, RuntimeFailure
@@ -184,7 +184,7 @@ def rm(store: Store, ref: str, *, promote_dependants: bool = False, say: Say = l
     layers are first folded into the dependants (§4.2), which stay
     byte-identical."""
     r = parse_ref(ref)
-    with store.lock():
+    with claims.claim(store, r.name, "being removed"), store.lock(purpose=f"removing {ref}"):
         cat = store.catalogue
         target = resolve(store, ref)
         victims = cat.versions(r.name) if r.version is None else [target]
@@ -297,7 +297,8 @@ def gc(store: Store, *, dry_run: bool = False, max_pending_age: float | None = N
         pending_layers, pending_files, expired = _sort_pending(store, age, dry_run, referenced(store))
         keep_layers, keep_files = referenced(store, pending_layers, pending_files)
         result = GcResult(pending=sorted(pending_layers | pending_files), pending_expired=expired)
-        live_leaves = {leaf for inst in cat.instances() for leaf in inst.leaves}
+        # (and those an operation under way made before an instance records them: a disk-only backup's)
+        live_leaves = {leaf for inst in cat.instances() for leaf in inst.leaves} | claims.leaves_in_flight(store)
         doomed_layers = [row.id for row in cat.layers() if row.id not in keep_layers]
         doomed_files = [row.id for row in cat.files() if row.id not in keep_files]
         known_layers = {row.id for row in cat.layers()}

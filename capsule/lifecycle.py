@@ -13,11 +13,12 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
-from capsule import demand, memimage, qemuimg, sealing, watch
+from capsule import claims, demand, memimage, qemuimg, sealing, watch
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
 from capsule.fsutil import is_enospc, make_private_dir
+from capsule.names import parse_ref
 from capsule.runtime import podnet
 from capsule.runtime.accel import AccelDecision, decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
@@ -117,8 +118,40 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
     """Boot an inactive version or restore an active one, on fresh leaves. ``boot``: boot even an active
     version (its memory image is not used; its disks are as they were saved). ``network``: a booted guest
     gets a NIC on QEMU's user-mode network (``ADDRESS/PREFIX``, see ``domainxml.add_user_network``).
-    ``kernel_args``: appended to a boot's kernel command line for this run only."""
-    with store.lock():
+    ``kernel_args``: appended to a boot's kernel command line for this run only.
+
+    The capsule is claimed ("starting") until its instance is recorded; the store lock is held only while
+    its leaves and domain are made, never while the guest is waited for (its memory given back after a
+    restore, its boot marker)."""
+    with claims.claim(store, parse_ref(ref).name, "starting"):
+        decision = accel_for(store)   # (a host's first start may boot a probe guest: not under the store lock)
+        made = _make_instance(store, ref, boot=boot, prefetch=prefetch, network=network, kernel_args=kernel_args,
+                              decision=decision, say=say)
+        if made.give_back is not None:
+            claims.check_unlocked(store, "giving a restored guest its memory back")
+            say("giving the guest its memory back")
+            balloon_mod.give_back(made.agent_sock, lookup_domain(made.result.domain), made.give_back)
+    r = made.result
+    r.seconds = time.monotonic() - made.t0
+    if r.mode == "boot" and wait:   # (unclaimed: its owner may stop a guest that never comes up)
+        say("waiting for the guest to come up")
+        r.seconds += wait_for_marker(made.log, r.version.config["marker"], timeout, domain=r.domain)
+    return r
+
+
+@dataclass
+class _Made:
+    result: StartResult
+    t0: float
+    log: Path
+    agent_sock: Path
+    give_back: dict | None      # a restored version's balloon record: its memory is to be given back
+
+
+def _make_instance(store: Store, ref: str, *, boot: bool, prefetch: bool, network: str | None,
+                   kernel_args: str, decision: AccelDecision, say: Say) -> _Made:
+    """``start``'s part under the store lock: checks, leaves, the domain booted or restored, the instance."""
+    with store.lock(purpose=f"starting {ref}"):
         version = resolve(store, ref)
         cat = store.catalogue
         name = version.capsule
@@ -138,7 +171,6 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
         if memory:  # refuse an image this host would not restore before anything is made
             memimage.check(store, version.config, store.file_path(version.memory), name=domain, uuid=cap.uuid,
                            disks=len(version.chains), instance_dir=store.instance_dir(name))
-        decision = accel_for(store)
         if version.config.get(podnet.CONFIG_KEY):
             say(f"joining the host's pod bridge {podnet.ensure_bridge()}")
         inst_dir, log, agent_sock = _instance_files(store, name)
@@ -166,9 +198,6 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                                             name=domain, uuid=cap.uuid, disks=leaves, instance_dir=inst_dir,
                                             disk_servers=sockets, chains=version.chains)
                 accel, forked = restored.accel, restored.forked
-                if version.config.get("balloon"):
-                    say("giving the guest its memory back")
-                    balloon_mod.give_back(agent_sock, lookup_domain(domain), version.config["balloon"])
             else:
                 mode = "boot"
                 accel = decision.accel
@@ -202,11 +231,8 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                 leaf.unlink(missing_ok=True)
             demand.stop_servers(inst_dir)
             raise
-    seconds = time.monotonic() - t0
-    if mode == "boot" and wait:
-        say("waiting for the guest to come up")
-        seconds = wait_for_marker(log, version.config["marker"], timeout, domain=domain) + seconds
-    return StartResult(version, domain, mode, accel, seconds, forked)
+    give_back = version.config.get("balloon") if memory else None
+    return _Made(StartResult(version, domain, mode, accel, 0.0, forked), t0, log, agent_sock, give_back or None)
 
 
 def _running_instance(store: Store, name: str) -> tuple[InstanceRow, libvirt.virDomain]:
@@ -229,12 +255,17 @@ def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | 
     aggressive) the guest's spare memory is zeroed first (§4.1). On failure
     the guest keeps running (with its memory given back) and nothing is
     recorded. ``phase("balloon")`` and ``phase("save")`` are called as each
-    step begins; if ``phase`` raises (a cancel), the guest keeps running."""
-    with store.lock():
-        inst, dom = _running_instance(store, name)
-        if (Path(inst.dir) / USER_NETWORK).exists():
-            raise Conflict(f"{name} runs with a NIC for `capsule update make`, which a memory image cannot keep; "
-                           "let the update finish (or interrupt it)")
+    step begins; if ``phase`` raises (a cancel), the guest keeps running.
+
+    The capsule is claimed ("suspending") throughout; the balloon and the save run without the store lock,
+    which is taken for the sealing and the record."""
+    with claims.claim(store, name, "suspending"):
+        with store.lock(purpose=f"suspending {name}"):
+            inst, dom = _running_instance(store, name)
+            if (Path(inst.dir) / USER_NETWORK).exists():
+                raise Conflict(f"{name} runs with a NIC for `capsule update make`, which a memory image cannot "
+                               "keep; let the update finish (or interrupt it)")
+        claims.check_unlocked(store, f"suspending {name}")
         agent_sock = Path(inst.dir) / "agent.sock"
         ballooned: balloon_mod.BalloonResult | None = None
         if balloon is not None:
@@ -270,19 +301,25 @@ def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | 
         t1 = time.monotonic()
         memory: FileRow | None = None
         sealed: list[LayerRow] = []
+        recorded = False
         try:
-            say("sealing memory image")
-            memory = store.seal_file(tmp, "memory")
-            chains, layers = sealing.seal_leaves(store, inst, say, sealed)
-            version = sealing.record_sealed(store, inst, chains, layers, memory, note, balloon_info)
+            with store.lock(timeout=None, purpose=f"sealing {name}"):   # saved: it is recorded, or resumed
+                try:
+                    say("sealing memory image")
+                    memory = store.seal_file(tmp, "memory")
+                    chains, layers = sealing.seal_leaves(store, inst, say, sealed)
+                    version = sealing.record_sealed(store, inst, chains, layers, memory, note, balloon_info)
+                    recorded = True
+                except BaseException:
+                    image = tmp if tmp.exists() else (store.file_path(memory.id) if memory else None)
+                    sealing.resume_after_failed_seal(store, inst, image, sealed)
+                    raise
+                demand.stop_servers(Path(inst.dir))
+                shutil.rmtree(inst.dir, ignore_errors=True)
         except BaseException:
-            image = tmp if tmp.exists() else (store.file_path(memory.id) if memory else None)
-            sealing.resume_after_failed_seal(store, inst, image, sealed)
-            if balloon_info:
+            if balloon_info and not recorded:      # the guest runs again: its memory back, without the lock
                 balloon_mod.give_back(agent_sock, lookup_domain(inst.domain), balloon_info)
             raise
-        demand.stop_servers(Path(inst.dir))
-        shutil.rmtree(inst.dir, ignore_errors=True)
         return SealResult(version, layers, memory, save_seconds, time.monotonic() - t1, ballooned)
 
 
@@ -290,8 +327,9 @@ def snapshot(store: Store, name: str, *, balloon: str | None = None,
              balloon_method: str = balloon_mod.DEFAULT_METHOD, note: str = "snapshot",
              say: Say = _quiet) -> tuple[SealResult, StartResult]:
     """Suspend, then immediately resume on a new leaf: the guest keeps running. ``note`` is recorded
-    with the version (in the same transaction)."""
-    with store.lock():
+    with the version (in the same transaction). The capsule stays claimed ("snapshotting") from the
+    suspend to the restore."""
+    with claims.claim(store, name, "snapshotting"):
         sealed = suspend(store, name, note=note, balloon=balloon, balloon_method=balloon_method, say=say)
         assert sealed.version is not None
         resumed = start(store, sealed.version.ref, wait=False, say=say)
@@ -308,58 +346,75 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
     callable ``(disk index, leaf, chain) → blocks``, asked after the guest is off) blocks whose content
     the caller knows is dead (``update make``: the ext4 journal, see ``capsule.update.journal``). A demand run's
     sources that no running instance reads from any more are told its run ended: their grants end
-    (:func:`capsule.demand.release_sources`)."""
-    result, inst = _stop(store, name, timeout=timeout, force=force, discard=discard, compact=compact,
-                         release=release, note=note, say=say)
+    (:func:`capsule.demand.release_sources`).
+
+    The capsule is claimed ("stopping") throughout: another operation on it is refused meanwhile. The
+    guest's shutdown is waited for without the store lock, which is taken to seal and record."""
+    with claims.claim(store, name, "stopping"):
+        with store.lock(purpose=f"stopping {name}"):
+            resolve(store, name)
+            inst = store.catalogue.instance(name)
+            if inst is None:
+                raise Conflict(f"capsule {name!r} is not running")
+        _shut_down(store, inst, timeout, force, say)
+        with store.lock(timeout=None, purpose=f"sealing {name}"):   # the guest is off: its changes are kept
+            inst = store.catalogue.instance(name)
+            if inst is None:
+                raise Conflict(f"capsule {name!r} stopped meanwhile: its instance is gone")
+            result = _seal_stopped(store, inst, discard=discard, compact=compact, release=release, note=note,
+                                   say=say)
     sources = demand.sources_of(store, [lid for chain in inst.chains for lid in chain])
     if sources:
         demand.release_sources(store, sources, since=inst.started)
     return result
 
 
-def _stop(store: Store, name: str, *, timeout: float, force: bool, discard: bool, compact: bool,
-          release: Release | None, note: str, say: Say) -> tuple[SealResult, InstanceRow]:
-    with store.lock():
-        resolve(store, name)
-        inst = store.catalogue.instance(name)
-        if inst is None:
-            raise Conflict(f"capsule {name!r} is not running")
-        dom = lookup_domain(inst.domain)
-        if dom is not None:
-            if not force:
-                say("asking the guest to shut down")
-                with contextlib.suppress(libvirt.libvirtError):
-                    dom.shutdown()
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline and lookup_domain(inst.domain) is not None:
-                    time.sleep(0.2)
-            if lookup_domain(inst.domain) is not None:
-                say("forcing the guest off")
-                with contextlib.suppress(libvirt.libvirtError):
-                    dom.destroy()
-        t1 = time.monotonic()
-        if discard:
-            demand.stop_servers(Path(inst.dir))
-            with store.catalogue.transaction():
-                store.catalogue.delete_instance(name)
-            for leaf in inst.leaves:
-                Path(leaf).unlink(missing_ok=True)
-            shutil.rmtree(inst.dir, ignore_errors=True)
-            return SealResult(None, [], None, 0.0, time.monotonic() - t1), inst
-        dropped: list[int] = []
-        released: list[int] = []
-        chains, layers = sealing.seal_leaves(store, inst, say, compacted=dropped if compact else None,
-                                      release=release, released=released)
+def _shut_down(store: Store, inst: InstanceRow, timeout: float, force: bool, say: Say) -> None:
+    """Ask the guest to shut down and wait for it (at most ``timeout`` seconds), then force it off."""
+    dom = lookup_domain(inst.domain)
+    if dom is None:
+        return
+    claims.check_unlocked(store, f"stopping {inst.capsule}")
+    if not force:
+        say("asking the guest to shut down")
+        with contextlib.suppress(libvirt.libvirtError):
+            dom.shutdown()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and lookup_domain(inst.domain) is not None:
+            time.sleep(0.2)
+    if lookup_domain(inst.domain) is not None:
+        say("forcing the guest off")
+        with contextlib.suppress(libvirt.libvirtError):
+            dom.destroy()
+
+
+def _seal_stopped(store: Store, inst: InstanceRow, *, discard: bool, compact: bool, release: Release | None,
+                  note: str, say: Say) -> SealResult:
+    """``stop``'s part under the store lock, the guest off: its leaves sealed into a version, or dropped."""
+    name = inst.capsule
+    t1 = time.monotonic()
+    if discard:
         demand.stop_servers(Path(inst.dir))
-        if layers:
-            version: VersionRow | None = sealing.record_sealed(store, inst, chains, layers, None, note)
-        else:
-            with store.catalogue.transaction():
-                store.catalogue.delete_instance(name)
-            version = None
+        with store.catalogue.transaction():
+            store.catalogue.delete_instance(name)
+        for leaf in inst.leaves:
+            Path(leaf).unlink(missing_ok=True)
         shutil.rmtree(inst.dir, ignore_errors=True)
-        return SealResult(version, layers, None, 0.0, time.monotonic() - t1, zero_marks_dropped=sum(dropped),
-                          released_blocks=sum(released)), inst
+        return SealResult(None, [], None, 0.0, time.monotonic() - t1)
+    dropped: list[int] = []
+    released: list[int] = []
+    chains, layers = sealing.seal_leaves(store, inst, say, compacted=dropped if compact else None,
+                                         release=release, released=released)
+    demand.stop_servers(Path(inst.dir))
+    if layers:
+        version: VersionRow | None = sealing.record_sealed(store, inst, chains, layers, None, note)
+    else:
+        with store.catalogue.transaction():
+            store.catalogue.delete_instance(name)
+        version = None
+    shutil.rmtree(inst.dir, ignore_errors=True)
+    return SealResult(version, layers, None, 0.0, time.monotonic() - t1, zero_marks_dropped=sum(dropped),
+                      released_blocks=sum(released))
 
 
 def console_log(store: Store, name: str) -> Path:

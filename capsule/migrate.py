@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from capsule import lifecycle, transfer
+from capsule import claims, lifecycle, transfer
 from capsule.agentclient import AgentClient
 from capsule.catalogue import VersionRow
 from capsule.errors import Cancelled, CapsuleError, Error, InvalidName, RuntimeFailure, Unreachable
@@ -95,6 +96,11 @@ class Steps:
     restore: Callable[..., Any] = lifecycle.start
 
     @staticmethod
+    def claim(store: Store, name: str) -> AbstractContextManager[Any]:
+        """The capsule claimed for the whole migration: nothing else starts, stops or removes it meanwhile."""
+        return claims.claim(store, name, "migrating")
+
+    @staticmethod
     def start_there(to: str, token: str, name: str, number: int, fingerprint: str | None = None) -> dict[str, Any]:
         with AgentClient(to, token, timeout=900.0, fingerprint=fingerprint) as client:
             return client.request("POST", f"/v1/capsules/{name}/start", params={"version": number}).json()
@@ -154,53 +160,54 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
         cancel.check()
         tracker.enter(p, {"balloon": "ballooning", "save": "saving the memory image"}.get(p, p))
 
-    say("suspending here")
-    try:
-        sealed = steps.suspend(store, name, balloon=balloon, balloon_method=balloon_method, say=say, phase=phase)
-    except Cancelled as exc:  # before the save: the guest never stopped
-        tracker.finish("cancelled", "source", f"cancelled; {name} keeps running here")
-        raise MigrationCancelled(f"migrating {name} was cancelled before the suspend; it keeps running here",
-                                 step="save", restored=True, cause=exc) from exc
-    except BaseException as exc:
-        tracker.finish("failed", "source", f"suspending {name} failed: {exc}")
-        raise
-    assert sealed.version is not None
-    version = sealed.version
-    ref = version.ref
-    tracker.set_version(ref)
-    tracker.totals(steps.sizes(store, version, mode))
-    pushed = None
-    step = "push"
-    try:
-        phase("memory")
-        say(f"pushing {ref}" if mode == "full" else f"pushing the memory image of {ref}")
-        if mode == "full":
-            pushed = steps.push(store, ref, to, token, progress=tracker, check=cancel.check, fingerprint=pin)
-        else:
-            steps.push(store, ref, to, token, progress=tracker, check=cancel.check, files_only=True,
-                       fingerprint=pin)
-        cancel.commit()
-        tracker.no_return()
-        tracker.enter("resume", f"starting it at {to_name or to}")
-        if mode == "full":
-            step = "start"
-            say("starting it there")
-            remote = steps.start_there(to, token, name, version.number, pin)
-        else:
-            step = "run"
-            say("starting it there, disks on demand from here")
-            remote = steps.run_there(to, token, {"source": source_url, "token": source_token, "ref": ref,
-                                                 "prefetch": prefetch, "fingerprint": source_fingerprint}, pin)
-    except BaseException as exc:
-        failure = _fail_back(store, version, to, token, step, exc, pushed, tracker, say, steps, pin)
-        outcome = "cancelled" if isinstance(failure, MigrationCancelled) else "failed"
-        tracker.finish(outcome, "source" if failure.restored else "unknown", str(failure))
-        if not isinstance(exc, Exception):
-            raise  # an interrupt stays an interrupt; the guest runs here again if it safely could
-        raise failure from exc
-    seconds = time.monotonic() - t0
-    last = tracker.finish("done", "destination", f"{name} runs at {to_name or to} after {seconds:.1f}s")
-    return MigrateResult(mode, sealed, pushed, remote, seconds, last)
+    with steps.claim(store, name):
+        say("suspending here")
+        try:
+            sealed = steps.suspend(store, name, balloon=balloon, balloon_method=balloon_method, say=say, phase=phase)
+        except Cancelled as exc:  # before the save: the guest never stopped
+            tracker.finish("cancelled", "source", f"cancelled; {name} keeps running here")
+            raise MigrationCancelled(f"migrating {name} was cancelled before the suspend; it keeps running here",
+                                     step="save", restored=True, cause=exc) from exc
+        except BaseException as exc:
+            tracker.finish("failed", "source", f"suspending {name} failed: {exc}")
+            raise
+        assert sealed.version is not None
+        version = sealed.version
+        ref = version.ref
+        tracker.set_version(ref)
+        tracker.totals(steps.sizes(store, version, mode))
+        pushed = None
+        step = "push"
+        try:
+            phase("memory")
+            say(f"pushing {ref}" if mode == "full" else f"pushing the memory image of {ref}")
+            if mode == "full":
+                pushed = steps.push(store, ref, to, token, progress=tracker, check=cancel.check, fingerprint=pin)
+            else:
+                steps.push(store, ref, to, token, progress=tracker, check=cancel.check, files_only=True,
+                           fingerprint=pin)
+            cancel.commit()
+            tracker.no_return()
+            tracker.enter("resume", f"starting it at {to_name or to}")
+            if mode == "full":
+                step = "start"
+                say("starting it there")
+                remote = steps.start_there(to, token, name, version.number, pin)
+            else:
+                step = "run"
+                say("starting it there, disks on demand from here")
+                remote = steps.run_there(to, token, {"source": source_url, "token": source_token, "ref": ref,
+                                                     "prefetch": prefetch, "fingerprint": source_fingerprint}, pin)
+        except BaseException as exc:
+            failure = _fail_back(store, version, to, token, step, exc, pushed, tracker, say, steps, pin)
+            outcome = "cancelled" if isinstance(failure, MigrationCancelled) else "failed"
+            tracker.finish(outcome, "source" if failure.restored else "unknown", str(failure))
+            if not isinstance(exc, Exception):
+                raise  # an interrupt stays an interrupt; the guest runs here again if it safely could
+            raise failure from exc
+        seconds = time.monotonic() - t0
+        last = tracker.finish("done", "destination", f"{name} runs at {to_name or to} after {seconds:.1f}s")
+        return MigrateResult(mode, sealed, pushed, remote, seconds, last)
 
 
 def _may_run_there(step: str, exc: BaseException) -> bool:

@@ -13,6 +13,7 @@ Layout (all under ``home``)::
     instances/<capsule>/       console log and scratch of a running instance
     tmp/                       temporary files, renamed into place when complete
     recv/, remote/, shadows/   objects being received; remote layers of demand-paged disks
+    busy/<capsule>             the claim of an operation under way on a capsule (claims.py; made on first use)
 
 Modes (storemodes.py): the store and its directories 0700, memory images 0400,
 other sealed objects and manifests 0440, whatever the umask.

@@ -44,11 +44,15 @@ Fleet (capsule/exchange/fleet.py)::
     POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)
     POST /v1/verify                              re-hash what some versions reference (backup verify jobs)
     POST /v1/backups/{name}/prune                apply a retention policy to the backup copies held here
+
+Blocking work runs in one of two bounded thread pools (capsule/agent/workers.py): HCP and receiving in the serving
+pool (``serve``), capsule operations in the lifecycle pool (``act``), where an owner has at most a few at once (429
+``too_many_operations`` with Retry-After beyond that); lifecycle calls filling their pool never delay block serving.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +76,12 @@ from capsule.agent.bounded import (
     VersionQuery,
     ZstdLevelQuery,
 )
+from capsule.agent.limits import Limits
 from capsule.agent.turns import Turns
+from capsule.agent.workers import Workers
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
-from capsule.errors import AuthFailed, Error, Internal, InvalidName, TooManyAttempts
+from capsule.errors import AuthFailed, Error, Internal, InvalidName
 from capsule.exchange import fleet, running
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
@@ -104,12 +110,16 @@ def _error_reply(exc: Error, headers: dict[str, str] | None = None) -> JSONRespo
     return JSONResponse(exc.to_wire(), status_code=exc.http_status, headers=headers)
 
 
-def create_app(home: Path, token: str) -> FastAPI:
+def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
+    """The agent's app on the store at ``home``. ``limits``: its thread pools and the per-owner limit on capsule
+    operations (``capsule/agent/workers.py``; the defaults of :class:`Limits` when not given)."""
     if not token or len(token) < 16:
         raise InvalidName("the agent's token must be at least 16 characters")
     app = FastAPI(title="Capsule host agent", version=capsule_version, docs_url=None, redoc_url=None)
     app.state.public_url = None     # the URL other hosts reach it at: set by `capsule serve` (serve.public_url)
     store = Store.open(home)
+    app.state.workers = work = Workers(limits or Limits())
+    serve, act = work.serve, work.act   # HCP and receiving; capsule operations (counted per owner)
     objects = ObjectServer(store)
     activity = fleet.Activity()
     inbox = Inbox(store)
@@ -119,8 +129,9 @@ def create_app(home: Path, token: str) -> FastAPI:
     async def _errors(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Error)
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthFailed) else None
-        if isinstance(exc, TooManyAttempts):
-            headers = {"Retry-After": str(exc.retry_after)}
+        retry_after = getattr(exc, "retry_after", None)
+        if isinstance(retry_after, int):      # too many sign-ins, too many operations at once
+            headers = {"Retry-After": str(retry_after)}
         return _error_reply(exc, headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -187,19 +198,19 @@ def create_app(home: Path, token: str) -> FastAPI:
         return missing(store, req.get("layers", []), req.get("files", []))
 
     @app.get("/v1/objects/{kind}/{oid}")
-    def lookup(kind: str, oid: str) -> dict[str, Any]:
-        return objects.lookup(kind, oid)
+    async def lookup(kind: str, oid: str) -> dict[str, Any]:
+        return await serve(objects.lookup, kind, oid)
 
     @app.get("/v1/objects/{kind}/{oid}/records")
-    def records(kind: str, oid: str, start: RecordStartQuery = 0, count: RecordCountQuery = MAX_RECORDS,
-                hash_len: HashLenQuery = 32) -> Response:
-        payload, n = objects.records(kind, oid, start, count, hash_len)
+    async def records(kind: str, oid: str, start: RecordStartQuery = 0, count: RecordCountQuery = MAX_RECORDS,
+                      hash_len: HashLenQuery = 32) -> Response:
+        payload, n = await serve(objects.records, kind, oid, start, count, hash_len)
         return Response(payload, media_type="application/octet-stream", headers={"X-Capsule-Records": str(n)})
 
     @app.post("/v1/objects/{kind}/{oid}/read")
     async def read(kind: str, oid: str, request: Request, level: ZstdLevelQuery = 3, compress: bool = True) -> Response:
         indices = objects.indices(kind, oid, await body(request, 1 << 20))
-        payload = await asyncio.to_thread(objects.read, kind, oid, indices, level, compress)
+        payload = await serve(objects.read, kind, oid, indices, level, compress)
         activity.served(len(indices))
         return Response(payload, media_type="application/octet-stream",
                         headers={"X-Capsule-Blocks": str(len(indices))})
@@ -238,12 +249,12 @@ def create_app(home: Path, token: str) -> FastAPI:
         check_object_id(oid)
         await gate.admit(kind, oid)
         if objects.cached_manifest(kind, oid) is None:  # read from disk (in a thread) only the first time
-            await asyncio.to_thread(objects.manifest, kind, oid)
+            await serve(objects.manifest, kind, oid)
         indices = objects.indices(kind, oid, raw)
         activity.served(len(indices))
         if len(indices) <= 16:  # a miss's few blocks come from the page cache: a thread hop would cost more
             return objects.read(kind, oid, indices, level or 1, level > 0)
-        return await asyncio.to_thread(objects.read, kind, oid, indices, level or 1, level > 0)
+        return await serve(objects.read, kind, oid, indices, level or 1, level > 0)
 
     # -- receiving: state lives on disk (capsule/exchange/receiving.py), none in the protocol ----------
     @app.post("/v1/recv/{kind}/{oid}/begin")
@@ -251,7 +262,7 @@ def create_app(home: Path, token: str) -> FastAPI:
                          parts: PartsQuery = 1) -> Response:
         """Part ``part`` of ``parts`` of the manifest → the indices of the blocks still needed."""
         data = decode_manifest_upload(await body(request, MAX_MANIFEST_UPLOAD))
-        needed = await asyncio.to_thread(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash)
+        needed = await serve(functools.partial(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash))
         if needed is None:
             return Response(b"", headers={"X-Capsule-Present": "1"})
         return Response(encode_plan(needed), media_type="application/octet-stream", headers={STREAMS_HEADER: CODECS})
@@ -263,38 +274,37 @@ def create_app(home: Path, token: str) -> FastAPI:
         (``codec``: zstd or xz)."""
         raw = await body(request, MAX_BLOCKS_UPLOAD)
         if stream is None:
-            return {"stored": await asyncio.to_thread(inbox.accept_upload, kind, oid, raw, compress)}
+            return {"stored": await serve(inbox.accept_upload, kind, oid, raw, compress)}
         await turns.wait((kind, oid), stream, seq)
         try:
-            return {"stored": await asyncio.to_thread(inbox.accept_segment, kind, oid, raw, stream, seq,
-                                                       codec)}
+            return {"stored": await serve(inbox.accept_segment, kind, oid, raw, stream, seq, codec)}
         finally:
             await turns.advance()
 
     @app.post("/v1/recv/{kind}/{oid}/commit")
     async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:
-        installed = await asyncio.to_thread(inbox.commit, kind, oid, role)
+        installed = await serve(inbox.commit, kind, oid, role)
         return {"installed": oid, "already": not installed}
 
     @app.post("/v1/versions")
     async def versions(request: Request) -> dict[str, Any]:
         record = await json_body(request, "version record")
         authz.check_record(request, store, record)     # a push grant: only the version it was made for
-        row, created = await asyncio.to_thread(record_version, store, record)
+        row, created = await serve(record_version, store, record)
         return {"version": row.ref, "created": created}
 
     # -- running (the destination side of `capsule migrate`) ---------------------------------------
     @app.post("/v1/capsules/{name}/start")
-    async def start_capsule(name: str, version: VersionQuery | None = None, timeout: TimeoutQuery = 180.0
-                            ) -> dict[str, Any]:
-        r = await asyncio.to_thread(running.start, store, name, version, timeout)
+    async def start_capsule(request: Request, name: str, version: VersionQuery | None = None,
+                            timeout: TimeoutQuery = 180.0) -> dict[str, Any]:
+        r = await act(request, running.start, store, name, version, timeout)
         return {"version": r.version.ref, "mode": r.mode, "domain": r.domain, "seconds": r.seconds}
 
     @app.post("/v1/run")
     async def run_from(request: Request) -> dict[str, Any]:
         """Start here a capsule of another host, its disks paged in on demand."""
         req = await json_body(request, "run request")
-        r = await asyncio.to_thread(running.run_from, store, req)
+        r = await act(request, running.run_from, store, req)
         return {"version": r.start.version.ref, "mode": r.start.mode, "domain": r.start.domain,
                 "seconds": r.start.seconds, "moved_bytes": r.transfer.wire_bytes, "remote_layers": r.remote_layers}
 
@@ -303,7 +313,7 @@ def create_app(home: Path, token: str) -> FastAPI:
     async def fleet_pull(request: Request) -> dict[str, Any]:
         """Pull NAME@V from another agent (a fleet rollout's fan-out: this host passes a version on)."""
         req = await json_body(request, "pull request")
-        r = await asyncio.to_thread(fleet.pull_from, store, req, activity)
+        r = await act(request, fleet.pull_from, store, req, activity)
         return {"version": r.version, "source": r.url, "wire_bytes": r.wire_bytes, "recorded": r.recorded,
                 "objects": len(r.objects), "skipped": len(r.skipped)}
 
@@ -314,26 +324,27 @@ def create_app(home: Path, token: str) -> FastAPI:
         req = await json_body(request, "grant request")
         caller = authz.caller_of(request)
         assert caller is not None
-        return await asyncio.to_thread(grants.request, store, caller.principal, req, protocol.peer_of(request))
+        return await serve(grants.request, store, caller.principal, req, protocol.peer_of(request))
 
     @app.delete("/v1/grants/self")
     async def end_grant(request: Request) -> dict[str, Any]:
         """The calling grant ends: the peer's job is done (a demand run stopped or no longer needs this host)."""
         caller = authz.caller_of(request)
         assert caller is not None
-        return await asyncio.to_thread(grants.end, store, caller.principal)
+        return await serve(grants.end, store, caller.principal)
 
     @app.get("/v1/fleet/activity")
     def fleet_activity() -> dict[str, Any]:
         return activity.as_dict()
 
     @app.post("/v1/capsules/{name}/activate")
-    async def activate_capsule(name: str, version: VersionQuery, timeout: TimeoutQuery = 180.0) -> dict[str, Any]:
-        return {"did": await asyncio.to_thread(fleet.activate, store, name, version, timeout)}
+    async def activate_capsule(request: Request, name: str, version: VersionQuery, timeout: TimeoutQuery = 180.0
+                               ) -> dict[str, Any]:
+        return {"did": await act(request, fleet.activate, store, name, version, timeout)}
 
     @app.post("/v1/capsules/{name}/stop")
-    async def stop_capsule(name: str, discard: bool = False) -> dict[str, Any]:
-        r = await asyncio.to_thread(running.stop, store, name, discard)
+    async def stop_capsule(request: Request, name: str, discard: bool = False) -> dict[str, Any]:
+        r = await act(request, running.stop, store, name, discard)
         return {"version": r.version.ref if r.version else None, "discarded": discard}
 
     # -- verify (a backup host's copies re-hashed for their source's verify job) ----------------------
@@ -343,7 +354,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         refs = req.get("versions") if isinstance(req, dict) else None
         if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs) or len(refs) > MAX_VERIFY:
             raise InvalidName(f'malformed verify request: give {{"versions": ["NAME@V", ...]}} (at most {MAX_VERIFY})')
-        report = await asyncio.to_thread(verify_versions, store, refs)
+        report = await act(request, verify_versions, store, refs)
         users = users_of(store, refs)
         return report.as_dict() | {"used_by": {p.id: users.get(p.id, []) for p in report.problems}}
 
@@ -354,12 +365,12 @@ def create_app(home: Path, token: str) -> FastAPI:
             raise InvalidName('malformed prune request: give {"policy": {"daily": 30, ...}}')
         policy = Policy.from_dict(req["policy"])
         dry_run = bool(req.get("dry_run", False))
-        return (await asyncio.to_thread(backup_runner.prune, store, name, policy=policy, dry_run=dry_run)).as_dict()
+        return (await act(request, backup_runner.prune, store, name, policy=policy, dry_run=dry_run)).as_dict()
 
     # -- pods (the destination side of `capsule pod migrate --host`, capsule/pod/remote.py) ---------------
     @app.get("/v1/pods")
-    async def pods_here(capsule: str) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(pod_ops.ls, store, capsule)
+    async def pods_here(request: Request, capsule: str) -> list[dict[str, Any]]:
+        return await act(request, pod_ops.ls, store, capsule)
 
     @app.post("/v1/pods/restore")
     async def pod_restore(request: Request) -> dict[str, Any]:
@@ -367,7 +378,7 @@ def create_app(home: Path, token: str) -> FastAPI:
         if not isinstance(req, dict) or not isinstance(req.get("image"), str) or not isinstance(req.get("into"), str):
             raise InvalidName('malformed pod restore request: give {"image": ID, "into": CAPSULE}')
         check_object_id(req["image"])
-        return await asyncio.to_thread(pod_ops.restore, store, req["image"], req["into"])
+        return await act(request, pod_ops.restore, store, req["image"], req["into"])
 
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent

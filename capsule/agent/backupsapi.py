@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from capsule.agent import authz
 from capsule.agent.bounded import Version
 from capsule.agent.sessions import Sessions
+from capsule.agent.workers import workers_of
 from capsule.backup import jobs, runner, verifyjob
 from capsule.errors import Conflict
 from capsule.names import check_name
@@ -99,21 +100,22 @@ def router(store: Store, sessions: Sessions) -> APIRouter:
         return out if mine is None else out | {"jobs": [j for j in out["jobs"] if j["capsule"] in mine]}
 
     @r.post("/backups/verify", summary="Re-hash what the backups reference, here and on the backup hosts")
-    async def verify() -> dict[str, Any]:
+    async def verify(request: Request) -> dict[str, Any]:
         """As the verify job does (its result is recorded on the job, if there is one)."""
-        result = await asyncio.to_thread(verifyjob.run_job, store)
+        result = await workers_of(request).act(request, verifyjob.run_job, store)
         if result is None:
             raise Conflict("a verify of the backups is running already: wait for its result")
         return result.as_dict()
 
     @r.post("/backups/{name}/run", summary="Back a capsule up now (then prune, then copy)")
-    async def run(name: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(runner.run, store, check_name(name))).as_dict()
+    async def run(name: str, request: Request) -> dict[str, Any]:
+        return (await workers_of(request).act(request, runner.run, store, check_name(name))).as_dict()
 
     @r.post("/backups/{name}/restore", summary="Start a backup, as a new capsule or as the capsule's latest")
     async def restore(name: str, body: RestoreIn, request: Request) -> dict[str, Any]:
         as_name = check_name(body.as_name) if body.as_name is not None else None   # "" is refused, never "latest"
-        done = await asyncio.to_thread(runner.restore, store, f"{check_name(name)}@{body.version}", as_name=as_name)
+        done = await workers_of(request).act(request, runner.restore, store, f"{check_name(name)}@{body.version}",
+                                             as_name=as_name)
         if as_name is not None:
             authz.adopt(request, store, as_name)      # a new capsule: the caller's
         return done.as_dict()

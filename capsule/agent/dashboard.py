@@ -58,6 +58,7 @@ from capsule.agent.apimodels import (
     VersionOut,
 )
 from capsule.agent.sessions import Attempts, Caller, Sessions, check_same_origin
+from capsule.agent.workers import Workers
 from capsule.names import check_name
 from capsule.store import Store
 
@@ -86,7 +87,8 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     app.state.migrations = migrations.Migrations()      # authz finds a migration's capsule here
     app.include_router(migrations.router(store, sessions, token, app.state.migrations))  # before api_router's catch-all
     app.include_router(backupsapi.router(store, sessions))          # (also)
-    app.include_router(api_router(store, sessions, app.state.sign_in_attempts, app.state.sign_in_pool))
+    app.include_router(api_router(store, sessions, app.state.sign_in_attempts, app.state.sign_in_pool,
+                                  app.state.workers))
 
     @app.get("/", include_in_schema=False)
     def page() -> FileResponse:
@@ -96,7 +98,10 @@ def install(app: FastAPI, store: Store, token: str) -> None:
         app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
 
-def api_router(store: Store, sessions: Sessions, attempts: Attempts, pool: signin.HashPool) -> APIRouter:
+def api_router(store: Store, sessions: Sessions, attempts: Attempts, pool: signin.HashPool,
+               workers: Workers) -> APIRouter:
+    act = workers.act       # capsule operations: in the lifecycle pool, counted per owner (workers.py)
+
     def caller(request: Request, response: Response) -> Caller:
         response.headers["Cache-Control"] = "no-store"
         request.state.caller = sessions.authenticate(request)
@@ -180,39 +185,39 @@ def api_router(store: Store, sessions: Sessions, attempts: Attempts, pool: signi
 
     # -- actions: one library call each ----------------------------------------------------------------
     @router.post("/capsules/{name}/start", response_model=StartOut, summary="Boot or restore a capsule")
-    async def start(name: str, body: StartIn) -> dict[str, Any]:
+    async def start(name: str, body: StartIn, request: Request) -> dict[str, Any]:
         ref = check_name(name) if body.version is None else f"{check_name(name)}@{body.version}"
-        r = await asyncio.to_thread(lifecycle.start, store, ref, wait=body.wait, timeout=body.timeout)
+        r = await act(request, lifecycle.start, store, ref, wait=body.wait, timeout=body.timeout)
         return views.start_dict(r)
 
     @router.post("/capsules/{name}/suspend", response_model=SealOut, summary="Suspend a running capsule")
-    async def suspend(name: str, body: SealIn) -> dict[str, Any]:
-        r = await asyncio.to_thread(lifecycle.suspend, store, check_name(name), balloon=_policy(body),
-                                    balloon_method=body.balloon_method)
+    async def suspend(name: str, body: SealIn, request: Request) -> dict[str, Any]:
+        r = await act(request, lifecycle.suspend, store, check_name(name), balloon=_policy(body),
+                      balloon_method=body.balloon_method)
         return views.seal_dict(r)
 
     @router.post("/capsules/{name}/snapshot", response_model=SnapshotOut, summary="Snapshot a running capsule")
-    async def snapshot(name: str, body: SealIn) -> dict[str, Any]:
-        sealed, resumed = await asyncio.to_thread(lifecycle.snapshot, store, check_name(name),
-                                                  balloon=_policy(body), balloon_method=body.balloon_method)
+    async def snapshot(name: str, body: SealIn, request: Request) -> dict[str, Any]:
+        sealed, resumed = await act(request, lifecycle.snapshot, store, check_name(name), balloon=_policy(body),
+                                    balloon_method=body.balloon_method)
         return views.seal_dict(sealed) | {"resumed": views.start_dict(resumed)}
 
     @router.post("/capsules/{name}/stop", response_model=SealOut, summary="Shut a capsule down")
-    async def stop(name: str, body: StopIn) -> dict[str, Any]:
-        r = await asyncio.to_thread(lifecycle.stop, store, check_name(name), timeout=body.timeout, force=body.force)
+    async def stop(name: str, body: StopIn, request: Request) -> dict[str, Any]:
+        r = await act(request, lifecycle.stop, store, check_name(name), timeout=body.timeout, force=body.force)
         return views.seal_dict(r)
 
     @router.post("/capsules/{name}/derive", response_model=VersionOut, summary="Derive a child capsule")
     async def derive(name: str, body: DeriveIn, request: Request) -> dict[str, Any]:
         ref = check_name(name) if body.version is None else f"{check_name(name)}@{body.version}"
-        v = await asyncio.to_thread(capsules.derive, store, ref, body.child)
+        v = await act(request, capsules.derive, store, ref, body.child)
         authz.adopt(request, store, body.child)     # the child is the caller's
         return views.version_dict(store, v, progress=False)
 
     @router.post("/capsules/{name}/rm", response_model=RmOut, summary="Remove a capsule or one version")
-    async def rm(name: str, body: RmIn) -> dict[str, Any]:
+    async def rm(name: str, body: RmIn, request: Request) -> dict[str, Any]:
         ref = check_name(name) if body.version is None else f"{check_name(name)}@{body.version}"
-        r = await asyncio.to_thread(hierarchy.rm, store, ref, promote_dependants=body.promote)
+        r = await act(request, hierarchy.rm, store, ref, promote_dependants=body.promote)
         return views.rm_dict(r)
 
     # a route that does not exist under /api is a 401 too for a caller without a session

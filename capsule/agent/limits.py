@@ -27,8 +27,9 @@ queued there for minutes (closing then cut TLS answers off: 8 × 1 MiB READ answ
 failed after ~2 minutes). While the socket's queue drains the timeout starts again; a client that stops
 reading altogether is closed after ``STALLED_PERIODS`` timeouts without progress.
 
-The limits are per agent process (`Limits`); `capsule serve` takes them from its options. Importing this
-module does not import the web server (the CLI reads the defaults from it)."""
+The limits are per agent process (`Limits`); `capsule serve` takes them from its options. They also size the
+agent's two thread pools and the number of capsule operations one owner may have under way (`workers.py`).
+Importing this module does not import the web server (the CLI reads the defaults from it)."""
 
 from __future__ import annotations
 
@@ -64,10 +65,15 @@ class Limits:
     max_body: int = 1 << 20          # bytes of any request body without a limit of its own
     ws_max_message: int = 1 << 20    # bytes of one WebSocket message
     min_body_rate: float = 64.0      # bytes/s a request body must average over each header_timeout
+    # threads for HCP and receiving, and for capsule operations (start, stop, …): see workers.py
+    serving_workers: int = 32
+    lifecycle_workers: int = 16
+    per_owner: int = 2               # capsule operations one owner may have under way at once
 
     def __post_init__(self) -> None:
         if (self.per_client < 1 or self.header_timeout <= 0 or self.keep_alive <= 0 or self.max_body < 1
-                or self.ws_max_message < 1024 or self.min_body_rate < 0):
+                or self.ws_max_message < 1024 or self.min_body_rate < 0 or self.serving_workers < 1
+                or self.lifecycle_workers < 1 or self.per_owner < 1):
             raise InvalidName(f"limits out of range: {self}")
 
 

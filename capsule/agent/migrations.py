@@ -34,6 +34,7 @@ from capsule import migrate as lib
 from capsule.accounts import grants
 from capsule.agent import authz
 from capsule.agent.sessions import Caller, Sessions
+from capsule.agent.workers import Ticket, workers_of
 from capsule.errors import Conflict, Error, Internal, NotFound
 from capsule.migrateprogress import CancelToken, Snapshot, planned
 from capsule.names import check_name
@@ -69,9 +70,10 @@ class MigrationOut(BaseModel):
 class Migration:
     """One migration run by this agent: its cancel token, its snapshots, and who waits for the next one."""
 
-    def __init__(self, name: str, peer: hosts.Peer, body: MigrateIn) -> None:
+    def __init__(self, name: str, peer: hosts.Peer, body: MigrateIn, ticket: Ticket | None = None) -> None:
         self.id = secrets.token_hex(8)
         self.capsule, self.peer, self.body = name, peer, body
+        self.ticket = ticket        # its owner's count of operations under way, given back when it ends
         self.started = time.time()
         self.cancel = CancelToken()
         self.error: dict[str, Any] | None = None
@@ -123,6 +125,13 @@ class Migration:
                             progress=self.last.as_dict(), error=self.error, remote=self.remote)
 
     def run(self, store: Store, source_url: str, source_token: str, source_fingerprint: str | None = None) -> None:
+        try:
+            self._run(store, source_url, source_token, source_fingerprint)
+        finally:
+            if self.ticket is not None:
+                self.ticket.release()
+
+    def _run(self, store: Store, source_url: str, source_token: str, source_fingerprint: str | None) -> None:
         b = self.body
         final: list[Snapshot] = []
 
@@ -172,14 +181,16 @@ class Migrations:
             return list(reversed(self._by_id.values()))
 
     def begin(self, store: Store, name: str, body: MigrateIn, source_url: str, source_token: str,
-              source_fingerprint: str | None = None) -> Migration:
+              source_fingerprint: str | None = None, ticket: Ticket | None = None) -> Migration:
+        """Start migrating ``name`` in a thread of its own; ``ticket`` (its caller's admission, see
+        ``workers.py``) is released when the migration ends."""
         peer = hosts.get(store, body.to)
         check_name(name)
         if store.catalogue.capsule(name) is None:
             raise NotFound(f"no capsule named {name!r} on this host")
         if store.catalogue.instance(name) is None:
             raise Conflict(f"capsule {name!r} is not running: only a running capsule migrates")
-        m = Migration(name, peer, body)
+        m = Migration(name, peer, body, ticket)
         with self._lock:
             if any(o.capsule == name and not o.finished for o in self._by_id.values()):
                 raise Conflict(f"capsule {name!r} is already being migrated")
@@ -216,18 +227,22 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
         source = source_url_for(request) if body.mode == "demand" else ""
         # the other host pins this agent's certificate (the one it serves with, --cert included)
         pin = getattr(request.app.state, "tls_fingerprint", None)
-        if body.mode != "demand":
-            return migrations.begin(store, name, body, source, token, pin).out()
-        # what the other host pages the disks in with: the old token, or (once accounts exist) a read grant for
-        # this capsule, made by the signed-in user who started the migration (it ends with that user or token)
-        caller = authz.caller_of(request)
-        assert caller is not None
-        issuer, issuer_token = grants.issuer_of(caller.principal)
-        grant = grants.for_demand_run(store, token, name, issuer, issuer_token)
+        grant = token
+        if body.mode == "demand":
+            # what the other host pages the disks in with: the old token, or (once accounts exist) a read grant
+            # for this capsule, made by the signed-in user who started the migration (it ends with that user or
+            # token)
+            caller = authz.caller_of(request)
+            assert caller is not None
+            issuer, issuer_token = grants.issuer_of(caller.principal)
+            grant = grants.for_demand_run(store, token, name, issuer, issuer_token)
+        ticket = workers_of(request).quota.admit(request)   # counted against its owner until it ends
         try:
-            return migrations.begin(store, name, body, source, grant, pin).out()
+            return migrations.begin(store, name, body, source, grant, pin, ticket).out()
         except BaseException:
-            grants.discard(store, grant)
+            ticket.release()        # (it never began; once begun, its thread releases it)
+            if grant is not token:
+                grants.discard(store, grant)
             raise
 
     @r.get("/migrations", response_model=list[MigrationOut], summary="This agent's migrations, newest first")

@@ -155,12 +155,12 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
     public = public_url(ident.scheme, listen, public)
     if ident.cert is None:      # --insecure-http: this side is configured for plain HTTP, its disk servers too
         plain.allow()
-    app = create_app(home, ensure_token(token_file))
+    limits = limits or Limits()
+    app = create_app(home, ensure_token(token_file), limits)
     app.state.tls_fingerprint = ident.fingerprint  # what peers pin for this agent (dashboard migrations)
     app.state.public_url = public                  # what they reach it at: configured, never from a request
     from capsule.backup.scheduler import start_in_serve
     start_in_serve(home)  # scheduled backups run inside the agent (capsule/backup/scheduler.py)
-    limits = limits or Limits()
     http_protocol, ws_protocol = guarded_protocols(limits)  # per-client connections, slow headers, WS messages
     uvicorn.run(BodyLimit(app, limits.max_body), host=host, port=port,
                 log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),

@@ -26,7 +26,7 @@ from pathlib import Path
 import libvirt
 import libvirt_qemu
 
-from capsule import qemuimg
+from capsule import claims, qemuimg
 from capsule.catalogue import InstanceRow, LayerRow, VersionRow
 from capsule.errors import Conflict, Error, RuntimeFailure
 from capsule.lifecycle import USER_NETWORK
@@ -152,28 +152,13 @@ def _thaw(agent: GuestAgent | None) -> None:
 
 def snapshot(store: Store, name: str, note: Callable[[str], str]) -> DiskSnapshot:
     """Take a disk-only backup of running capsule ``name`` (see the module's description); ``note(consistency)``
-    is the new version's note."""
-    with store.lock(purpose=f"disk-only backup {name}"):
-        cat = store.catalogue
-        inst = cat.instance(name)
-        dom = lookup_domain(inst.domain) if inst is not None else None
-        if inst is None or dom is None:
-            raise Conflict(f"capsule {name!r} is not running: a disk-only backup is of a running capsule")
-        if (Path(inst.dir) / USER_NETWORK).exists():
-            raise Conflict(f"{name} is running an update (`capsule update make`): its disks are half-way through "
-                           "it; back it up when the update is done")
-        targets = _targets(dom, inst.leaves)
-        new = []
-        try:
-            for leaf in inst.leaves:
-                path = store.new_leaf_path()
-                qemuimg.create_leaf(path, Path(leaf))
-                new.append(path)
-                guestaccess.lend(path, writable=True)   # QEMU switches to it and writes it
-        except BaseException:
-            for p in new:
-                p.unlink(missing_ok=True)
-            raise
+    is the new version's note. The capsule is claimed ("being backed up") throughout; the guest's freeze and
+    thaw are waited for without the store lock (the new leaves, made under it, are named in the claim, so gc
+    keeps them until the instance records them)."""
+    with claims.claim(store, name, "being backed up") as claim:
+        inst, dom, targets, new = _prepare(store, name)
+        claim.add_leaves(new)
+        claims.check_unlocked(store, f"a disk-only backup of {name}")
         agent, agent_error = _freeze(Path(inst.dir) / "agent.sock")
         t0 = time.monotonic()
         try:
@@ -187,32 +172,67 @@ def snapshot(store: Store, name: str, note: Callable[[str], str]) -> DiskSnapsho
         finally:
             pause = time.monotonic() - t0
         _thaw(agent)
-        consistency = "frozen" if agent is not None else "crash-consistent"
-        sealed: list[LayerRow] = []
+        with store.lock(timeout=None, purpose=f"disk-only backup {name}"):   # the disks switched: record it
+            return _record(store, inst, dom, targets, new, note, pause, agent, agent_error)
+
+
+def _prepare(store: Store, name: str) -> tuple[InstanceRow, libvirt.virDomain, list[str], list[Path]]:
+    """Under the store lock: the running instance, its disks' targets and a fresh leaf on each of its leaves."""
+    with store.lock(purpose=f"disk-only backup {name}"):
+        inst = store.catalogue.instance(name)
+        dom = lookup_domain(inst.domain) if inst is not None else None
+        if inst is None or dom is None:
+            raise Conflict(f"capsule {name!r} is not running: a disk-only backup is of a running capsule")
+        if (Path(inst.dir) / USER_NETWORK).exists():
+            raise Conflict(f"{name} is running an update (`capsule update make`): its disks are half-way through "
+                           "it; back it up when the update is done")
+        targets = _targets(dom, inst.leaves)
+        new: list[Path] = []
         try:
-            for leaf, chain, top in zip(inst.leaves, inst.chains, new, strict=True):
-                row = store.seal_layer(Path(leaf), chain[-1])
-                sealed.append(row)
-                _repoint(dom, top, store.layer_path(row.id).name)
-            base = cat.version(name, inst.version)
-            config = dict(base.config) if base else {}
-            config.pop("balloon", None)
-            chains = [[*chain, row.id] for chain, row in zip(inst.chains, sealed, strict=True)]
-            with cat.transaction():
-                version = VersionRow(capsule=name, number=cat.next_version_number(name), parent_capsule=name,
-                                     parent_version=inst.version, memory=None, chains=chains, config=config,
-                                     note=note(consistency), created=time.time())
-                for row in sealed:
-                    cat.add_layer(row)
-                cat.add_version(version)
-                cat.delete_instance(name)
-                cat.add_instance(InstanceRow(capsule=name, version=version.number, domain=inst.domain,
-                                             leaves=[str(p) for p in new], chains=chains, accel=inst.accel,
-                                             dir=inst.dir, started=inst.started))
+            for leaf in inst.leaves:
+                path = store.new_leaf_path()
+                qemuimg.create_leaf(path, Path(leaf))
+                new.append(path)
+                guestaccess.lend(path, writable=True)   # QEMU switches to it and writes it
         except BaseException:
-            _undo(store, dom, targets, inst, new, sealed)
+            for p in new:
+                p.unlink(missing_ok=True)
             raise
-        return DiskSnapshot(version, sealed, pause, consistency, agent_error)
+        return inst, dom, targets, new
+
+
+def _record(store: Store, inst: InstanceRow, dom: libvirt.virDomain, targets: list[str], new: list[Path],
+            note: Callable[[str], str], pause: float, agent: GuestAgent | None,
+            agent_error: str | None) -> DiskSnapshot:
+    """Under the store lock, the disks switched: seal the old leaves, record the version and the instance on
+    its new leaves (or put the disks back in order, ``_undo``)."""
+    name, cat = inst.capsule, store.catalogue
+    consistency = "frozen" if agent is not None else "crash-consistent"
+    sealed: list[LayerRow] = []
+    try:
+        for leaf, chain, top in zip(inst.leaves, inst.chains, new, strict=True):
+            row = store.seal_layer(Path(leaf), chain[-1])
+            sealed.append(row)
+            _repoint(dom, top, store.layer_path(row.id).name)
+        base = cat.version(name, inst.version)
+        config = dict(base.config) if base else {}
+        config.pop("balloon", None)
+        chains = [[*chain, row.id] for chain, row in zip(inst.chains, sealed, strict=True)]
+        with cat.transaction():
+            version = VersionRow(capsule=name, number=cat.next_version_number(name), parent_capsule=name,
+                                 parent_version=inst.version, memory=None, chains=chains, config=config,
+                                 note=note(consistency), created=time.time())
+            for row in sealed:
+                cat.add_layer(row)
+            cat.add_version(version)
+            cat.delete_instance(name)
+            cat.add_instance(InstanceRow(capsule=name, version=version.number, domain=inst.domain,
+                                         leaves=[str(p) for p in new], chains=chains, accel=inst.accel,
+                                         dir=inst.dir, started=inst.started))
+    except BaseException:
+        _undo(store, dom, targets, inst, new, sealed)
+        raise
+    return DiskSnapshot(version, sealed, pause, consistency, agent_error)
 
 
 def _undo(store: Store, dom: libvirt.virDomain, targets: list[str], inst: InstanceRow, new: list[Path],

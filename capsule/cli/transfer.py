@@ -165,6 +165,19 @@ def serve(
         help="Bytes per second a request's body must average over each --header-timeout while it arrives: a "
              "client trickling it (slow-loris) is answered 408 and closed; 0 turns this off.")]
     = Limits.min_body_rate,
+    max_operations_per_owner: Annotated[int, typer.Option(
+        "--max-operations-per-owner", min=1,
+        help="Capsule operations (start, stop, suspend, snapshot, migrate, backup, …) one owner may have under way "
+             "at once; one more is answered 429 with Retry-After. Operators and admins are not counted per "
+             "user.")] = Limits.per_owner,
+    lifecycle_workers: Annotated[int, typer.Option(
+        "--lifecycle-workers", min=1,
+        help="Threads for capsule operations; more wait their turn. HCP block serving has its own threads, "
+             "which these never take.")] = Limits.lifecycle_workers,
+    serving_workers: Annotated[int, typer.Option(
+        "--serving-workers", min=1,
+        help="Threads for HCP block serving and receiving pushes (LOOKUP, READ, the block stream, push).")]
+    = Limits.serving_workers,
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
@@ -199,7 +212,8 @@ def serve(
     store.close()
     run_serve(store.home, listen, tf, ident,
               Limits(per_client=max_connections_per_client, header_timeout=header_timeout, keep_alive=keep_alive,
-                     min_body_rate=min_body_rate),
+                     min_body_rate=min_body_rate, per_owner=max_operations_per_owner,
+                     lifecycle_workers=lifecycle_workers, serving_workers=serving_workers),
               public=public, trust_proxy=proxies)
 
 

@@ -89,27 +89,28 @@ def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> s
     disk's changes are dropped, since the fleet's version replaces them — and nothing happens if that
     version already runs. An instance with data disks is refused before anything stops. Says what
     it did."""
-    from capsule import lifecycle
+    from capsule import claims, lifecycle
     from capsule.capsules import resolve
 
     check_name(name)
     timeout = check(TIMEOUT, timeout, "timeout")
     ref = f"{name}@{check(VERSION, version, 'version')}"
     resolve(store, ref)  # NotFound before anything stops
-    inst = store.catalogue.instance(name)
-    what = ""
-    if inst is not None:
-        if inst.version == version:
-            return f"{ref} already runs"
-        if len(inst.chains) > 1:      # its data disks would be dropped with the system disk's changes
-            raise Conflict(f"{name}@{inst.version} runs here with {len(inst.chains) - 1} data disk(s): activating "
-                           f"{ref} would drop what was written on them. Stop it first (`capsule stop {name}` "
-                           f"keeps its changes as a version), or keep user data in a capsule derived from "
-                           f"{name} and move that with `capsule update apply`; nothing was changed")
-        lifecycle.stop(store, name, discard=True)
-        what = f"stopped {name}@{inst.version}, "
-    try:
-        lifecycle.start(store, ref, timeout=timeout)
-    except Exception as exc:
-        raise Conflict(f"{what}then starting {ref} failed: {exc}") from exc
-    return f"{what}started {ref}"
+    with claims.claim(store, name, "activating"):   # nothing starts it between the stop and the start
+        inst = store.catalogue.instance(name)
+        what = ""
+        if inst is not None:
+            if inst.version == version:
+                return f"{ref} already runs"
+            if len(inst.chains) > 1:      # its data disks would be dropped with the system disk's changes
+                raise Conflict(f"{name}@{inst.version} runs here with {len(inst.chains) - 1} data disk(s): activating "
+                               f"{ref} would drop what was written on them. Stop it first (`capsule stop {name}` "
+                               f"keeps its changes as a version), or keep user data in a capsule derived from "
+                               f"{name} and move that with `capsule update apply`; nothing was changed")
+            lifecycle.stop(store, name, discard=True)
+            what = f"stopped {name}@{inst.version}, "
+        try:
+            lifecycle.start(store, ref, timeout=timeout)
+        except Exception as exc:
+            raise Conflict(f"{what}then starting {ref} failed: {exc}") from exc
+        return f"{what}started {ref}"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from capsule import capsules, lifecycle
+from capsule import capsules, claims, lifecycle
 from capsule.catalogue import VersionRow
 from capsule.errors import Conflict, InvalidName
 from capsule.names import parse_ref
@@ -122,36 +122,37 @@ def apply(store: Store, name: str, system_ref: str, *, restart: bool = False, st
     t0 = time.monotonic()
     if parse_ref(name).version is not None:
         raise InvalidName(f"give the capsule as NAME, not {name!r}: apply makes its next version")
-    with store.lock():
-        before = capsules.resolve(store, name)
-        system = capsules.resolve(store, system_ref)
-        if system.capsule == name:
-            raise InvalidName(f"{system.ref} is a version of {name} itself: --system takes another capsule's "
-                              "version (e.g. the fleet's)")
-        current, label = current_system(store, before)
-        check_derived(name, current, label, system)
-    ran = _settle(store, name, restart, stop_timeout, say)
-    with store.lock():
-        cat = store.catalogue
-        latest = capsules.resolve(store, name)
-        if latest.number != before.number and not ran:
-            raise Conflict(f"{name} changed while it was being applied to ({latest.ref}); run it again")
-        if cat.instance(name) is not None:
-            raise Conflict(f"{name} was started meanwhile; nothing was applied")
-        current, label = current_system(store, latest)
-        check_derived(name, current, label, system)
-        config = {k: v for k, v in latest.config.items() if k not in (*SYSTEM_KEYS, "balloon")}
-        config.update({k: system.config[k] for k in SYSTEM_KEYS if k in system.config})
-        config["system"] = {"ref": system.ref, "chain": list(system.chains[0])}
-        with cat.transaction():
-            version = VersionRow(capsule=name, number=cat.next_version_number(name), parent_capsule=name,
-                                 parent_version=latest.number, memory=None,
-                                 chains=[list(system.chains[0]), *(list(c) for c in latest.chains[1:])],
-                                 config=config, note=f"system {system.ref} applied", created=time.time())
-            cat.add_version(version)
-    dropped = latest.chains[0][len(current):]
-    say(f"{version.ref}: system {system.ref}, {len(version.chains) - 1} data disk(s) kept")
-    if ran:
-        say(f"booting {version.ref}")
-        lifecycle.start(store, version.ref, say=say)
-    return ApplyResult(latest, version, system, dropped, ran, time.monotonic() - t0)
+    with claims.claim(store, name, "being updated"):   # its stop, record and start: nothing else meanwhile
+        with store.lock():
+            before = capsules.resolve(store, name)
+            system = capsules.resolve(store, system_ref)
+            if system.capsule == name:
+                raise InvalidName(f"{system.ref} is a version of {name} itself: --system takes another capsule's "
+                                  "version (e.g. the fleet's)")
+            current, label = current_system(store, before)
+            check_derived(name, current, label, system)
+        ran = _settle(store, name, restart, stop_timeout, say)
+        with store.lock():
+            cat = store.catalogue
+            latest = capsules.resolve(store, name)
+            if latest.number != before.number and not ran:
+                raise Conflict(f"{name} changed while it was being applied to ({latest.ref}); run it again")
+            if cat.instance(name) is not None:
+                raise Conflict(f"{name} was started meanwhile; nothing was applied")
+            current, label = current_system(store, latest)
+            check_derived(name, current, label, system)
+            config = {k: v for k, v in latest.config.items() if k not in (*SYSTEM_KEYS, "balloon")}
+            config.update({k: system.config[k] for k in SYSTEM_KEYS if k in system.config})
+            config["system"] = {"ref": system.ref, "chain": list(system.chains[0])}
+            with cat.transaction():
+                version = VersionRow(capsule=name, number=cat.next_version_number(name), parent_capsule=name,
+                                     parent_version=latest.number, memory=None,
+                                     chains=[list(system.chains[0]), *(list(c) for c in latest.chains[1:])],
+                                     config=config, note=f"system {system.ref} applied", created=time.time())
+                cat.add_version(version)
+        dropped = latest.chains[0][len(current):]
+        say(f"{version.ref}: system {system.ref}, {len(version.chains) - 1} data disk(s) kept")
+        if ran:
+            say(f"booting {version.ref}")
+            lifecycle.start(store, version.ref, say=say)
+        return ApplyResult(latest, version, system, dropped, ran, time.monotonic() - t0)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsule import capsules, lifecycle
+from capsule import capsules, claims, lifecycle
 from capsule.catalogue import VersionRow
 from capsule.errors import AlreadyExists, CapsuleError, Conflict, Error, GuestTimeout, InvalidName
 from capsule.names import check_name, parse_ref
@@ -142,56 +142,57 @@ def make(store: Store, base_ref: str, *, name: str | None = None, run: list[str]
     if base.memory:
         say(f"{base.ref} is a suspended version: booted from its disks as they were saved (as after a power "
             "cut: what only its memory held is not there); make updates from stopped versions")
-    net = NETWORK if network else None
-    try:
-        lifecycle.start(store, target, boot=True, network=net, timeout=300, kernel_args=KERNEL_ARGS, say=say)
-        inst = store.catalogue.instance(target)
-        assert inst is not None
-        say("waiting for the guest agent")
-        wait_for_agent(Path(inst.dir) / "agent.sock", timeout=120)
-        shell = GuestShell(Path(inst.dir) / "agent.sock")
-        if net:
-            say("network: QEMU user-mode NAT")
-            shell.network_up(net)
-        mounted = shell.scratch_up()
-        if mounted:
-            say(f"apt's scratch space in RAM: {', '.join(mounted)}")
-        results: list[StepResult] = []
-        text: list[str] = []
+    with claims.claim(store, target, "being updated"):   # booted, changed and stopped: nothing else meanwhile
+        net = NETWORK if network else None
+        try:
+            lifecycle.start(store, target, boot=True, network=net, timeout=300, kernel_args=KERNEL_ARGS, say=say)
+            inst = store.catalogue.instance(target)
+            assert inst is not None
+            say("waiting for the guest agent")
+            wait_for_agent(Path(inst.dir) / "agent.sock", timeout=120)
+            shell = GuestShell(Path(inst.dir) / "agent.sock")
+            if net:
+                say("network: QEMU user-mode NAT")
+                shell.network_up(net)
+            mounted = shell.scratch_up()
+            if mounted:
+                say(f"apt's scratch space in RAM: {', '.join(mounted)}")
+            results: list[StepResult] = []
+            text: list[str] = []
 
-        def out(chunk: str) -> None:
-            text.append(chunk)
-            output(chunk)
+            def out(chunk: str) -> None:
+                text.append(chunk)
+                output(chunk)
 
-        for step in steps:
-            say(f"running: {step.label}")
-            res = shell.run(step.label, step.script, out, timeout)
-            results.append(res)
-            if res.exit_code != 0:
-                raise StepFailed(f"`{step.label}` failed in the guest (exit {res.exit_code}); nothing was "
-                                 f"recorded{f' and {target} was removed' if made else ''}")
-        debs, lists = shell.scratch_down(mounted, net is not None)
-        shell.forget_machine_id()
-        say("discarding freed blocks (fstrim)")
-        trimmed = shell.trim()
-        jmap = _journal_map(shell)
-        say("shutting the guest down")
-        sealed = lifecycle.stop(store, target, timeout=120, compact=True, note=_note(steps), say=say,
-                                release=journal.releaser(jmap, store.layer_path, say))
-    except BaseException:
-        # whatever stopped it (a failed step, a boot that timed out, Ctrl-C while the boot was awaited):
-        # an instance the start recorded is stopped and dropped before its capsule may be removed
-        if store.catalogue.instance(target) is not None:
-            with contextlib.suppress(Error):
-                lifecycle.stop(store, target, force=True, discard=True)
-        if made:
-            with contextlib.suppress(Error):
-                _remove_capsule(store, target)
-        raise
-    version = sealed.version
-    layers = [_layer_info(store, row.id) for row in sealed.layers]
-    return UpdateResult(base, version, results, debs, lists, need_to_get("".join(text)), trimmed,
-                        sealed.zero_marks_dropped, sealed.released_blocks, layers, time.monotonic() - t0)
+            for step in steps:
+                say(f"running: {step.label}")
+                res = shell.run(step.label, step.script, out, timeout)
+                results.append(res)
+                if res.exit_code != 0:
+                    raise StepFailed(f"`{step.label}` failed in the guest (exit {res.exit_code}); nothing was "
+                                     f"recorded{f' and {target} was removed' if made else ''}")
+            debs, lists = shell.scratch_down(mounted, net is not None)
+            shell.forget_machine_id()
+            say("discarding freed blocks (fstrim)")
+            trimmed = shell.trim()
+            jmap = _journal_map(shell)
+            say("shutting the guest down")
+            sealed = lifecycle.stop(store, target, timeout=120, compact=True, note=_note(steps), say=say,
+                                    release=journal.releaser(jmap, store.layer_path, say))
+        except BaseException:
+            # whatever stopped it (a failed step, a boot that timed out, Ctrl-C while the boot was awaited):
+            # an instance the start recorded is stopped and dropped before its capsule may be removed
+            if store.catalogue.instance(target) is not None:
+                with contextlib.suppress(Error):
+                    lifecycle.stop(store, target, force=True, discard=True)
+            if made:
+                with contextlib.suppress(Error):
+                    _remove_capsule(store, target)
+            raise
+        version = sealed.version
+        layers = [_layer_info(store, row.id) for row in sealed.layers]
+        return UpdateResult(base, version, results, debs, lists, need_to_get("".join(text)), trimmed,
+                            sealed.zero_marks_dropped, sealed.released_blocks, layers, time.monotonic() - t0)
 
 
 def _journal_map(shell: GuestShell) -> journal.JournalMap | None:

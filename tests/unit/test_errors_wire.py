@@ -26,7 +26,7 @@ MODULES = ("hashcache.errors", "hashcache.hcp", "hashcache.shadow", "hashcache.c
            "capsule.errors", "capsule.runtime.guestagent", "capsule.imagebuild.common", "capsule.imagebuild.qemuboot",
            "capsule.migrate")
 SAMPLE_FIELDS = {"object_name": "layer 0123456789ab", "block": 7, "layer_id": "cd" * 32, "version": "vm@4",
-                 "step": "push", "restored": True, "retry_after": 30}
+                 "step": "push", "restored": True, "retry_after": 30, "doing": "stopping", "limit": 2}
 
 
 def _ours() -> list[type[Error]]:

@@ -15,7 +15,7 @@ from capsule import hosts
 from capsule import migrate as lib
 from capsule.agent.app import create_app
 from capsule.catalogue import InstanceRow
-from capsule.errors import Cancelled
+from capsule.errors import Cancelled, Conflict
 from capsule.migrateprogress import Tracker, planned
 from capsule.store import Store
 from tests.unit.inprocess_agent import InProcessAgent
@@ -214,3 +214,40 @@ def test_once_accounts_exist_demand_mode_hands_out_a_read_grant_for_the_capsule(
     wait_until(lambda: tokens.get(store, p.token_id).state() == "revoked", 10, "the grant outlived the migration")
     assert client.get(f"/v1/objects/layer/{ours}", headers=g).status_code == 401
     store.close()
+
+
+def test_an_owners_migration_counts_against_its_limit_until_it_ends(world, home, monkeypatch):  # noqa: F811
+    """A migration runs in its own thread after the answer: it is one of its owner's operations under way until it
+    ends (capsule/agent/workers.py), so an owner cannot run more at once by migrating."""
+    from capsule import capsules, lifecycle
+    from capsule.accounts import owners, tokens, users
+
+    client, _csrf, stand_in, _peer = world
+    store = Store.open(home)
+    capsules.create(store, "second", "img", memory="256M")
+    with store.catalogue.transaction():
+        store.catalogue.add_instance(InstanceRow("second", 1, "capsule-y", [], [[]], "tcg", str(home)))
+    users.add(store, "alice", "owner")
+    owners.set_owner(store, SECRET, "alice")
+    owners.set_owner(store, "second", "alice")
+    auth = {"Authorization": f"Bearer {tokens.create(store, 'alice', 'read,capsules')[1]}"}
+    store.close()
+    started: list[str] = []
+
+    def start(_store: Store, ref: str, **_kw: object) -> None:
+        started.append(ref)
+        raise Conflict(f"{ref} is a stand-in's: not started")
+
+    monkeypatch.setattr(lifecycle, "start", start)
+    for name in (SECRET, "second"):
+        r = client.post(f"/api/capsules/{name}/migrate", json={"to": "office"}, headers=auth)
+        assert r.status_code == 202, r.text
+    r = client.post(f"/api/capsules/{SECRET}/start", json={}, headers=auth)
+    assert r.status_code == 429 and r.json()["error"] == "too_many_operations" and r.headers["Retry-After"]
+    assert not started                                   # refused before anything ran
+    stand_in.go.set()
+    wait_until(lambda: all(m["progress"]["outcome"] == "done" for m in client.get("/api/migrations").json()), 10,
+               "the migrations to end")
+    wait_until(lambda: client.post(f"/api/capsules/{SECRET}/start", json={}, headers=auth).status_code == 409, 10,
+               "the owner's count to come back")
+    assert started == [SECRET]
