@@ -31,7 +31,7 @@ app = typer.Typer(
     "  capsule backup prune desk --dry-run\n\n"
     "  capsule backup restore desk@12 --as desk-tuesday\n\n"
     "  capsule backup files desk@12 /home/ann/notes.txt\n\n"
-    "  capsule backup verify --schedule 'Sun 04:00'",
+    "  capsule backup verify --every 'Sun 04:00'",
     no_args_is_help=True,
 )
 SCHEDULES = "Schedules"
@@ -70,13 +70,16 @@ def schedule(
                                                                   "e.g. 'daily=30,weekly=12,monthly=24' (the "
                                                                   "--keep-* rules; default: the same as here). "
                                                                   "It prunes after every copy.")] = None,
-    memory: Annotated[bool, typer.Option("--memory", help="Snapshot with memory (the default): the guest pauses "
-                                                          "while it is saved and resumes where it was.")] = False,
+    memory: Annotated[bool, typer.Option("--with-memory", help="Snapshot with memory (the default): the guest "
+                                                               "pauses while it is saved and resumes where it "
+                                                               "was.")] = False,
     disk_only: Annotated[bool, typer.Option("--disk-only", help="Disks only, no memory: the guest's file "
                                                                 "systems are frozen for a moment (crash-"
                                                                 "consistent if its agent does not answer); it "
                                                                 "boots when restored.")] = False,
     json: JsonOpt = False,
+    old_memory: Annotated[bool | None, typer.Option("--memory", hidden=True,
+                                                    help="The old spelling of --with-memory.")] = None,
 ) -> None:
     """Back up NAME on a calendar, and prune by a policy after every run (restic's --keep-* rules).
 
@@ -93,8 +96,9 @@ def schedule(
       capsule backup schedule desk --every daily --keep-daily 7 --to vault --to-keep daily=30,monthly=12
     """
     json_flag(json)
+    memory = grammar.renamed("--memory", old_memory, "--with-memory", memory)
     if memory and disk_only:
-        raise Conflict("--memory and --disk-only exclude each other: give one")
+        raise Conflict("--with-memory and --disk-only exclude each other: give one")
     policy = Policy(last=keep_last, hourly=keep_hourly, daily=keep_daily, weekly=keep_weekly,
                     monthly=keep_monthly, yearly=keep_yearly, within=keep_within)
     store = open_store()
@@ -333,12 +337,14 @@ def verify(
                                                            "(default: every capsule with backups).")] = None,
     here_only: Annotated[bool, typer.Option("--here-only", help="Do not ask the backup hosts to check their "
                                                                 "copies.")] = False,
-    schedule_on: Annotated[str | None, typer.Option("--schedule", help="Do not verify now: run the host's "
-                                                                       "verify job on this calendar event "
-                                                                       "instead (e.g. 'Sun 04:00'); the "
-                                                                       "agent runs it.")] = None,
+    every: Annotated[str | None, typer.Option("--every", help="Do not verify now: run the host's verify job on "
+                                                              "this calendar event instead, as `backup schedule "
+                                                              "--every` takes it (e.g. 'Sun 04:00'); the agent "
+                                                              "runs it.")] = None,
     unschedule_job: Annotated[bool, typer.Option("--unschedule", help="Drop the verify job.")] = False,
     json: JsonOpt = False,
+    schedule_on: Annotated[str | None, typer.Option("--schedule", hidden=True,
+                                                    help="The old spelling of --every.")] = None,
 ) -> None:
     """Re-hash everything the backups reference, here and on the backup hosts their copies went to
     (each checks its own copies), and name the first broken object and the backups that use it.
@@ -351,13 +357,14 @@ def verify(
 
       capsule backup verify desk --here-only
 
-      capsule backup verify --schedule 'Sun 04:00'
+      capsule backup verify --every 'Sun 04:00'
     """
     json_flag(json)
+    schedule_on = grammar.renamed("--schedule", schedule_on, "--every", every)
     store = open_store()
     if schedule_on is not None or unschedule_job:
         if schedule_on is not None and unschedule_job:
-            raise InvalidInput("give --schedule CALENDAR or --unschedule, not both")
+            raise InvalidInput("give --every CALENDAR or --unschedule, not both")
         job = verifyjob.schedule(store, schedule_on) if schedule_on is not None else verifyjob.unschedule(store)
         emit(job.as_dict() | {"scheduled": not unschedule_job},
              lambda: console.print(f"verify job: {job.calendar}, next run {_when(job.next_run)}"

@@ -15,10 +15,12 @@
    ``--on PEER`` says which host that capsule is on. Never ``--host``, never ``--into``.
 3. **A version is ``NAME@V``**, given where the capsule is named (``fleet rollback web@3``, ``backup restore
    desk@12``, ``update apply alice --system web@4``); never as an option value of its own like ``--to @3``.
-4. **One option name per setting** (:data:`RENAMED` lists the names that are gone): ``--zstd-level`` and
-   ``--xz`` for how blocks are compressed on the wire, ``--token-file`` and ``--fingerprint`` for a URL's
-   credentials, ``--timeout`` (seconds) for how long to wait, ``--json`` for machine-readable output (stdout
-   holds only the JSON; warnings and progress go to stderr).
+4. **One option name per setting, one setting per option name** (:data:`RENAMED` lists the names that are
+   gone): ``--zstd-level`` and ``--xz`` for how blocks are compressed on the wire, ``--token-file`` and
+   ``--fingerprint`` for a URL's credentials, ``--timeout`` (seconds) for how long to wait, ``--every`` for a
+   job's calendar, ``--memory`` for a guest's RAM size (``backup schedule --with-memory`` for a snapshot with
+   memory), ``--json`` for machine-readable output (stdout holds only the JSON; warnings and progress go to
+   stderr).
 5. **A verb means one thing everywhere** (:data:`VERBS`: its meaning and the groups that use it). A capsule is
    ``suspend``-ed (saved and stopped) and ``start``-ed again; a pod is ``freeze``-d in place and ``thaw``-ed.
 6. **``--help`` is grouped by task**: every visible command at the top level, and in a group of
@@ -58,6 +60,7 @@ RENAMED = {
     "--host": "--to/--from PEER (a place), --on PEER (the host a pod's capsule is on)",
     "--level": "--zstd-level",
     "--into": "--to CAPSULE",
+    "--schedule": "--every CALENDAR (as `backup schedule` takes it)",
 }
 PLACES = ("--to", "--from", "--on")
 

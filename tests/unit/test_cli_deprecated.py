@@ -185,3 +185,35 @@ def test_old_fleet_spellings(tmp_path, fleet_calls, old, new, call, says, instea
     assert fleet_calls == [call, call]
     _one_warning(before, says, instead)
     assert warned(after) == []
+
+
+def _with_desk(home):
+    from capsule.catalogue import CapsuleRow, VersionRow
+
+    s = Store.open(home)
+    s.catalogue.add_capsule(CapsuleRow("desk", "u-1", "tiny", None, None, 1.0))
+    s.catalogue.add_version(VersionRow("desk", 1, None, None, None, [], {"kernel": "k", "initrd": "i"}, "created", 1.0))
+    s.close()
+    return home
+
+
+def test_backup_schedule_memory_is_with_memory(tmp_path):
+    from capsule.errors import Conflict
+
+    when = frozenset({"created", "next_run"})
+    old = invoke(_with_desk(tmp_path / "a"), "backup", "schedule", "desk", "--every", "daily", "--memory", "--json")
+    new = invoke(_with_desk(tmp_path / "b"), "backup", "schedule", "desk", "--every", "daily", "--with-memory",
+                 "--json")
+    assert json_out(old, when) == json_out(new, when) and json_out(new)["mode"] == "memory"
+    _one_warning(old, "--memory", "--with-memory")
+    assert warned(new) == []
+    both = invoke(tmp_path / "a", "backup", "schedule", "desk", "--every", "weekly", "--memory", "--disk-only")
+    assert isinstance(both.exception, Conflict)
+
+
+def test_backup_verify_schedule_is_every(tmp_path):
+    old = invoke(tmp_path / "a", "backup", "verify", "--schedule", "Sun 04:00", "--json")
+    new = invoke(tmp_path / "b", "backup", "verify", "--every", "Sun 04:00", "--json")
+    assert json_out(old) == json_out(new) and json_out(new)["calendar"] == "Sun 04:00"
+    _one_warning(old, "--schedule", "--every")
+    assert warned(new) == []
