@@ -244,7 +244,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] 
                     b = Store.open(hb)
                     b.hash_cache().prime_paths([work / "other"])
                     b.close()
-                seconds, moved = timed(cli, hb, "run", "deb", "--from", url, "--fingerprint", pin, *wait)
+                seconds, moved = timed(cli, hb, "start", "deb", "--from", url, "--fingerprint", pin, *wait)
                 with contextlib.suppress(CaseFailed):
                     cli(hb, "stop", "deb", "--force")
                 record(case, seconds, moved, hb)
@@ -262,7 +262,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] 
             # last: on a slow link the longest case, and the one whose bytes are known in advance
             if "copy" in cases:
                 hb = work / "b-copy"
-                seconds, moved = timed(lambda: (cli(hb, "pull", url, "deb", "--fingerprint", pin),
+                seconds, moved = timed(lambda: (cli(hb, "pull", "deb", "--from", url, "--fingerprint", pin),
                                                 cli(hb, "start", "deb", *wait)))
                 record("copy first", seconds, moved)
                 with contextlib.suppress(CaseFailed):

@@ -129,7 +129,7 @@ def _slow(a: Store, b: Store, row: dict, slow: dict, timeout: float) -> None:
     before = slow["link"].wire_bytes()
     try:
         out = slow["link"].exec_a([sys.executable, "-m", "capsule.cli.main", "--home", str(a.home), "--json", "pod",
-                                   "migrate", f"pa/{pod}", "--to", "hb", "--host", slow["url"], "--token-file",
+                                   "migrate", f"pa/{pod}", "--to", "hb", "--on", slow["url"], "--token-file",
                                    str(slow["token_file"]), "--fingerprint", slow["fingerprint"]],
                                   capture_output=True, text=True, cwd=ROOT, timeout=timeout)
         failed = out.stderr.strip().splitlines()[-1:] if out.returncode != 0 else []

@@ -14,10 +14,9 @@ from rich.table import Table
 from capsule import audit as auditlog
 from capsule.accounts import owners, tokens, users
 from capsule.accounts.model import ROLES, SCOPES, parse_duration
-from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.cli import grammar
+from capsule.cli.common import OPTIONS, JsonOpt, console, emit, err_console, json_flag, open_store
 from capsule.errors import InvalidName
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 user_app = typer.Typer(no_args_is_help=True, help=(
     "Users of this host's agent and dashboard. Roles: owner (acts on the capsules it owns), operator (on all "
@@ -179,8 +178,10 @@ def chown(
     user: Annotated[str, typer.Argument(help="Its new owner (a user of any role).")],
     json: JsonOpt = False,
 ) -> None:
-    """Give a capsule to a user: an owner sees and acts on only the capsules it owns (a capsule made through the
-    agent is its maker's already)."""
+    """Give a capsule to a user.
+
+    An owner sees and acts on only the capsules it owns (a capsule made through the agent is its maker's
+    already)."""
     json_flag(json)
     owners.set_owner(open_store(), name, user)
     emit({"capsule": name, "owner": user}, lambda: console.print(f"{name} is owned by [bold]{user}[/]"))
@@ -192,10 +193,11 @@ def audit(
     user: Annotated[str | None, typer.Option("--user", help="Only this user's (or host-token, unix:NAME).")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Read the audit log (STORE/audit.log and its rotated files audit.log.1 …, oldest first): every change made
-    through the agent — who, what, which capsule, from where, the result, refusals included (a refusal repeated
-    is one line, then one saying how many more times and between when) — and every local change made with this
-    command."""
+    """Read the audit log: who changed what, when, from where.
+
+    STORE/audit.log and its rotated files audit.log.1 …, oldest first: every change made through the agent —
+    who, what, which capsule, from where, the result, refusals included (a refusal repeated is one line, then
+    one saying how many more times and between when) — and every local change made with this command."""
     json_flag(json)
     store = open_store()
     rows = list(auditlog.entries(store.home, since=auditlog.parse_since(since) if since else None, user=user))
@@ -219,7 +221,9 @@ def audit(
 
 
 def register(root: typer.Typer) -> None:
-    root.add_typer(user_app, name="user", help="Users and their roles: add, ls, rm, passwd.")
-    root.add_typer(token_app, name="token", help="API tokens of users: create, ls, revoke.")
-    root.command("chown")(chown)
-    root.command("audit")(audit)
+    root.add_typer(user_app, name="user", help="Users and their roles: add, ls, rm, passwd.",
+                   rich_help_panel=grammar.USERS)
+    root.add_typer(token_app, name="token", help="API tokens of users: create, ls, revoke.",
+                   rich_help_panel=grammar.USERS)
+    root.command("chown", rich_help_panel=grammar.USERS)(chown)
+    root.command("audit", rich_help_panel=grammar.USERS)(audit)

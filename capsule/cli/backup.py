@@ -14,11 +14,10 @@ from rich.table import Table
 from capsule.backup import files as backup_files
 from capsule.backup import jobs, runner, verifyjob
 from capsule.backup.retention import Policy
-from capsule.cli.common import console, emit, json_flag, open_store, progress
+from capsule.cli import grammar
+from capsule.cli.common import JsonOpt, console, emit, json_flag, known_host_name, open_store, progress
 from capsule.errors import Conflict, InvalidInput
 from capsule.units import human
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 app = typer.Typer(
     help="Scheduled backup snapshots of running capsules, with retention and restore.\n\n"
@@ -32,16 +31,19 @@ app = typer.Typer(
     "  capsule backup prune desk --dry-run\n\n"
     "  capsule backup restore desk@12 --as desk-tuesday\n\n"
     "  capsule backup files desk@12 /home/ann/notes.txt\n\n"
-    "  capsule backup verify --schedule 'Sun 04:00'",
+    "  capsule backup verify --every 'Sun 04:00'",
     no_args_is_help=True,
 )
+SCHEDULES = "Schedules"
+BACKING_UP = "Backing up"
+RESTORING = "Restoring"
 
 
 def _when(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-@app.command()
+@app.command(rich_help_panel=SCHEDULES)
 def schedule(
     name: Annotated[str, typer.Argument(help="The capsule to back up (it must exist; it is snapshotted while it "
                                              "runs).")],
@@ -59,20 +61,25 @@ def schedule(
     keep_within: Annotated[str | None, typer.Option("--keep-within", help="Keep every backup newer than this "
                                                                           "before the latest: 2d, 12h, 1m, "
                                                                           "1y6m.")] = None,
-    to: Annotated[str | None, typer.Option("--to", help="A known host (`capsule host add`) to copy each backup "
-                                                        "to with HCP (only what it lacks travels); if it is "
-                                                        "down, the copies wait for the next run.")] = None,
+    to: Annotated[str | None, typer.Option("--to", help="A host to copy each backup to with HCP (only what it "
+                                                        "lacks travels): a known host's name or its agent URL "
+                                                        "(`capsule host add` it first: the agent makes the "
+                                                        "copies later with its token). If it is down, the "
+                                                        "copies wait for the next run.")] = None,
     to_keep: Annotated[str | None, typer.Option("--to-keep", help="The backup host's own policy for its copies, "
                                                                   "e.g. 'daily=30,weekly=12,monthly=24' (the "
                                                                   "--keep-* rules; default: the same as here). "
                                                                   "It prunes after every copy.")] = None,
-    memory: Annotated[bool, typer.Option("--memory", help="Snapshot with memory (the default): the guest pauses "
-                                                          "while it is saved and resumes where it was.")] = False,
+    memory: Annotated[bool, typer.Option("--with-memory", help="Snapshot with memory (the default): the guest "
+                                                               "pauses while it is saved and resumes where it "
+                                                               "was.")] = False,
     disk_only: Annotated[bool, typer.Option("--disk-only", help="Disks only, no memory: the guest's file "
                                                                 "systems are frozen for a moment (crash-"
                                                                 "consistent if its agent does not answer); it "
                                                                 "boots when restored.")] = False,
     json: JsonOpt = False,
+    old_memory: Annotated[bool | None, typer.Option("--memory", hidden=True,
+                                                    help="The old spelling of --with-memory.")] = None,
 ) -> None:
     """Back up NAME on a calendar, and prune by a policy after every run (restic's --keep-* rules).
 
@@ -89,14 +96,16 @@ def schedule(
       capsule backup schedule desk --every daily --keep-daily 7 --to vault --to-keep daily=30,monthly=12
     """
     json_flag(json)
+    memory = grammar.renamed("--memory", old_memory, "--with-memory", memory)
     if memory and disk_only:
-        raise Conflict("--memory and --disk-only exclude each other: give one")
+        raise Conflict("--with-memory and --disk-only exclude each other: give one")
     policy = Policy(last=keep_last, hourly=keep_hourly, daily=keep_daily, weekly=keep_weekly,
                     monthly=keep_monthly, yearly=keep_yearly, within=keep_within)
     store = open_store()
     there = Policy.parse(to_keep) if to_keep is not None else None
-    job, created = jobs.schedule(store, name, every, policy, mode="disk-only" if disk_only else "memory", target=to,
-                                 target_policy=there)
+    target = known_host_name(store, to) if to is not None else None
+    job, created = jobs.schedule(store, name, every, policy, mode="disk-only" if disk_only else "memory",
+                                 target=target, target_policy=there)
 
     def human_view() -> None:
         console.print(f"{'scheduled' if created else 'rescheduled'} backups of [bold]{name}[/]: "
@@ -108,7 +117,7 @@ def schedule(
     emit(job.as_dict() | {"created_now": created}, human_view)
 
 
-@app.command("ls")
+@app.command("ls", rich_help_panel=SCHEDULES)
 def ls(
     name: Annotated[str | None, typer.Argument(help="A capsule: list its backups too.")] = None,
     json: JsonOpt = False,
@@ -159,7 +168,7 @@ def ls(
     emit(data, human_view)
 
 
-@app.command()
+@app.command(rich_help_panel=SCHEDULES)
 def unschedule(
     name: Annotated[str, typer.Argument(help="The capsule whose schedule to drop.")],
     json: JsonOpt = False,
@@ -171,7 +180,7 @@ def unschedule(
                                                              f"(was {job.event.normalized()})"))
 
 
-@app.command()
+@app.command(rich_help_panel=BACKING_UP)
 def run(
     name: Annotated[str, typer.Argument(help="A scheduled capsule.")],
     json: JsonOpt = False,
@@ -206,7 +215,7 @@ def run(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(rich_help_panel=BACKING_UP)
 def prune(
     name: Annotated[str, typer.Argument(help="A scheduled capsule.")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would be kept (and by which rule) and "
@@ -240,7 +249,7 @@ def prune(
     emit(result.as_dict(), human_view)
 
 
-@app.command()
+@app.command(rich_help_panel=RESTORING)
 def restore(
     ref: Annotated[str, typer.Argument(help="The backup, NAME@V (see `capsule backup ls NAME`).")],
     as_name: Annotated[str | None, typer.Option("--as", help="Start it as a new capsule of this name (NAME keeps "
@@ -266,7 +275,7 @@ def restore(
                                      f"({data['mode']}, {data['seconds']:.1f}s)"))
 
 
-@app.command()
+@app.command(rich_help_panel=RESTORING)
 def files(
     ref: Annotated[str, typer.Argument(help="The backup (or any version), NAME@V.")],
     path: Annotated[str, typer.Argument(help="An absolute path inside the guest: a directory is listed, a "
@@ -322,18 +331,20 @@ def files(
     emit(result, human_view)
 
 
-@app.command()
+@app.command(rich_help_panel=BACKING_UP)
 def verify(
     names: Annotated[list[str] | None, typer.Argument(help="Scheduled capsules whose backups to check "
                                                            "(default: every capsule with backups).")] = None,
     here_only: Annotated[bool, typer.Option("--here-only", help="Do not ask the backup hosts to check their "
                                                                 "copies.")] = False,
-    schedule_on: Annotated[str | None, typer.Option("--schedule", help="Do not verify now: run the host's "
-                                                                       "verify job on this calendar event "
-                                                                       "instead (e.g. 'Sun 04:00'); the "
-                                                                       "agent runs it.")] = None,
+    every: Annotated[str | None, typer.Option("--every", help="Do not verify now: run the host's verify job on "
+                                                              "this calendar event instead, as `backup schedule "
+                                                              "--every` takes it (e.g. 'Sun 04:00'); the agent "
+                                                              "runs it.")] = None,
     unschedule_job: Annotated[bool, typer.Option("--unschedule", help="Drop the verify job.")] = False,
     json: JsonOpt = False,
+    schedule_on: Annotated[str | None, typer.Option("--schedule", hidden=True,
+                                                    help="The old spelling of --every.")] = None,
 ) -> None:
     """Re-hash everything the backups reference, here and on the backup hosts their copies went to
     (each checks its own copies), and name the first broken object and the backups that use it.
@@ -346,13 +357,14 @@ def verify(
 
       capsule backup verify desk --here-only
 
-      capsule backup verify --schedule 'Sun 04:00'
+      capsule backup verify --every 'Sun 04:00'
     """
     json_flag(json)
+    schedule_on = grammar.renamed("--schedule", schedule_on, "--every", every)
     store = open_store()
     if schedule_on is not None or unschedule_job:
         if schedule_on is not None and unschedule_job:
-            raise InvalidInput("give --schedule CALENDAR or --unschedule, not both")
+            raise InvalidInput("give --every CALENDAR or --unschedule, not both")
         job = verifyjob.schedule(store, schedule_on) if schedule_on is not None else verifyjob.unschedule(store)
         emit(job.as_dict() | {"scheduled": not unschedule_job},
              lambda: console.print(f"verify job: {job.calendar}, next run {_when(job.next_run)}"
@@ -382,4 +394,4 @@ def verify(
 
 
 def register(root: typer.Typer) -> None:
-    root.add_typer(app, name="backup")
+    root.add_typer(app, name="backup", rich_help_panel=grammar.BACKUPS)

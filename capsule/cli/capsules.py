@@ -13,13 +13,12 @@ from rich.tree import Tree
 
 from capsule import capsules as lib
 from capsule import hierarchy
-from capsule.cli.common import console, emit, json_flag, open_store, progress, short
+from capsule.cli import grammar
+from capsule.cli.common import JsonOpt, console, emit, json_flag, open_store, progress, short
 from capsule.doctor import doctor as run_doctor
 from capsule.units import human
 from capsule.verify import verify as run_verify
 from capsule.views import depends_on, rm_dict, state_dict, tree_dict, version_dict
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
 def create(
@@ -129,8 +128,9 @@ def show(
 
 
 def tree(json: JsonOpt = False) -> None:
-    """Draw the hierarchy of layers with the images, capsule versions and running instances on them
-    (the paper's Fig. 1). --json prints the graph the dashboard draws (GET /api/tree): layers with their
+    """Draw the hierarchy of layers with the images, capsule versions and running instances on them.
+
+    The paper's Fig. 1. --json prints the graph the dashboard draws (GET /api/tree): layers with their
     parent, images, capsules, versions with their chains, memory images, running instances."""
     json_flag(json)
     store = open_store()
@@ -210,8 +210,9 @@ def verify(
                                                                 "their modes (0700, 0400, 0440) first.")] = False,
     json: JsonOpt = False,
 ) -> None:
-    """Re-hash every sealed layer and memory image against its manifest digest; qemu-img check each layer;
-    check the modes of the store's directories and files."""
+    """Re-hash every sealed layer and memory image against its manifest digest.
+
+    Also qemu-img check each layer, and check the modes of the store's directories and files."""
     json_flag(json)
     store = open_store()
     with progress("verifying") as say:
@@ -259,5 +260,10 @@ def doctor(
 
 
 def register(app: typer.Typer) -> None:
-    for fn in (create, derive, ls, show, tree, promote, rm, gc, verify, doctor):
-        app.command()(fn)
+    for fn in (create, derive, ls, show, tree, promote, rm):
+        app.command(rich_help_panel=grammar.CAPSULES)(fn)
+
+
+def register_diagnostics(app: typer.Typer) -> None:
+    for fn in (gc, verify, doctor):
+        app.command(rich_help_panel=grammar.DIAGNOSTICS)(fn)

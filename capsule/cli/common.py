@@ -1,21 +1,27 @@
-"""Shared CLI plumbing: the store option, --json output, progress, errors."""
+"""Shared CLI plumbing: the store option, --json output, progress, errors, and the options and the resolver of
+the grammar every command follows (capsule/cli/grammar.py): PEER, --token-file, --fingerprint, --json."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from capsule.errors import NotFound
 from capsule.store import Store
 from hashcache.errors import Error, Internal
+
+if TYPE_CHECKING:
+    from capsule.hosts import Peer
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -84,18 +90,67 @@ def report(exc: BaseException) -> int:
     return exit_code_for(exc)
 
 
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+PEER = ("a known host's name (`capsule host ls`: its token and pinned certificate come from there) or an agent "
+        "URL https://HOST:PORT (with --token-file and --fingerprint)")
+TokenOpt = Annotated[Path | None, typer.Option(
+    "--token-file", help="With an agent URL: the file holding that agent's token (default: CAPSULE_TOKEN, else "
+                         "the known host's at that URL). With a known host's name: instead of its own.")]
 FingerprintOpt = Annotated[str | None, typer.Option(
     "--fingerprint", help="The other agent's certificate fingerprint (SHA256:…, printed by `capsule serve` there) "
-                          "to pin for this call; default: the known host's at that URL (`capsule host add`).")]
+                          "to pin for this call; default: the known host's (`capsule host add`).")]
 
 
-def peer_destination(store: Store, to: str, token_file: Path | None) -> tuple[str, str, str]:
-    """A peer given on the command line as an agent URL (its token from --token-file / CAPSULE_TOKEN) or as a
-    known host's name (its URL and token from `capsule host add`): (URL, token, label)."""
+@dataclass(frozen=True)
+class PeerCall:
+    """Where and how to call a peer named on the command line."""
+
+    url: str
+    token: str = field(repr=False)
+    label: str                   # how to name it to the user: the known host's name, else the URL
+    fingerprint: str | None      # None: the known host's pin at that URL, if any (hosts.pin_for)
+
+
+def _known_at(store: Store, url: str) -> Peer | None:
+    from capsule import hosts
+
+    return next((p for p in hosts.peers(store) if p.url == url), None)
+
+
+def resolve_peer(store: Store, peer: str, token_file: Path | None = None,
+                 fingerprint: str | None = None) -> PeerCall:
+    """The one reading of a PEER on the command line (see capsule.cli.grammar): a known host's name (its URL,
+    token and pin from `capsule host add`; --token-file and --fingerprint override them) or an agent URL (its
+    token from --token-file, else CAPSULE_TOKEN, else the known host's at that URL; its pin --fingerprint,
+    else the known host's at that URL)."""
     from capsule import hosts
     from capsule.agentclient import read_token
+    from hashcache.transport.base import TOKEN_ENV
 
-    if "://" in to:
-        return to, read_token(token_file), to
-    peer = hosts.get(store, to)
-    return peer.url, peer.token, peer.name
+    if "://" not in peer:
+        known = hosts.get(store, peer)
+        token = read_token(token_file) if token_file is not None else known.token
+        return PeerCall(known.url, token, known.name, fingerprint or known.fingerprint)
+    url = hosts.check_url(peer)
+    known = _known_at(store, url)
+    if token_file is None and known is not None and not os.environ.get(TOKEN_ENV, "").strip():
+        token = known.token
+    else:
+        token = read_token(token_file)
+    return PeerCall(url, token, known.name if known else url,
+                    fingerprint or (known.fingerprint if known else None))
+
+
+def known_host_name(store: Store, peer: str) -> str:
+    """The name of a host this one must know already (a backup copy's target, a fleet member): a PEER given as
+    a name is that name (checked where it is used), as a URL the name of the known host there."""
+    from capsule import hosts
+
+    if "://" not in peer:
+        return peer
+    url = hosts.check_url(peer)
+    known = _known_at(store, url)
+    if known is None:
+        raise NotFound(f"no known host at {url}: add it first (`capsule host add NAME {url} --token-file FILE`)")
+    return known.name

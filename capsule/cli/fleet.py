@@ -13,19 +13,35 @@ from rich.table import Table
 
 from capsule import transfer
 from capsule.agentclient import read_token
-from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.cli import grammar
+from capsule.cli.common import (
+    OPTIONS,
+    PEER,
+    JsonOpt,
+    console,
+    emit,
+    err_console,
+    json_flag,
+    known_host_name,
+    open_store,
+    resolve_peer,
+)
+from capsule.errors import InvalidInput, NotFound
 from capsule.fleet import members
 from capsule.fleet import push as pushing
 from capsule.fleet.plan import parse_waves
 from capsule.fleet.rollout import HostResult
 from capsule.fleet.status import status as fleet_status
+from capsule.names import parse_ref
+from capsule.store import Store
 from capsule.units import human as human_bytes
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 GroupOpt = Annotated[str | None, typer.Option("--group", "-g", help="Only the hosts of this group.")]
 
 app = typer.Typer(help="Hosts kept on one software configuration: add them, see what they run, roll out "
                        "versions (canaries, waves, fan-out) and roll back.", no_args_is_help=True)
+MEMBERS = "Members"
+ROLLOUTS = "Rollouts"
 
 _STYLE = {"waiting": "dim", "offline": "yellow", "sending": "cyan", "activating": "cyan", "done": "green",
           "already": "green", "failed": "red", "not started": "dim", "held back": "dim"}
@@ -35,25 +51,47 @@ def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "never"
 
 
-@app.command()
+@app.command(rich_help_panel=MEMBERS)
 def add(
-    host: Annotated[str, typer.Argument(help="A short name for the host.")],
-    url: Annotated[str, typer.Argument(help="Its agent: https://HOST:PORT (see `capsule serve`).")],
-    token_file: Annotated[Path | None, typer.Option("--token-file", help="File holding that agent's token "
-                                                                         "(default: CAPSULE_TOKEN).")] = None,
+    host: Annotated[str, typer.Argument(help="A short name for the host; or, without URL, a known host: its name "
+                                             "or its agent URL (`capsule host ls`).")],
+    url: Annotated[str | None, typer.Argument(help="A new host's agent: https://HOST:PORT (see `capsule serve`); "
+                                                   "it becomes a known host too.")] = None,
+    token_file: Annotated[Path | None, typer.Option("--token-file", help="With URL: the file holding that agent's "
+                                                                         "token (default: CAPSULE_TOKEN).")] = None,
     group: Annotated[str, typer.Option("--group", "-g", help="The host's group.")] = members.DEFAULT_GROUP,
     fingerprint: Annotated[str | None, typer.Option(
         "--fingerprint", help="A new host's certificate fingerprint (SHA256:…, printed by `capsule serve` "
                               "there), pinned; or add it first with `capsule host add`, which shows it.")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Put a host in the fleet (it becomes a known peer too, if it is not one yet)."""
+    """Put a host in the fleet: a known host (`capsule host add`), or a new one with its URL (it becomes a known
+    host too).
+
+    Examples:
+
+      capsule fleet add home --group canary
+
+      capsule fleet add edge1 https://edge1.example:7070 --token-file edge.token --fingerprint SHA256:…
+    """
     json_flag(json)
-    m = members.add(open_store(), host, url, read_token(token_file), group, fingerprint=fingerprint)
+    store = open_store()
+    if url is None:
+        if token_file is not None or fingerprint is not None:
+            raise InvalidInput("--token-file and --fingerprint are for a new host: give its URL too "
+                               "(a known host's come from `capsule host add`)")
+        try:
+            peer = resolve_peer(store, known_host_name(store, host))
+        except NotFound as exc:
+            raise NotFound(f"{exc}; a new host is added with its URL: `capsule fleet add NAME https://HOST:PORT "
+                           "--token-file FILE`") from exc
+        m = members.add(store, peer.label, peer.url, peer.token, group)
+    else:
+        m = members.add(store, host, url, read_token(token_file), group, fingerprint=fingerprint)
     emit(m.as_dict(), lambda: console.print(f"added [bold]{m.name}[/] ({m.peer.url}) to group {m.group}"))
 
 
-@app.command("ls")
+@app.command("ls", rich_help_panel=MEMBERS)
 def ls(group: GroupOpt = None, json: JsonOpt = False) -> None:
     """List the fleet's hosts and groups (no network)."""
     json_flag(json)
@@ -72,15 +110,17 @@ def ls(group: GroupOpt = None, json: JsonOpt = False) -> None:
     emit(rows, human)
 
 
-@app.command("rm")
-def rm(host: Annotated[str, typer.Argument(help="The host to take out of the fleet.")], json: JsonOpt = False) -> None:
+@app.command("rm", rich_help_panel=MEMBERS)
+def rm(host: Annotated[str, typer.Argument(help="The host to take out of the fleet: its name or its agent URL.")],
+       json: JsonOpt = False) -> None:
     """Take a host out of the fleet (it stays a known peer; nothing on it changes)."""
     json_flag(json)
-    m = members.remove(open_store(), host)
+    store = open_store()
+    m = members.remove(store, known_host_name(store, host))
     emit({"removed": m.name}, lambda: console.print(f"took [bold]{m.name}[/] out of the fleet"))
 
 
-@app.command()
+@app.command(rich_help_panel=MEMBERS)
 def status(
     group: GroupOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for all hosts together.")] = 5.0,
@@ -165,14 +205,23 @@ def _run(action, title: str) -> pushing.PushReport:  # noqa: ANN001
     return report
 
 
-def _options(group: str | None, host: list[str] | None, canary: int, waves: str, max_failures: int,
+def _hosts(store: Store, to: list[str] | None, host: list[str] | None) -> list[str] | None:
+    """The fleet hosts --to names (names or URLs), with those of the old spelling --host."""
+    if host:
+        grammar.deprecated("--host", "--to PEER")
+    named = [*(to or []), *(host or [])]
+    return [known_host_name(store, h) for h in named] or None
+
+
+def _options(group: str | None, hosts: list[str] | None, canary: int, waves: str, max_failures: int,
              parallel: int, no_fanout: bool, activate: bool) -> pushing.PushOptions:
-    return pushing.PushOptions(group=group, hosts=host or None, canary=canary, waves=parse_waves(waves),
+    return pushing.PushOptions(group=group, hosts=hosts, canary=canary, waves=parse_waves(waves),
                                max_failures=max_failures, parallel=parallel, fanout=not no_fanout,
                                activate=activate)
 
 
-HostOpt = Annotated[list[str] | None, typer.Option("--host", help="Only this host (repeatable).")]
+ToOpt = Annotated[list[str] | None, typer.Option("--to", help=f"Only this fleet host (repeatable): {PEER}.")]
+OldHostOpt = Annotated[list[str] | None, typer.Option("--host", hidden=True, help="The old spelling of --to.")]
 CanaryOpt = Annotated[int, typer.Option("--canary", help="Hosts that get it first, alone.")]
 WavesOpt = Annotated[str, typer.Option("--waves", help="Cumulative shares of the hosts, one wave each.")]
 MaxFailOpt = Annotated[int, typer.Option("--max-failures", help="Failed hosts tolerated; one more stops it.")]
@@ -180,10 +229,10 @@ ParallelOpt = Annotated[int, typer.Option("--parallel", help="Transfers each sen
 NoFanoutOpt = Annotated[bool, typer.Option("--no-fanout", help="Only this host sends (no host passes it on).")]
 
 
-@app.command()
+@app.command(rich_help_panel=ROLLOUTS)
 def push(
     ref: Annotated[str, typer.Argument(help="NAME@V: the version to roll out.")],
-    group: GroupOpt = None, host: HostOpt = None, canary: CanaryOpt = 0, waves: WavesOpt = "100%",
+    group: GroupOpt = None, to: ToOpt = None, canary: CanaryOpt = 0, waves: WavesOpt = "100%",
     max_failures: MaxFailOpt = 0, parallel: ParallelOpt = 4, no_fanout: NoFanoutOpt = False,
     activate: Annotated[bool, typer.Option("--activate", help="Where another version of it runs, stop that "
                                                               "and start this one.")] = False,
@@ -198,31 +247,52 @@ def push(
         "--xz", help="From this host, send each object's new blocks as one xz (LZMA2, xz -6) stream: the fewest "
                      "bytes (new packages: 5-9 % fewer than --zstd-level 19, about as slow to compress). "
                      "Between hosts (fan-out) blocks go at --zstd-level.")] = False,
-    json: JsonOpt = False,
+    json: JsonOpt = False, host: OldHostOpt = None,
 ) -> None:
-    """Roll a version out: canaries, then waves; hosts that have it pass it on (fan-out)."""
+    """Roll a version out: canaries, then waves; hosts that have it pass it on (fan-out).
+
+    Examples:
+
+      capsule fleet push web@4 --canary 1 --waves 50%,100%
+
+      capsule fleet push web@4 --to edge1 --to edge2 --activate
+    """
     json_flag(json)
-    opts = _options(group, host, canary, waves, max_failures, parallel, no_fanout, activate)
     store = open_store()
+    opts = _options(group, _hosts(store, to, host), canary, waves, max_failures, parallel, no_fanout, activate)
     topts = transfer.Options(level=zstd_level, xz=xz)
     _run(lambda on_event: pushing.push(store, ref, opts, on_event, transfer_opts=topts), "push")
 
 
-@app.command()
+@app.command(rich_help_panel=ROLLOUTS)
 def rollback(
-    name: Annotated[str, typer.Argument(help="The fleet capsule.")],
-    to: Annotated[str, typer.Option("--to", help="The version to put back: @V.")],
-    group: GroupOpt = None, host: HostOpt = None, canary: CanaryOpt = 0, waves: WavesOpt = "100%",
+    ref: Annotated[str, typer.Argument(help="NAME@V: the fleet capsule's version to put back.")],
+    group: GroupOpt = None, to: ToOpt = None, canary: CanaryOpt = 0, waves: WavesOpt = "100%",
     max_failures: MaxFailOpt = 0, parallel: ParallelOpt = 4, no_fanout: NoFanoutOpt = False,
-    json: JsonOpt = False,
+    json: JsonOpt = False, host: OldHostOpt = None,
 ) -> None:
-    """Put an earlier version back: sent where missing, started where another version of it runs."""
+    """Put an earlier version back: sent where missing, started where another version of it runs.
+
+    Example:
+
+      capsule fleet rollback web@3
+    """
     json_flag(json)
-    opts = _options(group, host, canary, waves, max_failures, parallel, no_fanout, True)
+    versions = [t for t in to or [] if t.startswith("@")]
+    if versions:                        # the old spelling: fleet rollback NAME --to @V
+        grammar.deprecated("`capsule fleet rollback NAME --to @V`", "`capsule fleet rollback NAME@V`")
+        if len(versions) > 1 or "@" in ref:
+            raise InvalidInput(f"give the version once, as NAME@V (not {ref!r} and --to {' '.join(versions)})")
+        ref += versions[0]
+        to = [t for t in to or [] if not t.startswith("@")]
+    version = parse_ref(ref)
+    if version.version is None:
+        raise InvalidInput(f"give the version to put back as NAME@V, e.g. {version.name}@3 (not {ref!r})")
     store = open_store()
-    _run(lambda on_event: pushing.rollback(store, name, to, opts, on_event), "rollback")
+    opts = _options(group, _hosts(store, to, host), canary, waves, max_failures, parallel, no_fanout, True)
+    _run(lambda on_event: pushing.rollback(store, version.name, f"@{version.version}", opts, on_event), "rollback")
 
 
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="fleet", help="A fleet of hosts on one software configuration: add, ls, rm, "
-                                           "status, push, rollback.")
+                                           "status, push, rollback.", rich_help_panel=grammar.HOSTS)

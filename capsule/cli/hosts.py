@@ -12,10 +12,9 @@ from rich.table import Table
 
 from capsule import hosts as lib
 from capsule.agentclient import read_token
-from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
+from capsule.cli import grammar
+from capsule.cli.common import OPTIONS, JsonOpt, console, emit, err_console, json_flag, known_host_name, open_store
 from capsule.errors import InvalidName
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 app = typer.Typer(help="The other hosts this one knows (its peers): the dashboard shows their capsules too.",
                   no_args_is_help=True)
@@ -100,14 +99,16 @@ def ls(
 
 @app.command("rm")
 def rm(
-    name: Annotated[str, typer.Argument(help="The host to forget.")],
+    name: Annotated[str, typer.Argument(help="The host to forget: its name or its agent URL.")],
     json: JsonOpt = False,
 ) -> None:
     """Forget a host (nothing on it changes)."""
     json_flag(json)
-    peer = lib.remove(open_store(), name)
+    store = open_store()
+    peer = lib.remove(store, known_host_name(store, name))
     emit({"removed": peer.name}, lambda: console.print(f"forgot host [bold]{peer.name}[/] ({peer.url})"))
 
 
 def register(root: typer.Typer) -> None:
-    root.add_typer(app, name="host", help="The other hosts this one knows: add, ls, rm.")
+    root.add_typer(app, name="host", help="The other hosts this one knows: add, ls, rm.",
+                   rich_help_panel=grammar.HOSTS)

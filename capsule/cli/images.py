@@ -8,11 +8,10 @@ import typer
 from rich.table import Table
 
 from capsule import images as lib
-from capsule.cli.common import console, emit, json_flag, open_store, progress, short
+from capsule.cli.common import JsonOpt, console, emit, json_flag, open_store, progress, short
 from capsule.units import human
 
 app = typer.Typer(no_args_is_help=True)
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
 @app.command()

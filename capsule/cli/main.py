@@ -11,7 +11,20 @@ from typing import Annotated
 import typer
 
 from capsule import __version__
-from capsule.cli import accounts, backup, capsules, fleet, hosts, images, migrate, pod, runtime, transfer, update
+from capsule.cli import (
+    accounts,
+    backup,
+    capsules,
+    fleet,
+    grammar,
+    hosts,
+    images,
+    migrate,
+    pod,
+    runtime,
+    transfer,
+    update,
+)
 from capsule.cli.audited import audited_command
 from capsule.cli.common import OPTIONS, report
 from hashcache.transport import plain
@@ -53,6 +66,7 @@ def _global(
         plain.allow()   # this process and what it starts (disk servers, the watcher)
 
 
+# each command names its --help panel (capsule/cli/grammar.py: PANELS)
 capsules.register(app)
 runtime.register(app)
 transfer.register(app)
@@ -61,9 +75,10 @@ hosts.register(app)
 fleet.register(app)
 backup.register(app)
 pod.register(app)
+app.add_typer(images.app, name="image", help="Build and list guest images.", rich_help_panel=grammar.IMAGES)
 update.register(app)
 accounts.register(app)
-app.add_typer(images.app, name="image", help="Build and list guest images.")
+capsules.register_diagnostics(app)
 
 
 def main() -> None:

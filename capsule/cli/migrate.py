@@ -15,24 +15,25 @@ from rich.table import Table
 from rich.text import Text
 
 from capsule.agentclient import read_token
+from capsule.cli import grammar
 from capsule.cli.common import (
     OPTIONS,
+    PEER,
     FingerprintOpt,
+    JsonOpt,
+    TokenOpt,
     console,
     emit,
     err_console,
     json_flag,
     open_store,
-    peer_destination,
+    resolve_peer,
 )
 from capsule.cli.runtime import MethodOpt, PolicyOpt
 from capsule.errors import Error
 from capsule.migrateprogress import CancelToken, Snapshot
 from capsule.units import human
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
-TokenOpt = Annotated[Path | None, typer.Option("--token-file", help="File holding the agent's token "
-                                                                    "(default: CAPSULE_TOKEN).")]
 LABELS = {"balloon": "balloon", "save": "save memory here", "memory": "memory image", "disk": "disks",
           "resume": "resume there"}
 
@@ -85,8 +86,7 @@ def ctrl_c_cancels(token: CancelToken) -> Iterator[None]:
 
 def migrate(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
-    to: Annotated[str, typer.Option("--to", help="The destination: a known host's name (`capsule host ls`) "
-                                                 "or its agent URL, e.g. http://home:7070.")],
+    to: Annotated[str, typer.Option("--to", help=f"The destination host: {PEER}.")],
     mode: Annotated[str, typer.Option("--mode", help="full: push, then start there | demand: push the memory "
                                                      "image, start there, disk blocks paged in from here.")] = "full",
     balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1).")] = False,
@@ -107,14 +107,22 @@ def migrate(
     = None,
     token_file: TokenOpt = None, json: JsonOpt = False,
 ) -> None:
-    """Move a running capsule to another host: suspend here, then push and start (full) or start there at once
-    with its disks paged in from here (demand). Shows each phase live; Ctrl-C cancels and the capsule runs
-    here again."""
+    """Move a running capsule to another host; it runs there after.
+
+    Suspend here, then push and start (full) or start there at once with its disks paged in from here
+    (demand). Shows each phase live; Ctrl-C cancels and the capsule runs here again.
+
+    Examples:
+
+      capsule migrate alice --to home
+
+      capsule migrate alice --to https://home.example:7070 --token-file home.token --mode demand
+    """
     json_flag(json)
     from capsule import migrate as lib
 
     store = open_store()
-    url, token, label = peer_destination(store, to, token_file)
+    peer = resolve_peer(store, to, token_file, fingerprint)
     source_token = None
     if mode == "demand":
         if source_token_file is not None:
@@ -133,10 +141,10 @@ def migrate(
                 view.update(render(s))
 
         try:
-            r = lib.migrate(store, name, url, token, mode=mode, balloon=balloon_policy if balloon else None,
+            r = lib.migrate(store, name, peer.url, peer.token, mode=mode, balloon=balloon_policy if balloon else None,
                             balloon_method=balloon_method, source_url=source_url, source_token=source_token,
-                            prefetch=prefetch, on_event=show, cancel=cancel, to_name=label,
-                            fingerprint=fingerprint, source_fingerprint=source_fingerprint)
+                            prefetch=prefetch, on_event=show, cancel=cancel, to_name=peer.label,
+                            fingerprint=peer.fingerprint, source_fingerprint=source_fingerprint)
         except Error as exc:
             if source_token_file is None and getattr(exc, "restored", True):   # the other host does not run it
                 from capsule.accounts import grants
@@ -145,9 +153,9 @@ def migrate(
     data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
             "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3),
             "progress": r.last.as_dict() if r.last else None}
-    emit(data, lambda: console.print(f"{name} now runs at {label} ({r.mode}, {r.remote.get('mode')}) after "
+    emit(data, lambda: console.print(f"{name} now runs at {peer.label} ({r.mode}, {r.remote.get('mode')}) after "
                                      f"{r.seconds:.2f}s"))
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(migrate)
+    app.command(rich_help_panel=grammar.MOVING)(migrate)

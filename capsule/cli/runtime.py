@@ -1,4 +1,4 @@
-"""CLI verbs that run capsules: start, suspend, snapshot, stop, console."""
+"""CLI verbs that run capsules: start (here, or --from another host), suspend, snapshot, stop, console."""
 
 from __future__ import annotations
 
@@ -8,13 +8,25 @@ from typing import Annotated
 import typer
 
 from capsule import lifecycle
-from capsule.cli.common import console, emit, json_flag, open_store, progress, short
-from capsule.errors import NotFound
+from capsule.cli import grammar
+from capsule.cli.common import (
+    PEER,
+    FingerprintOpt,
+    JsonOpt,
+    TokenOpt,
+    console,
+    emit,
+    json_flag,
+    open_store,
+    progress,
+    short,
+)
+from capsule.cli.transfer import PrefetchOpt, start_from
+from capsule.errors import InvalidInput, NotFound
 from capsule.runtime.connection import libvirt_uri
 from capsule.units import human
 from capsule.views import seal_dict, start_dict
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 BalloonOpt = Annotated[bool, typer.Option("--balloon", help="Zero the guest's spare memory first (§4.1): smaller "
                                                             "memory image, less to move. Needs the guest agent.")]
 PolicyOpt = Annotated[str, typer.Option("--balloon-policy", help="none | cache (drop clean page cache) | "
@@ -44,13 +56,36 @@ def _print_seal(r: lifecycle.SealResult, verb: str) -> None:
 
 def start(
     ref: Annotated[str, typer.Argument(help="NAME (latest version) or NAME@V.")],
+    source: Annotated[str | None, typer.Option(
+        "--from", help=f"Start a capsule of another host here at once, its disks paged in from there as the guest "
+                       f"reads them: {PEER}.")] = None,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until a booting guest is up.")] = True,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest.")] = 180.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest (with --from, a boot "
+                                                             "over a slow link reads its disk at the link's "
+                                                             "speed).")] = 180.0,
+    prefetch: PrefetchOpt = False,
+    token_file: TokenOpt = None, fingerprint: FingerprintOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Boot an inactive version or restore an active one, on a fresh private leaf per disk."""
+    """Boot an inactive version or restore an active one, on a fresh private leaf per disk.
+
+    With --from PEER the capsule is another host's: its memory image comes first (HCP), its disk blocks as
+    the guest reads them (§4.3); `capsule localize` once they have all arrived.
+
+    Examples:
+
+      capsule start alice
+
+      capsule start alice@3 --from work --prefetch
+    """
     json_flag(json)
     store = open_store()
+    if source is not None:
+        start_from(store, ref, source, token_file, fingerprint, prefetch=prefetch, wait=wait, timeout=timeout)
+        return
+    if prefetch or token_file is not None or fingerprint is not None:
+        raise InvalidInput("--prefetch, --token-file and --fingerprint start a capsule of another host: give "
+                           "--from PEER too")
     with progress(f"starting {ref}") as say:
         r = lifecycle.start(store, ref, wait=wait, timeout=timeout, say=say)
     verb = "restored" if r.mode == "restore" else ("booted" if wait else "booting")
@@ -119,5 +154,5 @@ def console_cmd(
 
 def register(app: typer.Typer) -> None:
     for fn in (start, suspend, snapshot, stop):
-        app.command()(fn)
-    app.command("console")(console_cmd)
+        app.command(rich_help_panel=grammar.RUNNING)(fn)
+    app.command("console", rich_help_panel=grammar.RUNNING)(console_cmd)

@@ -1,4 +1,5 @@
-"""CLI verbs between hosts: serve, push, pull, run, and the hash cache (migrate: capsule/cli/migrate.py)."""
+"""CLI verbs between hosts: serve, push, pull, start --from (and its old spelling run), localize, and the hash
+cache (migrate: capsule/cli/migrate.py)."""
 
 from __future__ import annotations
 
@@ -19,25 +20,38 @@ from rich.table import Table
 
 from capsule import transfer
 from capsule.agent.limits import Limits
-from capsule.agentclient import read_token
-from capsule.cli.common import OPTIONS, FingerprintOpt, console, emit, err_console, json_flag, open_store
+from capsule.cli import grammar
+from capsule.cli.common import (
+    OPTIONS,
+    PEER,
+    FingerprintOpt,
+    JsonOpt,
+    TokenOpt,
+    console,
+    emit,
+    err_console,
+    json_flag,
+    open_store,
+    resolve_peer,
+)
+from capsule.errors import InvalidInput
+from capsule.store import Store
 from capsule.units import human
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
-TokenOpt = Annotated[Path | None, typer.Option("--token-file", help="File holding the agent's token "
-                                                                    "(default: CAPSULE_TOKEN).")]
 NoHash = Annotated[bool, typer.Option("--no-hash", help="Do not look blocks up in the receiver's hash cache.")]
 NoCompress = Annotated[bool, typer.Option("--no-compress", help="Send blocks without zstd.")]
-Level = Annotated[int, typer.Option("--level", help="zstd level on the wire (1-19). From 10 an object's blocks "
-                                   "travel as one zstd stream, one batch at a time: fewer bytes where its "
-                                   "batches resemble each other (new packages: ~18 % at 19), for more CPU.",
-                                   min=1, max=19)]
+ZstdLevel = Annotated[int, typer.Option("--zstd-level", help="zstd level on the wire (1-19). From 10 an object's "
+                                        "blocks travel as one zstd stream, one batch at a time: fewer bytes where "
+                                        "its batches resemble each other (new packages: ~18 % at 19), for more "
+                                        "CPU.", min=1, max=19)]
+OldLevel = Annotated[int | None, typer.Option("--level", hidden=True, min=1, max=19,
+                                              help="The old spelling of --zstd-level.")]
 Inflight = Annotated[int, typer.Option("--inflight", help="Requests in flight.", min=1, max=64)]
 Batch = Annotated[int, typer.Option("--batch", help="Blocks per request.", min=1, max=1024)]
 Xz = Annotated[bool, typer.Option("--xz", help="Send each object's new blocks as one xz (LZMA2, xz -6) stream: "
                                                 "the fewest bytes, for updates over slow links (new packages: "
-                                                "5-9 % fewer than --level 19, about as slow to compress). A "
-                                                "receiver without it gets zstd at --level.")]
+                                                "5-9 % fewer than --zstd-level 19, about as slow to compress). "
+                                                "A receiver without it gets zstd at --zstd-level.")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
 
@@ -95,33 +109,61 @@ def _options(no_hash: bool, no_compress: bool, level: int, inflight: int, batch:
                             full_hashes=full_hashes, xz=xz)
 
 
+def _zstd_level(level: int | None, zstd_level: int) -> int:
+    return grammar.renamed("--level", level, "--zstd-level", zstd_level)
+
+
 def push(
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to send.")],
-    to: Annotated[str, typer.Option("--to", help="The receiving agent, e.g. https://host:7070.")],
-    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
+    to: Annotated[str, typer.Option("--to", help=f"The receiving host: {PEER}.")],
+    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = 3,
     xz: Xz = False, inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False,
-    fingerprint: FingerprintOpt = None, json: JsonOpt = False,
+    fingerprint: FingerprintOpt = None, json: JsonOpt = False, level: OldLevel = None,
 ) -> None:
-    """Send a capsule version to another host: only what it lacks travels (HCP)."""
+    """Send a capsule version to another host: only what it lacks travels (HCP).
+
+    Examples:
+
+      capsule push alice --to home
+
+      capsule push alice@3 --to https://home.example:7070 --token-file home.token --zstd-level 19
+    """
     json_flag(json)
+    opts = _options(no_hash, no_compress, _zstd_level(level, zstd_level), inflight, batch, full_hashes, xz)
     store = open_store()
-    r = _run(transfer.push, store, ref, to, read_token(token_file),
-             _options(no_hash, no_compress, level, inflight, batch, full_hashes, xz), fingerprint=fingerprint)
+    peer = resolve_peer(store, to, token_file, fingerprint)
+    r = _run(transfer.push, store, ref, peer.url, peer.token, opts, fingerprint=peer.fingerprint)
     emit(r.as_dict(), lambda: _summary(r))
 
 
 def pull(
-    url: Annotated[str, typer.Argument(help="The sending agent, e.g. https://host:7070.")],
+    ctx: typer.Context,
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to fetch.")],
-    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, level: Level = 3,
+    source: Annotated[str | None, typer.Option("--from", help=f"The sending host: {PEER}.")] = None,
+    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = 3,
     inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, fingerprint: FingerprintOpt = None,
-    json: JsonOpt = False,
+    json: JsonOpt = False, level: OldLevel = None,
 ) -> None:
-    """Fetch a capsule version from another host; an interrupted pull resumes."""
+    """Fetch a capsule version from another host; an interrupted pull resumes.
+
+    Examples:
+
+      capsule pull alice --from work
+
+      capsule pull alice@3 --from https://work.example:7070 --token-file work.token
+    """
     json_flag(json)
+    if ctx.args:                       # the old spelling: capsule pull PEER NAME[@V]
+        if source is not None or len(ctx.args) != 1:
+            raise InvalidInput(f"unexpected {' '.join(ctx.args)!r}: give `capsule pull NAME[@V] --from PEER`")
+        grammar.deprecated("`capsule pull PEER NAME`", "`capsule pull NAME --from PEER`")
+        source, ref = ref, ctx.args[0]
+    if source is None:
+        raise InvalidInput(f"give the host to fetch it from: --from PEER ({PEER})")
+    opts = _options(no_hash, no_compress, _zstd_level(level, zstd_level), inflight, batch, full_hashes)
     store = open_store()
-    r = _run(transfer.pull, store, url, ref, read_token(token_file),
-             _options(no_hash, no_compress, level, inflight, batch, full_hashes), fingerprint=fingerprint)
+    peer = resolve_peer(store, source, token_file, fingerprint)
+    r = _run(transfer.pull, store, peer.url, ref, peer.token, opts, fingerprint=peer.fingerprint)
     emit(r.as_dict(), lambda: _summary(r))
 
 
@@ -257,39 +299,40 @@ def cache_stats(json: JsonOpt = False) -> None:
     emit(s, human_view)
 
 
-def register(app: typer.Typer) -> None:
-    app.command()(push)
-    app.command()(pull)
-    app.command()(serve)
-    app.command()(run)
-    app.command()(localize)
-    app.add_typer(cache_app, name="cache", help="This host's persistent hash cache.")
+PrefetchOpt = Annotated[bool, typer.Option("--prefetch", help="With --from: pull every remaining disk block in the "
+                                                             "background, so the capsule stops depending on the "
+                                                             "other host.")]
+
+
+def start_from(store: Store, ref: str, source: str, token_file: Path | None, fingerprint: str | None, *,
+               prefetch: bool, wait: bool, timeout: float) -> None:
+    """``capsule start NAME --from PEER``: start a capsule of another host here at once, its memory first and
+    its disk blocks as the guest reads them (§4.3)."""
+    from capsule.cli.common import progress as spinner
+
+    peer = resolve_peer(store, source, token_file, fingerprint)
+    with spinner(f"starting {ref} from {peer.label}") as say:
+        r = transfer.run(store, peer.url, ref, peer.token, prefetch=prefetch, wait=wait, timeout=timeout, say=say,
+                         fingerprint=peer.fingerprint)
+    data = {"transfer": r.transfer.as_dict(), "remote_layers": r.remote_layers, "mode": r.start.mode,
+            "domain": r.start.domain, "seconds": round(r.start.seconds, 3)}
+    emit(data, lambda: console.print(
+        f"{'restored' if r.start.mode == 'restore' else 'booted'} [bold]{r.start.version.ref}[/] from {peer.label}: "
+        f"{human(r.transfer.wire_bytes)} moved first, {len(r.remote_layers)} layer(s) paged in on demand"))
 
 
 def run(
     name: Annotated[str, typer.Argument(help="NAME or NAME@V on the other host.")],
-    source: Annotated[str, typer.Option("--from", help="The agent that holds it, e.g. https://work:7070.")],
-    prefetch: Annotated[bool, typer.Option("--prefetch", help="Pull every remaining disk block in the "
-                                                              "background, so the capsule stops depending "
-                                                              "on the source host.")] = False,
+    source: Annotated[str, typer.Option("--from", help=f"The host that holds it: {PEER}.")],
+    prefetch: PrefetchOpt = False,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until a booting guest is up.")] = True,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest (a boot over a slow "
-                                                             "link reads its disk at the link's speed).")] = 180.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest.")] = 180.0,
     token_file: TokenOpt = None, fingerprint: FingerprintOpt = None, json: JsonOpt = False,
 ) -> None:
-    """Start a capsule of another host here at once: memory first, disk blocks as the guest reads them (§4.3)."""
+    """The old spelling of `capsule start NAME --from PEER`."""
     json_flag(json)
-    store = open_store()
-    from capsule.cli.common import progress as spinner
-
-    with spinner(f"running {name} from {source}") as say:
-        r = transfer.run(store, source, name, read_token(token_file), prefetch=prefetch, wait=wait, timeout=timeout,
-                          say=say, fingerprint=fingerprint)
-    data = {"transfer": r.transfer.as_dict(), "remote_layers": r.remote_layers, "mode": r.start.mode,
-            "domain": r.start.domain, "seconds": round(r.start.seconds, 3)}
-    emit(data, lambda: console.print(
-        f"{'restored' if r.start.mode == 'restore' else 'booted'} [bold]{r.start.version.ref}[/] from {source}: "
-        f"{human(r.transfer.wire_bytes)} moved first, {len(r.remote_layers)} layer(s) paged in on demand"))
+    grammar.deprecated("`capsule run NAME --from PEER`", "`capsule start NAME --from PEER`")
+    start_from(open_store(), name, source, token_file, fingerprint, prefetch=prefetch, wait=wait, timeout=timeout)
 
 
 def localize(json: JsonOpt = False) -> None:
@@ -301,3 +344,12 @@ def localize(json: JsonOpt = False) -> None:
     done = demand.localize(store)
     emit({"localized": done}, lambda: console.print(f"{len(done)} layer(s) now local"))
 
+
+def register(app: typer.Typer) -> None:
+    app.command(rich_help_panel=grammar.MOVING)(push)
+    app.command(rich_help_panel=grammar.MOVING, context_settings={"allow_extra_args": True})(pull)
+    app.command(rich_help_panel=grammar.MOVING)(localize)
+    app.add_typer(cache_app, name="cache", help="This host's persistent hash cache: prime, stats.",
+                  rich_help_panel=grammar.MOVING)
+    app.command(rich_help_panel=grammar.HOSTS)(serve)
+    app.command(hidden=True)(run)

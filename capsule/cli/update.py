@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from capsule.cli import grammar
 from capsule.cli.common import OPTIONS, console, emit, err_console, json_flag, open_store
 from capsule.units import human as human_bytes
 from capsule.update import apply as applying
@@ -143,4 +144,4 @@ def apply(
 
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="update", help="Software updates: make (inside a capsule), apply (to a user's "
-                                            "capsule).")
+                                            "capsule).", rich_help_panel=grammar.IMAGES)

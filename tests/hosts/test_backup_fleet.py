@@ -85,7 +85,7 @@ def test_a_fleet_rollout_activates_the_new_version_on_the_other_host_and_rolls_b
     assert rollout["completed"] and [h["activation"] for h in rollout["hosts"]] != [None], rollout
     assert _running_version(b, name) == v2 and _disk_mark(b, name) == "update-v2"
 
-    back = a.capsule("fleet", "rollback", name, "--to", "@1")
+    back = a.capsule("fleet", "rollback", f"{name}@1")
     assert back["completed"] and not back["stopped"], back
     assert _running_version(b, name) == 1 and _disk_mark(b, name) != "update-v2"
     b.capsule("stop", name, "--force")

@@ -89,7 +89,7 @@ def test_cli_run_keeps_reading_after_the_cli_exits(fresh):
     (the other tests here, migrate --mode demand) live as long as the agent."""
     a, b, name = fresh
     digest = _own_layer(a, name, seek=300, count=64)
-    ran = b.capsule("run", name, "--from", a.url, token=a.token)
+    ran = b.capsule("start", name, "--from", a.url, token=a.token)
     assert ran["remote_layers"]
     # 8 MiB, most of it from A: seconds when the disk server answers
     assert b.disk_digest(name, timeout=45) == digest

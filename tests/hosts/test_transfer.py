@@ -17,7 +17,7 @@ def test_pull_then_boot_on_the_other_host_reads_the_same_disk(fresh):
     stopped = a.capsule("stop", name, "--force")
     assert stopped["layers"], "the guest's writes should be a new layer"
 
-    pulled = b.capsule("pull", a.url, name, token=a.token)
+    pulled = b.capsule("pull", name, "--from", a.url, token=a.token)
     assert pulled["version"] == stopped["version"]
     started = b.capsule("start", name)
     assert started["mode"] == "boot"

@@ -240,7 +240,7 @@ def test_the_thread_runs_due_jobs_and_stops(store):
 @pytest.mark.parametrize(("args", "needle"), [
     (["schedule", "desk", "--every", "*:61"], "minute 61"),
     (["schedule", "ghost", "--every", "daily"], "no capsule named 'ghost'"),
-    (["schedule", "desk", "--every", "daily", "--memory", "--disk-only"], "exclude each other"),
+    (["schedule", "desk", "--every", "daily", "--with-memory", "--disk-only"], "exclude each other"),
     (["schedule", "desk", "--every", "daily", "--keep-daily", "-1"], "--keep-daily -1"),
     (["schedule", "desk", "--every", "daily", "--keep-within", "soon"], "--keep-within 'soon'"),
     (["schedule", "bad/name", "--every", "daily"], "invalid capsule name"),

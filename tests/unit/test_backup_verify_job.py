@@ -57,8 +57,8 @@ def test_a_store_without_backups_verifies_nothing_and_is_good(store):
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["verify", "--schedule", "daily", "--unschedule"], "not both"),
-    (["verify", "--schedule", "*:61"], "minute 61"),
+    (["verify", "--every", "daily", "--unschedule"], "not both"),
+    (["verify", "--every", "*:61"], "minute 61"),
     (["verify", "--unschedule"], "no verify job"),
     (["verify", "ghost"], "no capsule named 'ghost'"),
 ])

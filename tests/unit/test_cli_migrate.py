@@ -54,22 +54,24 @@ def test_ctrl_c_after_the_point_of_no_return_does_not_cancel():
 
 def test_to_is_a_known_hosts_name_or_a_url_with_a_token_file(tmp_path, monkeypatch):
     from capsule import hosts
-    from capsule.cli.common import peer_destination as _destination
+    from capsule.cli.common import PeerCall, resolve_peer
     from capsule.errors import NotFound
     from capsule.store import Store
     from tests.unit.inprocess_agent import InProcessAgent
 
+    monkeypatch.delenv("CAPSULE_TOKEN", raising=False)
     token = "the-peer-token-0123456789abcdef"
     peer = InProcessAgent(tmp_path / "b", token)
     store = Store.open(tmp_path / "a")
     try:
         hosts.add(store, "home", peer.url, token)
-        assert _destination(store, "home", None) == (peer.url, token, "home")
+        assert resolve_peer(store, "home") == PeerCall(peer.url, token, "home", None)
         with pytest.raises(NotFound):
-            _destination(store, "office", None)
+            resolve_peer(store, "office")
         f = tmp_path / "other.token"
         f.write_text("x" * 24 + "\n")
-        assert _destination(store, "http://other:7070", f) == ("http://other:7070", "x" * 24, "http://other:7070")
+        assert resolve_peer(store, "http://other:7070", f) == PeerCall("http://other:7070", "x" * 24,
+                                                                       "http://other:7070", None)
     finally:
         peer.stop()
         store.close()

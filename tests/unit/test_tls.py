@@ -313,11 +313,11 @@ def test_the_cli_refuses_a_changed_key(store, peer, tmp_path, monkeypatch):
     try:
         monkeypatch.setenv("CAPSULE_HOME", str(store.home))
         monkeypatch.setenv("CAPSULE_TOKEN", TOKEN_B)
-        for args in (["pull", moved.url, "cap@1"], ["run", "cap@1", "--from", moved.url]):
+        for args in (["pull", "cap@1", "--from", moved.url], ["start", "cap@1", "--from", moved.url]):
             code, out = cli(*args)
             assert code == HostKeyError.exit_code and CHANGED in out, out
         # an explicit --fingerprint (a script that checked it) is used instead of the stale pin
-        code, out = cli("pull", moved.url, "cap@1", "--fingerprint", moved.fingerprint)
+        code, out = cli("pull", "cap@1", "--from", moved.url, "--fingerprint", moved.fingerprint)
         assert code == 3 and CHANGED not in out, out  # it got through: no such capsule there
     finally:
         moved.stop()

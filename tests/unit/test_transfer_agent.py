@@ -183,7 +183,7 @@ def test_lying_agent_fails_the_transfer_and_installs_nothing(tmp_path, tiny_imag
 def test_killed_pull_resumes_without_refetching(hosts):
     a, b, agent_a, _agent_b = hosts
     env = dict(os.environ, CAPSULE_HOME=str(b.home), CAPSULE_TOKEN=agent_a.token)
-    cmd = [sys.executable, "-m", "capsule.cli.main", "pull", agent_a.url, "cap", "--json", "--batch", "4",
+    cmd = [sys.executable, "-m", "capsule.cli.main", "pull", "cap", "--from", agent_a.url, "--json", "--batch", "4",
            "--inflight", "1", "--no-compress"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     layer = _layer(a)

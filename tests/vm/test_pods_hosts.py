@@ -1,4 +1,4 @@
-"""`capsule pod migrate --host`: a pod moves from a capsule of host A to a capsule of host B (two stores,
+"""`capsule pod migrate --on`: a pod moves from a capsule of host A to a capsule of host B (two stores,
 B's agent on loopback): same PIDs, its count goes on, gone from A; its image travelled with HCP. A transfer
 killed in the middle (B's agent stops while the image is on its way) leaves the pod running on A. Moved back
 to A, whose store holds its first image, far fewer bytes travel: the image's pages are 4 KiB-aligned and
