@@ -91,7 +91,7 @@ def _check_objects(store: Store, version: VersionRow) -> None:
                 if not demand.token_path(store, url).exists():
                     raise Conflict(f"layer {lid[:12]} of {version.ref} is still read from {url}, and this host's "
                                    "grant to read it there ended when its demand run stopped: run it from there "
-                                   f"again (`capsule run {version.capsule}@V --from {url}` with a token of that "
+                                   f"again (`capsule start {version.capsule}@V --from {url}` with a token of that "
                                    "host), or copy it here first")
                 continue
             if not path.exists():

@@ -26,7 +26,7 @@ from hashcache.qcow2_writer import write_layer
 from hashcache.shadow import Shadow, ShadowError
 
 KINDS = ("layer", "file")
-FILE_ROLES = ("memory", "kernel", "initrd", POD_IMAGE_ROLE)  # a pod image travels alone (pod migrate --host)
+FILE_ROLES = ("memory", "kernel", "initrd", POD_IMAGE_ROLE)  # a pod image travels alone (pod migrate --on HOST)
 
 
 def check_kind(kind: str) -> str:

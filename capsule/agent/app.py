@@ -25,7 +25,7 @@ Management::
     POST /v1/objects/missing                     {"layers": [...], "files": [...]} → what this store lacks
     POST /v1/versions                            record a version whose objects have all arrived
 
-Pods (the destination side of `capsule pod migrate --host`)::
+Pods (the destination side of `capsule pod migrate --on HOST`)::
 
     GET  /v1/pods?capsule=C                      the pods of a running capsule here
     POST /v1/pods/restore                        {"image": ID, "into": C}: restart a pod image (pushed here) in C
@@ -367,7 +367,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         dry_run = bool(req.get("dry_run", False))
         return (await act(request, backup_runner.prune, store, name, policy=policy, dry_run=dry_run)).as_dict()
 
-    # -- pods (the destination side of `capsule pod migrate --host`, capsule/pod/remote.py) ---------------
+    # -- pods (the destination side of `capsule pod migrate --on HOST`, capsule/pod/remote.py) ---------------
     @app.get("/v1/pods")
     async def pods_here(request: Request, capsule: str) -> list[dict[str, Any]]:
         return await act(request, pod_ops.ls, store, capsule)

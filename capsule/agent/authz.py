@@ -98,7 +98,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/run"): ACT_STAFF,
     ("POST", "/v1/capsules/{name}/activate"): ACT,
     ("POST", "/v1/capsules/{name}/stop"): ACT,
-    # pods: the destination side of `pod migrate --host` (the capsule is in the body: staff only)
+    # pods: the destination side of `pod migrate --on HOST` (the capsule is in the body: staff only)
     ("GET", "/v1/pods"): Rule(frozenset({"read", "capsules", "admin", "host"}), STAFF),
     ("POST", "/v1/pods/restore"): Rule(frozenset({"capsules", "host"}), STAFF),
     # -- the dashboard (dashboard.py) --

@@ -1,4 +1,4 @@
-"""Backup verify jobs (``capsule backup verify [--schedule CALENDAR]``): re-hash everything the backups
+"""Backup verify jobs (``capsule backup verify [--every CALENDAR]``): re-hash everything the backups
 (of every capsule, scheduled or not any more) reference — here, and on every backup host their copies
 went to, through that host's agent
 (``POST /v1/verify``) — and name the first broken object and the backups that use it.
@@ -155,7 +155,7 @@ def schedule(store: Store, calendar: str, now: float | None = None) -> VerifyJob
 def unschedule(store: Store) -> VerifyJob:
     job = get(store)
     if job is None:
-        raise NotFound("no verify job is scheduled (see `capsule backup verify --schedule`)")
+        raise NotFound("no verify job is scheduled (see `capsule backup verify --every`)")
     store.catalogue.query("DELETE FROM backup_verify")
     return job
 

@@ -1,5 +1,5 @@
 """A peer's requests to run a capsule on this host (the destination side of ``capsule migrate`` and
-of ``capsule run --from`` driven from elsewhere), checked before anything starts."""
+of ``capsule start --from`` driven from elsewhere), checked before anything starts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``capsule fleet push NAME@V`` and ``fleet rollback NAME --to @V``: check everything first (the
+"""``capsule fleet push NAME@V`` and ``fleet rollback NAME@V``: check everything first (the
 version here, the hosts, their tokens), then plan the stages and run them.
 
 Nothing is sent to any host unless every check passes: an unknown version, group or host, or a host

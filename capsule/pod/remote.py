@@ -1,4 +1,4 @@
-"""A pod moved to a capsule on another host (``capsule pod migrate CAPSULE/POD --to CAPSULE2 --host H``).
+"""A pod moved to a capsule on another host (``capsule pod migrate CAPSULE/POD --to CAPSULE2 --on HOST``).
 
 The target is checked first through the other host's agent (its capsule runs, has the pod layer, and
 neither the pod's name nor its address is taken there); then the pod is checkpointed here (it stops, its
