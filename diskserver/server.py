@@ -138,7 +138,7 @@ class DiskServer:
     def _argv(self) -> list[str]:
         """What to run. nbdkit in the foreground dies with its parent (Debian's 1.32 sets its parent-death
         signal even without --exit-with-parent), so unless it should, it runs under a shell in its own
-        session that waits for it: the server outlives the process that started it (a `capsule run`)."""
+        session that waits for it: the server outlives the process that started it (a `capsule start --from`)."""
         if self.exit_with_parent:
             return self.command()
         return ["/bin/sh", "-c", '"$@"; exit $?', "capsule-diskserver", *self.command()]
