@@ -92,6 +92,9 @@ def kills(a: Store, b: Store, victim: str, times: int, size: int, seed: int = 7,
                 else:
                     kill(cli)
                     _settled(proxy)   # the agent takes in what the push had sent before it died
+                    if has_object(b, "layer", lid):   # its commit had been answered: the kill came after it
+                        out.missed += 1
+                        continue
                 out.injected += 1
                 have = arrived(b, a, lid)
                 proxy.mark()   # what is resent crosses on new connections: to the agent started again, or to the rerun

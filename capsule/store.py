@@ -40,7 +40,7 @@ from capsule.errors import EnvironmentProblem, IntegrityError, NotFound, SealedO
 from capsule.fsutil import disk_usage, install_readonly, is_enospc, make_private_dir, translating_enospc
 from capsule.names import check_object_id
 from capsule.storelock import lock_for
-from capsule.storemodes import OBJECT_MODE, PRIVATE_FILE_MODE, SUBDIRS, file_mode
+from capsule.storemodes import OBJECT_MODE, PRIVATE_FILE_MODE, SUBDIRS, file_mode, is_leftover
 from hashcache.atomic import write_atomic
 from hashcache.cache import HashCache
 from hashcache.errors import HashcacheError
@@ -271,12 +271,16 @@ class Store:
         )
 
     def clean_tmp(self, older_than: float = 3600.0) -> int:
-        """Remove leftovers of interrupted operations from tmp/."""
+        """Remove leftovers of interrupted operations: tmp/'s files, and the temporary files of atomic writes
+        beside the objects (a manifest being written when its writer was killed) — both older than
+        ``older_than`` seconds, so a write under way is never touched."""
         removed = 0
         now = time.time()
-        for p in self.tmp_dir.iterdir():
+        leftovers = [*self.tmp_dir.iterdir(),
+                     *(p for d in (self.layers_dir, self.files_dir) for p in d.iterdir() if is_leftover(p))]
+        for p in leftovers:
             with suppress(FileNotFoundError):
-                if now - p.stat().st_mtime > older_than:
+                if now - p.lstat().st_mtime > older_than:
                     p.unlink()
                     removed += 1
         return removed

@@ -60,12 +60,21 @@ def expected_modes(store: Store) -> Iterator[tuple[Path, int]]:
         yield store.home / name, PRIVATE_FILE_MODE
     roles = {row.id: row.role for row in store.catalogue.files()}
     for path in sorted(store.files_dir.iterdir()):
+        if is_leftover(path):
+            continue
         if path.name.endswith(".manifest"):
             yield path, OBJECT_MODE
         else:
             yield path, file_mode(roles.get(path.name, "memory"))  # unknown: assume the most private
     for path in sorted(store.layers_dir.iterdir()):
-        yield path, LEAF_MODE if path.name.startswith("leaf-") else OBJECT_MODE
+        if not is_leftover(path):
+            yield path, LEAF_MODE if path.name.startswith("leaf-") else OBJECT_MODE
+
+
+def is_leftover(path: Path) -> bool:
+    """A file an atomic write made beside its target (``.NAME.XXXX.tmp``, hashcache.atomic) and never renamed:
+    its writer was killed. No object is ever read under such a name; ``Store.clean_tmp`` removes old ones."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
 def check_modes(store: Store) -> list[ModeProblem]:

@@ -117,3 +117,21 @@ def test_store_json_is_written_durably(tmp_path, monkeypatch):
     assert any(os.path.basename(p).startswith(".store.json.") for p in synced)  # the data, before the rename
     assert home in synced                                                        # the rename
     assert not [p for p in os.listdir(home) if p.startswith(".store.json") or p.endswith(".tmp")]
+
+
+def test_an_atomic_write_killed_midway_is_no_mode_problem_and_gc_removes_it(store):
+    """A manifest being written when the agent was SIGKILLed leaves its temporary file (mode 0600, never
+    renamed) beside the layers: it is no object, so verify does not report it; clean_tmp removes it once it is
+    older than any write under way (the fault bench found 12 of 20 agent kills reported as a mode problem)."""
+    leftover = store.layers_dir / f".{'ab' * 32}.manifest.k3x9q1.tmp"
+    leftover.write_bytes(b"half a manifest")
+    os.chmod(leftover, 0o600)
+    in_files = store.files_dir / f".{'cd' * 32}.manifest.zz81aa.tmp"
+    in_files.write_bytes(b"")
+    assert check_modes(store) == []
+    assert verify(store).ok
+    assert store.clean_tmp() == 0 and leftover.exists()          # young: perhaps a write under way
+    old = leftover.stat().st_mtime - 7200
+    os.utime(leftover, (old, old))
+    os.utime(in_files, (old, old))
+    assert store.clean_tmp() == 2 and not leftover.exists() and not in_files.exists()
