@@ -13,7 +13,7 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
-from capsule import demand, memimage, qemuimg, sealing, watch
+from capsule import demand, memimage, privsep, qemuimg, sealing, watch
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
@@ -134,7 +134,7 @@ def start(store: Store, ref: str, *, wait: bool = True, timeout: float = BOOT_TI
                            disks=len(version.chains), instance_dir=store.instance_dir(name))
         decision = accel_for(store)
         if version.config.get(podnet.CONFIG_KEY):
-            say(f"joining the host's pod bridge {podnet.ensure_bridge()}")
+            say(f"joining the host's pod bridge {privsep.current().pod_bridge_up()}")
         inst_dir, log, agent_sock = _instance_files(store, name)
         if network:
             (inst_dir / USER_NETWORK).write_text(network)
@@ -266,6 +266,7 @@ def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | 
         sealed: list[LayerRow] = []
         try:
             say("sealing memory image")
+            privsep.current().adopt_memory_image(tmp)   # libvirtd (root) wrote it: the store owner's to seal
             memory = store.seal_file(tmp, "memory")
             chains, layers = sealing.seal_leaves(store, inst, say, sealed)
             version = sealing.record_sealed(store, inst, chains, layers, memory, note, balloon_info)
