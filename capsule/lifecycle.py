@@ -74,7 +74,9 @@ def _instance_files(store: Store, capsule: str) -> tuple[Path, Path, Path]:
     if d.exists():
         shutil.rmtree(d)
     make_private_dir(d)
-    return d, d / "console.log", d / "agent.sock"
+    log = d / "console.log"
+    log.touch(mode=0o600)   # ours: virtlogd (root) appends to it, an agent that is not root still reads it
+    return d, log, d / "agent.sock"
 
 
 def _check_objects(store: Store, version: VersionRow) -> None:
