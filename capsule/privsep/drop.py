@@ -125,6 +125,8 @@ def serve_as(name: str, home: Path) -> None:
     pw = user_entry(name)
     if os.geteuid() == 0:
         drop_to(name, home)
+    elif privsep.invoked_by() == 0 and os.geteuid() != pw.pw_uid:   # root's CLI already became the store's owner
+        check_store_owned(Path(os.path.realpath(home)), pw)
     elif os.geteuid() != pw.pw_uid or privsep.invoked_by() != 0:
         raise EnvironmentProblem(f"--user {name}: only root can switch to another user; start it as root "
                                  "(or leave --user out to run as yourself)")

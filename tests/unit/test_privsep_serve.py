@@ -82,12 +82,26 @@ def test_serve_as_user_refuses_a_store_it_does_not_own(tmp_path, user):
     assert proc.returncode == 9 and "that is root" in " ".join(proc.stderr.split())
 
 
+def test_serve_as_user_refuses_a_store_another_user_owns(tmp_path, user):
+    """Root's CLI first becomes the store's owner (nobody here); --user capsule then names the real problem."""
+    home = tmp_path / "store"
+    home.mkdir()
+    nobody = pwd.getpwnam("nobody")
+    os.chown(home, nobody.pw_uid, nobody.pw_gid)
+    let_pass(tmp_path, Path("/tmp"))
+    proc = subprocess.run(serve_command(home, "127.0.0.1:1", home / "agent.token", tls=False,
+                                        extra=["--user", USER]), capture_output=True, text=True, timeout=60)
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode == 9 and f"not owned by {USER}" in said and f"chown -R {USER}: {home}" in said, said
+    assert list(home.iterdir()) == []
+
+
 def test_root_cli_on_a_users_store_runs_as_that_user(tmp_path, user):
     home = owned_store(tmp_path, user)
     proc = subprocess.run([sys.executable, "-m", "capsule.cli.main", "--home", str(home), "--json", "ls"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == [] or json.loads(proc.stdout) == {"capsules": []}
+    assert json.loads(proc.stdout) == []
     made = list(home.rglob("*"))
     assert made and all(p.lstat().st_uid == user.pw_uid for p in made), "root's CLI left root-owned files"
 
