@@ -2,9 +2,10 @@
 
 ``capsule serve --user USER`` starts this helper as root before it drops to USER (:mod:`capsule.privsep.drop`);
 the two share one ``AF_UNIX`` ``SOCK_SEQPACKET`` socket pair and nothing else. Each request is one JSON message
-of at most :data:`MAX_REQUEST` bytes — ``{"op": NAME, "path": …}`` — with the file descriptors an operation
-writes to attached (``SCM_RIGHTS``); each answer is one JSON message, ``{"ok": true, …}`` or
-``{"ok": false, "code": …, "error": …}``. The commands (nothing else is run):
+of at most :data:`MAX_REQUEST` bytes — ``{"op": NAME, "path": …}`` — with descriptors attached (``SCM_RIGHTS``):
+first a socket for its answer, then those the operation writes to; each answer is one JSON message on that socket,
+``{"ok": true, …}`` or ``{"ok": false, "code": …, "error": …}``. Requests run side by side. The commands (nothing
+else is run):
 
 - ``adopt-memory-image PATH``: a new memory image in the store's ``tmp/`` becomes the store owner's.
 - ``pod-bridge-up``: the host's pod bridge exists and is up.
@@ -18,6 +19,7 @@ the store. The helper exits when the agent closes its end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,7 +35,8 @@ from capsule.privsep import ops
 
 MAX_REQUEST = 64 * 1024
 MAX_REPLY = 4 << 20
-MAX_FDS = 1
+MAX_FDS = 1                  # besides the answer's socket
+MAX_CONCURRENT = 8
 SANDBOX_TOOLS = frozenset({"e2fsck", "debugfs"})
 MAX_ARGS = 16
 MAX_TIMEOUT = 3600.0
@@ -179,23 +182,45 @@ class Helper:
                 os.close(fd)
 
 
+def _answer(helper: Helper, reply: socket.socket, message: bytes, fds: list[int], truncated: bool,
+            slots: threading.BoundedSemaphore) -> None:
+    try:
+        data = json.dumps(helper.handle(message, fds, truncated)).encode()
+        if len(data) > MAX_REPLY:
+            data = json.dumps({"ok": False, "code": RuntimeFailure.code, "error": "the answer is too large"}).encode()
+        with contextlib.suppress(OSError):
+            reply.send(data)
+    finally:
+        reply.close()
+        slots.release()
+
+
 def serve(sock: socket.socket, helper: Helper) -> None:
-    """Answer requests on ``sock`` until the other end closes it."""
+    """Answer requests on ``sock`` until the other end closes it. Each request brings, as its first descriptor,
+    the socket its answer goes to, and runs in a thread of its own (at most :data:`MAX_CONCURRENT` at once): a
+    long ``debugfs`` does not hold up a memory image's adoption."""
+    slots = threading.BoundedSemaphore(MAX_CONCURRENT)
     while True:
         try:
-            message, fds, flags, _ = socket.recv_fds(sock, MAX_REQUEST + 1, MAX_FDS)
+            message, fds, flags, _ = socket.recv_fds(sock, MAX_REQUEST + 1, MAX_FDS + 1)
         except ConnectionError:
             return
         if not message and not fds:
             return
-        reply = helper.handle(message, list(fds), bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)))
-        data = json.dumps(reply).encode()
-        if len(data) > MAX_REPLY:
-            data = json.dumps({"ok": False, "code": RuntimeFailure.code, "error": "the answer is too large"}).encode()
         try:
-            sock.send(data)
-        except ConnectionError:
-            return
+            reply = socket.socket(fileno=fds[0]) if fds else None
+        except OSError:
+            reply = None
+        if reply is None or reply.type != socket.SOCK_SEQPACKET:   # nowhere to answer: dropped
+            for fd in fds[0 if reply is None else 1:]:
+                os.close(fd)
+            if reply is not None:
+                reply.close()
+            continue
+        truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+        slots.acquire()
+        threading.Thread(target=_answer, args=(helper, reply, message, list(fds[1:]), truncated, slots),
+                         daemon=True).start()
 
 
 def _real(path: Path) -> str:
@@ -206,7 +231,7 @@ def _real(path: Path) -> str:
 
 
 class HelperClient:
-    """The agent's side: :class:`capsule.privsep.Privileged` by asking the root helper (one request at a time)."""
+    """The agent's side: :class:`capsule.privsep.Privileged` by asking the root helper (from any thread)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -214,10 +239,12 @@ class HelperClient:
 
     def call(self, op: str, fds: list[int] | None = None, **args: Any) -> dict[str, Any]:
         data = json.dumps({"op": op, **args}).encode()
-        with self._lock:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)   # this request's answer
+        with mine:
             try:
-                socket.send_fds(self.sock, [data], fds or [])
-                reply = self.sock.recv(MAX_REPLY)
+                with theirs, self._lock:
+                    socket.send_fds(self.sock, [data], [theirs.fileno(), *(fds or [])])
+                reply = mine.recv(MAX_REPLY)
             except OSError as exc:
                 raise EnvironmentProblem(f"the root helper is gone ({exc}): restart the agent") from None
         if not reply:

@@ -44,8 +44,12 @@ def client(store):
 
 
 def raw(client: helper.HelperClient, data: bytes, fds: list[int] | None = None) -> dict:
-    socket.send_fds(client.sock, [data], fds or [])
-    return json.loads(client.sock.recv(helper.MAX_REPLY))
+    """Send ``data`` as it is (with ``fds``), the answer's socket first, and read the answer."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with mine, theirs:
+        socket.send_fds(client.sock, [data], [theirs.fileno(), *(fds or [])])
+        theirs.close()
+        return json.loads(mine.recv(helper.MAX_REPLY))
 
 
 def owner_of(path: Path) -> tuple[int, int, int]:
@@ -143,3 +147,20 @@ def test_run_sandboxed_runs_only_e2fsck_and_debugfs_in_a_work_directory(store, c
     finally:
         os.close(out)
     assert (tmp_path / "out").read_bytes() == b""
+
+
+def test_a_slow_request_does_not_hold_up_the_others(store, client, monkeypatch):
+    """Requests run side by side: a memory image is adopted while a long one (here the bridge) still runs."""
+    release = threading.Event()
+    monkeypatch.setattr(podnet, "ensure_bridge", lambda: (release.wait(20), podnet.BRIDGE)[1])
+    slow = threading.Thread(target=client.pod_bridge_up)
+    slow.start()
+    image = store / "tmp" / "ghi.save"
+    image.write_bytes(b"x")
+    client.adopt_memory_image(image)
+    assert image.stat().st_uid == OWNER.uid and slow.is_alive()
+    release.set()
+    slow.join(10)
+    # a request with no socket to answer on is dropped; the helper goes on
+    socket.send_fds(client.sock, [b'{"op": "pod-bridge-up"}'], [])
+    assert client.pod_bridge_up() == podnet.BRIDGE
