@@ -13,7 +13,7 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
-from capsule import claims, demand, memimage, qemuimg, sealing, watch
+from capsule import claims, demand, memimage, privsep, qemuimg, sealing, watch
 from capsule.capsules import resolve
 from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
@@ -75,7 +75,9 @@ def _instance_files(store: Store, capsule: str) -> tuple[Path, Path, Path]:
     if d.exists():
         shutil.rmtree(d)
     make_private_dir(d)
-    return d, d / "console.log", d / "agent.sock"
+    log = d / "console.log"
+    log.touch(mode=0o600)   # ours: virtlogd (root) appends to it, an agent that is not root still reads it
+    return d, log, d / "agent.sock"
 
 
 def _check_objects(store: Store, version: VersionRow) -> None:
@@ -172,7 +174,7 @@ def _make_instance(store: Store, ref: str, *, boot: bool, prefetch: bool, networ
             memimage.check(store, version.config, store.file_path(version.memory), name=domain, uuid=cap.uuid,
                            disks=len(version.chains), instance_dir=store.instance_dir(name))
         if version.config.get(podnet.CONFIG_KEY):
-            say(f"joining the host's pod bridge {podnet.ensure_bridge()}")
+            say(f"joining the host's pod bridge {privsep.current().pod_bridge_up()}")
         inst_dir, log, agent_sock = _instance_files(store, name)
         if network:
             (inst_dir / USER_NETWORK).write_text(network)
@@ -306,6 +308,7 @@ def suspend(store: Store, name: str, *, note: str = "suspended", balloon: str | 
             with store.lock(timeout=None, purpose=f"sealing {name}"):   # saved: it is recorded, or resumed
                 try:
                     say("sealing memory image")
+                    privsep.current().adopt_memory_image(tmp)   # libvirtd (root) wrote it: the store owner's to seal
                     memory = store.seal_file(tmp, "memory")
                     chains, layers = sealing.seal_leaves(store, inst, say, sealed)
                     version = sealing.record_sealed(store, inst, chains, layers, memory, note, balloon_info)

@@ -4,13 +4,15 @@ A guest writes its own file systems, so a tool that reads one (``e2fsck``, ``deb
 Run as root, a bug in it would be a way out of the guest. Here such a tool runs through ``setpriv`` as the
 unprivileged system user ``capsule-sandbox`` (created by ``scripts/setup-host.sh``; it owns nothing and belongs
 to no other group) with no capabilities — none inheritable, an empty bounding set — and ``no_new_privs``
-(a set-uid program cannot give them back). The environment is reduced to ``PATH`` and ``LANG``.
+(a set-uid program cannot give them back). The environment is reduced to ``PATH`` and ``LANG``. Switching to that
+user needs root: an agent that gave up root asks its root helper (:mod:`capsule.privsep`), which runs only
+``e2fsck`` and ``debugfs`` this way.
 
 What it may read is handed to it one file at a time: a private copy owned by that user, in a work directory
-of its own (``root:capsule-sandbox``, 0710) that the tool starts in — the store's directories above stay
-closed to it (0700), so the tool reaches the copy and nothing else of the store. Whatever it produces comes
-back on its standard output, into a file the caller opened: no file the sandboxed tool could have replaced
-(by a symbolic link, say) is ever opened by the privileged caller."""
+of its own (the store owner's, group ``capsule-sandbox``, 0710) that the tool starts in — the store's
+directories above stay closed to it (0700), so the tool reaches the copy and nothing else of the store.
+Whatever it produces comes back on its standard output, into a file the caller opened: no file the
+sandboxed tool could have replaced (by a symbolic link, say) is ever opened by the privileged caller."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +30,7 @@ from typing import IO
 from capsule.errors import EnvironmentProblem
 
 USER = "capsule-sandbox"
-_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
 def ids() -> tuple[int, int]:
@@ -64,33 +67,42 @@ def command(argv: list[str]) -> list[str]:
 
 @contextmanager
 def workdir(parent: Path) -> Iterator[Path]:
-    """A fresh directory in ``parent`` that the sandbox user may enter but not change (root-owned, group
-    ``capsule-sandbox``, 0710); removed with what is in it afterwards."""
-    _, gid = ids()
+    """A fresh private directory in ``parent`` (this process's, 0700) for one copy to hand over; removed with what
+    is in it afterwards. :func:`hand_over` lets the sandbox user enter it (group ``capsule-sandbox``, 0710)."""
     path = parent / f"{uuid.uuid4().hex}.sandbox"
     path.mkdir(mode=0o700)
     try:
-        os.chown(path, 0, gid)
-        os.chmod(path, 0o710)
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def hand_over(path: Path) -> None:
-    """Give the sandbox user ``path`` — a private copy made for it — to read and write (0600, its own)."""
-    uid, gid = ids()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.fchown(fd, uid, gid)
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+    """Give the sandbox user ``path`` — a private copy made for it in a :func:`workdir` — to read and write (0600,
+    its own), and let it enter the work directory; root's part (:mod:`capsule.privsep`)."""
+    from capsule import privsep
+
+    privsep.current().sandbox_hand_over(path)
 
 
 def run(argv: list[str], cwd: Path, *, timeout: float, stdout: IO[bytes] | int = subprocess.PIPE,
         text: bool = True) -> subprocess.CompletedProcess:
-    """Run ``argv`` as the sandbox user, starting in ``cwd`` (a :func:`workdir`); stderr is captured."""
-    return subprocess.run(command(argv), cwd=cwd, env=_ENV, stdin=subprocess.DEVNULL, stdout=stdout,
-                          stderr=subprocess.PIPE, text=text, errors="surrogateescape" if text else None,
-                          timeout=timeout, check=False)
+    """Run ``argv`` as the sandbox user, starting in ``cwd`` (a :func:`workdir`); stderr is captured. Root starts
+    it (:mod:`capsule.privsep`: here, or the root helper of an agent that gave up root)."""
+    from capsule import privsep
+
+    def decode(data: bytes) -> str | bytes:
+        return data.decode(errors="surrogateescape") if text else data
+
+    if stdout == subprocess.PIPE:
+        with tempfile.TemporaryFile(dir=cwd.parent) as out:
+            status, err = privsep.current().run_sandboxed(argv, cwd, out.fileno(), timeout=timeout)
+            out.seek(0)
+            output: str | bytes | None = decode(out.read())
+    else:
+        fd = stdout if isinstance(stdout, int) else stdout.fileno()
+        if not isinstance(stdout, int):
+            stdout.flush()
+        status, err = privsep.current().run_sandboxed(argv, cwd, fd, timeout=timeout)
+        output = None
+    return subprocess.CompletedProcess(argv, status, output, decode(err))

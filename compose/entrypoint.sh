@@ -60,7 +60,13 @@ until virsh -c qemu:///system version >/dev/null 2>&1; do
   fi
   sleep 0.2
 done
-log "libvirtd up (host uuid $(cat "$home/host-uuid")); agent on $listen"
+# The agent runs as the unprivileged user capsule (scripts/setup-host.sh made it, in groups libvirt and
+# libvirt-qemu), which owns the store; a store volume made by an older image (root's) is given to it once.
+if [ -n "$(find "$home" -maxdepth 1 ! -user capsule -print -quit)" ]; then
+  log "giving the store $home to the user capsule"
+  chown -R capsule: "$home"
+fi
+log "libvirtd up (host uuid $(cat "$home/host-uuid")); agent on $listen as the user capsule"
 # On a loopback address (the hosts share the machine's loopback; the test tier talks to them over
 # http://127.0.0.1) the agent speaks plain HTTP, which capsule serve allows there only. On any other
 # address, or with CAPSULE_TLS=1, it serves TLS with the host key kept in the store volume (its
@@ -70,6 +76,6 @@ case "${listen%:*}" in
   *) loopback=0 ;;
 esac
 if [ "$loopback" = 1 ] && [ "${CAPSULE_TLS:-0}" != 1 ]; then
-  exec capsule --home "$home" serve --listen "$listen" --insecure-http
+  exec capsule --home "$home" serve --user capsule --listen "$listen" --insecure-http
 fi
-exec capsule --home "$home" serve --listen "$listen"
+exec capsule --home "$home" serve --user capsule --listen "$listen"

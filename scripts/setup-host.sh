@@ -130,6 +130,24 @@ configure_libvirt() {
   fi
 }
 
+# --- libvirtd's unix socket: for the group libvirt, without polkit ---
+# The agent runs as the unprivileged user capsule (`capsule serve --user capsule`) and drives the system libvirtd
+# (qemu:///system). Debian's default socket is 0777 behind polkit, which needs a system bus this host may not have;
+# instead the read-write socket is libvirt's group's (0770) and membership is the permission. Written before libvirtd
+# starts; a libvirtd already running with another configuration is left alone (the log says to restart it).
+libvirt_socket_changed=0
+configure_libvirt_socket() {
+  local conf=/etc/libvirt/libvirtd.conf want
+  want=$'unix_sock_group = "libvirt"\nunix_sock_rw_perms = "0770"\nauth_unix_rw = "none"'
+  if [ "$(grep -E '^(unix_sock_group|unix_sock_rw_perms|auth_unix_rw) *=' "$conf" 2>/dev/null)" = "$want" ]; then
+    return
+  fi
+  log "configuring libvirtd's socket: group libvirt, 0770, no polkit (the capsule user is in group libvirt)"
+  sed -i -E '/^(unix_sock_group|unix_sock_rw_perms|auth_unix_rw) *=/d; /^# capsule: libvirtd socket/d' "$conf"
+  printf '# capsule: libvirtd socket for group libvirt (scripts/setup-host.sh)\n%s\n' "$want" >> "$conf"
+  libvirt_socket_changed=1
+}
+
 # --- capsule-sandbox: the unprivileged user that parses guest-controlled data (capsule/sandbox.py) ---
 # `backup files` runs e2fsck and debugfs on a guest's file system as this user, with no capabilities.
 # It owns nothing, has no home or shell and belongs to no other group.
@@ -143,9 +161,30 @@ create_users() {
     useradd --system --gid capsule-sandbox --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin capsule-sandbox
   fi
+  # capsule: the agent's user (`capsule serve --user capsule`), owner of the store. In libvirt (its socket) and
+  # libvirt-qemu (it grants QEMU's group the files a guest opens), and kvm where that group exists.
+  if ! getent group capsule >/dev/null; then
+    log "creating the group capsule"
+    groupadd --system capsule
+  fi
+  if ! id capsule >/dev/null 2>&1; then
+    log "creating the user capsule (the agent runs as it: capsule serve --user capsule)"
+    useradd --system --gid capsule --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin capsule
+  fi
+  local g
+  for g in libvirt libvirt-qemu kvm; do
+    if getent group "$g" >/dev/null && ! id -nG capsule | tr ' ' '\n' | grep -qx "$g"; then
+      log "adding the user capsule to the group $g"
+      usermod -a -G "$g" capsule
+    fi
+  done
 }
 
 start_daemons() {
+  if [ "$libvirt_socket_changed" = 1 ] && pgrep -x libvirtd >/dev/null; then
+    log "libvirtd already runs with its old socket settings: restart it for the capsule user to reach it" \
+        "(e.g. \`pkill -x libvirtd && libvirtd -d\`); it was not restarted"
+  fi
   if ! pgrep -x virtlogd >/dev/null; then
     log "starting virtlogd"
     setsid virtlogd -d
@@ -210,6 +249,7 @@ need_root
 add_backports
 install_packages
 configure_libvirt
+configure_libvirt_socket
 create_users
 if [ "$image" = 1 ]; then
   # inside a Capsule host image build (compose/Dockerfile): packages and configuration only;

@@ -5,7 +5,6 @@ rotated at the same size cap as the agent's (``capsule.audit``: ``CAPSULE_AUDIT_
 from __future__ import annotations
 
 import contextlib
-import os
 import pwd
 import sys
 from collections.abc import Iterator
@@ -40,10 +39,13 @@ def command_of(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def _unix_user() -> str:
+    from capsule import privsep
+
+    uid = privsep.invoked_by()   # who ran it (root), not the store's owner it switched to
     try:
-        return pwd.getpwuid(os.getuid()).pw_name
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        return str(os.getuid())
+        return str(uid)
 
 
 class Outcome:

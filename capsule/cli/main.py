@@ -62,6 +62,11 @@ def _global(
 ) -> None:
     OPTIONS.home = home
     OPTIONS.json = json
+    from capsule.privsep.drop import as_store_owner
+    from capsule.store import default_home
+
+    # root on a store another user owns (an agent's, `capsule serve --user`): the whole command runs as that user
+    as_store_owner((home or default_home()).absolute())
     if insecure_http:
         plain.allow()   # this process and what it starts (disk servers, the watcher)
 

@@ -3,6 +3,7 @@ cache (migrate: capsule/cli/migrate.py)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -220,6 +221,11 @@ def serve(
         "--serving-workers", min=1,
         help="Threads for HCP block serving and receiving pushes (LOOKUP, READ, the block stream, push).")]
     = Limits.serving_workers,
+    user: Annotated[str | None, typer.Option(
+        "--user", metavar="USER",
+        help="Started as root, run as USER (e.g. capsule: in groups libvirt and libvirt-qemu; `make setup` makes "
+             "it) with no capabilities; a root helper keeps only a fixed set of operations (memory images, the "
+             "pod bridge, the file sandbox). The store must be USER's (`chown -R USER: STORE`).")] = None,
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
@@ -235,6 +241,13 @@ def serve(
 
     proxies = trusted_proxies(trust_proxy)   # both refused here, before anything is made or started
     public = own_url("http" if insecure_http else "https", listen, public_url)
+    if user is not None:   # before the store is opened: everything it makes is USER's
+        from capsule.privsep.drop import helper_pid, serve_as
+        from capsule.store import default_home
+
+        serve_as(user, (OPTIONS.home or default_home()).absolute())
+        err_console.print(f"running as {user} (uid {os.getuid()}), no capabilities; root helper pid "
+                          f"{helper_pid()}", soft_wrap=True)
     store = open_store()
     tf = token_file or store.home / "agent.token"
     ident = identity(store.home, listen, insecure_http=insecure_http, cert=cert, key=key)

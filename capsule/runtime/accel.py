@@ -52,6 +52,7 @@ def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str,
     name = f"capsule-kvm-probe-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="capsule-probe-") as tmp:
         log = Path(tmp) / "console.log"
+        log.touch(mode=0o600)   # ours: virtlogd (root) appends to it, an agent that is not root still reads it
         spec = MachineSpec(name=name, uuid=str(uuid.uuid4()), memory_mib=128, vcpus=1, accel="kvm",
                            kernel=kernel, initrd=initrd, cmdline=cmdline, disks=[], console_log=log,
                            agent_socket=Path(tmp) / "agent.sock")
