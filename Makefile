@@ -78,10 +78,12 @@ agent:
 bench-quick: setup
 	$(PY) bench/quick.py
 
-# ruff; the CLI reference and exit codes in docs/ must match the code (scripts/gen_reference.py writes
-# them); the manual builds in strict mode (a broken link, a missing anchor or an orphan page fails).
+# ruff; types (mypy, strict on hashcache/ and diskserver/: pyproject.toml); the CLI reference and exit
+# codes in docs/ must match the code (scripts/gen_reference.py writes them); the manual builds in strict
+# mode (a broken link, a missing anchor or an orphan page fails).
 lint: venv
 	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
+	$(VENV)/bin/mypy hashcache diskserver
 	$(PY) scripts/gen_reference.py --check
 	$(VENV)/bin/mkdocs build --quiet
 

@@ -17,11 +17,11 @@ import logging
 import sys
 import time
 
-from diskserver.chain import Chain, ChainSpec
+from diskserver.chain import Chain, ChainSpec, Progress
 from hashcache.errors import Error
 
 
-def _progress_printer(enabled: bool):  # noqa: ANN202
+def _progress_printer(enabled: bool) -> Progress:
     last = [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s diskserver %(levelname)s %(message)s")
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except Error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

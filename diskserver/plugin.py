@@ -33,6 +33,10 @@ import os
 import site
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported for real once the paths are set up (below)
+    from diskserver.chain import Chain
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -76,7 +80,7 @@ API_VERSION = 2
 _spec_path: str | None = None
 _fastmap_path: str | None = None  # given by the native read path's filter (diskserver/fastread/)
 _prefetch_override: bool | None = None
-_chain = None  # diskserver.chain.Chain once opened
+_chain: Chain | None = None  # once opened
 _prefetch_stop = threading.Event()
 _prefetch_thread: threading.Thread | None = None
 log = logging.getLogger("diskserver")
@@ -132,27 +136,28 @@ def after_fork() -> None:
     global _chain, _prefetch_thread
     from diskserver.chain import Chain, ChainSpec
 
-    spec = ChainSpec.load(_spec_path)  # type: ignore[arg-type]
+    assert _spec_path is not None  # config_complete refused to go on without one
+    spec = ChainSpec.load(_spec_path)
     try:
-        _chain = Chain.open(spec)
+        _chain = chain = Chain.open(spec)
     except Exception as exc:
         log.error("cannot open the chain of %s: %s", _spec_path, exc)
         raise
     if _fastmap_path is not None:
         try:
-            _chain.attach_fastmap(_fastmap_path)
+            chain.attach_fastmap(_fastmap_path)
         except Exception as exc:  # the native path is a speed-up: without its map this plugin serves every read
             log.warning("%s; every read goes through the plugin", exc)
     log.info("serving %s: %d layer(s), %d bytes, %d remote byte(s) still to fetch%s", _spec_path, len(spec.layers),
-             _chain.size, _chain.stats()["remaining_bytes"], "; hits on the native read path" if _fastmap_path else "")
+             chain.size, chain.stats()["remaining_bytes"], "; hits on the native read path" if _fastmap_path else "")
     prefetch = spec.prefetch if _prefetch_override is None else _prefetch_override
     if prefetch:
-        _prefetch_thread = threading.Thread(target=_run_prefetch, args=(_chain,), name="diskserver-prefetch",
+        _prefetch_thread = threading.Thread(target=_run_prefetch, args=(chain,), name="diskserver-prefetch",
                                             daemon=True)
         _prefetch_thread.start()
 
 
-def _run_prefetch(chain) -> None:  # noqa: ANN001
+def _run_prefetch(chain: Chain) -> None:
     try:
         n = chain.prefetch(stop_event=_prefetch_stop)
         if not _prefetch_stop.is_set():
@@ -170,34 +175,34 @@ def cleanup() -> None:
         _chain.close()
 
 
-def open(readonly: bool):  # noqa: A001, ANN201 - nbdkit's required name
+def open(readonly: bool) -> Chain:  # noqa: A001 - nbdkit's required name
     if _chain is None:
         nbdkit.set_error(errno.EIO)
         raise RuntimeError("diskserver plugin: the chain is not open")
     return _chain
 
 
-def get_size(h) -> int:  # noqa: ANN001
+def get_size(h: Chain) -> int:
     return h.size
 
 
-def can_write(h) -> bool:  # noqa: ANN001
+def can_write(h: Chain) -> bool:
     return False
 
 
-def can_multi_conn(h) -> bool:  # noqa: ANN001
+def can_multi_conn(h: Chain) -> bool:
     return True
 
 
-def can_extents(h) -> bool:  # noqa: ANN001
+def can_extents(h: Chain) -> bool:
     return True
 
 
-def can_cache(h) -> int:  # noqa: ANN001
+def can_cache(h: Chain) -> int:
     return nbdkit.CACHE_NATIVE
 
 
-def is_rotational(h) -> bool:  # noqa: ANN001
+def is_rotational(h: Chain) -> bool:
     return False
 
 
@@ -207,7 +212,7 @@ def _fail(what: str, exc: Exception) -> None:
     nbdkit.set_error(code)
 
 
-def pread(h, buf, offset: int, flags: int) -> None:  # noqa: ANN001
+def pread(h: Chain, buf: memoryview, offset: int, flags: int) -> None:
     try:
         h.read_into(offset, buf)
     except Exception as exc:
@@ -215,7 +220,7 @@ def pread(h, buf, offset: int, flags: int) -> None:  # noqa: ANN001
         raise
 
 
-def cache(h, count: int, offset: int, flags: int) -> None:  # noqa: ANN001
+def cache(h: Chain, count: int, offset: int, flags: int) -> None:
     try:
         h.cache(offset, count)
     except Exception as exc:
@@ -223,7 +228,7 @@ def cache(h, count: int, offset: int, flags: int) -> None:  # noqa: ANN001
         raise
 
 
-def extents(h, count: int, offset: int, flags: int):  # noqa: ANN001, ANN201
+def extents(h: Chain, count: int, offset: int, flags: int) -> list[tuple[int, int, int]]:
     zero = nbdkit.EXTENT_HOLE | nbdkit.EXTENT_ZERO
     try:
         return [(o, n, zero if z else 0) for o, n, z in h.extents(offset, count)]

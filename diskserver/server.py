@@ -275,9 +275,10 @@ class DiskServer:
 
         path = ChainSpec.load(self.spec_path).resolved_stats_path
         try:
-            return json.loads(path.read_text())
+            stats: dict[str, Any] | None = json.loads(path.read_text())  # the chain writes an object
         except (OSError, ValueError):
             return None
+        return stats
 
     def log_tail(self, lines: int = 20) -> str:
         return _log_tail(self.log_path, lines)

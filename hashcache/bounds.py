@@ -87,6 +87,11 @@ class Bound:
         assert isinstance(value, int | float)
         return int(value) if self.integer else float(value)
 
+    def check_int(self, value: object, field: str, error: type[Error] = InvalidInput) -> int:
+        """:meth:`check` of a whole-number bound, typed as the ``int`` it then returns."""
+        assert self.integer, "check_int of a bound that takes any number"
+        return int(self.check(value, field, error))
+
     def parse(self, text: str) -> int | float | None:
         """The number ``text`` spells in plain ASCII decimal (a query parameter), if it is one and in bounds;
         else None."""

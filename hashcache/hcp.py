@@ -25,7 +25,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import zstandard
 
@@ -236,7 +236,7 @@ def encode_stream_error(detail: str, error: str, status: int) -> bytes:
     return bytes([STREAM_ERROR]) + json.dumps({"detail": detail, "error": error, "status": status}).encode()
 
 
-def decode_stream_reply(msg: bytes) -> tuple[bytes | None, dict]:
+def decode_stream_reply(msg: bytes) -> tuple[bytes | None, dict[str, Any]]:
     """(payload, {}) for a success, (None, {"detail", "error", "status"}) for a refusal."""
     if not msg:
         raise ProtocolError("empty stream reply")
@@ -252,7 +252,7 @@ def decode_stream_reply(msg: bytes) -> tuple[bytes | None, dict]:
     raise ProtocolError(f"malformed stream reply (status byte {msg[0]})")
 
 
-def manifest_from_parts(header: dict, records: bytes, expected_digest: str) -> Manifest:
+def manifest_from_parts(header: dict[str, Any], records: bytes, expected_digest: str) -> Manifest:
     """Rebuild a manifest from LOOKUP + READ-HASH and check it names the object."""
     try:
         m = Manifest(kind=header["kind"], algorithm=header["algorithm"], block_size=header["block_size"],
@@ -265,7 +265,7 @@ def manifest_from_parts(header: dict, records: bytes, expected_digest: str) -> M
     return m
 
 
-def header_of(m: Manifest) -> dict:
+def header_of(m: Manifest) -> dict[str, Any]:
     return {"kind": m.kind, "algorithm": m.algorithm, "block_size": m.block_size, "size": m.size,
             "parent": m.parent, "count": len(m), "digest": m.digest, "stored_bytes": m.stored_bytes}
 
@@ -289,7 +289,7 @@ class Expectation:
     digest names the object) and per listed block its index, zero flag and hash — or a prefix of
     the hash, when the full hashes are to be computed from the data and checked by the digest."""
 
-    def __init__(self, header: dict, digest: str, keys: array[int], hashes: bytes, hash_len: int) -> None:
+    def __init__(self, header: dict[str, Any], digest: str, keys: array[int], hashes: bytes, hash_len: int) -> None:
         self.header = header
         self.digest = digest
         self.keys = keys
@@ -304,7 +304,7 @@ class Expectation:
         return cls.from_records(header_of(m), m.record_bytes, m.digest, RECORD_SIZE - 8)
 
     @classmethod
-    def from_records(cls, header: dict, data: bytes, digest: str, hash_len: int) -> Expectation:
+    def from_records(cls, header: dict[str, Any], data: bytes, digest: str, hash_len: int) -> Expectation:
         """Parse (and validate: this may come from a hostile peer) compact or full records."""
         clean = manifest_header(header)
         size, count = clean["size"], clean["count"]
@@ -412,7 +412,7 @@ class Expectation:
         return cls.from_records(header, data[8 + hlen:], digest, n)
 
 
-def manifest_header(header: object) -> dict:
+def manifest_header(header: object) -> dict[str, Any]:
     """The manifest header of a LOOKUP reply or a manifest upload (a peer's: checked before any of its
     numbers sizes anything): kind, algorithm, block size, size, parent and record count, the size within
     :data:`~hashcache.bounds.OBJECT_SIZE` and the count at most the object's blocks; else ProtocolError."""
@@ -426,8 +426,8 @@ def manifest_header(header: object) -> dict:
     if kind not in ("layer", "file") or algorithm != "blake3" or type(block_size) is not int \
             or block_size != BLOCK_SIZE:
         raise ProtocolError(f"unsupported manifest header {header!r:.200}")
-    size = OBJECT_SIZE.check(size, "manifest size", ProtocolError)
-    count = blocks_in(size).check(count, f"manifest record count of a {size}-byte {kind}", ProtocolError)
+    size = OBJECT_SIZE.check_int(size, "manifest size", ProtocolError)
+    count = blocks_in(size).check_int(count, f"manifest record count of a {size}-byte {kind}", ProtocolError)
     if parent is not None and (not isinstance(parent, str) or len(parent) != 64):
         raise ProtocolError("bad manifest parent")
     return {"kind": kind, "algorithm": algorithm, "block_size": BLOCK_SIZE, "size": size, "parent": parent,

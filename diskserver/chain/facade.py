@@ -50,7 +50,7 @@ class Chain(BlockResolution, Fetching, Persisting):
         self.spec = spec
         self.layers: list[_Layer] = []
         self._cache: HashCache | None = None
-        self._sources: dict[tuple[str, str], HcpSource] = {}
+        self._sources: dict[tuple[str, str, str | None], HcpSource] = {}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._inflight: dict[tuple[int, int], _Flight] = {}

@@ -15,13 +15,14 @@ from diskserver.chain.layers import (
     _Layer,
     log,
 )
+from diskserver.chain.state import ChainState
 from diskserver.errors import BlockMismatch, DiskServerError, SourceError
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import HashcacheError
 from hashcache.hcp import MAX_BATCH
 
 
-class Fetching:
+class Fetching(ChainState):
     """Part of :class:`Chain`: obtaining blocks, read-ahead and prefetch."""
 
     def _note_request(self, first: int, end: int) -> int:

@@ -12,10 +12,11 @@ from diskserver.chain.layers import (
     _Layer,
     log,
 )
+from diskserver.chain.state import ChainState
 from hashcache.errors import HashcacheError
 
 
-class Persisting:
+class Persisting(ChainState):
     """Part of :class:`Chain`: the write-behind persister."""
 
     def _keep(self, layer: _Layer, blocks: dict[int, bytes], cache_items: list[tuple[bytes, int]]) -> None:

@@ -16,6 +16,7 @@ from diskserver.chain.layers import (
     _record_keys,
     _zero,
 )
+from diskserver.chain.state import ChainState
 from diskserver.errors import DiskServerError, SpecError
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import HashcacheError
@@ -23,7 +24,7 @@ from hashcache.hcp import MAX_BATCH
 from hashcache.qcow2 import DATA, Qcow2Image
 
 
-class BlockResolution:
+class BlockResolution(ChainState):
     """Part of :class:`Chain`: the owner map and reading along it."""
 
     def _local_offsets(self, layer: _Layer) -> array[int]:

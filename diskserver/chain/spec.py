@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from diskserver.errors import SpecError
 from hashcache import wirejson
@@ -264,11 +264,14 @@ class ChainSpec:
                 pin = remote.get("fingerprint")
                 if pin is not None and not isinstance(pin, str):
                     raise SpecError(f"layer {n}: remote fingerprint must be a string")
-                remote = RemoteSpec(url=remote.get("url"), token_file=path(remote.get("token_file"),
-                                                                            f"layer {n} remote token_file"),
+                # a missing url, token_file, id or manifest_path goes in as None: validate() names it
+                remote = RemoteSpec(url=cast(str, remote.get("url")),
+                                    token_file=cast(str, path(remote.get("token_file"),
+                                                              f"layer {n} remote token_file")),
                                     fingerprint=pin)
-            layers.append(LayerSpec(id=item.get("id"), manifest_path=path(item.get("manifest_path"),
-                                                                          f"layer {n} manifest_path"),
+            layers.append(LayerSpec(id=cast(str, item.get("id")),
+                                    manifest_path=cast(str, path(item.get("manifest_path"),
+                                                                 f"layer {n} manifest_path")),
                                     local_path=path(item.get("local_path"), f"layer {n} local_path"),
                                     remote=remote))
 

@@ -22,11 +22,12 @@ from hashcache.cache.format import (
     READAHEAD_INITIAL,
     _check_hash,
 )
+from hashcache.cache.state import CacheState
 
 _CANDIDATE = struct.Struct("<qQQ")  # native.cache_candidates: position (-1: none), offset, file id
 
 
-class VerifiedLookup:
+class VerifiedLookup(CacheState):
     """Part of :class:`HashCache`: lookups and read-ahead."""
 
     def lookup(self, hash32: bytes) -> bytes | None:

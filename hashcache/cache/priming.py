@@ -16,6 +16,7 @@ from hashcache.cache.format import (
     Progress,
     _check_hash,
 )
+from hashcache.cache.state import CacheState
 from hashcache.errors import HashcacheError
 from hashcache.manifest import KIND_LAYER, Manifest, _data_extents
 from hashcache.qcow2 import DATA, Qcow2Image
@@ -43,7 +44,7 @@ def _read_upto(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-class Priming:
+class Priming(CacheState):
     """Part of :class:`HashCache`: inserting whole files."""
 
     def insert_file(

@@ -19,6 +19,7 @@ from hashcache.cache.format import (
     _s64,
     narrow_mode,
 )
+from hashcache.cache.state import CacheState
 from hashcache.errors import HashcacheError
 
 _SCHEMA = """
@@ -84,7 +85,7 @@ def _open_paths_db(db_path: str, cache_uuid: str) -> sqlite3.Connection:
     return db
 
 
-class FileRegistry:
+class FileRegistry(CacheState):
     """Part of :class:`HashCache`: the path table and open files."""
 
     def file_id(self, path: str | os.PathLike[str]) -> int:
@@ -129,25 +130,26 @@ class FileRegistry:
                     self._drop_file(row[0], delete_row=False)
                     row = None
                 if row is None:
-                    while True:
-                        fid = self._rng.getrandbits(32)
-                        if not fid:
-                            continue
-                        try:
-                            self._db.execute(
-                                "INSERT INTO files (id, path, dev, ino) VALUES (?, ?, ?, ?)", (fid, real, dev, ino)
-                            )
-                        except sqlite3.IntegrityError:
-                            if self._db.execute("SELECT 1 FROM files WHERE path = ?", (real,)).fetchone():
-                                raise  # pragma: no cover - impossible inside the write transaction
-                            continue  # id taken: draw another
-                        break
-                    row = (fid, dev, ino)
-        fid = row[0]
+                    row = (self._insert_row(real, dev, ino), dev, ino)
+        fid: int = row[0]
         self._path_ids[real] = (fid, dev, ino)
         self._files[fid] = (real, dev, ino)
         self._dead.discard(fid)
         return fid
+
+    def _insert_row(self, real: str, dev: int, ino: int) -> int:
+        """A new path-table row for ``real`` under a random unused id (in the caller's transaction)."""
+        while True:
+            fid = self._rng.getrandbits(32)
+            if not fid:
+                continue
+            try:
+                self._db.execute("INSERT INTO files (id, path, dev, ino) VALUES (?, ?, ?, ?)", (fid, real, dev, ino))
+            except sqlite3.IntegrityError:
+                if self._db.execute("SELECT 1 FROM files WHERE path = ?", (real,)).fetchone():
+                    raise  # pragma: no cover - impossible inside the write transaction
+                continue  # id taken: draw another
+            return fid
 
     def _file_info(self, fid: int) -> tuple[str, int, int] | None:
         info = self._files.get(fid)

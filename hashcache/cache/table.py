@@ -32,6 +32,7 @@ from hashcache.cache.format import (
     _check_hash,
     _key,
 )
+from hashcache.cache.state import CacheState
 
 
 def _find_zero_key(keys: bytes, start: int, end: int) -> int:
@@ -42,7 +43,7 @@ def _find_zero_key(keys: bytes, start: int, end: int) -> int:
     return pos
 
 
-class BucketTable:
+class BucketTable(CacheState):
     """Part of :class:`HashCache`: the table itself, inserting and inspecting entries."""
 
     def _bucket(self, h: bytes) -> int:

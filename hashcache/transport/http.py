@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -60,7 +61,7 @@ class HttpTransport:
         headers = {"Authorization": self.token.header}
         if call.json:
             headers["Content-Type"] = "application/json"
-        kw = {}
+        kw: dict[str, Any] = {}  # no timeout argument at all unless the call has one (the test client warns)
         if call.timeout is not None:
             kw["timeout"] = httpx.Timeout(call.timeout, connect=min(self.connect_timeout, call.timeout))
         try:

@@ -44,7 +44,8 @@ class _Session:
         msg = self._session.receive()
         if msg["type"] != "websocket.send" or msg.get("bytes") is None:
             raise ConnectionError("the agent closed the block stream")
-        return msg["bytes"]
+        data: bytes = msg["bytes"]
+        return data
 
     def close(self) -> None:
         self._cm.__exit__(None, None, None)

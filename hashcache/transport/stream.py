@@ -115,7 +115,7 @@ class _Connection:
         """Send one binary message and return the binary reply."""
         self.proto.send_binary(message)
         self._flush()
-        parts: list[bytes] = []
+        parts: list[bytes | bytearray | memoryview] = []
         while True:
             frame = self._next_event(timeout)
             if not isinstance(frame, Frame) or frame.opcode in (Opcode.PING, Opcode.PONG):
@@ -252,7 +252,7 @@ class StreamTransport:
         payload, err = decode_stream_reply(raw)  # a malformed reply: ProtocolError
         if payload is None:
             status = err.get("status")
-            status = status if HTTP_ERROR.contains(status) else 502
+            status = status if isinstance(status, int) and HTTP_ERROR.contains(status) else 502
             body = {k: v for k, v in err.items() if k != "status"}
             return Reply(status, json.dumps(body).encode(), {}, wire)
         return Reply(200, payload, {}, wire)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from hashcache.errors import InvalidInput, Unreachable
+from hashcache.errors import Error, InvalidInput, Unreachable
 from hashcache.transport.base import Call, Reply, TokenSource, Transport, error_of
 
 log = logging.getLogger("hashcache.transport")
@@ -45,7 +45,7 @@ class Retrying:
     names); gives up with :class:`Unreachable` saying how many attempts were made and the last error."""
 
     def __init__(self, inner: Transport, policy: RetryPolicy | None = None,
-                 sleep=time.sleep) -> None:  # noqa: ANN001 - a test may pass a fake clock's sleep
+                 sleep: Callable[[float], None] = time.sleep) -> None:  # a test may pass a fake clock's sleep
         self.inner = inner
         self.url = inner.url
         self.policy = policy or RetryPolicy()
@@ -60,6 +60,7 @@ class Retrying:
         end = start + policy.deadline if policy.deadline is not None else None
         pauses = policy.pauses()
         attempts = 0
+        last: Error
         while True:
             attempts += 1
             c = call
@@ -127,7 +128,7 @@ class RateLimited:
     (a token bucket of ``burst`` bytes; a body larger than the bucket waits until it is paid for)."""
 
     def __init__(self, inner: Transport, bytes_per_second: float, burst: float | None = None,
-                 sleep=time.sleep) -> None:  # noqa: ANN001
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if bytes_per_second <= 0:
             raise InvalidInput(f"a rate limit must be above 0 bytes per second, not {bytes_per_second}")
         self.inner = inner
