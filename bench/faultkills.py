@@ -25,8 +25,8 @@ from bench.faultkit import Outcome, agent, arrived, kill, push_cli, sound, top_l
 from bench.faultproxy import FaultProxy
 from bench.fleetkit import new_version
 from capsule import transfer
-from capsule.objectio import has_object, object_manifest
 from capsule.store import Store
+from capsule.store.objectio import has_object, object_manifest
 from hashcache.blocks import BLOCK_SIZE
 
 START = 1 / 8              # of the layer's bytes through the proxy: its blocks are flowing (past the manifest)

@@ -25,8 +25,8 @@ from bench.fleetkit import new_version
 from capsule import capsules, transfer
 from capsule.agent.launch import AgentProcess
 from capsule.agentclient import AgentClient
-from capsule.objectio import has_object, object_manifest, open_shadow
 from capsule.store import Store
+from capsule.store.objectio import has_object, object_manifest, open_shadow
 from capsule.verify import verify
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.transport import RetryPolicy

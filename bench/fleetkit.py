@@ -9,8 +9,8 @@ import subprocess
 import time
 
 from capsule import qemuimg
-from capsule.catalogue import VersionRow
 from capsule.store import Store
+from capsule.store.catalogue import VersionRow
 
 
 def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0,

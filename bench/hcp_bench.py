@@ -76,7 +76,7 @@ def rsync_bytes(new: Path, old: Path, work: Path) -> int:
 def novel_zstd(store_new: Store, kind: str, oid: str, known: set[bytes]) -> tuple[int, int, int]:
     """(zstd -3 bytes of the distinct novel blocks, novel count, non-zero block count)."""
     m = store_new.layer_manifest(oid) if kind == "layer" else store_new.file_manifest(oid)
-    from capsule.objectio import BlockReader
+    from capsule.store.objectio import BlockReader
 
     reader = BlockReader(store_new, kind, oid)
     seen: set[bytes] = set()

@@ -25,8 +25,8 @@ import time
 
 from bench.faultkit import Outcome, agent, arrived, sound, top_layer
 from capsule import transfer
-from capsule.objectio import has_object, object_manifest
 from capsule.store import Store
+from capsule.store.objectio import has_object, object_manifest
 from hashcache.blocks import BLOCK_SIZE
 
 KINDS = ("handshake", "headers", "body", "not reading")

@@ -36,8 +36,8 @@ from bench.backup_accounting import compressed_sizes  # noqa: E402
 from bench.common import RESULTS, image_stores, table, workdir, write_result  # noqa: E402
 from capsule import capsules, hosts, qemuimg, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
-from capsule.objectio import BlockReader  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from capsule.store.objectio import BlockReader  # noqa: E402
 from capsule.update import make as making  # noqa: E402
 from tests.conftest import _destroy_domains  # noqa: E402
 

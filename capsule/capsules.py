@@ -10,11 +10,11 @@ from typing import Any
 
 from capsule import qemuimg
 from capsule.bounds import VCPUS
-from capsule.catalogue import CapsuleRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import AlreadyExists, InvalidName, NotFound
 from capsule.names import check_name, parse_ref
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store
+from capsule.store.catalogue import CapsuleRow, InstanceRow, LayerRow, VersionRow
 from capsule.units import parse_memory_mib, parse_size
 
 DEFAULT_MEMORY = "512M"

@@ -24,7 +24,7 @@ from capsule import qemuimg
 from capsule.errors import AuthFailed, Error, NotFound
 from capsule.runtime import guestaccess
 from capsule.store import Store
-from capsule.storemodes import OBJECT_MODE
+from capsule.store.modes import OBJECT_MODE
 from diskserver import ChainSpec, DiskServer, LayerSpec, RemoteSpec, RetrySpec
 from diskserver.chain import ReadaheadSpec
 from hashcache.atomic import write_atomic
@@ -187,7 +187,7 @@ def localize(store: Store) -> list[str]:
 
 
 def _localize(store: Store) -> list[str]:
-    from capsule.objectio import install_received
+    from capsule.store.objectio import install_received
 
     done = []
     for info_path in sorted(remote_dir(store).glob("*.json")):

@@ -14,8 +14,8 @@ from capsule.errors import CapsuleError
 from capsule.runtime.connection import connect, libvirt_uri
 from capsule.runtime.guestaccess import USER_ENV, check_reachable, guest_user
 from capsule.store import Store
-from capsule.storelock import describe_holder
-from capsule.storemodes import check_modes
+from capsule.store.locks import describe_holder
+from capsule.store.modes import check_modes
 
 
 @dataclass

@@ -16,15 +16,15 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from capsule import claims, qemuimg
+from capsule import qemuimg
 from capsule.capsules import resolve
-from capsule.catalogue import LayerRow, VersionRow
 from capsule.errors import Conflict, NotFound, RuntimeFailure
-from capsule.fsutil import disk_usage, remove_readonly
 from capsule.names import parse_ref
 from capsule.pod import POD_GROUP_ROLE, POD_IMAGE_ROLE
-from capsule.store import Store
-from capsule.storemodes import LEAF_MODE
+from capsule.store import Store, claims
+from capsule.store.catalogue import LayerRow, VersionRow
+from capsule.store.fsutil import disk_usage, remove_readonly
+from capsule.store.modes import LEAF_MODE
 
 Say = Callable[[str], None]
 DEFAULT_PENDING_MAX_AGE = 24 * 3600.0

@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from capsule import qemuimg
-from capsule.catalogue import ImageRow
 from capsule.errors import AlreadyExists, CapsuleError, InvalidName, RuntimeFailure
 from capsule.imagebuild import BuiltImage, ImageBuildError, build_debian, build_desktop, build_tiny
 from capsule.imagebuild.common import recipe_sha256
 from capsule.names import check_name
 from capsule.store import Store
-from capsule.storemodes import OBJECT_MODE
+from capsule.store.catalogue import ImageRow
+from capsule.store.modes import OBJECT_MODE
 
 KINDS = ("tiny", "debian", "desktop")
 DEFAULT_DISK_SIZE = {"debian": "2G", "desktop": "3G"}

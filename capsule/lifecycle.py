@@ -13,18 +13,18 @@ from pathlib import Path
 import libvirt
 
 from capsule import balloon as balloon_mod
-from capsule import claims, demand, memimage, privsep, qemuimg, sealing, watch
+from capsule import demand, memimage, privsep, qemuimg, sealing, watch
 from capsule.capsules import resolve
-from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
-from capsule.fsutil import is_enospc, make_private_dir
 from capsule.names import parse_ref
 from capsule.runtime import podnet
 from capsule.runtime.accel import AccelDecision, decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
 from capsule.runtime.console import log_size, wait_for_marker
 from capsule.runtime.domainxml import build
-from capsule.store import Store
+from capsule.store import Store, claims
+from capsule.store.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
+from capsule.store.fsutil import is_enospc, make_private_dir
 from hashcache.errors import HashcacheError
 from hashcache.manifest import verify_file
 from hashcache.qcow2 import Qcow2Image

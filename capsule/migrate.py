@@ -25,12 +25,12 @@ from typing import Any
 
 import httpx
 
-from capsule import claims, lifecycle, transfer
+from capsule import lifecycle, transfer
 from capsule.agentclient import AgentClient
-from capsule.catalogue import VersionRow
 from capsule.errors import Cancelled, CapsuleError, Error, InvalidName, RuntimeFailure, Unreachable
 from capsule.migrateprogress import CancelToken, Snapshot, Tracker, planned
-from capsule.store import Store
+from capsule.store import Store, claims
+from capsule.store.catalogue import VersionRow
 from capsule.units import human
 
 MODES = ("full", "demand")

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from capsule.errors import EnvironmentProblem, IntegrityError, RuntimeFailure, StorageFull
-from capsule.fsutil import is_enospc
-from capsule.storemodes import LEAF_MODE
+from capsule.store.fsutil import is_enospc
+from capsule.store.modes import LEAF_MODE
 
 LAYER_OPTIONS = "cluster_size=131072,extended_l2=on"
 

@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 from capsule.bounds import CREATED, MEMORY_MIB, VCPUS, VERSION, check
-from capsule.catalogue import CapsuleRow, VersionRow
 from capsule.errors import Conflict, InvalidName, NotFound
 from capsule.names import check_name, check_object_id, check_uuid
 from capsule.store import Store
+from capsule.store.catalogue import CapsuleRow, VersionRow
 
 CONFIG_KEYS = {"memory_mib": int, "vcpus": int, "kernel": str, "initrd": str, "cmdline": str, "marker": str}
 CONFIG_BOUNDS = {"memory_mib": MEMORY_MIB, "vcpus": VCPUS}   # a received capsule asks a host for these
@@ -97,7 +97,7 @@ def record_version(store: Store, record: dict[str, Any]) -> tuple[VersionRow, bo
     identical existing version is not an error. The objects are checked under
     the store lock, so gc cannot remove one between the check and the record."""
     from capsule.demand import is_remote
-    from capsule.objectio import has_object
+    from capsule.store.objectio import has_object
 
     validate(record)
     layers, files = objects_of(record)

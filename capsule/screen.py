@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capsule.capsules import resolve
-from capsule.catalogue import InstanceRow
 from capsule.errors import Conflict, RuntimeFailure
 from capsule.memimage import VNC_SOCKET
 from capsule.names import check_name
 from capsule.runtime import guestfiles
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
 
 
 @dataclass(frozen=True)

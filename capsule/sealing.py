@@ -12,10 +12,10 @@ import libvirt
 
 from capsule import compact as compact_mod
 from capsule import demand, memimage, qemuimg
-from capsule.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 from capsule.errors import CapsuleError
 from capsule.runtime import saveimage
 from capsule.store import Store
+from capsule.store.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
 
 Say = Callable[[str], None]
 Release = Callable[[int, Path, list[str]], Collection[int]]   # (disk index, leaf, chain) → blocks to drop

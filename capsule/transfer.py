@@ -22,13 +22,13 @@ from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
 from capsule.errors import CapsuleError, TransferFailed
 from capsule.exchange.streams import STREAMS_HEADER, BlockStreamLost, offered_codecs
-from capsule.fsutil import translating_enospc
 from capsule.names import parse_ref
-from capsule.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
 from capsule.pacing import Pacer
 from capsule.pipeline import Pipeline, run_batches
 from capsule.records import objects_of, record_version, validate, version_record
 from capsule.store import Store
+from capsule.store.fsutil import translating_enospc
+from capsule.store.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch

@@ -1,6 +1,6 @@
 """``capsule verify``: re-check every sealed layer and file object against
 its manifest, every layer with ``qemu-img check``, and the modes of the
-store's directories and files (storemodes.py); ``fix_modes`` repairs those.
+store's directories and files (capsule/store/modes.py); ``fix_modes`` repairs those.
 ``verify_versions`` checks only what some versions reference (backup verify
 jobs, here and on a backup host through its agent); ``users_of`` says which
 of them use each object."""
@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from capsule import capsules, qemuimg
-from capsule.catalogue import VersionRow
 from capsule.errors import CapsuleError, NotFound
 from capsule.store import Store
-from capsule.storemodes import check_modes, fix_modes
+from capsule.store.catalogue import VersionRow
+from capsule.store.modes import check_modes, fix_modes
 from hashcache.errors import HashcacheError
 from hashcache.manifest import verify_file, verify_layer
 

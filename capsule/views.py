@@ -9,10 +9,10 @@ from typing import Any
 
 from capsule import demand
 from capsule.capsules import CapsuleState, list_states
-from capsule.catalogue import CapsuleRow, FileRow, ImageRow, InstanceRow, LayerRow, VersionRow
 from capsule.hierarchy import RmResult
 from capsule.lifecycle import SealResult, StartResult
 from capsule.store import Store
+from capsule.store.catalogue import CapsuleRow, FileRow, ImageRow, InstanceRow, LayerRow, VersionRow
 
 
 def _disk_size(store: Store, chain: list[str]) -> int | None:

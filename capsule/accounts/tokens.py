@@ -22,15 +22,15 @@ from typing import Any
 
 from capsule.accounts import users
 from capsule.accounts.model import GRANT_ROLE, ROLE_SCOPES, Grant, Principal, legacy_principal, parse_scopes
-from capsule.catalogue import Catalogue
 from capsule.errors import AuthFailed, InvalidName, NotFound
 from capsule.store import Store
+from capsule.store.catalogue import Catalogue
 
 # a grant's columns (added in place to a table made before grants named what they allow): its capability,
 # capsule and version, who made it (a user, LEGACY_ISSUER or unix:NAME, and the token it used), and a JSON
 # detail (a read grant's capsule uuid, a push grant's version record). A @host row without ``allow`` is an
 # old unbounded host grant: refused.
-COLUMNS = ("id", "user", "scopes", "hash", "created", "expires", "revoked",      # the table: capsule/schema.py
+COLUMNS = ("id", "user", "scopes", "hash", "created", "expires", "revoked",      # the table: capsule/store/schema.py
            "allow", "capsule", "version", "issuer", "issuer_token", "detail")
 _TOKEN_RE = re.compile(r"cap_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
 _ID_RE = re.compile(r"[0-9a-f]{12}")

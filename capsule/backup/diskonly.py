@@ -26,15 +26,15 @@ from pathlib import Path
 import libvirt
 import libvirt_qemu
 
-from capsule import claims, qemuimg
-from capsule.catalogue import InstanceRow, LayerRow, VersionRow
+from capsule import qemuimg
 from capsule.errors import Conflict, Error, RuntimeFailure
 from capsule.lifecycle import USER_NETWORK
 from capsule.runtime import guestaccess
 from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
-from capsule.store import Store
-from capsule.storemodes import LEAF_MODE
+from capsule.store import Store, claims
+from capsule.store.catalogue import InstanceRow, LayerRow, VersionRow
+from capsule.store.modes import LEAF_MODE
 
 FREEZE_TIMEOUT = 10.0
 COMMIT_TIMEOUT = 120.0

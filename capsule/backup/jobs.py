@@ -16,10 +16,10 @@ from capsule import hosts
 from capsule.backup.calendar import CalendarError, CalendarEvent, parse
 from capsule.backup.retention import Policy
 from capsule.capsules import resolve
-from capsule.catalogue import VersionRow
 from capsule.errors import Conflict, NotFound
 from capsule.names import check_name
 from capsule.store import Store
+from capsule.store.catalogue import VersionRow
 
 MODES = ("memory", "disk-only")
 NOTE_PREFIX = "backup"

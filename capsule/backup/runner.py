@@ -23,10 +23,10 @@ from typing import Any
 from capsule import capsules, hierarchy, lifecycle
 from capsule.backup import copies, diskonly, jobs
 from capsule.backup.retention import Decision, Policy, Snapshot, apply
-from capsule.catalogue import VersionRow
 from capsule.errors import Conflict, Error
 from capsule.names import check_name, parse_ref
 from capsule.store import Store
+from capsule.store.catalogue import VersionRow
 
 Say = Callable[[str], None]
 

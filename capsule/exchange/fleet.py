@@ -89,8 +89,9 @@ def activate(store: Store, name: str, version: int, timeout: float = 180.0) -> s
     disk's changes are dropped, since the fleet's version replaces them — and nothing happens if that
     version already runs. An instance with data disks is refused before anything stops. Says what
     it did."""
-    from capsule import claims, lifecycle
+    from capsule import lifecycle
     from capsule.capsules import resolve
+    from capsule.store import claims
 
     check_name(name)
     timeout = check(TIMEOUT, timeout, "timeout")

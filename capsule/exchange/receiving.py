@@ -19,10 +19,10 @@ import zstandard
 from capsule.errors import Conflict, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
 from capsule.exchange.streams import Streams
-from capsule.fsutil import translating_enospc
 from capsule.names import check_object_id
-from capsule.objectio import check_kind, has_object, install_received, object_path, open_shadow
 from capsule.store import Store
+from capsule.store.fsutil import translating_enospc
+from capsule.store.objectio import check_kind, has_object, install_received, object_path, open_shadow
 from hashcache.atomic import write_atomic
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import (

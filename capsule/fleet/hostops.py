@@ -12,12 +12,12 @@ from typing import Any
 from capsule import hosts, transfer
 from capsule.agentclient import AgentClient
 from capsule.bounds import VERSION, WIRE_BYTES
-from capsule.catalogue import VersionRow
 from capsule.errors import Error, InvalidName, TransferFailed
 from capsule.fleet.members import Member
 from capsule.names import parse_ref
 from capsule.records import version_record
 from capsule.store import Store
+from capsule.store.catalogue import VersionRow
 
 ASK_TIMEOUT = 5.0
 TRANSFER_TIMEOUT = 3600.0

@@ -15,7 +15,6 @@ from typing import Any
 
 from capsule import transfer
 from capsule.capsules import resolve
-from capsule.catalogue import Catalogue
 from capsule.errors import AuthFailed, Conflict, InvalidName, NotFound, PeerError
 from capsule.fleet import hostops, members
 from capsule.fleet.fanout import ORIGIN
@@ -23,6 +22,7 @@ from capsule.fleet.plan import Plan, plan_stages
 from capsule.fleet.rollout import HostResult, Outcome, Rollout
 from capsule.names import parse_ref
 from capsule.store import Store
+from capsule.store.catalogue import Catalogue
 
 
 @dataclass

@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from capsule.catalogue import InstanceRow
 from capsule.errors import Conflict, NotFound
 from capsule.pod.errors import BY_KIND, PodFailed, PodLayerMissing
 from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, AgentReplyInvalid, GuestAgent, exec_result
 from capsule.runtime.hotdisk import HotDisk, HotDiskUnavailable, scratch_file
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
 from hashcache import wirejson
 
 DOWN_CHUNK = 3 << 20      # raw bytes per read: 4 MiB of base64, under the agent's 8 MiB output cap

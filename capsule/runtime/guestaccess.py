@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capsule.errors import EnvironmentProblem, IntegrityError
-from capsule.storemodes import GUEST_DIR_MODE, GUEST_SUBDIRS
+from capsule.store.modes import GUEST_DIR_MODE, GUEST_SUBDIRS
 
 USER_ENV = "CAPSULE_QEMU_USER"
 DEFAULT_USER = "libvirt-qemu"

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from capsule import capsules, claims, lifecycle
-from capsule.catalogue import VersionRow
+from capsule import capsules, lifecycle
 from capsule.errors import Conflict, InvalidName
 from capsule.names import parse_ref
-from capsule.store import Store
+from capsule.store import Store, claims
+from capsule.store.catalogue import VersionRow
 
 SYSTEM_KEYS = ("kernel", "initrd", "cmdline", "marker", "image")   # config that comes with a system disk
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsule import capsules, claims, lifecycle
-from capsule.catalogue import VersionRow
+from capsule import capsules, lifecycle
 from capsule.errors import AlreadyExists, CapsuleError, Conflict, Error, GuestTimeout, InvalidName
 from capsule.names import check_name, parse_ref
 from capsule.runtime.guestagent import AgentError, wait_for_agent
-from capsule.store import Store
+from capsule.store import Store, claims
+from capsule.store.catalogue import VersionRow
 from capsule.update import journal
 from capsule.update.guest import GuestShell, Output, StepResult, need_to_get
 

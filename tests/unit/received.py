@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from capsule.objectio import install_received, open_shadow
 from capsule.store import Store
+from capsule.store.objectio import install_received, open_shadow
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.manifest import Manifest, manifest_of_file, manifest_of_layer
 from hashcache.qcow2_writer import write_layer

@@ -20,9 +20,9 @@ from capsule import audit, capsules
 from capsule.accounts import owners, passwords, tokens, users
 from capsule.agent.app import create_app
 from capsule.agent.sessions import Attempts
-from capsule.catalogue import ImageRow
 from capsule.errors import AlreadyExists, Conflict, InvalidName, NotFound, TooManyAttempts
 from capsule.store import Store
+from capsule.store.catalogue import ImageRow
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -17,9 +17,9 @@ from capsule.backup import jobs, runner
 from capsule.backup.calendar import CalendarError
 from capsule.backup.retention import Policy
 from capsule.backup.scheduler import Scheduler
-from capsule.catalogue import CapsuleRow, VersionRow
 from capsule.errors import Conflict, NotFound
 from capsule.store import Store
+from capsule.store.catalogue import CapsuleRow, VersionRow
 
 pytestmark = pytest.mark.unit
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from capsule.backup import verifyjob
 from capsule.backup.calendar import CalendarError
-from capsule.catalogue import CapsuleRow, VersionRow
 from capsule.errors import NotFound
 from capsule.store import Store
+from capsule.store.catalogue import CapsuleRow, VersionRow
 from tests.unit.inprocess_agent import InProcessAgent
 
 pytestmark = pytest.mark.unit

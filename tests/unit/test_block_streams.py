@@ -14,7 +14,7 @@ import pytest
 from bench.fleetkit import new_version
 from capsule import capsules, transfer
 from capsule.exchange.streams import BlockStreamLost, Streams
-from capsule.objectio import has_object
+from capsule.store.objectio import has_object
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import ManifestMismatch

@@ -19,9 +19,9 @@ from fastapi.testclient import TestClient
 
 from capsule import capsules, transfer
 from capsule.agent.app import create_app
-from capsule.catalogue import ImageRow
 from capsule.errors import TransferFailed
 from capsule.store import Store
+from capsule.store.catalogue import ImageRow
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.transport.base import Call, Reply
 from tests.unit.received import receive_file, receive_layer, record_of

@@ -1,4 +1,4 @@
-"""Claims on capsules (capsule/claims.py) and a stop that waits on its guest without the store lock: while one
+"""Claims on capsules (capsule/store/claims.py) and a stop that waits on its guest without the store lock: while one
 capsule's guest ignores the shutdown request, the store serves everyone else, and only an operation on that same
 capsule is refused, with what is under way. No guest: libvirt's domain is a fake that ignores ACPI."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from capsule import capsules, claims, lifecycle
-from capsule.catalogue import ImageRow, InstanceRow
+from capsule import capsules, lifecycle
 from capsule.errors import CapsuleBusy, Conflict, InvalidName
 from capsule.hierarchy import gc
-from capsule.store import Store
+from capsule.store import Store, claims
+from capsule.store.catalogue import ImageRow, InstanceRow
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -100,8 +100,8 @@ def test_tree_prints_the_graph_the_dashboard_draws(tmp_path):
     import time
 
     from capsule import capsules, views
-    from capsule.catalogue import ImageRow, LayerRow
     from capsule.store import Store
+    from capsule.store.catalogue import ImageRow, LayerRow
 
     home = tmp_path / "store"
     store = Store.open(home)

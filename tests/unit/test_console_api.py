@@ -17,10 +17,10 @@ from starlette.websockets import WebSocketDisconnect
 from capsule import audit, capsules, screen
 from capsule.agent.app import create_app
 from capsule.agent.console import Tickets
-from capsule.catalogue import InstanceRow
 from capsule.memimage import VNC_SOCKET
 from capsule.runtime.guestaccess import guest_user
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
 from tests.unit.test_dashboard_api import TOKEN, Clock, _fake_image, sign_in
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -9,9 +9,9 @@ from starlette.testclient import WebSocketDenialResponse
 
 from capsule import audit, capsules, hosts
 from capsule.agent.app import create_app
-from capsule.catalogue import InstanceRow
 from capsule.memimage import VNC_SOCKET
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
 from tests.unit.inprocess_agent import InProcessAgent
 from tests.unit.test_console_api import EchoServer, refused
 from tests.unit.test_dashboard_api import PEER_TOKEN, TOKEN, _fake_image, sign_in

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from capsule import capsules, demand, hosts, views
 from capsule.agent.app import create_app
-from capsule.catalogue import ImageRow
 from capsule.store import Store
+from capsule.store.catalogue import ImageRow
 from tests.unit.inprocess_agent import InProcessAgent
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

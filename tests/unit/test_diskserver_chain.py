@@ -301,7 +301,7 @@ def lying_source(source, monkeypatch):
     import uvicorn
 
     from capsule.agent.app import create_app
-    from capsule.objectio import BlockReader
+    from capsule.store.objectio import BlockReader
 
     victim = source.data_blocks()[5]
     real_read = BlockReader.read

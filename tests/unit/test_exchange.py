@@ -15,8 +15,8 @@ from capsule.errors import Conflict, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
 from capsule.exchange.receiving import Inbox, split_blocks_upload
 from capsule.exchange.serving import ObjectServer, missing
-from capsule.objectio import BlockReader, ReaderCache, has_object
 from capsule.store import Store
+from capsule.store.objectio import BlockReader, ReaderCache, has_object
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import PREFIX_SIZE, Expectation, ProtocolError, encode_indices, pack_blocks

@@ -112,10 +112,10 @@ def test_fleet_routes_need_the_token_and_activate_needs_a_known_version(peer):
 def test_activate_refuses_a_running_capsule_with_data_disks_and_changes_nothing(tmp_path):
     """A fleet activation drops the running instance's disk changes: with data disks that would be the
     user's data, so it is refused before anything stops."""
-    from capsule.catalogue import CapsuleRow, InstanceRow, VersionRow
     from capsule.errors import Conflict
     from capsule.exchange import fleet
     from capsule.store import Store
+    from capsule.store.catalogue import CapsuleRow, InstanceRow, VersionRow
 
     store = Store.open(tmp_path / "s")
     try:

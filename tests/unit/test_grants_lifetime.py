@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 from capsule import demand, transfer
 from capsule.accounts import grants, tokens, users
 from capsule.agent.app import create_app
-from capsule.catalogue import InstanceRow
 from capsule.cli.main import app as cli
-from capsule.objectio import object_manifest
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
+from capsule.store.objectio import object_manifest
 from hashcache.transport.memory import in_process
 from tests.unit.grantworld import TOKEN, A, B, bearer, make_world
 from tests.unit.inprocess_agent import InProcessAgent

@@ -18,13 +18,13 @@ from fastapi.testclient import TestClient
 
 from capsule import balloon, capsules
 from capsule.agent.app import create_app
-from capsule.catalogue import InstanceRow
 from capsule.pod import ops, replies
 from capsule.pod.errors import PodFailed
 from capsule.pod.relay import LEND_FROM_OUT, Relay
 from capsule.runtime.guestagent import AgentReplyInvalid, Reply, exec_result
 from capsule.runtime.hotdisk import HotDiskUnavailable
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
 from tests.unit.fakeagent import reply, requests
 from tests.unit.test_dashboard_api import TOKEN, _fake_image
 

@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 
 from capsule import capsules, screen
 from capsule.agent.app import create_app
-from capsule.catalogue import InstanceRow
 from capsule.memimage import VNC_SOCKET
 from capsule.runtime import guestfiles
 from capsule.runtime.guestaccess import guest_user
 from capsule.runtime.guestagent import GuestAgent
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
 from tests.unit.test_console_api import EchoServer, refused
 from tests.unit.test_dashboard_api import TOKEN, _fake_image, sign_in
 

@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from capsule import lifecycle
-from capsule.catalogue import VersionRow
 from capsule.errors import Cancelled, InvalidInput, InvalidName
 from capsule.exchange.running import request_pin
 from capsule.migrate import MigrationCancelled, MigrationFailed, Reached, Steps, migrate
 from capsule.migrateprogress import PHASES, CancelToken, Snapshot, Tracker, planned
+from capsule.store.catalogue import VersionRow
 from hashcache.transport import tls
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 from capsule import hosts
 from capsule import migrate as lib
 from capsule.agent.app import create_app
-from capsule.catalogue import InstanceRow
 from capsule.errors import Cancelled, Conflict
 from capsule.migrateprogress import Tracker, planned
 from capsule.store import Store
+from capsule.store.catalogue import InstanceRow
 from tests.unit.inprocess_agent import InProcessAgent
 from tests.unit.test_dashboard_api import PEER_TOKEN, SECRET, TOKEN, home, sign_in  # noqa: F401 - fixture
 from tests.wait import wait_until

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from capsule import __version__, capsules
 from capsule.agent.app import create_app
 from capsule.agentclient import AgentClient
-from capsule.catalogue import ImageRow
 from capsule.store import Store
+from capsule.store.catalogue import ImageRow
 from hashcache.errors import ProtocolMismatch
 from hashcache.transport import HttpTransport, protocol
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from capsule.store import Store
-from capsule.storelock import LockTimeout, lock_for
+from capsule.store.locks import LockTimeout, lock_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from capsule import hierarchy
-from capsule.objectio import has_object
+from capsule.store.objectio import has_object
 
 pytestmark = [pytest.mark.tools]
 

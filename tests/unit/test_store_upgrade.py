@@ -20,8 +20,8 @@ from capsule.backup import copies, jobs
 from capsule.errors import EnvironmentProblem, IntegrityError
 from capsule.fleet import members
 from capsule.hosts import peers
-from capsule.schema import SCHEMA_VERSION
 from capsule.store import STORE_FORMAT, Store
+from capsule.store.schema import SCHEMA_VERSION
 from capsule.verify import verify
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(120)]
@@ -90,7 +90,7 @@ def test_a_catalogue_of_a_newer_release_is_refused_and_left_alone(tmp_path):
 
 
 def test_a_failing_migration_changes_nothing(tmp_path, monkeypatch):
-    from capsule import schema
+    from capsule.store import schema
 
     home = unpack("0.1.0", tmp_path)
 

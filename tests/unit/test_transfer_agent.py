@@ -16,7 +16,7 @@ import pytest
 
 from capsule import capsules, transfer
 from capsule.errors import AuthFailed, TransferFailed
-from capsule.objectio import BlockReader, has_object
+from capsule.store.objectio import BlockReader, has_object
 from tests.conftest import Agent, make_store
 from tests.wait import wait_until
 

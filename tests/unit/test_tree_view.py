@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from capsule.agent.apimodels import TreeOut
-from capsule.catalogue import CapsuleRow, FileRow, ImageRow, InstanceRow, LayerRow, VersionRow
+from capsule.store.catalogue import CapsuleRow, FileRow, ImageRow, InstanceRow, LayerRow, VersionRow
 from capsule.views import TreeParts, tree_graph
 
 pytestmark = pytest.mark.unit

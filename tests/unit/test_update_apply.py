@@ -9,9 +9,9 @@ import time
 import pytest
 
 from capsule import capsules, views
-from capsule.catalogue import ImageRow, LayerRow, VersionRow
 from capsule.errors import InvalidName
 from capsule.store import Store
+from capsule.store.catalogue import ImageRow, LayerRow, VersionRow
 from capsule.update.apply import NotDerived, apply, current_system
 
 pytestmark = pytest.mark.unit

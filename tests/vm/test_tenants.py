@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fastapi.testclient import TestClient
 
-from capsule import capsules, claims
+from capsule import capsules
 from capsule.accounts import owners, tokens, users
 from capsule.agent.app import create_app
 from capsule.runtime.connection import lookup_domain
+from capsule.store import claims
 from tests.vm.helpers import guest, run, write_blocks
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]

@@ -29,10 +29,10 @@ from capsule import capsules
 from capsule.accounts import owners, tokens, users
 from capsule.backup import copies, jobs
 from capsule.backup.retention import Policy
-from capsule.catalogue import ImageRow, VersionRow
 from capsule.fleet import members
 from capsule.hosts import _table as peers_table
 from capsule.store import Store
+from capsule.store.catalogue import ImageRow, VersionRow
 
 MiB = 1 << 20
 

@@ -9,14 +9,14 @@ import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from capsule.catalogue import FileRow, LayerRow
 from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
-from capsule.fsutil import disk_usage, install_readonly, translating_enospc
 from capsule.names import check_object_id
 from capsule.pod import POD_IMAGE_ROLE
-from capsule.store import Store
-from capsule.storemodes import OBJECT_MODE, file_mode
+from capsule.store.catalogue import FileRow, LayerRow
+from capsule.store.fsutil import disk_usage, install_readonly, translating_enospc
+from capsule.store.modes import OBJECT_MODE, file_mode
+from capsule.store.store import Store
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import HashcacheError
 from hashcache.hcp import Expectation

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from capsule.store import Store
+    from capsule.store.store import Store
 
 DIR_MODE = 0o700
 GUEST_DIR_MODE = 0o710   # the store, layers/, files/, instances/: QEMU's group passes through

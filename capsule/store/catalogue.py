@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsule import schema
+from capsule.store import schema
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Catalogue:
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
-        schema.upgrade(self.db, path)   # every table, at this release's schema (capsule/schema.py)
+        schema.upgrade(self.db, path)   # every table, at this release's schema (capsule/store/schema.py)
         self._depth = 0
 
     def close(self) -> None:
@@ -304,7 +304,7 @@ class Catalogue:
     def delete_instance(self, capsule: str) -> None:
         self._exec("DELETE FROM instances WHERE capsule=?", (capsule,))
 
-    # -- tables owned by other modules (their schema: capsule/schema.py) ----------
+    # -- tables owned by other modules (their schema: capsule/store/schema.py) ----------
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         """One statement for a module that owns its table; rows as ``sqlite3.Row``."""
         return self._exec(sql, args)

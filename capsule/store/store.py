@@ -15,7 +15,7 @@ Layout (all under ``home``)::
     recv/, remote/, shadows/   objects being received; remote layers of demand-paged disks
     busy/<capsule>             the claim of an operation under way on a capsule (claims.py; made on first use)
 
-Modes (storemodes.py): the store and its directories 0700, memory images 0400,
+Modes (modes.py): the store and its directories 0700, memory images 0400,
 other sealed objects and manifests 0440, whatever the umask.
 
 Sealed layers reference their parent by the relative file name
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from capsule import __version__
-from capsule.catalogue import Catalogue, FileRow, LayerRow
 from capsule.errors import EnvironmentProblem, IntegrityError, NotFound, SealedObjectError, StorageFull
-from capsule.fsutil import disk_usage, install_readonly, is_enospc, make_private_dir, translating_enospc
 from capsule.names import check_object_id
-from capsule.storelock import lock_for
-from capsule.storemodes import OBJECT_MODE, PRIVATE_FILE_MODE, SUBDIRS, file_mode, is_leftover
+from capsule.store.catalogue import Catalogue, FileRow, LayerRow
+from capsule.store.fsutil import disk_usage, install_readonly, is_enospc, make_private_dir, translating_enospc
+from capsule.store.locks import lock_for
+from capsule.store.modes import OBJECT_MODE, PRIVATE_FILE_MODE, SUBDIRS, file_mode, is_leftover
 from hashcache.atomic import write_atomic
 from hashcache.cache import HashCache
 from hashcache.errors import HashcacheError
@@ -154,7 +154,7 @@ class Store:
     # -- locking ------------------------------------------------------------
     def lock(self, timeout: float | None = -1.0, purpose: str = "") -> AbstractContextManager[None]:
         """Exclusive lock for changes to the store, across threads and processes; re-entrant
-        per thread (see storelock.py). ``timeout`` in seconds, None: forever, default:
+        per thread (see locks.py). ``timeout`` in seconds, None: forever, default:
         CAPSULE_LOCK_TIMEOUT; a timeout raises ``LockTimeout`` naming the holder."""
         return lock_for(self.home).hold(timeout, purpose)
 

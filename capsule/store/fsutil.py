@@ -29,7 +29,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def install_readonly(src: Path, dst: Path, mode: int) -> bool:
-    """Fsync ``src``, give it ``mode`` (read-only: see storemodes.py) and rename it to
+    """Fsync ``src``, give it ``mode`` (read-only: see modes.py) and rename it to
     ``dst`` (same file system). Returns False (and removes ``src``) when ``dst`` already
     exists: objects are named by their digest, so an existing one is identical."""
     if mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):

@@ -1,6 +1,6 @@
 """Claims: one operation at a time on one capsule, without holding the whole store.
 
-The store lock (``storelock.py``) is held only while the catalogue or the store's files change, never while
+The store lock (``locks.py``) is held only while the catalogue or the store's files change, never while
 a guest is waited for. An operation that also waits on its guest — a stop's ACPI shutdown, a suspend's
 balloon and save, a disk-only backup's freeze — first *claims* its capsule and keeps the claim over all its
 steps, taking the store lock only around the changes. Another operation on the same capsule meanwhile is
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from capsule.errors import CapsuleBusy, Internal
-from capsule.fsutil import make_private_dir
 from capsule.names import check_name
-from capsule.store import Store
-from capsule.storelock import lock_for
+from capsule.store.fsutil import make_private_dir
+from capsule.store.locks import lock_for
+from capsule.store.store import Store
 
 BUSY_DIR = "busy"
 SETTLE = 0.5        # seconds a claim file held but not yet described is given to say who holds it
