@@ -4,7 +4,7 @@ A grant allows one of two things, on one target:
 
 - ``read``: pull the objects of one capsule (or of one version of it) — HCP LOOKUP, READ-HASH and READ of an
   object one of those versions references (the layers of its disk chains, its memory image, kernel and initrd:
-  :func:`capsule.records.objects_of`), that version's record, ``/v1/info``. What a fleet host pulls a version
+  :func:`capsule.transfer.records.objects_of`), that version's record, ``/v1/info``. What a fleet host pulls a version
   with, and what a demand run's destination pages the disks in with;
 - ``push``: receive one push of one version — the objects its record references, then that record and no other.
 
@@ -29,8 +29,8 @@ from capsule.accounts.model import CAPABILITIES, PUSH, READ, Grant, Principal
 from capsule.bounds import GRANT_SECONDS, check
 from capsule.errors import Forbidden, InvalidName, NotFound
 from capsule.names import check_name
-from capsule.records import objects_of, validate, version_record
 from capsule.store import Store
+from capsule.transfer.records import objects_of, validate, version_record
 from hashcache.errors import ProtocolMismatch
 from hashcache.transport import protocol
 

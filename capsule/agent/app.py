@@ -94,8 +94,8 @@ from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, mi
 from capsule.exchange.streams import CODECS, STREAMS_HEADER
 from capsule.names import check_object_id
 from capsule.pod import ops as pod_ops
-from capsule.records import record_version
 from capsule.store import Store
+from capsule.transfer.records import record_version
 from capsule.verify import users_of, verify_versions
 from hashcache import wirejson
 from hashcache.errors import error_class

@@ -12,9 +12,9 @@ import zstandard
 from capsule.capsules import resolve
 from capsule.errors import InvalidName
 from capsule.names import check_name, check_object_id
-from capsule.records import version_record
 from capsule.store import Store
 from capsule.store.objectio import ReaderCache, has_object, object_manifest
+from capsule.transfer.records import version_record
 from hashcache.hcp import PREFIX_SIZE, compact_records, decode_indices, header_of, pack_blocks
 from hashcache.manifest import Manifest
 

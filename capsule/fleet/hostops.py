@@ -15,9 +15,9 @@ from capsule.bounds import VERSION, WIRE_BYTES
 from capsule.errors import Error, InvalidName, TransferFailed
 from capsule.fleet.members import Member
 from capsule.names import parse_ref
-from capsule.records import version_record
 from capsule.store import Store
 from capsule.store.catalogue import VersionRow
+from capsule.transfer.records import version_record
 
 ASK_TIMEOUT = 5.0
 TRANSFER_TIMEOUT = 3600.0

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from capsule.accounts import owners, tokens, users
 from capsule.agent.app import create_app
-from capsule.records import record_version
 from capsule.store import Store
+from capsule.transfer.records import record_version
 from tests.unit.received import receive_file, receive_layer, record_of
 
 A, B = "alices-desk", "bobs-desk"

@@ -15,6 +15,7 @@ from bench.fleetkit import new_version
 from capsule import capsules, transfer
 from capsule.exchange.streams import BlockStreamLost, Streams
 from capsule.store.objectio import has_object
+from capsule.transfer import pushpull
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import ManifestMismatch
@@ -109,7 +110,7 @@ def test_a_segment_in_another_or_an_unknown_codec_or_a_larger_xz_dictionary_is_r
 
 @pytest.mark.unit
 def test_the_sender_picks_xz_where_asked_and_taken_else_zstd_streams_from_the_stream_level():
-    pick = transfer._stream_encoder
+    pick = pushpull._stream_encoder
     assert pick(transfer.Options(xz=True), {"zstd", "xz"})[1] == "xz"
     assert pick(transfer.Options(xz=True, level=19), {"1"})[1] == "zstd"   # an older receiver: zstd streams
     assert pick(transfer.Options(xz=True), {"zstd"})[0] is None            # no xz there, level 3: frames
@@ -145,13 +146,13 @@ def test_a_high_level_push_of_similar_batches_sends_a_fraction_of_the_frames_byt
     monkeypatch.setattr(AgentClient, "request", request)
     wire, used = {}, {}
     for label, stream_level, opts in (("frames", 100, transfer.Options(level=19)),
-                                      ("stream", transfer.STREAM_LEVEL, transfer.Options(level=19)),
+                                      ("stream", pushpull.STREAM_LEVEL, transfer.Options(level=19)),
                                       ("xz", 100, transfer.Options(xz=True))):
         b = make_store(tmp_path / label, tiny_images, "tiny")
         agent = Agent(b.home, tmp_path / f"{label}.token")
         codecs.clear()
         try:
-            monkeypatch.setattr(transfer, "STREAM_LEVEL", stream_level)
+            monkeypatch.setattr(pushpull, "STREAM_LEVEL", stream_level)
             r = transfer.push(a, version.ref, agent.url, agent.token, opts)
             used[label] = codecs - {"frame"}
             layer = version.chains[0][-1]

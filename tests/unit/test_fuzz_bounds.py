@@ -1,6 +1,6 @@
 """Fuzzing every number from the network: the bounds' checker itself (hashcache/bounds.py), the agent's query
 parameters through a real app, the dashboard's request models, and the wire decoders that read numbers — a
-version record's machine and versions (capsule/records.py), a LOOKUP reply's header (hashcache/hcp.py), a pull
+version record's machine and versions (capsule/transfer/records.py), a LOOKUP reply's header (hashcache/hcp.py), a pull
 request's zstd level (capsule/exchange/fleet.py) and JSON itself (hashcache/wirejson.py). Values: NaN, ±inf,
 negative, huge integers, bools where a whole number belongs, numeric strings, other JSON. Each is either taken
 and within its bounds (an ``int`` for a whole number, a finite ``float`` otherwise) or refused with the typed
@@ -25,8 +25,8 @@ from capsule.agent.app import create_app
 from capsule.agent.backupsapi import RestoreIn
 from capsule.errors import InvalidName
 from capsule.exchange.fleet import pull_level
-from capsule.records import CONFIG_BOUNDS, validate
 from capsule.store import Store
+from capsule.transfer.records import CONFIG_BOUNDS, validate
 from hashcache import bounds as hashcache_bounds
 from hashcache import wirejson
 from hashcache.blocks import BLOCK_SIZE

@@ -1,5 +1,5 @@
 """Fuzzing the text and JSON parsers that take what a user, a peer or a file gives: version records
-(capsule/records.py, from a peer), the backup calendar and retention rules (capsule/backup/), the
+(capsule/transfer/records.py, from a peer), the backup calendar and retention rules (capsule/backup/), the
 disk server's chain spec (diskserver/chain/spec.py) and pod names and addresses (pods/names.py).
 Valid inputs round-trip; anything else gives the parser's typed error, nothing else."""
 
@@ -19,7 +19,7 @@ from capsule.backup import calendar
 from capsule.backup.calendar import CalendarError
 from capsule.backup.retention import Policy, PolicyError, Snapshot, apply, parse_duration
 from capsule.errors import InvalidName
-from capsule.records import validate
+from capsule.transfer.records import validate
 from diskserver.chain import ChainSpec
 from diskserver.errors import SpecError
 from pods.names import PodError, check_name, parse_ip

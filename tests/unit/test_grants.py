@@ -12,8 +12,8 @@ from capsule import transfer
 from capsule.accounts import tokens
 from capsule.agent import authz
 from capsule.errors import Forbidden
-from capsule.records import record_version, version_record
 from capsule.store import Store
+from capsule.transfer.records import record_version, version_record
 from hashcache.hcp import decode_stream_reply, encode_indices, encode_stream_read
 from hashcache.transport.memory import in_process
 from tests.unit.grantworld import A, B, bearer, make_world

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from capsule.agent.serve import parse_listen
 from capsule.errors import InvalidName
 from capsule.names import VersionRef, check_host, check_name, check_object_id, check_uuid, parse_ref
-from capsule.records import validate
+from capsule.transfer.records import validate
 from capsule.units import parse_size
 from diskserver.chain import ChainSpec, LayerSpec
 from diskserver.errors import SpecError

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from capsule.pipeline import Pipeline, run_batches
+from capsule.transfer.pipeline import Pipeline, run_batches
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -104,10 +104,11 @@ def test_a_push_that_fails_does_not_send_the_queued_batches(tmp_path, monkeypatc
     from capsule.agentclient import AgentClient
     from capsule.errors import Internal
     from capsule.store import Store
+    from capsule.transfer import pushpull
     from hashcache.transport.memory import in_process
     from tests.unit.transport_fixtures import TOKEN, agent_app
 
-    monkeypatch.setattr(transfer, "PART_RECORDS", 128)  # a small object in several manifest parts
+    monkeypatch.setattr(pushpull, "PART_RECORDS", 128)  # a small object in several manifest parts
     src = Store.open(tmp_path / "src")
     path = src.temp_path("-obj")
     path.write_bytes(b"".join((i + 1).to_bytes(4, "little") * 1024 for i in range(300)))
@@ -119,7 +120,7 @@ def test_a_push_that_fails_does_not_send_the_queued_batches(tmp_path, monkeypatc
         client = AgentClient("http://dst.example", TOKEN, transport=wrapper)
         opts = transfer.Options(batch=1, inflight=4)
         with pytest.raises(Internal, match="the receiver fell over"):
-            transfer._push_object(src, client, "file", row.id, "kernel", opts, transfer.Progress())
+            pushpull._push_object(src, client, "file", row.id, "kernel", opts, transfer.Progress())
         client.close()
     assert wrapper.block_uploads < 40, wrapper.block_uploads  # part 0 asked for 128 blocks, one per batch
     src.close()

@@ -1,4 +1,4 @@
-"""A pull over a slow link keeps only a few seconds' worth of READ answers in flight (capsule/pacing.py),
+"""A pull over a slow link keeps only a few seconds' worth of READ answers in flight (capsule/transfer/pacing.py),
 as a push does with its uploads: with a fixed 8 × 256 blocks in flight, answers queue on the link for
 minutes at 384 kbit/s, and over TLS such answers were cut off before they arrived."""
 
@@ -11,8 +11,8 @@ import pytest
 from bench.fleetkit import new_version
 from capsule import capsules, transfer
 from capsule.agent.app import create_app
-from capsule.pacing import MIN_BATCH, TARGET_S
 from capsule.store import Store
+from capsule.transfer.pacing import MIN_BATCH, TARGET_S
 from hashcache.hcp import decode_indices
 from hashcache.transport import Call, Reply
 from hashcache.transport.memory import in_process

@@ -1,5 +1,5 @@
 """A push over a real shaped link (network namespaces, ``tbf``: bench/netlink.py) whose whole upload
-takes several times the client's timeout: the pacing (capsule/pacing.py) keeps only a few seconds' worth
+takes several times the client's timeout: the pacing (capsule/transfer/pacing.py) keeps only a few seconds' worth
 of blocks in flight, so no upload times out and is sent again — the link carries the object's bytes once,
 plus TCP/IP's own, and the client's own count of wire bytes says so too."""
 

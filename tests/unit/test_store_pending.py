@@ -11,9 +11,9 @@ import pytest
 
 from capsule import hierarchy
 from capsule.errors import NotFound
-from capsule.records import record_version
 from capsule.store import Store
 from capsule.store.objectio import has_object
+from capsule.transfer.records import record_version
 from tests.unit.received import receive_file, receive_layer, record_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -17,6 +17,7 @@ import pytest
 from capsule import capsules, transfer
 from capsule.errors import AuthFailed, TransferFailed
 from capsule.store.objectio import BlockReader, has_object
+from capsule.transfer import pushpull
 from tests.conftest import Agent, make_store
 from tests.wait import wait_until
 
@@ -223,7 +224,7 @@ def test_full_hashes_option_transfers_the_same_object(hosts):
 
 def test_push_with_the_manifest_in_many_parts(hosts, monkeypatch):
     a, b, _agent_a, agent_b = hosts
-    monkeypatch.setattr(transfer, "PART_RECORDS", 100)
+    monkeypatch.setattr(pushpull, "PART_RECORDS", 100)
     r = transfer.push(a, "cap", agent_b.url, agent_b.token)
     assert r.recorded
     assert len(a.layer_manifest(_layer(a))) > 300  # so the layer went in several parts
@@ -255,7 +256,7 @@ def test_manifest_parts_out_of_order_and_early_commit_are_refused(hosts):
 
 def test_version_records_with_strange_config_are_refused(hosts):
     a, _b, _agent_a, agent_b = hosts
-    from capsule.records import version_record
+    from capsule.transfer.records import version_record
 
     record = version_record(a, a.catalogue.latest_version("cap"))
     auth = {"Authorization": f"Bearer {agent_b.token}"}

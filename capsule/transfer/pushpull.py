@@ -23,12 +23,12 @@ from capsule.capsules import resolve
 from capsule.errors import CapsuleError, TransferFailed
 from capsule.exchange.streams import STREAMS_HEADER, BlockStreamLost, offered_codecs
 from capsule.names import parse_ref
-from capsule.pacing import Pacer
-from capsule.pipeline import Pipeline, run_batches
-from capsule.records import objects_of, record_version, validate, version_record
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
 from capsule.store.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
+from capsule.transfer.pacing import Pacer
+from capsule.transfer.pipeline import Pipeline, run_batches
+from capsule.transfer.records import objects_of, record_version, validate, version_record
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
