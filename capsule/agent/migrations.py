@@ -36,7 +36,7 @@ from capsule.agent import authz
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agent.workers import Ticket, workers_of
 from capsule.errors import Conflict, Error, Internal, NotFound
-from capsule.migrateprogress import CancelToken, Snapshot, planned
+from capsule.migrate.progress import CancelToken, Snapshot, planned
 from capsule.names import check_name
 from capsule.store import Store
 

@@ -31,7 +31,7 @@ from capsule.cli.common import (
 )
 from capsule.cli.runtime import MethodOpt, PolicyOpt
 from capsule.errors import Error
-from capsule.migrateprogress import CancelToken, Snapshot
+from capsule.migrate.progress import CancelToken, Snapshot
 from capsule.units import human
 
 LABELS = {"balloon": "balloon", "save": "save memory here", "memory": "memory image", "disk": "disks",

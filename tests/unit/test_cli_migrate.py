@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from capsule.cli.migrate import ctrl_c_cancels, render
-from capsule.migrateprogress import CancelToken, Snapshot
+from capsule.migrate.progress import CancelToken, Snapshot
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from capsule.errors import NotFound, RuntimeFailure, TransferFailed, Unreachable
-from capsule.migrate import MigrationFailed, Reached, _may_run_there
+from capsule.migrate.move import MigrationFailed, Reached, _may_run_there
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -12,7 +12,7 @@ from capsule import lifecycle
 from capsule.errors import Cancelled, InvalidInput, InvalidName
 from capsule.exchange.running import request_pin
 from capsule.migrate import MigrationCancelled, MigrationFailed, Reached, Steps, migrate
-from capsule.migrateprogress import PHASES, CancelToken, Snapshot, Tracker, planned
+from capsule.migrate.progress import PHASES, CancelToken, Snapshot, Tracker, planned
 from capsule.store.catalogue import VersionRow
 from hashcache.transport import tls
 

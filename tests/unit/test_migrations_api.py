@@ -15,7 +15,7 @@ from capsule import hosts
 from capsule import migrate as lib
 from capsule.agent.app import create_app
 from capsule.errors import Cancelled, Conflict
-from capsule.migrateprogress import Tracker, planned
+from capsule.migrate.progress import Tracker, planned
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from tests.unit.inprocess_agent import InProcessAgent

@@ -8,7 +8,7 @@ import pytest
 
 from capsule import capsules, lifecycle
 from capsule.migrate import MigrationCancelled, migrate
-from capsule.migrateprogress import CancelToken, Snapshot
+from capsule.migrate.progress import CancelToken, Snapshot
 from capsule.runtime.connection import lookup_domain
 from tests.vm.helpers import COUNTER, count, run, wait_count_above, write_blocks
 

@@ -6,7 +6,7 @@ dashboard make this one call.
 
 It reports phases (balloon, save, memory, disk, resume) with the bytes on the
 wire and the bytes the other host found locally, only ever forward (see
-:mod:`capsule.migrateprogress`), and can be cancelled until the other host is
+:mod:`capsule.migrate.progress`), and can be cancelled until the other host is
 asked to start it.
 
 If anything fails after the suspend, or it is cancelled, the guest is started
@@ -28,7 +28,7 @@ import httpx
 from capsule import lifecycle, transfer
 from capsule.agentclient import AgentClient
 from capsule.errors import Cancelled, CapsuleError, Error, InvalidName, RuntimeFailure, Unreachable
-from capsule.migrateprogress import CancelToken, Snapshot, Tracker, planned
+from capsule.migrate.progress import CancelToken, Snapshot, Tracker, planned
 from capsule.store import Store, claims
 from capsule.store.catalogue import VersionRow
 from capsule.units import human
@@ -139,7 +139,7 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
     """Move the running capsule ``name`` to the agent at ``to`` (over https its certificate pinned to
     ``fingerprint``, else to the known host's at ``to``; in demand mode the other host pins this one's
     ``source_fingerprint``, by default this store's own host key). ``on_event`` gets a :class:`Snapshot` as
-    each phase begins and as bytes move (see :mod:`capsule.migrateprogress`); ``cancel`` stops it before
+    each phase begins and as bytes move (see :mod:`capsule.migrate.progress`); ``cancel`` stops it before
     the other host is asked to start it (:class:`MigrationCancelled`, the guest running here again)."""
     if mode not in MODES:
         raise InvalidName(f"unknown migration mode {mode!r}: choose full or demand")
