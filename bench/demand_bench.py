@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, table, workdir, write_result  # noqa: E402
-from capsule import capsules, demand, images, lifecycle, transfer  # noqa: E402
+from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
+from capsule.lifecycle import demand  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from tests.conftest import _destroy_domains  # noqa: E402
 

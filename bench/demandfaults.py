@@ -20,7 +20,8 @@ import libvirt
 
 from bench.faultkit import Outcome, agent
 from bench.faultproxy import FaultProxy
-from capsule import capsules, demand, images, lifecycle, transfer
+from capsule import capsules, images, lifecycle, transfer
+from capsule.lifecycle import demand
 from capsule.runtime.connection import lookup_domain
 from capsule.runtime.console import ConsoleSession
 from capsule.store import Store

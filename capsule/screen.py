@@ -16,7 +16,7 @@ from pathlib import Path
 
 from capsule.capsules import resolve
 from capsule.errors import Conflict, RuntimeFailure
-from capsule.memimage import VNC_SOCKET
+from capsule.lifecycle.memimage import VNC_SOCKET
 from capsule.names import check_name
 from capsule.runtime import guestfiles
 from capsule.runtime.connection import lookup_domain

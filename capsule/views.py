@@ -7,10 +7,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from capsule import demand
 from capsule.capsules import CapsuleState, list_states
 from capsule.hierarchy import RmResult
-from capsule.lifecycle import SealResult, StartResult
+from capsule.lifecycle import SealResult, StartResult, demand
 from capsule.store import Store
 from capsule.store.catalogue import CapsuleRow, FileRow, ImageRow, InstanceRow, LayerRow, VersionRow
 

@@ -55,7 +55,7 @@ def revive_servers(domain: str, inst_dir: Path) -> list[int]:
     """Start again every disk server of the instance that is not running, while its domain still exists
     (a stop destroys the domain before it stops the servers, so a server stopped on purpose is never
     revived; one revived in that window is stopped again). Returns the disks whose server was revived."""
-    from capsule import demand
+    from capsule.lifecycle import demand
 
     revived = []
     for spec in sorted(inst_dir.glob("disk*.spec.json")):
@@ -77,7 +77,7 @@ def revive_servers(domain: str, inst_dir: Path) -> list[int]:
 
 
 def _servers_up(inst_dir: Path | None) -> bool:
-    from capsule import demand
+    from capsule.lifecycle import demand
 
     if inst_dir is None:
         return True

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from capsule import capsules, demand, qemuimg, sandbox
+from capsule import capsules, qemuimg, sandbox
 from capsule.errors import Conflict, EnvironmentProblem, IntegrityError, InvalidInput, NotFound
+from capsule.lifecycle import demand
 from capsule.store import Store
 
 MAX_LINKS = 16

@@ -351,7 +351,7 @@ def run(
 def localize(json: JsonOpt = False) -> None:
     """Make every remote layer whose blocks have all arrived an ordinary local layer."""
     json_flag(json)
-    from capsule import demand
+    from capsule.lifecycle import demand
 
     store = open_store()
     done = demand.localize(store)

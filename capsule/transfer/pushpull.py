@@ -471,7 +471,8 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
     """Start ``NAME[@V]`` of the agent at ``url`` here without copying its disks: the memory image,
     kernel and initrd come first (HCP, eagerly: §4.1 explains why memory is not demand-paged), the
     disk layers this host lacks only as manifests; their blocks are fetched as the guest reads them."""
-    from capsule import demand, lifecycle
+    from capsule import lifecycle
+    from capsule.lifecycle import demand
 
     opts = opts or Options()
     progress = progress or Progress()

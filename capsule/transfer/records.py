@@ -96,7 +96,7 @@ def record_version(store: Store, record: dict[str, Any]) -> tuple[VersionRow, bo
     release its objects from the pending set. Returns (row, created); an
     identical existing version is not an error. The objects are checked under
     the store lock, so gc cannot remove one between the check and the record."""
-    from capsule.demand import is_remote
+    from capsule.lifecycle.demand import is_remote
     from capsule.store.objectio import has_object
 
     validate(record)

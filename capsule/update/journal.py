@@ -5,7 +5,7 @@ Every update writes its metadata through the ext4 journal (jbd2: inode 8, a fixe
 the guest's *clean* shutdown those contents are dead: the unmount checkpointed every transaction into the
 file system proper and wrote the journal's superblock (its first block) with ``s_start = 0`` ("nothing to
 replay") and ``s_sequence`` the next transaction id. So, before the leaf is sealed, every block of the
-journal except that first one is dropped from the leaf (its records removed, as ``capsule.compact`` drops
+journal except that first one is dropped from the leaf (its records removed, as ``capsule.lifecycle.compact`` drops
 zero marks): the parent's older journal blocks show through instead. That is safe:
 
 - jbd2 recovery (the kernel's at mount, e2fsck's) only runs when the journal superblock's ``s_start`` is

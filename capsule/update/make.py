@@ -4,7 +4,7 @@ The base ``NAME[@V]`` is booted (as a child capsule ``--name NEW``, or as its ow
 the base's capsule) with a NIC on QEMU's user-mode network; the steps run inside through the guest agent
 with their output live (``update.guest``); apt's downloads and list files live in tmpfs for the run and are
 dropped, then ``apt-get clean``; every file system is trimmed; the guest shuts down cleanly and its leaf,
-rid of the zero marks the parent already reads as zero (``capsule.compact``) and of the ext4 journal's dead
+rid of the zero marks the parent already reads as zero (``capsule.lifecycle.compact``) and of the ext4 journal's dead
 blocks (``update.journal``), is sealed as the new version.
 A step that fails, a timeout or an interrupt leaves nothing behind: the leaf is dropped (and a child
 capsule made for the run removed)."""

@@ -15,6 +15,7 @@ import pytest
 from capsule import capsules, lifecycle
 from capsule.errors import CapsuleBusy, Conflict, InvalidName
 from capsule.hierarchy import gc
+from capsule.lifecycle import instances
 from capsule.store import Store, claims
 from capsule.store.catalogue import ImageRow, InstanceRow
 from tests.wait import wait_until
@@ -97,7 +98,7 @@ class GuestIgnoringACPI:
 
 def test_stop_waits_for_the_guest_without_the_store_lock(store, monkeypatch):
     dom = GuestIgnoringACPI()
-    monkeypatch.setattr(lifecycle, "lookup_domain", lambda name: dom if dom.alive else None)
+    monkeypatch.setattr(instances, "lookup_domain", lambda name: dom if dom.alive else None)
     leaf = store.new_leaf_path()
     leaf.write_bytes(b"leaf")
     inst_dir = store.instance_dir("web")
@@ -139,7 +140,7 @@ def test_stop_waits_for_the_guest_without_the_store_lock(store, monkeypatch):
 
 def test_a_caller_holding_the_store_lock_may_not_wait_on_a_guest(store, monkeypatch):
     dom = GuestIgnoringACPI()
-    monkeypatch.setattr(lifecycle, "lookup_domain", lambda name: dom if dom.alive else None)
+    monkeypatch.setattr(instances, "lookup_domain", lambda name: dom if dom.alive else None)
     inst_dir: Path = store.instance_dir("web")
     inst_dir.mkdir()
     with store.catalogue.transaction():

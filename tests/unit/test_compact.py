@@ -1,4 +1,4 @@
-"""capsule.compact: zero marks a discard leaves over blocks the parent chain already reads as zero are
+"""capsule.lifecycle.compact: zero marks a discard leaves over blocks the parent chain already reads as zero are
 dropped; the guest's view of the chain is unchanged (checked by qemu-img compare), and zero marks over the
 parent's data stay."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from capsule.compact import chain_nonzero, drop_covered_zeros
+from capsule.lifecycle.compact import chain_nonzero, drop_covered_zeros
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.manifest import Manifest, manifest_of_layer
 

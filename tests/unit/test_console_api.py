@@ -17,7 +17,7 @@ from starlette.websockets import WebSocketDisconnect
 from capsule import audit, capsules, screen
 from capsule.agent.app import create_app
 from capsule.agent.console import Tickets
-from capsule.memimage import VNC_SOCKET
+from capsule.lifecycle.memimage import VNC_SOCKET
 from capsule.runtime.guestaccess import guest_user
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow

@@ -9,7 +9,7 @@ from starlette.testclient import WebSocketDenialResponse
 
 from capsule import audit, capsules, hosts
 from capsule.agent.app import create_app
-from capsule.memimage import VNC_SOCKET
+from capsule.lifecycle.memimage import VNC_SOCKET
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from tests.unit.inprocess_agent import InProcessAgent

@@ -10,8 +10,9 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from capsule import capsules, demand, hosts, views
+from capsule import capsules, hosts, views
 from capsule.agent.app import create_app
+from capsule.lifecycle import demand
 from capsule.store import Store
 from capsule.store.catalogue import ImageRow
 from tests.unit.inprocess_agent import InProcessAgent

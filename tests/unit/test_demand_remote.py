@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from capsule import demand
+from capsule.lifecycle import demand
 from capsule.store import Store
 
 pytestmark = pytest.mark.unit

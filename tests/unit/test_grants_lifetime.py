@@ -14,10 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from capsule import demand, transfer
+from capsule import transfer
 from capsule.accounts import grants, tokens, users
 from capsule.agent.app import create_app
 from capsule.cli.main import app as cli
+from capsule.lifecycle import demand
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from capsule.store.objectio import object_manifest

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from capsule import balloon, capsules
+from capsule import capsules
 from capsule.agent.app import create_app
+from capsule.lifecycle import balloon
 from capsule.pod import ops, replies
 from capsule.pod.errors import PodFailed
 from capsule.pod.relay import LEND_FROM_OUT, Relay

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from capsule import capsules, screen
 from capsule.agent.app import create_app
-from capsule.memimage import VNC_SOCKET
+from capsule.lifecycle.memimage import VNC_SOCKET
 from capsule.runtime import guestfiles
 from capsule.runtime.guestaccess import guest_user
 from capsule.runtime.guestagent import GuestAgent

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from capsule import capsules, demand, lifecycle, transfer
+from capsule import capsules, lifecycle, transfer
+from capsule.lifecycle import demand
 from capsule.verify import verify
 from tests.conftest import Agent, make_store
 from tests.vm.helpers import disk_digest, run, write_blocks

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from capsule import capsules, demand, lifecycle, transfer
+from capsule import capsules, lifecycle, transfer
 from capsule.accounts import grants, tokens, users
 from capsule.errors import Conflict
+from capsule.lifecycle import demand
 from tests.conftest import Agent, make_store
 from tests.vm.helpers import run
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from capsule import capsules, demand, lifecycle
+from capsule import capsules, lifecycle
+from capsule.lifecycle import demand
 from capsule.migrate import MigrationFailed, migrate
 from capsule.runtime.connection import lookup_domain
 from tests.vm.helpers import COUNTER, count, run, wait_count_above

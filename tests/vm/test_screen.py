@@ -8,8 +8,9 @@ import socket
 
 import pytest
 
-from capsule import capsules, lifecycle, memimage, screen
+from capsule import capsules, lifecycle, screen
 from capsule.errors import Conflict
+from capsule.lifecycle import memimage
 from capsule.runtime.connection import lookup_domain
 from tests.vm.helpers import COUNTER, count, run, wait_count_above
 

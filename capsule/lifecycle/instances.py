@@ -12,10 +12,11 @@ from pathlib import Path
 
 import libvirt
 
-from capsule import balloon as balloon_mod
-from capsule import demand, memimage, privsep, qemuimg, sealing, watch
+from capsule import privsep, qemuimg, watch
 from capsule.capsules import resolve
 from capsule.errors import Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
+from capsule.lifecycle import balloon as balloon_mod
+from capsule.lifecycle import demand, memimage, sealing
 from capsule.names import parse_ref
 from capsule.runtime import podnet
 from capsule.runtime.accel import AccelDecision, decide, default_cache
@@ -349,7 +350,7 @@ def stop(store: Store, name: str, *, timeout: float = 30.0, force: bool = False,
     callable ``(disk index, leaf, chain) → blocks``, asked after the guest is off) blocks whose content
     the caller knows is dead (``update make``: the ext4 journal, see ``capsule.update.journal``). A demand run's
     sources that no running instance reads from any more are told its run ended: their grants end
-    (:func:`capsule.demand.release_sources`).
+    (:func:`capsule.lifecycle.demand.release_sources`).
 
     The capsule is claimed ("stopping") throughout: another operation on it is refused meanwhile. The
     guest's shutdown is waited for without the store lock, which is taken to seal and record."""

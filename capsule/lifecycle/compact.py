@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from capsule import demand
+from capsule.lifecycle import demand
 from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.manifest import Manifest, manifest_of_layer

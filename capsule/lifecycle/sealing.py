@@ -10,9 +10,10 @@ from pathlib import Path
 
 import libvirt
 
-from capsule import compact as compact_mod
-from capsule import demand, memimage, qemuimg
+from capsule import qemuimg
 from capsule.errors import CapsuleError
+from capsule.lifecycle import compact as compact_mod
+from capsule.lifecycle import demand, memimage
 from capsule.runtime import saveimage
 from capsule.store import Store
 from capsule.store.catalogue import FileRow, InstanceRow, LayerRow, VersionRow
@@ -27,7 +28,7 @@ def seal_leaves(store: Store, inst: InstanceRow, say: Say, sealed: list[LayerRow
     """Seal every non-empty leaf; an untouched leaf is dropped and its chain
     kept. ``sealed`` collects each leaf's layer as soon as it is installed.
     With ``compacted`` (a list), leaves first lose the zero marks their chains already read as zero
-    (``capsule.compact``), and the number dropped per leaf is appended to it; ``release(disk, leaf,
+    (``capsule.lifecycle.compact``), and the number dropped per leaf is appended to it; ``release(disk, leaf,
     chain)`` names blocks each leaf drops whatever they hold then (their count appended to ``released``)."""
     chains: list[list[str]] = []
     done: list[LayerRow] = [] if sealed is None else sealed
