@@ -44,7 +44,7 @@ from capsule import capsules, hosts, lifecycle, qemuimg, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.backup import jobs, runner  # noqa: E402
 from capsule.backup.retention import Policy  # noqa: E402
-from capsule.runtime.console import ConsoleSession  # noqa: E402
+from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.guestagent import GuestAgent, wait_for_agent  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from capsule.store.objectio import BlockReader  # noqa: E402

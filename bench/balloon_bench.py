@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 from bench.common import table, workdir, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
+from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
-from capsule.runtime.console import ConsoleSession  # noqa: E402
 from capsule.runtime.guestagent import wait_for_agent  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from tests.conftest import _destroy_domains  # noqa: E402

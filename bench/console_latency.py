@@ -34,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import median, table, temp_workdir, tiny_stores, write_result  # noqa: E402
 from bench.rfb import KEY_A, Rfb  # noqa: E402
-from capsule import capsules, lifecycle, screen  # noqa: E402
+from capsule import capsules, lifecycle  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
+from capsule.console import screen  # noqa: E402
+from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
-from capsule.runtime.console import ConsoleSession  # noqa: E402
 from capsule.store import Store  # noqa: E402
 
 CHROMIUM = os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium")

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import median, table, temp_workdir, tiny_stores, write_result  # noqa: E402
 from capsule import capsules, hosts, lifecycle  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
+from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.migrate import migrate  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
-from capsule.runtime.console import ConsoleSession  # noqa: E402
 
 COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
 CHROMIUM = os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium")

@@ -21,9 +21,9 @@ import libvirt
 from bench.faultkit import Outcome, agent
 from bench.faultproxy import FaultProxy
 from capsule import capsules, images, lifecycle, transfer
+from capsule.console.serial import ConsoleSession
 from capsule.lifecycle import demand
 from capsule.runtime.connection import lookup_domain
-from capsule.runtime.console import ConsoleSession
 from capsule.store import Store
 from capsule.verify import verify
 from diskserver import DiskServer

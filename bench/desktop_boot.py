@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import median, table, temp_workdir, write_result  # noqa: E402
-from capsule import capsules, images, lifecycle, screen  # noqa: E402
+from capsule import capsules, images, lifecycle  # noqa: E402
+from capsule.console import screen  # noqa: E402
 from capsule.errors import Conflict  # noqa: E402
 from capsule.imagebuild.desktop import BACKGROUND  # noqa: E402
 from capsule.store import Store  # noqa: E402

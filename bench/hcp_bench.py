@@ -34,7 +34,7 @@ from bench.common import table, write_result  # noqa: E402
 from bench.netlink import SlowLink  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
-from capsule.runtime.console import ConsoleSession  # noqa: E402
+from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.store import Store  # noqa: E402
 
 CAPSULE = [sys.executable, "-m", "capsule.cli.main"]

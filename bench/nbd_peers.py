@@ -19,10 +19,10 @@ import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from capsule.console.serial import wait_for_marker
 from capsule.qemuimg import info as qemu_img_info
 from capsule.runtime.accel import decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
-from capsule.runtime.console import wait_for_marker
 from capsule.runtime.domainxml import MachineSpec, build
 from capsule.runtime.guestaccess import grant_machine
 from capsule.store import Store

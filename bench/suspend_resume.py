@@ -41,7 +41,7 @@ def main() -> None:
         [store] = tiny_stores(Path(tmp) / "store")
         capsules.create(store, "bench", "tiny", memory="256M")
         lifecycle.start(store, "bench")
-        from capsule.runtime.console import ConsoleSession
+        from capsule.console.serial import ConsoleSession
 
         with ConsoleSession(store.domain_name("bench")) as c:
             c.run(TOUCH)

@@ -24,7 +24,7 @@ T = TypeVar("T")
 # Run inside a host: a shell command in a guest, through the guest's serial console there.
 _GUEST_SHELL = """
 import sys
-from capsule.runtime.console import ConsoleSession
+from capsule.console.serial import ConsoleSession
 s = ConsoleSession(sys.argv[1])
 try:
     print(s.run(sys.argv[2], timeout=float(sys.argv[3])))

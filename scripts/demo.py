@@ -20,9 +20,9 @@ from rich.table import Table
 
 from capsule import capsules, hierarchy, hosts, images, lifecycle, transfer
 from capsule.agent.launch import AgentProcess
+from capsule.console.serial import ConsoleSession
 from capsule.errors import Error
 from capsule.migrate import migrate
-from capsule.runtime.console import ConsoleSession
 from capsule.store import Store
 from capsule.units import human
 

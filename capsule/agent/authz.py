@@ -115,7 +115,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/api/capsules/{name}/derive"): ACT,
     ("POST", "/api/capsules/{name}/rm"): ACT,
     **{(m, "/api/{rest:path}"): ANY for m in ("GET", "POST", "PUT", "PATCH", "DELETE")},   # 404 when signed in
-    # -- consoles (console.py, consolerelay.py): the ticket is asked for with the rule; the WebSocket needs both
+    # -- consoles (capsule/console/routes.py, relay.py): the ticket is asked for with the rule; the WebSocket needs both
     ("POST", "/api/capsules/{name}/console-ticket"): Rule(frozenset({"capsules"}), capsule="name", changes=False),
     ("WS", "/api/console/{name}"): ACT,
     ("WS", "/api/console/{name}/serial"): ACT,

@@ -19,7 +19,7 @@ logic of its own.
     POST   /api/capsules/{name}/stop        {timeout, force}
     POST   /api/capsules/{name}/derive      {child, version}
     POST   /api/capsules/{name}/rm          {version, promote}
-    POST   /api/capsules/{name}/console-ticket, WS /api/console/{name}: the live console (``console.py``)
+    POST   /api/capsules/{name}/console-ticket, WS /api/console/{name}: the live console (``capsule/console/routes.py``)
     POST   /api/capsules/{name}/migrate     {to, mode, balloon} → a migration; /api/migrations/… (migrations.py)
     GET    /api/backups, POST /api/backups/{name}/run|restore, /api/backups/verify (backupsapi.py)
 
@@ -39,7 +39,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
-from capsule.agent import authz, backupsapi, console, migrations, signin
+from capsule.agent import authz, backupsapi, migrations, signin
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -59,6 +59,7 @@ from capsule.agent.apimodels import (
 )
 from capsule.agent.sessions import Attempts, Caller, Sessions, check_same_origin
 from capsule.agent.workers import Workers
+from capsule.console import routes as console_routes
 from capsule.names import check_name
 from capsule.store import Store
 
@@ -83,7 +84,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     app.state.sessions = sessions
     app.state.sign_in_attempts = Attempts()
     app.state.sign_in_pool = signin.HashPool()
-    console.install(app, store, sessions)  # the live console (capsule/agent/console.py), before the catch-all
+    console_routes.install(app, store, sessions)  # the live console (capsule/console/routes.py), before the catch-all
     app.state.migrations = migrations.Migrations()      # authz finds a migration's capsule here
     app.include_router(migrations.router(store, sessions, token, app.state.migrations))  # before api_router's catch-all
     app.include_router(backupsapi.router(store, sessions))          # (also)

@@ -7,11 +7,11 @@ dropping zero marks the parent already reads as zero (``compact.py``) and demand
 layers and the disk servers that export them (``demand.py``).
 
 Layering: above the store, beside transfer, below migrate, the agent and the CLI. Modules here import
-``capsule.store``, ``capsule.runtime`` (libvirt, the serial console), ``diskserver``, ``hashcache``
-and the leaf modules of ``capsule`` (errors, names, capsules, qemuimg, hosts, the watcher
-``capsule.watch``) — never transfer, migrate, the agent or the CLI. Callers write
-``from capsule import lifecycle`` and ``lifecycle.start(...)``; a test that replaces what the
-operations call (``lookup_domain``) patches ``capsule.lifecycle.instances``.
+``capsule.store``, ``capsule.runtime`` (libvirt), ``capsule.console.serial`` (the serial log),
+``diskserver``, ``hashcache`` and the leaf modules of ``capsule`` (errors, names, capsules, qemuimg, hosts,
+the watcher ``capsule.watch``) — never transfer, migrate, the agent or the CLI. Callers write
+``from capsule import lifecycle`` and ``lifecycle.start(...)``; a test that replaces what the operations
+call (``lookup_domain``) patches ``capsule.lifecycle.instances``.
 """
 
 from capsule.lifecycle.instances import (

@@ -14,6 +14,7 @@ import libvirt
 
 from capsule import privsep, qemuimg, watch
 from capsule.capsules import resolve
+from capsule.console.serial import log_size, wait_for_marker
 from capsule.errors import Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
 from capsule.lifecycle import balloon as balloon_mod
 from capsule.lifecycle import demand, memimage, sealing
@@ -21,7 +22,6 @@ from capsule.names import parse_ref
 from capsule.runtime import podnet
 from capsule.runtime.accel import AccelDecision, decide, default_cache
 from capsule.runtime.connection import connect, lookup_domain
-from capsule.runtime.console import log_size, wait_for_marker
 from capsule.runtime.domainxml import build
 from capsule.store import Store, claims
 from capsule.store.catalogue import FileRow, InstanceRow, LayerRow, VersionRow

@@ -1,1 +1,2 @@
-"""The libvirt runtime: connection, domain XML, accelerator probe, console."""
+"""The libvirt runtime: connection, domain XML, accelerator probe, guest agent (the serial console:
+``capsule.console.serial``)."""

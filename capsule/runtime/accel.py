@@ -17,10 +17,10 @@ from pathlib import Path
 
 import libvirt
 
+from capsule.console.serial import wait_for_marker
 from capsule.errors import CapsuleError
 from capsule.runtime import guestaccess
 from capsule.runtime.connection import connect, lookup_domain
-from capsule.runtime.console import wait_for_marker
 from capsule.runtime.domainxml import MachineSpec, build
 from hashcache.atomic import write_atomic
 

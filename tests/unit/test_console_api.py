@@ -14,9 +14,10 @@ from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
 from starlette.websockets import WebSocketDisconnect
 
-from capsule import audit, capsules, screen
+from capsule import audit, capsules
 from capsule.agent.app import create_app
-from capsule.agent.console import Tickets
+from capsule.console import screen
+from capsule.console.routes import Tickets
 from capsule.lifecycle.memimage import VNC_SOCKET
 from capsule.runtime.guestaccess import guest_user
 from capsule.store import Store

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from capsule import capsules, screen
+from capsule import capsules
 from capsule.agent.app import create_app
+from capsule.console import screen
 from capsule.lifecycle.memimage import VNC_SOCKET
 from capsule.runtime import guestfiles
 from capsule.runtime.guestaccess import guest_user

@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 
+from capsule.console.screen import Screenshot, parse_png, parse_ppm
 from capsule.errors import RuntimeFailure
-from capsule.screen import Screenshot, parse_png, parse_ppm
 
 pytestmark = pytest.mark.unit
 

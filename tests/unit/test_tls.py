@@ -252,8 +252,8 @@ def test_a_changed_host_key_is_refused_by_every_client_path(store, peer, tmp_pat
     """After `host add`, the peer comes back at its URL with another key: push, pull and run (the pin found by
     URL), host ls / the dashboard's peers, the console relay, the fleet, backup verify and the disk server's
     source (stream and HTTP) all refuse it with ssh's warning naming both fingerprints; rm + add fixes it."""
-    from capsule.agent import consolerelay
     from capsule.backup import copies, verifyjob
+    from capsule.console import relay
     from capsule.fleet import hostops, members
 
     pinned = hosts.add(store, "b", peer.url, TOKEN_B, confirm=lambda _c: True).fingerprint
@@ -277,7 +277,7 @@ def test_a_changed_host_key_is_refused_by_every_client_path(store, peer, tmp_pat
         [status] = hosts.ask_all(store, timeout=10)
         assert not status.reachable and status.error_code == "host_key" and CHANGED in status.error
         peer_row = hosts.get(store, "b")
-        refused(consolerelay._peer_ticket, peer_row, "cap", "screen")  # noqa: SLF001
+        refused(relay._peer_ticket, peer_row, "cap", "screen")  # noqa: SLF001
         refused(lambda: AgentClient(peer_row.url, peer_row.token, fingerprint=peer_row.fingerprint)
                 .get_json("/v1/info"))
         refused(hostops.activity, members.Member(peer_row, "default", 0.0, None))

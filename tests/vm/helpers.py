@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from capsule.runtime.console import ConsoleSession
+from capsule.console.serial import ConsoleSession
 from capsule.store import Store
 
 COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"

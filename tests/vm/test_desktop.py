@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from capsule import capsules, lifecycle
+from capsule.console.screen import screenshot
 from capsule.imagebuild import DESKTOP_MARKER, MARKER
 from capsule.imagebuild.desktop import BACKGROUND, USER
 from capsule.runtime.guestagent import wait_for_agent
-from capsule.screen import screenshot
 from tests.vm.helpers import run
 from tests.wait import wait_until
 

@@ -12,10 +12,10 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from capsule import capsules, lifecycle
+from capsule.console.serial import ConsoleSession
 from capsule.errors import IntegrityError, StorageFull
 from capsule.runtime import saveimage
 from capsule.runtime.connection import lookup_domain
-from capsule.runtime.console import ConsoleSession
 from tests.vm.helpers import COUNTER, count, run, wait_count_above
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]

@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from capsule import capsules, lifecycle, screen
+from capsule import capsules, lifecycle
+from capsule.console import screen
 from capsule.errors import Conflict
 from capsule.lifecycle import memimage
 from capsule.runtime.connection import lookup_domain

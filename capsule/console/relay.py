@@ -22,9 +22,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
 from capsule import hosts
-from capsule.agent.console import Kind, TicketOut, Tickets, admit, deny
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agentclient import AgentClient
+from capsule.console.routes import Kind, TicketOut, Tickets, admit, deny
 from capsule.errors import Error
 from capsule.names import check_name
 from capsule.store import Store

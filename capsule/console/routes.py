@@ -6,7 +6,7 @@
     WS   /api/console/{name}/serial?ticket=T    the serial console: first the tail of its log, then the
                                                 pty's output; what the page sends is typed into it
 
-QEMU's VNC server listens on a unix socket in the instance's directory only (``capsule.screen``); the agent
+QEMU's VNC server listens on a unix socket in the instance's directory only (``capsule.console.screen``); the agent
 splices an authenticated WebSocket to it, so the page's noVNC speaks RFB to the guest's screen. The WebSocket
 needs both the caller's session (cookie, or the host's token as a bearer token) and a ticket: a random string
 that opens the console of the one capsule it was asked for, once, within ``TICKET_LIFETIME`` seconds, for the
@@ -14,7 +14,7 @@ session that asked for it. A browser sends no CSRF header on a WebSocket handsha
 script of this page can ask for (a CSRF-checked POST), stands in for it. Refusals happen at the handshake:
 401 without a session, 403 for a missing, expired, reused or other capsule's ticket or another site's page.
 
-A peer's consoles are relayed through this agent (``consolerelay``). Installed by :func:`install` (one line in
+A peer's consoles are relayed through this agent (``relay.py``). Installed by :func:`install` (one line in
 ``dashboard.install``), before the API's catch-all."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.websockets import WebSocketState
 
-from capsule import screen
 from capsule.agent.sessions import Caller, Sessions
+from capsule.console import screen
 from capsule.errors import Error
 from capsule.runtime import guestfiles
 from capsule.store import Store
@@ -99,12 +99,12 @@ class TicketOut(BaseModel):
 
 
 def install(app: FastAPI, store: Store, sessions: Sessions, tickets: Tickets | None = None) -> Tickets:
-    from capsule.agent import consolerelay
+    from capsule.console import relay
 
     tickets = tickets or Tickets()
     app.state.console_tickets = tickets
     app.include_router(router(store, sessions, tickets))
-    app.include_router(consolerelay.router(store, sessions, tickets, signed_in(sessions)))
+    app.include_router(relay.router(store, sessions, tickets, signed_in(sessions)))
     for name, package in VENDOR.items():  # before the page's own /web mount, which would answer 404 for them
         if (NODE_MODULES / package).is_dir():
             app.mount(f"/web/vendor/{name}", StaticFiles(directory=NODE_MODULES / package), name=name)

@@ -1,7 +1,7 @@
 """Where a running capsule's consoles are: its screen, the VNC server QEMU keeps on a unix socket in its instance
 directory (``capsule.runtime.domainxml.add_screen``), and its serial console (a host pty, its output also in the
 instance's console log), and what the screen shows now (``screenshot``). Nothing listens on a TCP port; the
-agent's console WebSockets (``capsule.agent.console``) are the only way to them from outside this host."""
+agent's console WebSockets (``capsule.console.routes``) are the only way to them from outside this host."""
 
 from __future__ import annotations
 
