@@ -82,7 +82,7 @@ bench-quick: setup
 # codes in docs/ must match the code (scripts/gen_reference.py writes them); the manual builds in strict
 # mode (a broken link, a missing anchor or an orphan page fails).
 lint: venv
-	$(PY) -m ruff check capsule hashcache diskserver pods tests bench scripts
+	$(PY) -m ruff check capsule hashcache diskserver pods tests testkit bench scripts
 	$(VENV)/bin/mypy hashcache diskserver
 	$(PY) scripts/gen_reference.py --check
 	$(VENV)/bin/mkdocs build --quiet

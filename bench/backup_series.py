@@ -48,7 +48,7 @@ from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.guestagent import GuestAgent, wait_for_agent  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from capsule.store.objectio import BlockReader  # noqa: E402
-from tests.conftest import _destroy_domains  # noqa: E402
+from testkit.images import destroy_domains  # noqa: E402
 
 NAME = "office"
 HOST = "vault"
@@ -309,7 +309,7 @@ def main() -> None:
         if agent is not None:
             agent.stop()
         for s in stores:
-            _destroy_domains(s)
+            destroy_domains(s)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -43,9 +43,9 @@ from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
 from capsule.runtime.guestagent import wait_for_agent  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from tests.conftest import _destroy_domains  # noqa: E402
+from testkit.images import destroy_domains  # noqa: E402
 
-GOODPUT_BPS = 370_000 / 8     # 384 kbit/s tbf measured at 370 kbit/s of TCP goodput (bench/netlink.py)
+GOODPUT_BPS = 370_000 / 8     # 384 kbit/s tbf measured at 370 kbit/s of TCP goodput (testkit/netlink.py)
 WORKLOADS = {
     "desktop": ("python3 -c \"b = bytearray(b'Z') * (150 << 20); del b\"; "
                 "cat /usr/lib/x86_64-linux-gnu/*.so* > /dev/null 2>&1; true"),
@@ -149,7 +149,7 @@ def main() -> None:
         for ag in agents:
             ag.stop()
         for s in stores:
-            _destroy_domains(s)
+            destroy_domains(s)
         shutil.rmtree(work, ignore_errors=True)
 
 

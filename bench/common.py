@@ -7,9 +7,7 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -81,17 +79,3 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-def stop_groups(procs: list[subprocess.Popen[Any]], wait: float = 5.0) -> None:
-    """End each process (started with ``start_new_session``) with its whole group: TERM, then KILL."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(wait)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-    procs.clear()

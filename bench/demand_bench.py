@@ -8,7 +8,7 @@ plugin, per-miss latency, read amplification).
 
 With ``--rate-kbit N [--rtt-ms M]`` the source agent runs in network
 namespace B and host B's commands in namespace A, joined by a link shaped
-with tbf and a delaying proxy (bench/netlink.py); 100000 is the LAN, 384
+with tbf and a delaying proxy (testkit/netlink.py); 100000 is the LAN, 384
 with 20 ms the paper's DSL. Shaped runs add the peers (bench/nbd_peers.py:
 plain remote NBD, and QEMU copy-on-read over NBD) and count bytes on the
 link itself; results are written after every case, and a case that does not
@@ -37,7 +37,7 @@ from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.lifecycle import demand  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from tests.conftest import _destroy_domains  # noqa: E402
+from testkit.images import destroy_domains  # noqa: E402
 
 
 def fetched(store: Store, name: str) -> int:
@@ -165,7 +165,7 @@ def main() -> None:
         if agent:
             agent.stop()
         for s in stores:
-            _destroy_domains(s)
+            destroy_domains(s)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -182,7 +182,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] 
     """The same cases with the source behind a shaped link, host B's commands in namespace A, and the
     plain-NBD peers; bytes are counted on the link itself (both directions, headers included)."""
     from bench.nbd_peers import NbdPeers
-    from bench.netlink import SlowLink
+    from testkit.netlink import SlowLink
 
     work = workdir("capsule-b3-link-")
     stores: list[Store] = []
@@ -273,7 +273,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] 
         print(f"→ {RESULTS / (name + '.json')}")
     finally:
         for s in stores:
-            _destroy_domains(s)
+            destroy_domains(s)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -1,12 +1,12 @@
 """Fault injection on real transfers, counted (python -m bench.faults [--kills N] [--size MiB]).
 
-Runs each fault kind of bench/faultkit.py between stores in a temporary directory (real `capsule serve`
-agents on loopback speaking TLS, their certificates pinned, the fault proxy of bench/faultproxy.py, no
+Runs each fault kind of testkit/faultkit.py between stores in a temporary directory (real `capsule serve`
+agents on loopback speaking TLS, their certificates pinned, the fault proxy of testkit/faultproxy.py, no
 guest): link resets and a half-open link mid-push and mid-pull, a push retried through a short reset, a disk
 filling up mid-receive (a tmpfs: needs root), SIGKILL of the receiving agent and of `capsule push` at random
-points mid-transfer (``--kills`` times each, bench/faultkills.py: a draw landing after the push ended is
+points mid-transfer (``--kills`` times each, testkit/faultkills.py: a draw landing after the push ended is
 drawn again and counted as missed), slow-loris clients during a push (bench/loris.py);
-then, on a tiny guest run by demand paging (bench/demandfaults.py; ``--no-guest`` leaves it out), SIGKILL
+then, on a tiny guest run by demand paging (testkit/demandfaults.py; ``--no-guest`` leaves it out), SIGKILL
 of its disk server at random points of its reads (``--kills`` times) and the link to the source reset and
 half-open mid-read.
 Writes bench/results/faults.json: per kind the faults injected and survived, the block bytes sent after
@@ -25,11 +25,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.common import ROOT, table, temp_workdir, write_result
-from bench.faultkills import batch_bytes, kills
-from bench.faultkit import MiB, Outcome, disk_full, link_fault, make_pair, reset_retried
 from bench.loris import slow_loris
 from capsule import capsules, images, transfer
 from capsule.store import Store
+from testkit.faultkills import batch_bytes, kills
+from testkit.faultkit import MiB, Outcome, disk_full, link_fault, make_pair, reset_retried
 
 
 def _scrub(text: str) -> str:
@@ -68,7 +68,7 @@ def main() -> None:
         s = Store.open(tmp / "a")
         images.import_image(src, s, "tiny")
         capsules.create(s, "cap", "tiny", memory="256M")
-        from bench.fleetkit import new_version
+        from testkit.fleetkit import new_version
 
         new_version(s, "cap", layer * MiB, 3)
         out = disk_full(s, tmp)
@@ -81,7 +81,7 @@ def main() -> None:
         run(f"SIGKILL {victim} mid-push", lambda t, v=victim: kills(*pair(t), v, a.kills, size))
     run("slow-loris during a push", lambda t: slow_loris(*pair(t)))
     if not a.no_guest:
-        from bench import demandfaults
+        from testkit import demandfaults
 
         def mid_demand(tmp: Path) -> Outcome:
             with demandfaults.demand_run(tmp, src, a.kills + 2) as dr:

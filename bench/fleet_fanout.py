@@ -71,10 +71,10 @@ def main() -> None:
         sys.stdout.write(json.dumps(_inner(json.loads(args.inner))) + "\n")
         return
 
-    from bench.fleetkit import new_version
     from capsule import capsules, images
     from capsule.agent.launch import serve_command
     from capsule.store import Store
+    from testkit.fleetkit import new_version
 
     sizes = [int(x) for x in args.sizes.split(",")]
     fan_ks = [int(x) for x in args.fanout_parallel.split(",")]

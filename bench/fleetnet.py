@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 import subprocess
 
-from bench.common import stop_groups
+from testkit.processes import stop_groups
 
 
 def _ip(*args: str) -> None:

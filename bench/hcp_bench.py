@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 import zstandard  # noqa: E402
 
 from bench.common import table, write_result  # noqa: E402
-from bench.netlink import SlowLink  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from testkit.netlink import SlowLink  # noqa: E402
 
 CAPSULE = [sys.executable, "-m", "capsule.cli.main"]
 
@@ -234,10 +234,10 @@ def main() -> None:
     finally:
         for ag in agents:
             ag.stop()
-        from tests.conftest import _destroy_domains
+        from testkit.images import destroy_domains
 
         for s in (Store.open(work / n) for n in ("a", "b", "c", "d") if (work / n).exists()):
-            _destroy_domains(s)
+            destroy_domains(s)
             s.close()
         shutil.rmtree(work, ignore_errors=True)
 

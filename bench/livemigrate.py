@@ -20,7 +20,7 @@ holds the image (the tiny image's layers, pushed before), not the guest.
 Each case checks that the guest's tmpfs content is intact on B (digests).
 
 The link (bench/looplink.py): htb on ``lo`` for the proxies' ports only, the
-same rate each way, and bench/delayproxy.py's delay; everything between the
+same rate each way, and testkit/delayproxy.py's delay; everything between the
 hosts crosses it (libvirt's connection to B, QEMU's migration stream and NBD,
 the agents' HTTP). Bytes on the wire are the link's counters.
 

@@ -1,8 +1,8 @@
 """A shaped link between hosts that share this machine's loopback (the compose
 hosts: host networking): whatever should cross the link connects to a port of
-a delaying proxy (bench/delayproxy.py) in front of the real port, and ``htb``
+a delaying proxy (testkit/delayproxy.py) in front of the real port, and ``htb``
 on ``lo`` limits the traffic to and from those proxy ports only, at the same
-rate each way (what ``tbf`` on both ends of bench/netlink.py's veth does).
+rate each way (what ``tbf`` on both ends of testkit/netlink.py's veth does).
 Every other packet on ``lo`` bypasses the shaping (htb's direct queue).
 
     with LoopLink(rate_kbit=8000, rtt_ms=20) as link:
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import stop_groups
+from testkit.processes import stop_groups
 
 HERE = Path(__file__).resolve().parent
 DEV = "lo"
@@ -86,7 +86,7 @@ class LoopLink:
                 "match", "ip", "protocol", "6", "0xff", "match", "ip", addr, "127.0.0.1/32",
                 "match", "ip", match, str(port), "0xffff", "flowid", cls)
         self.procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "delayproxy.py"), "--listen", f"127.0.0.1:{port}",
+            [sys.executable, str(HERE.parent / "testkit" / "delayproxy.py"), "--listen", f"127.0.0.1:{port}",
              "--to", f"{to_host}:{to_port}", "--delay-ms", str(self.rtt_ms / 2)],
             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.ports.append(port)

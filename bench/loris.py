@@ -23,11 +23,11 @@ import struct
 import threading
 import time
 
-from bench.faultkit import Outcome, agent, arrived, sound, top_layer
 from capsule import transfer
 from capsule.store import Store
 from capsule.store.objectio import has_object, object_manifest
 from hashcache.blocks import BLOCK_SIZE
+from testkit.faultkit import Outcome, agent, arrived, sound, top_layer
 
 KINDS = ("handshake", "headers", "body", "not reading")
 SOURCE = "127.0.0.2"          # the loris's address, another than the push's

@@ -7,7 +7,7 @@
 
 Both fetch the kernel and initrd over the same link first (plain HTTP), as a demand-paged ``capsule run``
 does. QEMU runs under libvirtd in the root namespace, so it reaches the export through a unix socket
-that ``socat`` in namespace A forwards over the shaped link (bench/netlink.py).
+that ``socat`` in namespace A forwards over the shaped link (testkit/netlink.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ HTTP_PORT = 8088
 class NbdPeers:
     """qemu-nbd and a file server in B (host A's side of the bench); boots in A (host B's side)."""
 
-    def __init__(self, link, a: Store, capsule: str, work: Path) -> None:  # noqa: ANN001 (bench.netlink.SlowLink)
+    def __init__(self, link, a: Store, capsule: str, work: Path) -> None:  # noqa: ANN001 (testkit.netlink.SlowLink)
         self.link = link
         self.work = work
         version = a.catalogue.latest_version(capsule)

@@ -174,7 +174,7 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     slow_sizes = {int(x) for x in args.slow_sizes.split(",") if x}
     slow_procs = {int(x) for x in args.slow_procs.split(",") if x}
-    from bench.netlink import DSL, SlowLink
+    from testkit.netlink import DSL, SlowLink
 
     with temp_workdir("pods-matrix-") as tmp:
         work = Path(tmp)

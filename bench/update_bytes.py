@@ -39,7 +39,7 @@ from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from capsule.store.objectio import BlockReader  # noqa: E402
 from capsule.update import make as making  # noqa: E402
-from tests.conftest import _destroy_domains  # noqa: E402
+from testkit.images import destroy_domains  # noqa: E402
 
 MB = 1e6
 BASE = "base"
@@ -240,7 +240,7 @@ def main() -> None:
             if ag is not None:
                 ag.stop()
         for s in stores:
-            _destroy_domains(s)
+            destroy_domains(s)
         shutil.rmtree(work, ignore_errors=True)
 
 

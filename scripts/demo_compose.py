@@ -35,7 +35,7 @@ NAME = "demo"
 # counts in /tmp/count; every second a line on the screen too (the dashboard's console shows it going on)
 COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; "
            "[ $((i % 5)) = 0 ] && echo \"capsule demo: counter $i\" > /dev/tty0; sleep 0.2; done) >/dev/null 2>&1 &")
-DSL_BPS = 370_000 / 8     # 384 kbit/s DSL, as TCP goodput (bench/netlink.py measured 370 kbit/s)
+DSL_BPS = 370_000 / 8     # 384 kbit/s DSL, as TCP goodput (testkit/netlink.py measured 370 kbit/s)
 out = Console(highlight=False)
 
 

@@ -1,11 +1,9 @@
 """Shared fixtures: an image store built once per machine (tiny, and Debian
 and the desktop on demand), fresh per-test stores that import those images, and clean-up of
-every libvirt domain a test store started."""
+every libvirt domain a test store started (the helpers behind them: ``testkit.images``)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +11,8 @@ from pathlib import Path
 import pytest
 
 from capsule.agent.launch import AgentProcess, free_port  # noqa: F401 - free_port: for tests
+from testkit.images import destroy_domains, ensure_image, image_store, make_store
 from tests.tiers import check_tiers, no_processes
-
-ROOT = Path(__file__).resolve().parent.parent
-IMAGE_HOME = Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,66 +57,25 @@ def tmp_path_factory(tmp_path_factory: pytest.TempPathFactory) -> _PassableTempP
     return _PassableTempPaths(tmp_path_factory)
 
 
-def _image_store():
-    from capsule.store import Store
-
-    return Store.open(IMAGE_HOME)
-
-
-def _ensure_image(store, kind: str) -> None:
-    """Build the image once; again when the guest agent (or, in Debian, the pod layer) it carries is not
-    the current one, or when the recipes (capsule/imagebuild/) changed."""
-    from capsule import images
-    from capsule.imagebuild.common import agent_binary, agent_info, pod_layer_sha256, recipe_sha256
-
-    row = store.catalogue.image(kind)
-    stale = row is not None and (row.info.get("agent_sha256") != agent_info(agent_binary())["sha256"]
-                                 or row.info.get("recipe_sha256") != recipe_sha256()
-                                 or (kind == "debian" and row.info.get("pods_sha256") != pod_layer_sha256()))
-    images.build(store, kind, kind, rebuild=stale)
-
-
 @pytest.fixture(scope="session")
 def tiny_images():
     """The machine-wide test image store, with the tiny image built."""
-    store = _image_store()
-    _ensure_image(store, "tiny")
+    store = image_store()
+    ensure_image(store, "tiny")
     return store
 
 
 @pytest.fixture(scope="session")
 def debian_images(tiny_images):
-    _ensure_image(tiny_images, "debian")
+    ensure_image(tiny_images, "debian")
     return tiny_images
 
 
 @pytest.fixture(scope="session")
 def desktop_images(tiny_images):
     """The test image store with the desktop image (the Debian guest plus a graphical session) built."""
-    _ensure_image(tiny_images, "desktop")
+    ensure_image(tiny_images, "desktop")
     return tiny_images
-
-
-def _destroy_domains(store) -> None:
-    import libvirt
-
-    from capsule.runtime.connection import connect
-
-    conn = connect()
-    for dom in conn.listAllDomains():
-        if dom.name().startswith(f"capsule-{store.id}-"):
-            with contextlib.suppress(libvirt.libvirtError):
-                dom.destroy()
-
-
-def make_store(path: Path, source, *images_to_import: str):
-    from capsule import images
-    from capsule.store import Store
-
-    store = Store.open(path)
-    for name in images_to_import:
-        images.import_image(source, store, name)
-    return store
 
 
 @pytest.fixture
@@ -128,7 +83,7 @@ def store(tmp_path, tiny_images) -> Iterator:
     """A fresh store holding the tiny image."""
     s = make_store(tmp_path / "store", tiny_images, "tiny")
     yield s
-    _destroy_domains(s)
+    destroy_domains(s)
     s.close()
 
 
@@ -136,7 +91,7 @@ def store(tmp_path, tiny_images) -> Iterator:
 def debian_store(tmp_path, debian_images) -> Iterator:
     s = make_store(tmp_path / "store", debian_images, "debian", "tiny")
     yield s
-    _destroy_domains(s)
+    destroy_domains(s)
     s.close()
 
 
@@ -144,7 +99,7 @@ def debian_store(tmp_path, debian_images) -> Iterator:
 def desktop_store(tmp_path, desktop_images) -> Iterator:
     s = make_store(tmp_path / "store", desktop_images, "desktop")
     yield s
-    _destroy_domains(s)
+    destroy_domains(s)
     s.close()
 
 
@@ -172,5 +127,5 @@ def two_hosts(request, tmp_path, tiny_images):
     for agent in (agent_a, agent_b):
         agent.stop()
     for s in (a, b):
-        _destroy_domains(s)
+        destroy_domains(s)
         s.close()

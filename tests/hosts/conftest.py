@@ -32,7 +32,7 @@ def seeded(hosts, tiny_images, tmp_path_factory):
     """Host A holds capsule `seed` (the tiny image, inactive), pushed over the network from a
     store on this machine: host A never builds an image."""
     from capsule import capsules, transfer
-    from tests.conftest import make_store
+    from testkit.images import make_store
 
     a, b = hosts
     local = make_store(tmp_path_factory.mktemp("local") / "store", tiny_images, "tiny")

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import make_store
+from testkit.images import make_store
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]
 

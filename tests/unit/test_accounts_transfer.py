@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.tools]
 
 @pytest.mark.timeout(240)
 def test_a_host_token_moves_versions_and_nothing_else(tmp_path, tiny_images):
-    from tests.conftest import Agent, make_store
+    from testkit.images import make_store
+    from tests.conftest import Agent
 
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images)

@@ -16,7 +16,8 @@ from diskserver.source import HcpSource
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.hcp import decode_indices, decode_stream_reply, encode_stream_read, pack_blocks
 from hashcache.transport.stream import BlockStream, HandshakeRefused, socket_connector
-from tests.conftest import Agent, make_store
+from testkit.images import make_store
+from tests.conftest import Agent
 
 pytestmark = pytest.mark.tools
 

@@ -11,7 +11,6 @@ import random
 
 import pytest
 
-from bench.fleetkit import new_version
 from capsule import capsules, transfer
 from capsule.exchange.streams import BlockStreamLost, Streams
 from capsule.store.objectio import has_object
@@ -20,7 +19,9 @@ from hashcache import native
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import ProtocolError
-from tests.conftest import Agent, make_store
+from testkit.fleetkit import new_version
+from testkit.images import make_store
+from tests.conftest import Agent
 
 KEY = ("layer", "ab" * 32)
 

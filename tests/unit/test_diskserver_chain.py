@@ -21,7 +21,8 @@ from hashcache.cache import HashCache
 from hashcache.manifest import Manifest, manifest_of_layer
 from hashcache.qcow2 import Qcow2Image
 from hashcache.shadow import Shadow
-from tests.conftest import Agent, free_port, make_store
+from testkit.images import make_store
+from tests.conftest import Agent, free_port
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.tools

@@ -1,14 +1,14 @@
-"""Fault injection on real transfers (bench/faultkit.py, bench/faultproxy.py): link resets and a half-open
+"""Fault injection on real transfers (testkit/faultkit.py, testkit/faultproxy.py): link resets and a half-open
 link mid-push and mid-pull, SIGKILL of the receiving agent and of `capsule push` at random points mid-transfer
-(bench/faultkills.py), all over TLS with the agent's certificate pinned. After
+(testkit/faultkills.py), all over TLS with the agent's certificate pinned. After
 each: both stores verify clean, nothing half-installed, and the rerun sends no more than was missing."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import faultkills, faultkit
 from capsule import transfer
+from testkit import faultkills, faultkit
 
 pytestmark = [pytest.mark.tools]
 

@@ -11,7 +11,6 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from bench.fleetkit import new_version
 from capsule import audit, capsules
 from capsule.accounts import tokens
 from capsule.cli.main import app as cli
@@ -19,7 +18,9 @@ from capsule.errors import AuthFailed, NotFound, PeerError
 from capsule.fleet import hostops, members
 from capsule.fleet import push as pushing
 from capsule.fleet.status import status
-from tests.conftest import Agent, make_store
+from testkit.fleetkit import new_version
+from testkit.images import make_store
+from tests.conftest import Agent
 
 pytestmark = pytest.mark.tools
 

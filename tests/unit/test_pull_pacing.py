@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from bench.fleetkit import new_version
 from capsule import capsules, transfer
 from capsule.agent.app import create_app
 from capsule.store import Store
@@ -17,7 +16,8 @@ from hashcache.hcp import decode_indices
 from hashcache.transport import Call, Reply
 from hashcache.transport.memory import in_process
 from hashcache.transport.wrappers import RateLimited
-from tests.conftest import make_store
+from testkit.fleetkit import new_version
+from testkit.images import make_store
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(180)]
 

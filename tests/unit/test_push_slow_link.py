@@ -1,4 +1,4 @@
-"""A push over a real shaped link (network namespaces, ``tbf``: bench/netlink.py) whose whole upload
+"""A push over a real shaped link (network namespaces, ``tbf``: testkit/netlink.py) whose whole upload
 takes several times the client's timeout: the pacing (capsule/transfer/pacing.py) keeps only a few seconds' worth
 of blocks in flight, so no upload times out and is sent again — the link carries the object's bytes once,
 plus TCP/IP's own, and the client's own count of wire bytes says so too."""
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleetkit import new_version
-from bench.netlink import SlowLink
 from capsule import capsules, images
 from capsule.store import Store
+from testkit.fleetkit import new_version
+from testkit.netlink import SlowLink
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(300)]
 

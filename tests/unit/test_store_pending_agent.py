@@ -16,7 +16,8 @@ def test_a_push_whose_version_is_not_recorded_yet_survives_gc_at_the_receiver(tm
     """Through a real agent: the objects it commits are pending until the version is recorded."""
     from capsule import capsules, transfer
     from capsule.agentclient import AgentClient
-    from tests.conftest import Agent, make_store
+    from testkit.images import make_store
+    from tests.conftest import Agent
 
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images)

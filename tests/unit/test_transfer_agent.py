@@ -18,7 +18,8 @@ from capsule import capsules, transfer
 from capsule.errors import AuthFailed, TransferFailed
 from capsule.store.objectio import BlockReader, has_object
 from capsule.transfer import pushpull
-from tests.conftest import Agent, make_store
+from testkit.images import make_store
+from tests.conftest import Agent
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.tools

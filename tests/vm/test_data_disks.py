@@ -55,7 +55,8 @@ def test_data_disk_through_suspend_restore_and_push(two_hosts):
 
 
 def test_demand_paged_run_of_a_capsule_with_a_data_disk(tmp_path, tiny_images):
-    from tests.conftest import Agent, _destroy_domains, make_store
+    from testkit.images import destroy_domains, make_store
+    from tests.conftest import Agent
 
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images)            # holds nothing of the capsule
@@ -81,7 +82,7 @@ def test_demand_paged_run_of_a_capsule_with_a_data_disk(tmp_path, tiny_images):
     finally:
         agent.stop()
         for s in (a, b):
-            _destroy_domains(s)
+            destroy_domains(s)
             s.close()
 
 

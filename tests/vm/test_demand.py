@@ -11,7 +11,8 @@ import pytest
 from capsule import capsules, lifecycle, transfer
 from capsule.lifecycle import demand
 from capsule.verify import verify
-from tests.conftest import Agent, make_store
+from testkit.images import make_store
+from tests.conftest import Agent
 from tests.vm.helpers import disk_digest, run, write_blocks
 
 pytestmark = pytest.mark.vm

@@ -1,4 +1,4 @@
-"""Faults in the middle of demand paging (issue 14), on a real guest (bench/demandfaults.py): the disk server
+"""Faults in the middle of demand paging (issue 14), on a real guest (testkit/demandfaults.py): the disk server
 SIGKILLed at random points of the guest's reads, and the link to the source reset and then half-open. Each
 time the guest waits (QEMU's NBD client reconnects to the disk server the instance's watcher starts again;
 the disk server retries the source) and then reads exactly the bytes the source holds; no I/O error reaches
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import demandfaults
+from testkit import demandfaults
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
 

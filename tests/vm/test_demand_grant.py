@@ -10,7 +10,8 @@ from capsule import capsules, lifecycle, transfer
 from capsule.accounts import grants, tokens, users
 from capsule.errors import Conflict
 from capsule.lifecycle import demand
-from tests.conftest import Agent, make_store
+from testkit.images import make_store
+from tests.conftest import Agent
 from tests.vm.helpers import run
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]

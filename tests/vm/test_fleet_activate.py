@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleetkit import new_version
 from capsule import capsules, lifecycle
 from capsule.fleet import members
 from capsule.fleet import push as pushing
-from tests.conftest import Agent, _destroy_domains, make_store
+from testkit.fleetkit import new_version
+from testkit.images import destroy_domains, make_store
+from tests.conftest import Agent
 
 pytestmark = pytest.mark.vm
 
@@ -24,7 +25,7 @@ def origin_and_host(tmp_path, tiny_images):
     agent = Agent(host.home, tmp_path / "h1.token")
     yield origin, host, agent
     agent.stop()
-    _destroy_domains(host)
+    destroy_domains(host)
 
 
 def test_activate_replaces_the_running_version_and_rollback_puts_it_back(origin_and_host):

@@ -14,7 +14,7 @@ from capsule.errors import IntegrityError, StorageFull
 from capsule.runtime.connection import lookup_domain
 from capsule.verify import verify
 from hashcache.qcow2 import Qcow2Image
-from tests.conftest import make_store
+from testkit.images import make_store
 from tests.vm.helpers import COUNTER, run, wait_count_above, write_blocks
 
 pytestmark = pytest.mark.vm

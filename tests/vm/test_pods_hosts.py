@@ -17,7 +17,8 @@ from capsule.errors import Unreachable
 from capsule.pod import ops, remote
 from capsule.pod.errors import CriuUnsupported, PodAddressClash
 from capsule.pod.relay import Relay
-from tests.conftest import Agent, _destroy_domains, make_store
+from testkit.images import destroy_domains, make_store
+from tests.conftest import Agent
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -64,7 +65,7 @@ def hosts(tmp_path, debian_images):
     yield a, b, agent_b
     agent_b.stop()
     for s in (a, b):
-        _destroy_domains(s)
+        destroy_domains(s)
         s.close()
 
 

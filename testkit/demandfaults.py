@@ -1,7 +1,7 @@
 """Faults in the middle of demand paging, on a real guest (issue 14), for tests/vm/test_demand_faults.py and
 ``bench.faults``: the disk server SIGKILLed at random points of the guest's reads, and the link to the source
 reset or gone half-open. Store A holds a capsule whose disk has ``regions`` regions of random blocks no other
-store has; B runs it by demand paging through a fault proxy (bench/faultproxy.py) in front of A's agent (TLS,
+store has; B runs it by demand paging through a fault proxy (testkit/faultproxy.py) in front of A's agent (TLS,
 pinned). Each
 fault strikes while the guest reads a region it never read before; the read must then return the bytes A
 reads there, with no I/O error reaching the guest, and B's store must verify clean."""
@@ -18,8 +18,6 @@ from pathlib import Path
 
 import libvirt
 
-from bench.faultkit import Outcome, agent
-from bench.faultproxy import FaultProxy
 from capsule import capsules, images, lifecycle, transfer
 from capsule.console.serial import ConsoleSession
 from capsule.lifecycle import demand
@@ -27,6 +25,8 @@ from capsule.runtime.connection import lookup_domain
 from capsule.store import Store
 from capsule.verify import verify
 from diskserver import DiskServer
+from testkit.faultkit import Outcome, agent
+from testkit.faultproxy import FaultProxy
 
 FIRST = 4096        # the first block of the regions: 16 MiB into the tiny image's disk
 REGION = 768        # blocks in a region: 3 MiB, 48 direct reads of 64 KiB

@@ -2,7 +2,7 @@
 measured on its own (for the fault tests and ``bench.faults``).
 
 Every draw pushes a fresh version of A's ``cap`` (a new layer of random bytes) with `capsule push` through a
-counting :class:`bench.faultproxy.FaultProxy` to B's agent (TLS, pinned). Once the layer's blocks flow (the
+counting :class:`testkit.faultproxy.FaultProxy` to B's agent (TLS, pinned). Once the layer's blocks flow (the
 proxy has carried ``START`` bytes of this push) the victim is SIGKILLed after a random delay, unless the push
 has already ended: such a draw is *missed* (counted in ``Outcome.missed``; the next draw has a new layer), so
 ``times`` kills are all injected mid-transfer, or the outcome says why not. After each kill B must verify
@@ -21,13 +21,13 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from bench.faultkit import Outcome, agent, arrived, kill, push_cli, sound, top_layer
-from bench.faultproxy import FaultProxy
-from bench.fleetkit import new_version
 from capsule import transfer
 from capsule.store import Store
 from capsule.store.objectio import has_object, object_manifest
 from hashcache.blocks import BLOCK_SIZE
+from testkit.faultkit import Outcome, agent, arrived, kill, push_cli, sound, top_layer
+from testkit.faultproxy import FaultProxy
+from testkit.fleetkit import new_version
 
 START = 1 / 8              # of the layer's bytes through the proxy: its blocks are flowing (past the manifest)
 SETTLE = 0.3               # s without a byte through the proxy: what a killed push had sent has landed

@@ -1,6 +1,6 @@
 """Two hosts joined by a shaped link: network namespaces A and B, a veth pair
 between them rate-limited with ``tbf`` on both ends, and latency added by a
-user-space delaying proxy (bench/delayproxy.py) in A in front of B's port.
+user-space delaying proxy (testkit/delayproxy.py) in A in front of B's port.
 
     with SlowLink(rate_kbit=384, rtt_ms=20) as link:
         link.exec_a([...])                     # run a command inside A
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import stop_groups
+from testkit.processes import stop_groups
 
 HERE = Path(__file__).resolve().parent
 DSL = {"rate_kbit": 384, "rtt_ms": 20.0}

@@ -4,7 +4,7 @@ The kernel here has tbf (rate) but not netem (delay), so latency is added in
 user space: every chunk read from one side is written to the other side
 ``delay`` seconds later, in order.
 
-    python bench/delayproxy.py --listen 127.0.0.1:9000 --to 198.18.1.2:7070 --delay-ms 10
+    python testkit/delayproxy.py --listen 127.0.0.1:9000 --to 198.18.1.2:7070 --delay-ms 10
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each scenario pushes or pulls a version whose newest layer holds ``size`` random bytes between two
 stores, one behind a real ``capsule serve`` (capsule/agent/launch.py) speaking TLS with its own host key
 (every client pins its certificate's fingerprint, as between hosts) and, where the link is at fault, behind
-:class:`bench.faultproxy.FaultProxy`. It injects its fault, checks the after-conditions (both
+:class:`testkit.faultproxy.FaultProxy`. It injects its fault, checks the after-conditions (both
 stores verify clean, nothing of the object installed before its commit, the transfer completes on a
 rerun) and returns an :class:`Outcome`: faults injected and survived, block bytes sent again after the
 fault and the bytes that were missing at the receiver when it happened."""
@@ -20,8 +20,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.faultproxy import FaultProxy
-from bench.fleetkit import new_version
 from capsule import capsules, transfer
 from capsule.agent.launch import AgentProcess
 from capsule.agentclient import AgentClient
@@ -30,6 +28,8 @@ from capsule.store.objectio import has_object, object_manifest, open_shadow
 from capsule.verify import verify
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.transport import RetryPolicy
+from testkit.faultproxy import FaultProxy
+from testkit.fleetkit import new_version
 
 MiB = 1 << 20
 

@@ -1,0 +1,54 @@
+"""The test image store and stores made from it, for the tests' fixtures and the benchmarks: the
+machine-wide store of built test images (``CAPSULE_TEST_IMAGES`` or .cache/test-images), an image built
+once into it (again when stale), a fresh store importing images from it, and clean-up of every libvirt
+domain a store started."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE_HOME = Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images"))
+
+
+def image_store():
+    from capsule.store import Store
+
+    return Store.open(IMAGE_HOME)
+
+
+def ensure_image(store, kind: str) -> None:
+    """Build the image once; again when the guest agent (or, in Debian, the pod layer) it carries is not
+    the current one, or when the recipes (capsule/imagebuild/) changed."""
+    from capsule import images
+    from capsule.imagebuild.common import agent_binary, agent_info, pod_layer_sha256, recipe_sha256
+
+    row = store.catalogue.image(kind)
+    stale = row is not None and (row.info.get("agent_sha256") != agent_info(agent_binary())["sha256"]
+                                 or row.info.get("recipe_sha256") != recipe_sha256()
+                                 or (kind == "debian" and row.info.get("pods_sha256") != pod_layer_sha256()))
+    images.build(store, kind, kind, rebuild=stale)
+
+
+def destroy_domains(store) -> None:
+    import libvirt
+
+    from capsule.runtime.connection import connect
+
+    conn = connect()
+    for dom in conn.listAllDomains():
+        if dom.name().startswith(f"capsule-{store.id}-"):
+            with contextlib.suppress(libvirt.libvirtError):
+                dom.destroy()
+
+
+def make_store(path: Path, source, *images_to_import: str):
+    from capsule import images
+    from capsule.store import Store
+
+    store = Store.open(path)
+    for name in images_to_import:
+        images.import_image(source, store, name)
+    return store
