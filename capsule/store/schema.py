@@ -8,7 +8,7 @@ migrations it lacks, in order, in one transaction (``BEGIN IMMEDIATE``: two proc
 apply them once); one whose version is newer than :data:`SCHEMA_VERSION` was made by a newer release and is
 refused, unchanged. A migration never rewrites what it does not own, and is written once: a change to the
 schema is a new migration at the end, never an edit of one that shipped. ``docs/formats.md`` describes the
-tables; ``tests/unit/test_store_upgrade.py`` opens a store of 0.1.0 (``tests/data/stores/``)."""
+tables; ``tests/tools/test_store_upgrade.py`` opens a store of 0.1.0 (``tests/data/stores/``)."""
 
 from __future__ import annotations
 

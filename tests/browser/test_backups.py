@@ -13,7 +13,7 @@ from capsule import capsules, hosts, lifecycle
 from capsule.backup import jobs, verifyjob
 from capsule.backup.retention import Policy
 from tests.browser.test_dashboard import SCREENSHOTS, browser  # noqa: F401 - the shared browser fixture
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 

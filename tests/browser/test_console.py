@@ -8,7 +8,7 @@ import pytest
 
 from capsule import capsules, lifecycle
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]

@@ -13,7 +13,7 @@ import pytest
 from capsule import capsules, hosts, lifecycle
 from capsule.runtime.connection import lookup_domain
 from tests.browser.test_dashboard import SCREENSHOTS, browser  # noqa: F401 - fixture
-from tests.vm.helpers import COUNTER, count, run, wait_count_above
+from tests.helpers.guest import COUNTER, count, run, wait_count_above
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(400)]

@@ -12,7 +12,7 @@ import pytest
 
 from capsule import capsules, lifecycle, views
 from tests.browser.test_dashboard import SCREENSHOTS, browser  # noqa: F401 - fixture
-from tests.vm.helpers import write_blocks
+from tests.helpers.guest import write_blocks
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 

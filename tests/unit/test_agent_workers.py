@@ -19,8 +19,8 @@ from capsule import lifecycle
 from capsule.accounts import owners, tokens, users
 from capsule.agent.limits import Limits
 from hashcache.hcp import encode_indices
+from tests.helpers.transport_fixtures import TOKEN, agent_app
 from tests.unit.test_accounts_agent import OTHER, SECRET, make_home
-from tests.unit.transport_fixtures import TOKEN, agent_app
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

@@ -274,7 +274,7 @@ def test_cli_schedule_ls_json(store):
 
 
 def test_a_backup_host_that_is_down_leaves_the_copy_waiting(store):
-    from tests.unit.inprocess_agent import free_port
+    from tests.helpers.inprocess_agent import free_port
 
     store.catalogue.query(      # a known host, whose agent no longer answers
         "INSERT INTO peers VALUES('vault', ?, 'a-token-of-the-vault-0123', 'abcdef0123', 0, NULL)",

@@ -14,7 +14,7 @@ from capsule.backup.calendar import CalendarError
 from capsule.errors import NotFound
 from capsule.store import Store
 from capsule.store.catalogue import CapsuleRow, VersionRow
-from tests.unit.inprocess_agent import InProcessAgent
+from tests.helpers.inprocess_agent import InProcessAgent
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ from capsule.store import Store
 from capsule.store.catalogue import ImageRow
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.transport.base import Call, Reply
-from tests.unit.received import receive_file, receive_layer, record_of
+from tests.helpers.received import receive_file, receive_layer, record_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

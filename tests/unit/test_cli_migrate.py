@@ -57,7 +57,7 @@ def test_to_is_a_known_hosts_name_or_a_url_with_a_token_file(tmp_path, monkeypat
     from capsule.cli.common import PeerCall, resolve_peer
     from capsule.errors import NotFound
     from capsule.store import Store
-    from tests.unit.inprocess_agent import InProcessAgent
+    from tests.helpers.inprocess_agent import InProcessAgent
 
     monkeypatch.delenv("CAPSULE_TOKEN", raising=False)
     token = "the-peer-token-0123456789abcdef"

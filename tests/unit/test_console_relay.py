@@ -12,7 +12,7 @@ from capsule.agent.app import create_app
 from capsule.lifecycle.memimage import VNC_SOCKET
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
-from tests.unit.inprocess_agent import InProcessAgent
+from tests.helpers.inprocess_agent import InProcessAgent
 from tests.unit.test_console_api import EchoServer, refused
 from tests.unit.test_dashboard_api import PEER_TOKEN, TOKEN, _fake_image, sign_in
 

@@ -15,7 +15,7 @@ from capsule.agent.app import create_app
 from capsule.lifecycle import demand
 from capsule.store import Store
 from capsule.store.catalogue import ImageRow
-from tests.unit.inprocess_agent import InProcessAgent
+from tests.helpers.inprocess_agent import InProcessAgent
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -18,7 +18,7 @@ from hashcache.errors import Error, Internal, registered
 from hashcache.hcp import decode_stream_read, encode_stream_error
 from hashcache.transport import Call, check, read_call
 from hashcache.transport.memory import in_process
-from tests.unit.transport_fixtures import TOKEN, agent_app
+from tests.helpers.transport_fixtures import TOKEN, agent_app
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

@@ -13,7 +13,7 @@ from capsule.errors import AlreadyExists, AuthFailed, Conflict, InvalidName, Not
 from capsule.fleet import members
 from capsule.fleet.status import status
 from capsule.store import Store
-from tests.unit.inprocess_agent import InProcessAgent, SilentPeer
+from tests.helpers.inprocess_agent import InProcessAgent, SilentPeer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

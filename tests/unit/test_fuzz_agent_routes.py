@@ -18,7 +18,7 @@ from capsule.agent.app import create_app
 from capsule.store import Store
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.hcp import Expectation, decode_stream_reply, encode_indices
-from tests.unit.fuzzing import MARKS, deep_json, fuzz, hostile, json_values
+from tests.helpers.fuzzing import MARKS, deep_json, fuzz, hostile, json_values
 
 pytestmark = MARKS
 

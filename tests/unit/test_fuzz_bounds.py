@@ -32,8 +32,8 @@ from hashcache import wirejson
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.bounds import Bound, blocks_in
 from hashcache.hcp import ProtocolError, manifest_header
-from tests.unit.fuzzing import EDGE_INTS, MARKS, fuzz, json_values
-from tests.unit.received import record_of
+from tests.helpers.fuzzing import EDGE_INTS, MARKS, fuzz, json_values
+from tests.helpers.received import record_of
 
 pytestmark = MARKS
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from capsule.pod import replies
 from capsule.runtime.guestagent import AgentReplyInvalid, exec_result
-from tests.unit.fuzzing import EDGE_INTS, MARKS, fuzz, json_values
+from tests.helpers.fuzzing import EDGE_INTS, MARKS, fuzz, json_values
 
 pytestmark = MARKS
 

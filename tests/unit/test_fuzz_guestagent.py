@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from capsule.errors import CapsuleError
 from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
-from tests.unit.fuzzing import MARKS, deep_json, fuzz, json_values
+from tests.helpers.fuzzing import MARKS, deep_json, fuzz, json_values
 
 pytestmark = MARKS
 

@@ -30,7 +30,7 @@ from hashcache.hcp import (
     unpack_blocks,
 )
 from hashcache.transport.base import Reply
-from tests.unit.fuzzing import MARKS, deep_json, fuzz, hostile, peak_allocation
+from tests.helpers.fuzzing import MARKS, deep_json, fuzz, hostile, peak_allocation
 
 pytestmark = MARKS
 

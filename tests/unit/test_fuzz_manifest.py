@@ -18,7 +18,7 @@ from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import Error, ManifestError
 from hashcache.hcp import Expectation, ProtocolError, header_of, manifest_from_parts
 from hashcache.manifest import ALGORITHM, KIND_FILE, KIND_LAYER, MAGIC, RECORD_SIZE, Manifest
-from tests.unit.fuzzing import MARKS, deep_json, fuzz, hostile, json_values, peak_allocation
+from tests.helpers.fuzzing import MARKS, deep_json, fuzz, hostile, json_values, peak_allocation
 
 pytestmark = MARKS
 

@@ -19,7 +19,7 @@ from hashcache.errors import HashcacheError
 from hashcache.manifest import manifest_of_layer
 from hashcache.qcow2 import MAGIC, Qcow2Image
 from hashcache.qcow2_writer import write_layer
-from tests.unit.fuzzing import EDGE_INTS, MARKS, fuzz_files, mutated
+from tests.helpers.fuzzing import EDGE_INTS, MARKS, fuzz_files, mutated
 
 pytestmark = MARKS
 

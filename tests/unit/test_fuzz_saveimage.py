@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from capsule.errors import IntegrityError
 from capsule.runtime.saveimage import MAGIC, identity, read_header
-from tests.unit.fuzzing import MARKS, fuzz, hostile
+from tests.helpers.fuzzing import MARKS, fuzz, hostile
 
 pytestmark = MARKS
 

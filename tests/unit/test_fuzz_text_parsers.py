@@ -23,7 +23,7 @@ from capsule.transfer.records import validate
 from diskserver.chain import ChainSpec
 from diskserver.errors import SpecError
 from pods.names import PodError, check_name, parse_ip
-from tests.unit.fuzzing import MARKS, deep_json, fuzz, json_values
+from tests.helpers.fuzzing import MARKS, deep_json, fuzz, json_values
 
 pytestmark = MARKS
 

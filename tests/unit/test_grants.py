@@ -16,8 +16,8 @@ from capsule.store import Store
 from capsule.transfer.records import record_version, version_record
 from hashcache.hcp import decode_stream_reply, encode_indices, encode_stream_read
 from hashcache.transport.memory import in_process
-from tests.unit.grantworld import A, B, bearer, make_world
-from tests.unit.received import receive_file, receive_layer, record_of
+from tests.helpers.grantworld import A, B, bearer, make_world
+from tests.helpers.received import receive_file, receive_layer, record_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

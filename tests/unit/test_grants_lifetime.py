@@ -23,8 +23,8 @@ from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from capsule.store.objectio import object_manifest
 from hashcache.transport.memory import in_process
-from tests.unit.grantworld import TOKEN, A, B, bearer, make_world
-from tests.unit.inprocess_agent import InProcessAgent
+from tests.helpers.grantworld import TOKEN, A, B, bearer, make_world
+from tests.helpers.inprocess_agent import InProcessAgent
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -20,7 +20,7 @@ from capsule.agent import authz
 from capsule.agent.migrations import MigrateIn, Migration
 from capsule.hosts import Peer
 from hashcache.hcp import decode_stream_reply, encode_stream_read
-from tests.unit.grantworld import A, B, World, bearer, make_world
+from tests.helpers.grantworld import A, B, World, bearer, make_world
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

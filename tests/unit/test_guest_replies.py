@@ -26,7 +26,7 @@ from capsule.runtime.guestagent import AgentReplyInvalid, Reply, exec_result
 from capsule.runtime.hotdisk import HotDiskUnavailable
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
-from tests.unit.fakeagent import reply, requests
+from tests.helpers.fakeagent import reply, requests
 from tests.unit.test_dashboard_api import TOKEN, _fake_image
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from capsule.runtime.guestagent import AgentError, AgentUnavailable, GuestAgent
-from tests.unit.fakeagent import reply, requests
+from tests.helpers.fakeagent import reply, requests
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from capsule import hosts
 from capsule.errors import AlreadyExists, AuthFailed, Conflict, InvalidName, NotFound, Unreachable
 from capsule.store import Store
-from tests.unit.inprocess_agent import InProcessAgent, SilentPeer, free_port
+from tests.helpers.inprocess_agent import InProcessAgent, SilentPeer, free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -18,7 +18,7 @@ from capsule.errors import Cancelled, Conflict
 from capsule.migrate.progress import Tracker, planned
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
-from tests.unit.inprocess_agent import InProcessAgent
+from tests.helpers.inprocess_agent import InProcessAgent
 from tests.unit.test_dashboard_api import PEER_TOKEN, SECRET, TOKEN, home, sign_in  # noqa: F401 - fixture
 from tests.wait import wait_until
 

@@ -21,7 +21,7 @@ from hashcache.errors import HashcacheError
 from hashcache.manifest import Manifest, _reference_manifest_of_layer, manifest_of_layer
 from hashcache.qcow2 import Qcow2Image
 from hashcache.qcow2_writer import write_layer
-from tests.unit.fuzzing import EDGE_INTS
+from tests.helpers.fuzzing import EDGE_INTS
 
 CLUSTER = 128 * 1024
 prop = settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -106,7 +106,7 @@ def test_a_push_that_fails_does_not_send_the_queued_batches(tmp_path, monkeypatc
     from capsule.store import Store
     from capsule.transfer import pushpull
     from hashcache.transport.memory import in_process
-    from tests.unit.transport_fixtures import TOKEN, agent_app
+    from tests.helpers.transport_fixtures import TOKEN, agent_app
 
     monkeypatch.setattr(pushpull, "PART_RECORDS", 128)  # a small object in several manifest parts
     src = Store.open(tmp_path / "src")

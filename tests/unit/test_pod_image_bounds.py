@@ -15,7 +15,7 @@ import zstandard
 from capsule.errors import IntegrityError
 from capsule.pod import imagemeta
 from capsule.pod.imagemeta import image_address
-from tests.unit.fuzzing import peak_allocation
+from tests.helpers.fuzzing import peak_allocation
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

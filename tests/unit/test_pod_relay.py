@@ -21,7 +21,7 @@ from capsule.errors import CapsuleError, IntegrityError
 from capsule.pod import errors as perr
 from capsule.pod.relay import UP_CHUNK, Relay
 from capsule.runtime.hotdisk import HotDiskUnavailable
-from tests.unit.fakeagent import reply, requests
+from tests.helpers.fakeagent import reply, requests
 
 pytestmark = pytest.mark.unit
 LINE_LIMIT = 65536  # the agent's request line limit (guest-balloon/PROTOCOL.md)

@@ -12,7 +12,7 @@ from capsule.doctor import _modes_check
 from capsule.store import Store
 from capsule.store.modes import DIR_MODE, GUEST_DIR_MODE, MEMORY_MODE, OBJECT_MODE, SUBDIRS, check_modes
 from capsule.verify import verify
-from tests.unit.received import receive_file, receive_layer
+from tests.helpers.received import receive_file, receive_layer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -14,7 +14,7 @@ from capsule.errors import NotFound
 from capsule.store import Store
 from capsule.store.objectio import has_object
 from capsule.transfer.records import record_version
-from tests.unit.received import receive_file, receive_layer, record_of
+from tests.helpers.received import receive_file, receive_layer, record_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

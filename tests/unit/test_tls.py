@@ -26,7 +26,7 @@ from diskserver.errors import SourceError
 from diskserver.source import HcpSource
 from hashcache.errors import HostKeyError, InvalidInput
 from hashcache.transport import Call, HttpTransport, tls
-from tests.unit.inprocess_agent import InProcessAgent
+from tests.helpers.inprocess_agent import InProcessAgent
 from tests.unit.test_dashboard_api import _fake_image
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -27,7 +27,7 @@ from hashcache.transport import (
 )
 from hashcache.transport.base import TokenSource
 from hashcache.transport.memory import in_process
-from tests.unit.transport_fixtures import NBLOCKS, TOKEN, DroppingTransport, agent_app, serve
+from tests.helpers.transport_fixtures import NBLOCKS, TOKEN, DroppingTransport, agent_app, serve
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

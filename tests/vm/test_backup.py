@@ -15,7 +15,7 @@ from capsule.backup.retention import Policy
 from capsule.backup.scheduler import Scheduler
 from capsule.errors import Conflict
 from hashcache.manifest import manifest_of_layer
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 

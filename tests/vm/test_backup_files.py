@@ -14,7 +14,7 @@ from capsule import capsules, lifecycle
 from capsule.backup import files, jobs, runner
 from capsule.backup.retention import Policy
 from capsule.errors import NotFound
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 

@@ -8,7 +8,7 @@ import pytest
 
 from capsule import capsules, lifecycle
 from capsule.runtime.guestagent import wait_for_agent
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = pytest.mark.vm
 

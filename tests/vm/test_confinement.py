@@ -11,7 +11,7 @@ import pytest
 
 from capsule import capsules, lifecycle
 from capsule.runtime.guestaccess import guest_user
-from tests.vm.helpers import disk_digest, write_blocks
+from tests.helpers.guest import disk_digest, write_blocks
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from capsule import capsules, lifecycle, transfer
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = pytest.mark.vm
 

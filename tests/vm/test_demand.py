@@ -13,7 +13,7 @@ from capsule.lifecycle import demand
 from capsule.verify import verify
 from testkit.images import make_store
 from tests.conftest import Agent
-from tests.vm.helpers import disk_digest, run, write_blocks
+from tests.helpers.guest import disk_digest, run, write_blocks
 
 pytestmark = pytest.mark.vm
 
@@ -133,7 +133,7 @@ def test_source_gone_pauses_the_guest_and_its_return_resumes_it(a_and_b, monkeyp
     transfer.run(b, agent.url, "cap", agent.token)
     run(b, "cap", "dd if=/dev/vda of=/dev/null bs=4096 count=16 2>/dev/null")  # some blocks are here
     agent.stop()  # the source host goes away
-    from tests.vm.helpers import guest
+    from tests.helpers.guest import guest
 
     session = guest(b, "cap")
     session.send("dd if=/dev/vda of=/dev/null bs=4096 skip=512 count=64 2>/dev/null; echo READ-DONE\n")

@@ -12,7 +12,7 @@ from capsule.errors import Conflict
 from capsule.lifecycle import demand
 from testkit.images import make_store
 from tests.conftest import Agent
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
 

@@ -11,7 +11,7 @@ from capsule.console.screen import screenshot
 from capsule.imagebuild import DESKTOP_MARKER, MARKER
 from capsule.imagebuild.desktop import BACKGROUND, USER
 from capsule.runtime.guestagent import wait_for_agent
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 from tests.wait import wait_until
 
 # the first test builds the image (about two minutes) unless the test image store has it

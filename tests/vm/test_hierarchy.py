@@ -8,7 +8,7 @@ import pytest
 from capsule import capsules, hierarchy, lifecycle
 from capsule.errors import Conflict
 from capsule.verify import verify
-from tests.vm.helpers import disk_digest, write_blocks
+from tests.helpers.guest import disk_digest, write_blocks
 
 pytestmark = pytest.mark.vm
 

@@ -15,7 +15,7 @@ from capsule.runtime.connection import lookup_domain
 from capsule.verify import verify
 from hashcache.qcow2 import Qcow2Image
 from testkit.images import make_store
-from tests.vm.helpers import COUNTER, run, wait_count_above, write_blocks
+from tests.helpers.guest import COUNTER, run, wait_count_above, write_blocks
 
 pytestmark = pytest.mark.vm
 

@@ -7,7 +7,7 @@ import pytest
 
 from capsule import capsules, lifecycle
 from capsule.runtime.connection import lookup_domain
-from tests.vm.helpers import COUNTER, count, run, uptime, wait_count_above
+from tests.helpers.guest import COUNTER, count, run, uptime, wait_count_above
 
 pytestmark = pytest.mark.vm
 
@@ -65,7 +65,7 @@ def test_snapshot_keeps_running_and_starts_as_second_capsule(store):
 
 
 def test_stop_records_disk_changes_and_boots_them(store):
-    from tests.vm.helpers import disk_digest, write_blocks
+    from tests.helpers.guest import disk_digest, write_blocks
 
     capsules.create(store, "d", "tiny", memory="256M")
     lifecycle.start(store, "d")

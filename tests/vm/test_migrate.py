@@ -8,7 +8,7 @@ from capsule import capsules, lifecycle
 from capsule.lifecycle import demand
 from capsule.migrate import MigrationFailed, migrate
 from capsule.runtime.connection import lookup_domain
-from tests.vm.helpers import COUNTER, count, run, wait_count_above
+from tests.helpers.guest import COUNTER, count, run, wait_count_above
 
 pytestmark = pytest.mark.vm
 

@@ -10,7 +10,7 @@ from capsule import capsules, lifecycle
 from capsule.migrate import MigrationCancelled, migrate
 from capsule.migrate.progress import CancelToken, Snapshot
 from capsule.runtime.connection import lookup_domain
-from tests.vm.helpers import COUNTER, count, run, wait_count_above, write_blocks
+from tests.helpers.guest import COUNTER, count, run, wait_count_above, write_blocks
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(400)]
 

@@ -16,7 +16,7 @@ from capsule.console.serial import ConsoleSession
 from capsule.errors import IntegrityError, StorageFull
 from capsule.runtime import saveimage
 from capsule.runtime.connection import lookup_domain
-from tests.vm.helpers import COUNTER, count, run, wait_count_above
+from tests.helpers.guest import COUNTER, count, run, wait_count_above
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]
 

@@ -13,7 +13,7 @@ from capsule.console import screen
 from capsule.errors import Conflict
 from capsule.lifecycle import memimage
 from capsule.runtime.connection import lookup_domain
-from tests.vm.helpers import COUNTER, count, run, wait_count_above
+from tests.helpers.guest import COUNTER, count, run, wait_count_above
 
 pytestmark = pytest.mark.vm
 

@@ -17,7 +17,7 @@ from capsule.accounts import owners, tokens, users
 from capsule.agent.app import create_app
 from capsule.runtime.connection import lookup_domain
 from capsule.store import claims
-from tests.vm.helpers import guest, run, write_blocks
+from tests.helpers.guest import guest, run, write_blocks
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 

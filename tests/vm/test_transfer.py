@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from capsule import capsules, hosts, lifecycle, transfer
-from tests.vm.helpers import COUNTER, count, disk_digest, run, wait_count_above, write_blocks
+from tests.helpers.guest import COUNTER, count, disk_digest, run, wait_count_above, write_blocks
 
 pytestmark = pytest.mark.vm
 

@@ -16,7 +16,7 @@ from capsule.errors import AlreadyExists, Conflict
 from capsule.update import make as making
 from capsule.update.journal import extents, logical_blocks
 from hashcache.qcow2 import ZERO, Qcow2Image
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 

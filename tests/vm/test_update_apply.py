@@ -12,7 +12,7 @@ from capsule import capsules, lifecycle
 from capsule.errors import Conflict
 from capsule.update import apply as applying
 from capsule.update import make as making
-from tests.vm.helpers import run
+from tests.helpers.guest import run
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 

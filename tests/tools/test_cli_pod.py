@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.unit.test_cli import capsule
+from tests.tools.test_cli import capsule
 
 pytestmark = pytest.mark.tools
 

@@ -7,7 +7,7 @@ import pytest
 
 from capsule import transfer
 from capsule.errors import Cancelled
-from tests.unit.test_transfer_agent import hosts  # noqa: F401 - fixture
+from tests.tools.test_transfer_agent import hosts  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(300)]
 

@@ -15,7 +15,7 @@ from capsule.accounts import owners, tokens, users
 from capsule.agent.app import create_app
 from capsule.store import Store
 from capsule.transfer.records import record_version
-from tests.unit.received import receive_file, receive_layer, record_of
+from tests.helpers.received import receive_file, receive_layer, record_of
 
 A, B = "alices-desk", "bobs-desk"
 TOKEN = "the-host-token-0123456789abcdef"

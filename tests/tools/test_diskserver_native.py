@@ -16,10 +16,10 @@ from diskserver.chain import ReadaheadSpec
 from diskserver.nbdclient import NbdClient
 from diskserver.server import FASTREAD
 from hashcache.blocks import BLOCK_SIZE
-from tests.unit import test_diskserver_chain as chain_tests
-from tests.unit import test_diskserver_server as server_tests
-from tests.unit.test_diskserver_chain import host_b, make_child, raw_of, remote_spec
-from tests.unit.test_diskserver_server import serve, stats_after
+from tests.tools import test_diskserver_chain as chain_tests
+from tests.tools import test_diskserver_server as server_tests
+from tests.tools.test_diskserver_chain import host_b, make_child, raw_of, remote_spec
+from tests.tools.test_diskserver_server import serve, stats_after
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.tools

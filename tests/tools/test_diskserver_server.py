@@ -24,8 +24,8 @@ from diskserver.nbdclient import NbdClient, probe
 from diskserver.server import PLUGIN, DiskServer
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.shadow import Shadow
-from tests.unit import test_diskserver_chain as chain_tests
-from tests.unit.test_diskserver_chain import block_of_source, host_b, make_child, raw_of, remote_spec
+from tests.tools import test_diskserver_chain as chain_tests
+from tests.tools.test_diskserver_chain import block_of_source, host_b, make_child, raw_of, remote_spec
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.tools

@@ -80,7 +80,7 @@ def test_verify_names_loose_modes_and_fix_modes_repairs_them(tmp_path):
 
 def test_gc_drop_pending_collects_abandoned_received_objects(tmp_path):
     from capsule.store import Store
-    from tests.unit.received import receive_file
+    from tests.helpers.received import receive_file
 
     home = tmp_path / "store"
     work = tmp_path / "w"

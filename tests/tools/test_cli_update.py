@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_cli import capsule
+from tests.tools.test_cli import capsule
 
 pytestmark = pytest.mark.tools
 
