@@ -1,6 +1,7 @@
-"""Reading a backup's files without booting: paths checked before debugfs sees them (unit), the reader on a
-real two-layer qcow2 chain of an ext4 file system made by mkfs.ext4 (tools), and the tools parsing it as the
-unprivileged sandbox user: no capabilities, no write outside their copy, damage a clear error (tools)."""
+"""Reading a backup's files without booting: the reader on a real two-layer qcow2 chain of an ext4 file
+system made by mkfs.ext4, and the tools parsing it as the unprivileged sandbox user: no capabilities, no
+write outside their copy, damage a clear error (paths checked before debugfs sees them:
+tests/unit/test_backup_files.py)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,8 @@ from pathlib import Path
 import pytest
 
 from capsule import qemuimg, sandbox
-from capsule.backup.files import _Disk, check_path, flattened
-from capsule.errors import CapsuleError, EnvironmentProblem, IntegrityError, InvalidInput, NotFound
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("path,normal", [("/", "/"), ("/etc/hostname", "/etc/hostname"), ("/a/./b", "/a/b"),
-                                         ("//etc//x/", "/etc/x"), ("/sp ace/x", "/sp ace/x")])
-def test_paths_are_normalised(path, normal):
-    assert check_path(path) == normal
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("path", ["etc/hostname", "", "~/x", '/a"b', "/a\nb", "/a\x00b", "/a\x7fb", "/a/../b",
-                                  "/.."])
-def test_paths_debugfs_could_misread_are_refused(path):
-    with pytest.raises(InvalidInput):
-        check_path(path)
+from capsule.backup.files import _Disk, flattened
+from capsule.errors import CapsuleError, IntegrityError, InvalidInput, NotFound
 
 
 def _ext4(root: Path, out: Path) -> None:
@@ -178,23 +164,6 @@ def test_a_damaged_guest_file_system_is_a_clear_error(tmp_path):
             disk.dump("/etc/hostname", out)
         assert not out.exists()
     assert not work.exists()
-
-
-@pytest.mark.unit
-def test_a_host_without_the_sandbox_user_is_told_to_run_setup(monkeypatch):
-    monkeypatch.setattr(sandbox, "USER", "capsule-no-such-user")
-    with pytest.raises(EnvironmentProblem, match="make setup"):
-        sandbox.command(["debugfs", "-V"])
-
-
-@pytest.mark.unit
-def test_doctor_says_whether_the_sandbox_user_exists(monkeypatch):
-    from capsule import doctor
-
-    assert doctor._sandbox_check().ok
-    monkeypatch.setattr(sandbox, "USER", "capsule-no-such-user")
-    check = doctor._sandbox_check()
-    assert not check.ok and "make setup" in check.detail
 
 
 @pytest.mark.tools

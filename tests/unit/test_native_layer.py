@@ -1,14 +1,13 @@
 """Property tests: a layer's manifest built by the extension (``Qcow2Image.own_records``: each L2 table
 walked, its data read and hashed on every core) equals the reference, run by run through
 ``iter_block_runs`` — for layers written by qcow2_writer (data, zero and zero-content blocks, a short
-last block, several clusters and tables), for qemu-img's own images with and without extended L2,
-and for mutated ones, which give the very same error or the very same manifest."""
+last block, several clusters and tables) and for mutated ones, which give the very same error or the very
+same manifest (qemu-img's own images: tests/tools/test_native_layer.py)."""
 
 from __future__ import annotations
 
 import random
 import struct
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -108,25 +107,3 @@ def test_mutated_layers_agree(data: bytes) -> None:
             assert isinstance(got, Manifest) and got.record_bytes == ref.record_bytes
         else:
             assert got == ref
-
-
-@pytest.mark.tools
-@pytest.mark.parametrize("options", ["cluster_size=131072,extended_l2=on", "cluster_size=65536"])
-def test_qemu_images_agree(tmp_path: Path, options: str) -> None:
-    """qemu-img's layout (a raw image with zero pages converted; a child with data, zeroed and
-    discarded ranges written by qemu-io), with and without subclusters."""
-    rng = random.Random(3)
-    raw = tmp_path / "base.raw"
-    raw.write_bytes(b"".join(bytes(BLOCK_SIZE) if rng.random() < 0.35 else rng.randbytes(BLOCK_SIZE)
-                             for _ in range(3000)) + rng.randbytes(1000))
-    base, top = tmp_path / "base.qcow2", tmp_path / "top.qcow2"
-    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", "-o", options, raw, base], check=True)
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2", "-o", options, top],
-                   check=True)
-    subprocess.run(["qemu-io", "-f", "qcow2", "-c", "write -P 0xab 4k 12k", "-c", "write -z 1M 64k",
-                    "-c", "write -P 0 2M 4k", "-c", "write -P 0x11 3M 8k", "-c", "discard 5M 128k",
-                    "-c", "write -P 0x22 11M 4k", top], check=True, capture_output=True)
-    for path in (base, top):
-        got, ref = manifest_of_layer(path, None), _reference_manifest_of_layer(path, None)
-        assert got.record_bytes == ref.record_bytes
-        assert len(got) > 0
