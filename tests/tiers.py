@@ -11,6 +11,11 @@ Every test carries exactly one tier marker (a module's ``pytestmark`` or a decor
 - ``hosts``: separate hosts (docker compose).
 - ``browser``: drives real Chromium.
 
+A test file lives in the folder of its tier (``tests/unit/``, ``tests/tools/``, ``tests/vm/``,
+``tests/hosts/``, ``tests/browser/``): a ``tools`` test under ``tests/unit/`` fails collection with a
+message naming the folder it belongs in. Helpers several tiers import live in ``tests/helpers/`` (and
+what the benchmarks share, in ``testkit/``).
+
 ``slow`` is not a tier: it adds to one. Every other test has the default timeout from
 ``[tool.pytest.ini_options] timeout``; a test that needs longer says so with
 ``@pytest.mark.timeout(N)``."""
@@ -21,10 +26,12 @@ import _posixsubprocess
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 TIERS = ("unit", "tools", "vm", "hosts", "browser")
+TESTS = Path(__file__).resolve().parent
 UNIT_TIMEOUT = 60.0
 # fixtures that need the test image store: a test asking for one is not a unit test
 IMAGE_FIXTURES = frozenset({"tiny_images", "debian_images", "desktop_images", "store", "debian_store",
@@ -48,9 +55,22 @@ def tier_of(item: pytest.Item) -> list[str]:
     return [t for t in TIERS if item.get_closest_marker(t) is not None]
 
 
+def folder_of(item: pytest.Item) -> str | None:
+    """The folder of tests/ that holds ``item``'s file ("" for a file directly in tests/), None for a file
+    outside tests/."""
+    path = getattr(item, "path", None)
+    if path is None:
+        return None
+    try:
+        parts = Path(path).resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 else ""
+
+
 def check_tiers(items: list[pytest.Item]) -> None:
-    """Give unit tests their short timeout; fail collection on a test without exactly one tier,
-    or a unit test that needs images."""
+    """Give unit tests their short timeout; fail collection on a test without exactly one tier, a test
+    outside its tier's folder, or a unit test that needs images."""
     problems = []
     for item in items:
         tiers = tier_of(item)
@@ -58,6 +78,10 @@ def check_tiers(items: list[pytest.Item]) -> None:
             got = ", ".join(tiers) or "none"
             problems.append(f"{item.nodeid}: needs exactly one tier marker of {', '.join(TIERS)} (has {got})")
             continue
+        folder = folder_of(item)
+        if folder is not None and folder != tiers[0]:
+            problems.append(f"{item.nodeid}: marked {tiers[0]} but lives in tests/{folder + '/' if folder else ''}: "
+                            f"move its file to tests/{tiers[0]}/ (a test's folder is its tier)")
         if tiers == ["unit"]:
             images = _image_fixtures_used(item)
             if images:

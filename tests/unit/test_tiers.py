@@ -1,5 +1,6 @@
-"""The tier checks themselves: a test without exactly one tier, or a unit test that needs images,
-stops collection; a unit test cannot start a process; unit tests get the short timeout."""
+"""The tier checks themselves: a test without exactly one tier, a test outside its tier's folder, or a
+unit test that needs images, stops collection; a unit test cannot start a process; unit tests get the
+short timeout."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import sys
 
 import pytest
 
-from tests.tiers import UNIT_TIMEOUT, ProcessStarted, check_tiers, no_processes
+from tests.tiers import TESTS, TIERS, UNIT_TIMEOUT, ProcessStarted, check_tiers, no_processes
 
 pytestmark = pytest.mark.unit
 
 
 class FakeItem:
-    def __init__(self, *marks: str, fixtures: tuple[str, ...] = ()) -> None:
-        self.nodeid = f"tests/x.py::test_{'_'.join(marks) or 'none'}"
+    def __init__(self, *marks: str, fixtures: tuple[str, ...] = (), folder: str | None = None) -> None:
+        """A test marked ``marks`` in a file of tests/``folder``/ (by default its tier's folder)."""
+        folder = next((m for m in marks if m in TIERS), "unit") if folder is None else folder
+        self.path = TESTS / folder / "test_x.py"
+        self.nodeid = f"{self.path.relative_to(TESTS.parent)}::test_{'_'.join(marks) or 'none'}"
         self.marks = {m: getattr(pytest.mark, m) for m in marks}
         self.fixturenames = fixtures
 
@@ -38,6 +42,26 @@ class FakeItem:
 def test_wrong_tiers_stop_collection(marks, fixtures, needle):
     with pytest.raises(pytest.UsageError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         check_tiers([FakeItem(*marks, fixtures=fixtures)])
+
+
+@pytest.mark.parametrize(("marks", "folder", "needle"), [
+    (("tools",), "unit", "tests/unit/test_x.py::test_tools: marked tools but lives in tests/unit/: move its file "
+                         "to tests/tools/"),
+    (("unit",), "tools", "marked unit but lives in tests/tools/: move its file to tests/unit/"),
+    (("vm", "slow"), "unit", "marked vm but lives in tests/unit/"),
+    (("browser",), "", "marked browser but lives in tests/: move its file to tests/browser/"),
+])
+def test_a_test_outside_its_tiers_folder_stops_collection(marks, folder, needle):
+    with pytest.raises(pytest.UsageError, match=needle.replace(".", r"\.")):
+        check_tiers([FakeItem(*marks, folder=folder)])
+
+
+def test_every_collected_test_of_the_suite_lives_in_its_tiers_folder(request):
+    """The real suite as this run collected it (whatever -m selected): each item's file is in its tier's
+    folder (else collection would have stopped before this test ran)."""
+    for item in request.session.items:
+        tier = next(t for t in TIERS if item.get_closest_marker(t) is not None)
+        assert item.path.resolve().relative_to(TESTS).parts[0] == tier, item.nodeid
 
 
 def test_good_tiers_pass_and_unit_tests_get_the_short_timeout():
