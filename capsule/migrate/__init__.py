@@ -6,7 +6,7 @@ runs and how it is cancelled (``progress.py``: phases, snapshots, the cancel tok
 
 Layering: above transfer and lifecycle, below the agent and the CLI. Modules here import
 ``capsule.store``, ``capsule.transfer``, ``capsule.lifecycle`` and the leaf modules of ``capsule``
-(errors, units, the agent client); ``move.own_fingerprint`` reads this host's certificate through
+(errors, units, hosts, the agent client); ``move.own_fingerprint`` reads this host's certificate through
 ``capsule.agent.serve`` from inside the function, as before. Callers write ``from capsule import migrate``
 and ``migrate.migrate(...)``.
 """

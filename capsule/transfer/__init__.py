@@ -6,7 +6,7 @@ Owns the sender and receiver loops (``pushpull.py``: :func:`push`, :func:`pull`,
 records as they travel (``records.py``).
 
 Layering: above the store. Modules here import ``capsule.store``, the leaf modules of ``capsule``
-(errors, names, bounds, capsules, the agent client ``capsule.agentclient``), ``capsule.exchange.streams``
+(errors, names, bounds, capsules, hosts, the agent client ``capsule.agentclient``), ``capsule.exchange.streams``
 and ``hashcache`` — never migrate, the agent or the CLI. A run starts the capsule it pulled, so
 ``pushpull.run`` and ``records.record_version`` reach into ``capsule.lifecycle`` (demand-paged layers) from
 inside the function, as before. Callers write ``from capsule import transfer`` and ``transfer.push(...)``;
