@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from capsule.records import record_version
 from capsule.store import Store
+from capsule.transfer.records import record_version
+from tests.helpers.inprocess_agent import InProcessAgent
+from tests.helpers.received import receive_file, receive_layer, record_of
 from tests.unit.clirun import invoke, json_out, warned
-from tests.unit.inprocess_agent import InProcessAgent
-from tests.unit.received import receive_file, receive_layer, record_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -188,7 +188,7 @@ def test_old_fleet_spellings(tmp_path, fleet_calls, old, new, call, says, instea
 
 
 def _with_desk(home):
-    from capsule.catalogue import CapsuleRow, VersionRow
+    from capsule.store.catalogue import CapsuleRow, VersionRow
 
     s = Store.open(home)
     s.catalogue.add_capsule(CapsuleRow("desk", "u-1", "tiny", None, None, 1.0))

@@ -12,15 +12,15 @@ import pytest
 
 from capsule import hosts
 from capsule.backup import jobs
-from capsule.catalogue import CapsuleRow, VersionRow
 from capsule.cli.common import PeerCall, known_host_name, resolve_peer
 from capsule.errors import AuthFailed, InvalidInput, InvalidName, NotFound
 from capsule.fleet import members
-from capsule.records import record_version
 from capsule.store import Store
+from capsule.store.catalogue import CapsuleRow, VersionRow
+from capsule.transfer.records import record_version
+from tests.helpers.inprocess_agent import InProcessAgent
+from tests.helpers.received import receive_file, receive_layer, record_of
 from tests.unit.clirun import invoke, json_out
-from tests.unit.inprocess_agent import InProcessAgent
-from tests.unit.received import receive_file, receive_layer, record_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
