@@ -18,9 +18,11 @@ demo: setup
 demo-compose: setup
 	$(PY) scripts/demo_compose.py
 
+# The suite: the unit and tools tiers run alongside the guest tiers (scripts/suite.py); PYTEST_ARGS that
+# select tests (paths, -m, -k) run as one pytest instead.
 test: setup
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) scripts/suite.py $(PYTEST_ARGS)
 
 # The fast loop while working: lint (code, the generated reference chapters, the manual) and the unit tier.
 check: venv native
