@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
+from weakref import WeakKeyDictionary
 
 import zstandard
 
@@ -26,6 +28,8 @@ from capsule.names import parse_ref
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
 from capsule.store.objectio import BlockReader, has_object, install_received, object_manifest, object_path, open_shadow
+from capsule.transfer import codecpick
+from capsule.transfer.codecpick import NONE, Codec, CodecPicker
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline, run_batches
 from capsule.transfer.records import objects_of, record_version, validate, version_record
@@ -53,19 +57,39 @@ from hashcache.transport import Transport
 PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
 
 
+CodecName = Literal["auto", "zstd", "xz", "none"]
+
+
 @dataclass
 class Options:
+    """How blocks travel. The codec is picked by the link (``codecpick.py``) unless one is given: ``level``
+    (zstd at that level), ``xz`` (one xz stream per object where the receiver takes it) or ``compress=False``
+    force it; ``codec`` says which ("auto" when none is)."""
+
     hash: bool = True          # look blocks up in the receiver's hash cache
-    compress: bool = True      # zstd on the wire
-    level: int = 3
+    compress: bool = True      # compressed on the wire (False: forced "none")
+    level: int | None = None   # zstd level given (None: picked by the link)
     batch: int = 256           # blocks per request
     inflight: int = 8          # requests in flight
     full_hashes: bool = False  # send whole 32-byte hashes instead of 8-byte prefixes + digest check
     xz: bool = False           # blocks as one xz (LZMA2) stream per object where the receiver takes it
+    codec: CodecName = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.compress:
+            self.codec = "none"
+        elif self.xz:
+            self.codec = "xz"
+        elif self.level is not None and self.codec == "auto":
+            self.codec = "zstd"
 
     @property
     def hash_len(self) -> int:
         return 32 if self.full_hashes else PREFIX_SIZE
+
+    def picker(self, stream_level: int) -> CodecPicker:
+        """A new transfer's codec picker (a pull asks for frames: ``stream_level`` above 19)."""
+        return codecpick.for_transfer(self.codec, self.level, self.inflight, stream_level)
 
 
 @dataclass
@@ -80,6 +104,16 @@ class ObjectReport:
     wire_bytes: int = 0
     seconds: float = 0.0
     commit_seconds: float = 0.0      # the receiver verifying, writing and recording the object
+    codec: str = ""                  # the codec most of its sent bytes travelled in (codecpick.py)
+    codecs: dict[str, int] = field(default_factory=dict)   # raw bytes sent in each codec
+    link_rate: float | None = None   # the link's rate (bytes/s) measured when its codec was last picked
+
+    def used(self, picker: CodecPicker, codecs: dict[str, int]) -> ObjectReport:
+        """This report with the codecs ``codecs`` counts and the link rate ``picker`` picked them at."""
+        self.codecs = dict(codecs)
+        self.codec = max(codecs, key=lambda c: codecs[c]) if codecs else ""
+        self.link_rate = picker.link_at_pick
+        return self
 
 
 @dataclass
@@ -165,9 +199,16 @@ def _name_bad_block(client: AgentClient, kind: str, oid: str, shadow: Shadow, na
     return f"{name}: the received object does not match its digest"
 
 
+STREAM_LEVEL_PULL = 20   # a pull's READ answers are frames at any level: never an object stream
+PULL_CODECS = codecpick.candidates((), STREAM_LEVEL_PULL, streams=False)
+
+
 def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
-                 progress: Progress) -> ObjectReport:
+                 progress: Progress, picker: CodecPicker | None = None) -> ObjectReport:
     t0 = time.monotonic()
+    picker = picker or opts.picker(STREAM_LEVEL_PULL)
+    used: dict[str, int] = {}
+    used_lock = threading.Lock()
     wire0 = client.wire_bytes
     expect, head = _fetch_expectation(client, kind, oid, opts.hash_len)
     if kind == "file":
@@ -183,17 +224,22 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                          - len(shadow.missing(receiver.nonzero_indices())) * BLOCK_SIZE)
         needed = receiver.plan(on_progress=progress.advance)
 
-        pacer = Pacer(opts.batch, opts.inflight, client.timeout)
+        pacer = Pacer(opts.batch, opts.inflight, client.timeout, meter=picker.meter)
 
         def fetch(batch: list[int]) -> None:
             idx = encode_indices(batch)
+            codec = picker.choose(PULL_CODECS)   # the serving side compresses at the level asked for
             with pacer.flight(len(batch)) as sent:   # a few seconds' worth of answers in flight, no more
                 resp = client.request("POST", f"/v1/objects/{kind}/{oid}/read", content=idx,
-                                      params={"level": opts.level, "compress": str(opts.compress).lower()},
+                                      params={"level": codec.level or 1, "compress": str(codec != NONE).lower()},
                                       idempotent=True)
                 sent.append(len(idx) + len(resp.content))
+            picker.record(codec, len(batch) * BLOCK_SIZE, len(resp.content))
+            with used_lock:
+                used[codec.label] = used.get(codec.label, 0) + len(batch) * BLOCK_SIZE
             try:
-                blocks = unpack_blocks(resp.content, len(batch), compressed=opts.compress)
+                blocks = unpack_blocks(resp.content, len(batch), compressed=codec != NONE)
+                picker.probe(PULL_CODECS, lambda: b"".join(blocks[:codecpick.PROBE_BLOCKS]))
                 with translating_enospc(f"receiving {name}"):
                     receiver.accept(batch, blocks, on_progress=progress.advance)
             except (ManifestMismatch, ProtocolError) as exc:
@@ -215,7 +261,7 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
         shadow.close()
     store.index_object(object_path(store, kind, oid), manifest)
     return ObjectReport(kind, oid, role, stats.raw_bytes, stats.resumed_bytes, stats.cache_bytes,
-                        stats.fetched_bytes, client.wire_bytes - wire0, time.monotonic() - t0)
+                        stats.fetched_bytes, client.wire_bytes - wire0, time.monotonic() - t0).used(picker, used)
 
 
 def _fetch_record(client: AgentClient, ref: str) -> dict[str, Any]:
@@ -230,12 +276,14 @@ def _fetch_record(client: AgentClient, ref: str) -> dict[str, Any]:
 
 def _pull_missing(store: Store, client: AgentClient, report: TransferReport, items: list[tuple[str, str, str]],
                   opts: Options, progress: Progress) -> None:
-    """Pull each (kind, id, role) this store lacks; the rest are recorded as skipped."""
+    """Pull each (kind, id, role) this store lacks; the rest are recorded as skipped. One codec picker
+    for them all: what the link and the data showed for one object counts for the next."""
+    picker = opts.picker(STREAM_LEVEL_PULL)
     for kind, oid, role in items:
         if has_object(store, kind, oid):
             report.skipped.append(oid)
         else:
-            report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress))
+            report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress, picker))
 
 
 def _client(store: Store, url: str, token: str, fingerprint: str | None, transport: Transport | None = None,
@@ -298,25 +346,35 @@ def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 StreamEncoder = native.StreamEncoder | native.XzStreamEncoder
 
 
-def _stream_encoder(opts: Options, offered: set[str]) -> tuple[StreamEncoder | None, str]:
-    """The object stream to send an object in, and its codec: xz where asked for and taken, else zstd at
-    ``opts.level`` where the receiver takes streams (an older one names none: frames of their own)."""
-    if opts.xz and "xz" in offered:
-        return native.XzStreamEncoder(), "xz"
-    if offered and opts.level >= STREAM_LEVEL:
-        return native.StreamEncoder(opts.level), "zstd"
-    return None, "zstd"
+def _stream_encoder(codec: Codec, allowed: list[Codec]) -> StreamEncoder | None:
+    """The object stream to send an object's next batches in: ``codec``'s where it is a stream codec (xz,
+    zstd from ``STREAM_LEVEL``) the receiver takes, else None (frames of their own)."""
+    if not codec.is_stream(STREAM_LEVEL) or codec not in allowed:
+        return None
+    return native.XzStreamEncoder() if codec.name == "xz" else native.StreamEncoder(codec.level)
+
+
+_PICKERS: WeakKeyDictionary[AgentClient, CodecPicker] = WeakKeyDictionary()
+
+
+def _picker(client: AgentClient, opts: Options) -> CodecPicker:
+    """The codec picker of the transfer ``client`` carries: one for all its objects, so what the link and
+    the data showed for one object counts for the next."""
+    picker = _PICKERS.get(client)
+    if picker is None:
+        picker = _PICKERS[client] = opts.picker(STREAM_LEVEL)
+    return picker
 
 
 def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
                  progress: Progress, check: Check = _never) -> ObjectReport | None:
     """Send one object: its manifest in parts (the receiver plans each part
     while the next one and the blocks it already asked for are on the wire),
-    then the blocks it asks for, then commit. Where the receiver takes object streams
-    (``capsule/exchange/streams.py``) and blocks travel compressed, an object's batches are segments of
-    one zstd stream, compressed here in order and sent one at a time, at levels from ``STREAM_LEVEL``, or
-    of one xz stream with ``opts.xz``; otherwise each batch is a zstd frame of its own (at ``opts.level``),
-    packed by the thread that sends it."""
+    then the blocks it asks for, then commit. Each batch's codec is the transfer's picker's
+    (``codecpick.py``: by the link's measured rate, or the one given): frames of their own (none, zstd -3),
+    packed by the thread that sends them, many in flight; or, from the batch the picker first names a stream
+    codec the receiver takes (``capsule/exchange/streams.py``: zstd from ``STREAM_LEVEL``, xz), segments of
+    one object stream, compressed here in order and sent one at a time, to the object's end."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
@@ -327,24 +385,28 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     stats = TransferStats(raw_bytes=raw_bytes)
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
-    streaming = opts.compress and (opts.xz or opts.level >= STREAM_LEVEL)
-    inflight = 1 if streaming else opts.inflight
-    pacer = Pacer(opts.batch, inflight, client.timeout)
+    picker = _picker(client, opts)
+    pacer = Pacer(opts.batch, opts.inflight, client.timeout, meter=picker.meter)
+    allowed: list[Codec] = []
+    used: dict[str, int] = {}
 
     encoder: StreamEncoder | None = None
     stream_id = secrets.token_hex(8)
-    codec = "zstd"
+    stream_codec = NONE
     segments = 0
 
-    def send(item: tuple[list[int], int | None, bytes | None]) -> None:
-        batch, seq, payload = item
+    def send(item: tuple[list[int], int | None, bytes | None, Codec]) -> None:
+        batch, seq, payload, codec = item
         check()  # a cancel stops here; the pipeline then drops the batches still queued
         idx = encode_indices(batch)
-        params: dict[str, Any] = {"compress": str(opts.compress).lower()}
+        params: dict[str, Any] = {"compress": str(codec != NONE).lower()}
         if payload is None:
-            payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
+            blocks = reader.read(batch)
+            c0 = time.perf_counter()
+            payload = pack_blocks(blocks, level=codec.level or 1, compress=codec != NONE)
+            picker.record(codec, len(batch) * BLOCK_SIZE, len(payload), time.perf_counter() - c0)
         else:
-            params.update(stream=stream_id, seq=seq, codec=codec)
+            params.update(stream=stream_id, seq=seq, codec=codec.name)
         with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
             body = struct.pack("<I", len(idx)) + idx + payload
             client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
@@ -356,7 +418,8 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
     needed_total = 0
     try:
-        with Pipeline(send, inflight, max_pending=max(2, inflight)) as pipe:
+        with Pipeline(send, opts.inflight, max_pending=max(2, opts.inflight)) as frames, \
+                Pipeline(send, 1, max_pending=2) as stream:
             for k, start in enumerate(starts):
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
                 resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
@@ -376,21 +439,37 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 progress.advance(part_bytes - len(needed) * BLOCK_SIZE)
                 progress.local(part_bytes - len(needed) * BLOCK_SIZE)
                 needed_total += len(needed)
-                if k == 0 and streaming:
-                    encoder, codec = _stream_encoder(opts, offered_codecs(resp.headers.get(STREAMS_HEADER)))
+                if k == 0:
+                    allowed = codecpick.candidates(offered_codecs(resp.headers.get(STREAMS_HEADER)), STREAM_LEVEL)
+                    stream_codec = picker.choose(allowed)
+                    encoder = _stream_encoder(stream_codec, allowed)
                 for batch in pacer.batches(needed):
+                    for pipe in (frames, stream):
+                        if pipe.failed:
+                            pipe.close()   # raises its first error
+                    used_codec = stream_codec
+                    if encoder is None:   # frames so far: the codec of this batch (a stream codec starts one)
+                        picker.probe(allowed, lambda b=batch: b"".join(reader.read(b[:codecpick.PROBE_BLOCKS])))
+                        used_codec = stream_codec = picker.choose(allowed)
+                        encoder = _stream_encoder(stream_codec, allowed)
+                    used[used_codec.label] = used.get(used_codec.label, 0) + len(batch) * BLOCK_SIZE
                     if encoder is None:
-                        pipe.submit((batch, None, None))
+                        frames.submit((batch, None, None, used_codec))
                         continue
-                    pipe.submit((batch, segments, encoder.segment(b"".join(reader.read(batch)))))
+                    pacer.inflight = 1
+                    data = b"".join(reader.read(batch))
+                    c0 = time.perf_counter()
+                    segment = encoder.segment(data)
+                    picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0)
+                    stream.submit((batch, segments, segment, used_codec))
                     segments += 1
     finally:
         reader.close()
     t_commit = time.monotonic()
     client.request("POST", f"/v1/recv/{kind}/{oid}/commit", params={"role": role})
     cache_bytes = raw_bytes - needed_total * BLOCK_SIZE
-    return ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes,
-                        client.wire_bytes - wire0, time.monotonic() - t0, time.monotonic() - t_commit)
+    return ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes, client.wire_bytes - wire0,
+                        time.monotonic() - t0, time.monotonic() - t_commit).used(picker, used)
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,
