@@ -30,7 +30,7 @@ from hashcache.blocks import BLOCK_SIZE
 FRAME_LEVEL = 3                  # zstd frames, packed by each sending thread
 STREAM_LEVELS = (10, 13, 16, 19)  # zstd stream levels tried (from the stream level on)
 NEAR = 0.10                      # delivered rates this close to the best count as equal: fewer bytes win
-SWITCH = 0.25                    # the codec in use is kept unless another delivers this much more
+SWITCH = 0.15                    # the codec in use is kept unless another delivers this much more
 PROBE_EVERY = 16                 # batches between two probes
 PROBE_BLOCKS = 64                # blocks a probe compresses
 PROBE_BYTES = PROBE_BLOCKS * BLOCK_SIZE
@@ -73,7 +73,7 @@ def candidates(offered: Iterable[str], stream_level: int = STREAM_LEVELS[0], *,
     asks for frames at any level instead)."""
     offered = set(offered)
     out = [NONE, ZSTD3]
-    levels = sorted({stream_level, *(lv for lv in STREAM_LEVELS if lv > stream_level)})
+    levels = sorted({stream_level, *(lv for lv in STREAM_LEVELS if lv > stream_level)}) if streams else STREAM_LEVELS
     if not streams or offered:     # any codec named: zstd streams (older receivers named no codec but "1")
         out += [Codec("zstd", lv) for lv in levels if FRAME_LEVEL < lv <= 19]
     if streams and "xz" in offered:
@@ -106,6 +106,7 @@ class CodecPicker:
         self.link_at_pick: float | None = None
         self._measures: dict[Codec, _Measure] = {}
         self._batches = 0
+        self._last_probe = -PROBE_EVERY
         self._lock = threading.Lock()
 
     # -- measurements ------------------------------------------------------------------------------------
@@ -140,12 +141,16 @@ class CodecPicker:
                 return None
             oldest = min(stale, key=lambda c: self._measures.get(c, _Measure()).batch)
             m = self._measures.get(oldest)
-            if m is None or m.ratio is None or m.speed is None:
-                return oldest
-            return oldest if self._batches - m.batch >= PROBE_EVERY else None
+            if m is not None and m.ratio is not None and m.speed is not None:
+                if self._batches - max(m.batch, self._last_probe) < PROBE_EVERY:
+                    return None
+            self._last_probe = self._batches
+            return oldest
 
     def probe(self, allowed: Iterable[Codec], sample: Callable[[], bytes]) -> None:
-        """Measure the candidate due (``sample()``: up to ``PROBE_BYTES`` of the batch), if one is."""
+        """Measure the candidate due (``sample()``: up to ``PROBE_BYTES`` of the batch), if one is. A sample
+        is a fresh stream: an object stream's history, which makes its later segments smaller, shows
+        only once it is in use."""
         codec = self.probe_due(allowed)
         if codec is not None:
             self.measure(codec, sample()[:PROBE_BYTES])

@@ -32,7 +32,8 @@ TARGET_S = 4.0          # seconds of acknowledged rate allowed in flight
 MIN_WINDOW = 256 << 10  # bytes in flight before any answer came back
 MIN_BATCH = 16          # blocks: below this the per-request overhead starts to count
 RATE_SPAN_S = 20.0      # the rate is measured over the answers of this many last seconds
-LINK_SPAN_S = 3.0       # the link's rate: over this many last seconds with requests in flight
+LINK_SPAN_S = 3.0       # the link's rate: over this many last seconds with requests in flight,
+LINK_AGE_S = 10.0       # and none answered longer ago than this (a link that changed shows soon)
 
 
 class LinkMeter:
@@ -45,7 +46,8 @@ class LinkMeter:
         self._busy = 0.0                  # busy seconds before the current busy stretch
         self._since = 0.0                 # when the current busy stretch began
         self._bytes = 0
-        self._marks: deque[tuple[float, int]] = deque([(0.0, 0)])   # (busy seconds, bytes) at each answer
+        # (busy seconds, bytes, when) at each answer
+        self._marks: deque[tuple[float, int, float]] = deque([(0.0, 0, time.monotonic())])
 
     def _busy_now(self, now: float) -> float:
         return self._busy + (now - self._since if self._active else 0.0)
@@ -67,8 +69,9 @@ class LinkMeter:
                 self._busy = busy
             if wire_bytes:
                 self._bytes += wire_bytes
-                self._marks.append((busy, self._bytes))
-                while len(self._marks) > 2 and busy - self._marks[1][0] >= self.span_s:
+                self._marks.append((busy, self._bytes, now))
+                while len(self._marks) > 2 and (busy - self._marks[1][0] >= self.span_s
+                                                or now - self._marks[1][2] > LINK_AGE_S):
                     self._marks.popleft()
 
     def rate(self) -> float | None:
@@ -76,7 +79,7 @@ class LinkMeter:
         with self._lock:
             if len(self._marks) < 2:
                 return None
-            (b0, n0), (b1, n1) = self._marks[0], self._marks[-1]
+            (b0, n0, _t0), (b1, n1, _t1) = self._marks[0], self._marks[-1]
             return (n1 - n0) / max(b1 - b0, 1e-4)
 
 
