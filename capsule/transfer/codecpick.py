@@ -83,7 +83,8 @@ def candidates(offered: Iterable[str], stream_level: int = STREAM_LEVELS[0], *,
 
 @dataclass
 class _Measure:
-    ratio: float | None = None    # wire bytes per raw byte
+    ratio: float | None = None    # wire bytes per raw byte, in use
+    probed: float | None = None   # wire bytes per raw byte of a probe's sample
     speed: float | None = None    # raw bytes compressed per second (one thread)
     batch: int = -PROBE_EVERY     # the batch it was last measured at
 
@@ -105,20 +106,29 @@ class CodecPicker:
         self.current: Codec | None = None
         self.link_at_pick: float | None = None
         self._measures: dict[Codec, _Measure] = {}
+        # wire bytes in use per wire byte of a probe, of streams (their history) and of frames (batch sizes)
+        self._in_use: dict[bool, float] = {}
         self._batches = 0
         self._last_probe = -PROBE_EVERY
         self._lock = threading.Lock()
 
     # -- measurements ------------------------------------------------------------------------------------
 
-    def record(self, codec: Codec, raw: int, wire: int, seconds: float | None = None) -> None:
-        """``raw`` bytes went out as ``wire`` bytes of ``codec``, compressed in ``seconds`` (None: not timed
-        here, e.g. the serving side compressed them)."""
+    def record(self, codec: Codec, raw: int, wire: int, seconds: float | None = None, *,
+               probe: bool = False) -> None:
+        """``raw`` bytes went out as ``wire`` bytes of ``codec`` (``probe``: would have), compressed in
+        ``seconds`` (None: not timed here, e.g. the serving side compressed them)."""
         if raw <= 0:
             return
         with self._lock:
             m = self._measures.setdefault(codec, _Measure())
-            m.ratio = _smooth(m.ratio, wire / raw)
+            if probe:
+                m.probed = _smooth(m.probed, wire / raw)
+            else:
+                m.ratio = _smooth(m.ratio, wire / raw)
+                if m.probed:
+                    kind = codec.is_stream(self.stream_level)
+                    self._in_use[kind] = _smooth(self._in_use.get(kind), m.ratio / m.probed)
             if seconds is not None and codec != NONE:
                 m.speed = _smooth(m.speed, raw / max(seconds, 1e-6))
             m.batch = self._batches
@@ -127,7 +137,7 @@ class CodecPicker:
         """Compress ``raw`` with ``codec`` only to measure it (a probe)."""
         t0 = time.perf_counter()
         wire = len(codec.encode(raw))
-        self.record(codec, len(raw), wire, time.perf_counter() - t0)
+        self.record(codec, len(raw), wire, time.perf_counter() - t0, probe=True)
 
     def probe_due(self, allowed: Iterable[Codec]) -> Codec | None:
         """The candidate to measure on the next batch: one never measured first, then the one measured
@@ -141,9 +151,9 @@ class CodecPicker:
                 return None
             oldest = min(stale, key=lambda c: self._measures.get(c, _Measure()).batch)
             m = self._measures.get(oldest)
-            if m is not None and m.ratio is not None and m.speed is not None:
-                if self._batches - max(m.batch, self._last_probe) < PROBE_EVERY:
-                    return None
+            if (m is not None and m.probed is not None and m.speed is not None
+                    and self._batches - max(m.batch, self._last_probe) < PROBE_EVERY):
+                return None
             self._last_probe = self._batches
             return oldest
 
@@ -159,15 +169,21 @@ class CodecPicker:
         """Raw bytes per second ``codec`` would deliver over a link of ``link`` bytes/s (None: unmeasured)."""
         m = self._measures.get(codec)
         if codec == NONE:
-            return link / (m.ratio if m and m.ratio else 1.0)
-        if m is None or m.ratio is None or m.speed is None:
+            return link / self.ratio(codec)
+        if m is None or (m.ratio is None and m.probed is None) or m.speed is None:
             return None
         cpu = m.speed * (1 if codec.is_stream(self.stream_level) else self.parallel)
-        return min(cpu, link / max(m.ratio, 1e-3))
+        return min(cpu, link / max(self.ratio(codec), 1e-3))
 
     def ratio(self, codec: Codec) -> float:
+        """Wire bytes per raw byte ``codec`` is expected to send: its probes' ratio as the codecs in use did
+        against theirs (so every candidate is judged alike), else its ratio in use (1.0: unmeasured)."""
         m = self._measures.get(codec)
-        return m.ratio if m and m.ratio is not None else 1.0
+        if m is None:
+            return 1.0
+        if m.probed is not None:
+            return m.probed * self._in_use.get(codec.is_stream(self.stream_level), 1.0)
+        return m.ratio if m.ratio is not None else 1.0
 
     # -- the choice --------------------------------------------------------------------------------------
 

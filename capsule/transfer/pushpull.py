@@ -9,6 +9,7 @@ against its digest before it is installed; the version is recorded last."""
 
 from __future__ import annotations
 
+import functools
 import secrets
 import struct
 import threading
@@ -354,6 +355,11 @@ def _stream_encoder(codec: Codec, allowed: list[Codec]) -> StreamEncoder | None:
     return native.XzStreamEncoder() if codec.name == "xz" else native.StreamEncoder(codec.level)
 
 
+def _sample(reader: BlockReader, batch: list[int]) -> bytes:
+    """A probe's sample of a batch: its first blocks."""
+    return b"".join(reader.read(batch[:codecpick.PROBE_BLOCKS]))
+
+
 _PICKERS: WeakKeyDictionary[AgentClient, CodecPicker] = WeakKeyDictionary()
 
 
@@ -449,7 +455,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                             pipe.close()   # raises its first error
                     used_codec = stream_codec
                     if encoder is None:   # frames so far: the codec of this batch (a stream codec starts one)
-                        picker.probe(allowed, lambda b=batch: b"".join(reader.read(b[:codecpick.PROBE_BLOCKS])))
+                        picker.probe(allowed, functools.partial(_sample, reader, batch))
                         used_codec = stream_codec = picker.choose(allowed)
                         encoder = _stream_encoder(stream_codec, allowed)
                     used[used_codec.label] = used.get(used_codec.label, 0) + len(batch) * BLOCK_SIZE
