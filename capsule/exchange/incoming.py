@@ -165,7 +165,9 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
                 leaf = store.new_leaf_path()
                 qemuimg.create_leaf(leaf, store.layer_path(chain[-1]))
                 leaves.append(leaf)
-            spec = memimage.restore_spec(store, version.config, saved_xml, name=domain, uuid=cap.uuid, disks=leaves,
+            # (named as at the source: libvirt renames it to ``domain`` as it arrives, VIR_MIGRATE_PARAM_DEST_NAME)
+            spec = memimage.restore_spec(store, version.config, saved_xml, name=_source_name(saved_xml), uuid=cap.uuid,
+                                         disks=leaves,
                                          console_log=log, agent_socket=inst_dir / "agent.sock")
             xml, accel = restorexml.rebuild(saved_xml, spec)
             memimage.grant(store, spec, version.chains)
@@ -181,6 +183,13 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
             shutil.rmtree(inst_dir, ignore_errors=True)
             raise
     return {"id": mid, "domain": domain, "xml": xml, "routes": routes, "postcopy": postcopy_ready()}
+
+
+def _source_name(xml: str) -> str:
+    m = re.search(r"<name>(capsule-[0-9A-Za-z_.-]{1,120})</name>", xml)
+    if m is None:
+        raise InvalidName("malformed live move request: the domain XML names no capsule domain")
+    return m[1]
 
 
 def _find(store: Store, mid: str) -> InstanceRow:

@@ -189,7 +189,7 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
     t0 = time.monotonic()
     worker = threading.Thread(target=run, name="live-migrate", daemon=True)
     worker.start()
-    figures = _watch(dom, worker, postcopy_ok, postcopy, tracker, cancel, say)
+    figures = _watch(dom, worker, postcopy_ok, postcopy, tracker, cancel, say, errors)
     figures.seconds = time.monotonic() - t0
     if errors:
         exc = errors[0]
@@ -201,7 +201,7 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
 
 
 def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy_ok: bool, postcopy: bool, tracker: Tracker,
-           cancel: CancelToken, say: Callable[[str], None]) -> LiveFigures:
+           cancel: CancelToken, say: Callable[[str], None], errors: list[BaseException]) -> LiveFigures:
     figures = LiveFigures()
     base = tracker.wire_bytes
     best: int | None = None
@@ -248,7 +248,7 @@ def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy_ok: bool, 
                 and state == libvirt.VIR_DOMAIN_RUNNING and _commit(cancel):
             _start_postcopy(dom, postcopy, tracker, say)
             figures.postcopy = True
-    if not aborted and _commit(cancel):
+    if not aborted and not errors and _commit(cancel):
         tracker.no_return()
         tracker.enter("switchover")
     return figures
@@ -284,6 +284,20 @@ def _end_here(store: Store, inst: Any) -> None:
         for leaf in inst.leaves:
             Path(leaf).unlink(missing_ok=True)
         shutil.rmtree(inst.dir, ignore_errors=True)
+
+
+def runs_here(store: Store, name: str) -> bool:
+    """After a failed move: whether the guest still runs here (a guest libvirt left paused before post-copy
+    is resumed)."""
+    inst = store.catalogue.instance(name)
+    dom = lookup_domain(inst.domain) if inst is not None else None
+    if dom is None or not dom.isActive():
+        return False
+    state, reason = dom.state()
+    if state == libvirt.VIR_DOMAIN_PAUSED and reason != libvirt.VIR_DOMAIN_PAUSED_POSTCOPY:
+        with contextlib.suppress(libvirt.libvirtError):
+            dom.resume()
+    return True
 
 
 def phases(postcopy: bool) -> tuple[str, ...]:

@@ -240,7 +240,8 @@ def _migrate_live(store: Store, name: str, to: str, token: str, *, max_pause: fl
         tracker.finish("failed", "source", str(exc))
         raise
     except BaseException as exc:
-        there = cancel.committed            # the switchover began: the guest may run there
+        # the switchover began and the guest does not run here: it may run there
+        there = cancel.committed and not live.runs_here(store, name)
         where = "unknown" if there else "source"
         ref = tracker.last.version or name
         cancelled = isinstance(exc, Cancelled) and not there
