@@ -205,10 +205,16 @@ def _check(store: Any, name: str, peer: Any) -> None:
     from capsule.migrate import live, precheck
 
     refusals = precheck.precheck(store, name, precheck.Target(peer.url, peer.token, peer.fingerprint))
+
+    def say() -> None:
+        if not refusals:
+            console.print(f"{name} may move live to {peer.label}")
+        for r in refusals:
+            console.print(f"[red]✗[/] {r.reason}: {r.detail}")
+
+    emit({"capsule": name, "to": peer.label, "refusals": [r.as_dict() for r in refusals]}, say)
     if refusals:
-        raise live.refuse(name, refusals)
-    emit({"capsule": name, "to": peer.label, "refusals": []},
-         lambda: console.print(f"{name} may move live to {peer.label}"))
+        raise typer.Exit(live.LiveRefused.exit_code)
 
 
 def register(app: typer.Typer) -> None:
