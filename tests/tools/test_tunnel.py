@@ -189,6 +189,24 @@ def test_qemu_channels_go_to_the_path_the_destination_chose(dest):
     assert not remote.parent.exists()              # the session's directory went with it
 
 
+def test_deleting_the_session_ends_its_connections_and_refuses_new_ones(dest):
+    import httpx
+
+    agent, echo, _ = dest
+    with open_tunnels(_peer(agent), ("libvirt",)) as t, _connect(t) as c:
+        c.sendall(b"before")
+        assert c.recv(64) == b"before"
+        r = httpx.delete(f"{agent.url}/v1/tunnel/{t.session}", headers={"Authorization": f"Bearer {agent.token}"})
+        assert r.status_code == 200
+        c.settimeout(15)
+        assert c.recv(64) == b""                   # the live connection ended: EOF here
+        with _connect(t) as again:                 # a new one is refused by the peer: EOF at once
+            again.settimeout(15)
+            assert again.recv(64) == b""
+        wait_until(lambda: any("404" in e for e in t.tunnels["libvirt"].errors), 10, "the refusal kept")
+    assert echo.accepted == 1
+
+
 def test_a_real_libvirt_call_goes_through(tmp_path, short_dir):
     agent = _agent(tmp_path, short_dir, Path("/run/libvirt/libvirt-sock"))
     try:
