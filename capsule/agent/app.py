@@ -45,7 +45,7 @@ Fleet (capsule/exchange/fleet.py)::
     POST /v1/verify                              re-hash what some versions reference (backup verify jobs)
     POST /v1/backups/{name}/prune                apply a retention policy to the backup copies held here
 
-Live moves (capsule/exchange/tunnel.py)::
+Live moves (capsule/agent/tunnelapi.py over capsule/exchange/tunnel.py)::
 
     POST   /v1/tunnel                            {"kinds": ["libvirt", "qemu-migration", "qemu-disks"], "ttl": S}
                                                  → {"session": ID, "channels": {KIND: {"path": P|null}}, ...}
@@ -70,7 +70,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
 from capsule.accounts import grants
-from capsule.agent import authz, dashboard, guard, protocol
+from capsule.agent import authz, dashboard, guard, protocol, tunnelapi
 from capsule.agent.auditlog import AuditLog
 from capsule.agent.bounded import (
     HashLenQuery,
@@ -389,7 +389,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
 
     # the byte tunnel of live moves (capsule/exchange/tunnel.py): channels by kind, targets chosen here
     app.state.tunnels = tunnel.Registry()
-    app.include_router(tunnel.router(app.state.tunnels))
+    app.include_router(tunnelapi.router(app.state.tunnels))
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent
     app.state.audit_log = AuditLog(home)  # the guard's writer (a bad CAPSULE_AUDIT_* setting: no agent)

@@ -2,7 +2,8 @@
 
 Hosts reach each other only through their agents, but a live move needs three streams between the hosts: the
 source libvirtd to the destination libvirtd, the source QEMU to the destination QEMU's migration stream and to
-its NBD disk server. Each is carried over one WebSocket on this agent per connection::
+its NBD disk server. Each is carried over one WebSocket on this agent per connection (the routes are
+:mod:`capsule.agent.tunnelapi`, thin shells over :class:`Registry` and :func:`pump`)::
 
     POST   /v1/tunnel                      {"kinds": ["libvirt", "qemu-migration", "qemu-disks"], "ttl": S}
                                            → {"session": ID, "expires_in": S, "channels": {KIND: {"path": P}}}
@@ -47,16 +48,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Request, WebSocket
-from starlette.responses import JSONResponse
-from starlette.websockets import WebSocketDisconnect, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from capsule import bounds
-from capsule.agent import authz
-from capsule.errors import EnvironmentProblem, Error, Forbidden, InvalidName, NotFound, Overloaded, Unreachable
+from capsule.errors import EnvironmentProblem, Forbidden, InvalidName, NotFound, Overloaded, Unreachable
 from capsule.migrate.tunnel import CHUNK, DEFAULT_TTL, KINDS, QEMU_KINDS
 from capsule.runtime import guestaccess, guestfiles
-from hashcache import wirejson
 
 LIBVIRT_SOCKET = "/run/libvirt/libvirt-sock"
 LIBVIRT_ENV = "CAPSULE_LIBVIRT_SOCKET"
@@ -299,62 +296,3 @@ async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.Stre
         if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
             with anyio.CancelScope(shield=True), contextlib.suppress(RuntimeError, OSError):
                 await ws.close(1000)
-
-
-async def _deny(ws: WebSocket, exc: Error) -> None:
-    if "websocket.http.response" in ws.scope.get("extensions", {}):
-        await ws.send_denial_response(JSONResponse(exc.to_wire(), status_code=exc.http_status))
-    else:
-        await ws.close(code=1008)
-
-
-def _who(conn: Request | WebSocket) -> str:
-    c = authz.caller_of(conn)
-    if c is None:                                   # (the guard refused it already: this never happens)
-        raise Forbidden("a tunnel needs a host call's token")
-    return c.principal.who
-
-
-def router(registry: Registry) -> APIRouter:
-    api = APIRouter(prefix="/v1/tunnel", tags=["tunnel"])
-
-    @api.post("", summary="Open a tunnel session: channels by kind, paths chosen by this host")
-    async def open_tunnel(request: Request) -> dict[str, Any]:
-        try:
-            req = wirejson.loads(await request.body())
-        except ValueError as exc:
-            raise InvalidName(f"malformed tunnel request: {exc}") from exc
-        kinds, ttl = parse_open(req)
-        s = await asyncio.to_thread(registry.open_kinds, kinds, _who(request), ttl)
-        return s.answer(time.monotonic())
-
-    @api.delete("/{session}", summary="Close a tunnel session and its connections")
-    async def close_tunnel(session: str, request: Request) -> dict[str, Any]:
-        await asyncio.to_thread(registry.close_session, session, _who(request))
-        return {"closed": session}
-
-    @api.websocket("/{session}/{channel}")
-    async def carry(ws: WebSocket, session: str, channel: str) -> None:
-        try:
-            s = registry.get(session, _who(ws))
-            with registry.connection(s, channel) as target:
-                reader, writer = await connect_target(target)
-                stop = (asyncio.get_running_loop(), anyio.CancelScope())
-                s.stops.add(stop)
-                if not registry.live(s):        # closed while QEMU was awaited
-                    stop[1].cancel()
-                try:
-                    with stop[1]:
-                        await ws.accept()
-                        await pump(ws, reader, writer)
-                finally:
-                    s.stops.discard(stop)
-                    writer.close()
-                if stop[1].cancel_called and ws.application_state == WebSocketState.CONNECTED:
-                    with contextlib.suppress(RuntimeError, OSError):     # the session was closed under it
-                        await ws.close(1001, "tunnel session closed")
-        except Error as exc:
-            if ws.application_state == WebSocketState.CONNECTING:
-                await _deny(ws, exc)
-
-    return api
