@@ -5,6 +5,7 @@ tunnel is refused with both releases named."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -69,6 +70,7 @@ def target(world, tmp_path_factory) -> Iterator[Target]:
     yield t
     registry.close_all()
     t.sock.close()
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _open(w: World, who: str = "operator", **body) -> dict:
