@@ -18,14 +18,17 @@ demo: setup
 demo-compose: setup
 	$(PY) scripts/demo_compose.py
 
+# The suite: the unit and tools tiers run alongside the guest tiers (scripts/suite.py); PYTEST_ARGS that
+# select tests (paths, -m, -k) run as one pytest instead.
 test: setup
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) scripts/suite.py $(PYTEST_ARGS)
 
-# The fast loop while working: lint (code, the generated reference chapters, the manual) and the unit tier.
+# The fast loop while working: lint (code, types, the generated reference chapters, the manual) and the unit
+# tier on every core (pytest-xdist); under 2 minutes.
 check: venv native
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q -m unit -p no:cacheprovider
+	$(PY) -m pytest -q -m unit -p no:cacheprovider -n auto tests/unit
 
 # The fuzzers for longer than `make test` runs them: every Hypothesis fuzz test (tests/unit/test_fuzz_*.py)
 # with the `fuzz` profile (20,000 examples each instead of 200), then the guest agent's request parser

@@ -26,7 +26,6 @@ the restore), and the workload's run time after the resume.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
 from capsule.runtime.guestagent import wait_for_agent  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from testkit.images import destroy_domains  # noqa: E402
+from testkit.images import IMAGE_HOME, destroy_domains  # noqa: E402
 
 GOODPUT_BPS = 370_000 / 8     # 384 kbit/s tbf measured at 370 kbit/s of TCP goodput (testkit/netlink.py)
 WORKLOADS = {
@@ -75,7 +74,7 @@ def main() -> None:
     agents: list[AgentProcess] = []
     stores: list[Store] = []
     try:
-        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+        src = Store.open(IMAGE_HOME)
         images.build(src, "debian", "debian")
         a = Store.open(work / "a")
         stores.append(a)

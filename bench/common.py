@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -16,6 +15,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from testkit.images import IMAGE_HOME
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,11 +44,11 @@ def temp_workdir(prefix: str) -> Iterator[Path]:
 
 def image_stores(kind: str, *paths: Path) -> list[Any]:
     """New stores at ``paths``, each holding the test image of ``kind`` (tiny, debian, …), built once into
-    the test images store (``CAPSULE_TEST_IMAGES`` or .cache/test-images) if it is not there yet."""
+    the test images store (testkit.images.IMAGE_HOME) if it is not there yet."""
     from capsule import images
     from capsule.store import Store
 
-    src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+    src = Store.open(IMAGE_HOME)
     images.build(src, kind, kind)
     stores = [Store.open(p) for p in paths]
     for s in stores:

@@ -37,7 +37,7 @@ from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.lifecycle import demand  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from testkit.images import destroy_domains  # noqa: E402
+from testkit.images import IMAGE_HOME, destroy_domains  # noqa: E402
 
 
 def fetched(store: Store, name: str) -> int:
@@ -82,7 +82,7 @@ def _link_breakdown(report: transfer.TransferReport, disk: dict) -> dict:
 
 def _source(work: Path) -> tuple[Store, Store, str]:
     """(the test image store, host A holding a Debian capsule "deb", its root layer id)."""
-    src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+    src = Store.open(IMAGE_HOME)
     images.build(src, "debian", "debian")
     a = Store.open(work / "a")
     images.import_image(src, a, "debian")

@@ -16,7 +16,6 @@ test image store (``CAPSULE_TEST_IMAGES``), built there when missing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from capsule.console import screen  # noqa: E402
 from capsule.errors import Conflict  # noqa: E402
 from capsule.imagebuild.desktop import BACKGROUND  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from testkit.images import IMAGE_HOME  # noqa: E402
 
 TIMEOUT = 600.0
 
@@ -68,8 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    images_home = Path(os.environ.get("CAPSULE_TEST_IMAGES", Path(__file__).resolve().parent.parent
-                                      / ".cache" / "test-images"))
+    images_home = IMAGE_HOME
     src = Store.open(images_home)
     for kind in ("debian", "desktop"):
         images.build(src, kind, kind)

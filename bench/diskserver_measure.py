@@ -45,6 +45,7 @@ from hashcache.blocks import BLOCK_SIZE  # noqa: E402
 from hashcache.manifest import Manifest, manifest_of_layer  # noqa: E402
 from hashcache.qcow2 import DATA, Qcow2Image  # noqa: E402
 from hashcache.shadow import Shadow  # noqa: E402
+from testkit.images import IMAGE_HOME  # noqa: E402
 
 
 def _run(cmd: list[str]) -> float:
@@ -229,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=4, help="qemu-img bench reads the image this many times")
     p.add_argument("--repeat", type=int, default=5, help="best of this many runs per figure")
     p.add_argument("--misses", type=int, default=400)
-    p.add_argument("--agent-store", type=Path, default=Path(os.environ.get("CAPSULE_TEST_IMAGES",
-                                                                         ROOT / ".cache" / "test-images")))
+    p.add_argument("--agent-store", type=Path, default=IMAGE_HOME)
     p.add_argument("--layer", choices=("smallest", "largest"), default="smallest",
                    help="which layer of the agent's store to fetch from")
     p.add_argument("--skip-latency", action="store_true")

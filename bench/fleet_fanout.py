@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench.common import table, temp_workdir, write_result
 from bench.fleetnet import Star
+from testkit.images import IMAGE_HOME
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 7070
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--rate-kbit", type=int, default=20_000)
     ap.add_argument("--layer-mib", type=int, default=4)
     ap.add_argument("--fanout-parallel", default="1,2")
-    ap.add_argument("--images", default=os.environ.get("CAPSULE_TEST_IMAGES", str(ROOT / ".cache" / "test-images")))
+    ap.add_argument("--images", default=str(IMAGE_HOME))
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:

@@ -35,6 +35,7 @@ from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from testkit.images import IMAGE_HOME  # noqa: E402
 from testkit.netlink import SlowLink  # noqa: E402
 
 CAPSULE = [sys.executable, "-m", "capsule.cli.main"]
@@ -111,7 +112,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="capsule-hcp-bench-"))
     agents: list[AgentProcess] = []
     try:
-        src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+        src = Store.open(IMAGE_HOME)
         images.build(src, "tiny", "tiny")
         stores = {}
         for name in ("a", "b", "c", "d"):

@@ -51,6 +51,7 @@ from bench.common import table, temp_workdir, write_result  # noqa: E402
 from bench.jobstats import job_figures, parse_rawstats  # noqa: E402
 from bench.looplink import LoopLink  # noqa: E402
 from scripts import composehosts as hc  # noqa: E402
+from testkit.images import IMAGE_HOME  # noqa: E402
 
 ENV = {"CAPSULE_HOST_A_LISTEN": "127.0.0.1:7371", "CAPSULE_HOST_B_LISTEN": "127.0.0.1:7372",
              "CAPSULE_HOST_A_LIBVIRT_TCP": "127.0.0.1:16571", "CAPSULE_HOST_B_LIBVIRT_TCP": "127.0.0.1:16572",
@@ -154,7 +155,7 @@ def seed(a: hc.Host, b: hc.Host) -> None:
     from capsule import capsules, images, transfer
     from capsule.store import Store
 
-    src = Store.open(Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images")))
+    src = Store.open(IMAGE_HOME)
     images.build(src, "tiny", "tiny")
     with temp_workdir("capsule-b2-") as tmp:
         local = Store.open(Path(tmp) / "store")

@@ -14,7 +14,6 @@ image's allocated bytes. Ratios: pod / capsule.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from bench.common import table, temp_workdir, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle  # noqa: E402
 from capsule.pod import ops  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from testkit.images import IMAGE_HOME  # noqa: E402
 
 HOLD = "import os, time\nb = os.urandom({mib} << 20)\nopen('/tmp/ready', 'w').write('1')\ntime.sleep(1e9)\n"
 
@@ -43,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10,50", help="MiB of memory in each pod, comma-separated")
     ap.add_argument("--memory", default="768M", help="the capsule's memory")
-    ap.add_argument("--images", default=os.environ.get("CAPSULE_TEST_IMAGES", str(ROOT / ".cache/test-images")),
+    ap.add_argument("--images", default=str(IMAGE_HOME),
                     help="a store holding the debian image")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from capsule.errors import Error
 from capsule.pod import ops, remote
 from capsule.pod.relay import Relay
 from capsule.store import Store
+from testkit.images import IMAGE_HOME
 
 ROOT = Path(__file__).resolve().parent.parent
 # N processes (the first and N - 1 children) each holding its share of memory; ready once all are.
@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--content", choices=("random", "mixed"), default="random",
                     help="the pods' memory: random (worst case) or mixed (random, zero and text-like pages)")
     ap.add_argument("--memory", default="1G", help="each capsule's memory")
-    ap.add_argument("--images", default=os.environ.get("CAPSULE_TEST_IMAGES", str(ROOT / ".cache/test-images")))
+    ap.add_argument("--images", default=str(IMAGE_HOME))
     args = ap.parse_args()
     procs = [int(x) for x in args.procs.split(",")]
     sizes = [int(x) for x in args.sizes.split(",")]

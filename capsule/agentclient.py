@@ -44,6 +44,7 @@ class AgentClient:
             raise InvalidName(f"agent URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
         self.peer: protocol.Peer | None = None      # the agent's release and protocol, from its last answer
+        self.features: frozenset[str] = frozenset()  # what it serves beyond its protocol (protocol.FEATURES)
         base: Transport = transport or HttpTransport(
             self.url, token, timeout=timeout, connect_timeout=30.0, fingerprint=fingerprint,
             user_agent=protocol.user_agent(__version__))
@@ -76,6 +77,7 @@ class AgentClient:
         call = Call(method, path, params=params, content=content or b"", json=json_body is not None,
                     idempotent=(method == "GET") if idempotent is None else idempotent)
         reply = self._calls.call(call)
+        self.features = protocol.features_of(reply.headers.get(protocol.FEATURES))
         self.peer = protocol.check(protocol.of_agent(reply.headers.get(protocol.HEADER)), __version__,
                                    f"the agent at {self.url}")
         return check(reply, f"agent {self.url}")

@@ -1,7 +1,10 @@
 """The test image store and stores made from it, for the tests' fixtures and the benchmarks: the
-machine-wide store of built test images (``CAPSULE_TEST_IMAGES`` or .cache/test-images), an image built
-once into it (again when stale), a fresh store importing images from it, and clean-up of every libvirt
-domain a store started."""
+machine-wide store of built test images, an image built once into it (again when stale: keyed by what
+it carries), a fresh store importing images from it, and clean-up of every libvirt domain a store started.
+
+The store of test images lives outside any clone, so a second clone, or a fresh one on the same machine,
+finds the images built: ``CAPSULE_TEST_IMAGES``; else, for root, /var/cache/capsule/test-images (QEMU,
+which runs unprivileged, must reach it: not under /root); else ``$XDG_CACHE_HOME/capsule/test-images``."""
 
 from __future__ import annotations
 
@@ -10,7 +13,17 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGE_HOME = Path(os.environ.get("CAPSULE_TEST_IMAGES", ROOT / ".cache" / "test-images"))
+
+
+def _image_home() -> Path:
+    if env := os.environ.get("CAPSULE_TEST_IMAGES"):   # set but empty counts as unset, not as "here"
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/cache/capsule/test-images")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capsule" / "test-images"
+
+
+IMAGE_HOME = _image_home()
 
 
 def image_store():

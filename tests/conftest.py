@@ -4,6 +4,7 @@ every libvirt domain a test store started (the helpers behind them: ``testkit.im
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,20 @@ import pytest
 from capsule.agent.launch import AgentProcess, free_port  # noqa: F401 - free_port: for tests
 from testkit.images import destroy_domains, ensure_image, image_store, make_store
 from tests.tiers import check_tiers, no_processes
+
+
+def _cli_consoles_without_a_fixed_width() -> None:
+    """The CLI's consoles (``capsule.cli.common``) take COLUMNS as a fixed width if it is set when they are
+    made, which in-process is whenever the first test imports the CLI (a CliRunner's ``env`` sets it for
+    one call). Made here without it, they read COLUMNS on each call, whatever the order of the tests (it
+    differs under pytest-xdist)."""
+    saved = os.environ.pop("COLUMNS", None)
+    import capsule.cli.common  # noqa: F401
+    if saved is not None:
+        os.environ["COLUMNS"] = saved
+
+
+_cli_consoles_without_a_fixed_width()
 
 
 def pytest_collection_modifyitems(config, items):

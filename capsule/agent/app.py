@@ -51,6 +51,13 @@ Fleet (capsule/exchange/fleet.py)::
     POST /v1/verify                              re-hash what some versions reference (backup verify jobs)
     POST /v1/backups/{name}/prune                apply a retention policy to the backup copies held here
 
+Live moves (capsule/agent/tunnelapi.py over capsule/exchange/tunnel.py)::
+
+    POST   /v1/tunnel                            {"kinds": ["libvirt", "qemu-migration", "qemu-disks"], "ttl": S}
+                                                 → {"session": ID, "channels": {KIND: {"path": P|null}}, ...}
+    WS     /v1/tunnel/{session}/{channel}        one connection to the channel's unix socket here, bytes both ways
+    DELETE /v1/tunnel/{session}                  end the session and its connections
+
 Blocking work runs in one of two bounded thread pools (capsule/agent/workers.py): HCP and receiving in the serving
 pool (``serve``), capsule operations in the lifecycle pool (``act``), where an owner has at most a few at once (429
 ``too_many_operations`` with Retry-After beyond that); lifecycle calls filling their pool never delay block serving.
@@ -69,7 +76,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
 from capsule.accounts import grants
-from capsule.agent import authz, dashboard, guard, protocol
+from capsule.agent import authz, dashboard, guard, protocol, tunnelapi
 from capsule.agent.auditlog import AuditLog
 from capsule.agent.bounded import (
     HashLenQuery,
@@ -88,7 +95,7 @@ from capsule.agent.workers import Workers
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
 from capsule.errors import AuthFailed, Error, Internal, InvalidName
-from capsule.exchange import fleet, incoming, running
+from capsule.exchange import fleet, incoming, running, tunnel
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
     MAX_MANIFEST_UPLOAD,
@@ -185,7 +192,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
 
     @app.get("/v1/info")
     def info() -> dict[str, Any]:
-        return {"store_id": store.id, "version": capsule_version, "features": [incoming.FEATURE]}
+        return {"store_id": store.id, "version": capsule_version, "features": list(protocol.FEATURES)}
 
     @app.get("/v1/capsules")
     def capsules(request: Request) -> list[dict[str, Any]]:
@@ -403,6 +410,9 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         check_object_id(req["image"])
         return await act(request, pod_ops.restore, store, req["image"], req["into"])
 
+    # the byte tunnel of live moves (capsule/exchange/tunnel.py): channels by kind, targets chosen here
+    app.state.tunnels = tunnel.Registry()
+    app.include_router(tunnelapi.router(app.state.tunnels))
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent
     app.state.audit_log = AuditLog(home)  # the guard's writer (a bad CAPSULE_AUDIT_* setting: no agent)

@@ -98,6 +98,11 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/run"): ACT_STAFF,
     ("POST", "/v1/capsules/{name}/activate"): ACT,
     ("POST", "/v1/capsules/{name}/stop"): ACT,
+    # the byte tunnel of a live move (tunnelapi.py, capsule/exchange/tunnel.py): what receiving a capsule needs, no
+    # grant; a session serves only the token that opened it (checked by the route, before a byte reaches its target)
+    ("POST", "/v1/tunnel"): HOST,
+    ("DELETE", "/v1/tunnel/{session}"): HOST,
+    ("WS", "/v1/tunnel/{session}/{channel}"): HOST,
     # pods: the destination side of `pod migrate --on HOST` (the capsule is in the body: staff only)
     ("GET", "/v1/pods"): Rule(frozenset({"read", "capsules", "admin", "host"}), STAFF),
     ("POST", "/v1/pods/restore"): Rule(frozenset({"capsules", "host"}), STAFF),

@@ -1,4 +1,4 @@
-"""Block-stream segments taken in order, without holding a thread while they wait.
+"""Object-stream segments taken in order, without holding a thread while they wait.
 
 Uploads of one stream travel on several connections at once, so segment 5 can arrive before segment 4.
 It waits here (on the event loop, not in the thread pool, where enough waiting uploads would starve the

@@ -42,7 +42,6 @@ from capsule.store import Store, claims
 from capsule.store.catalogue import InstanceRow
 from capsule.store.fsutil import make_private_dir
 
-FEATURE = "live-move"            # named in GET /v1/info's features by an agent that receives live moves
 MARK = "incoming.json"           # in the instance directory while a move is under way
 MAX_XML = 256 * 1024
 _MOVE_ID = re.compile(r"[0-9a-f]{32}")

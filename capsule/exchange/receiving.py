@@ -158,9 +158,9 @@ class Inbox:
         return len(indices)
 
     def accept_segment(self, kind: str, oid: str, raw: bytes, stream: str, seq: int, codec: str = "zstd") -> int:
-        """``accept`` for segment ``seq`` of block stream ``stream`` in ``codec`` (``capsule/exchange/streams.py``):
+        """``accept`` for segment ``seq`` of object stream ``stream`` in ``codec`` (``capsule/exchange/streams.py``):
         the upload's payload is that segment, not a frame of its own. A segment taken before is not taken
-        again; one whose predecessors this receiver lacks raises BlockStreamLost."""
+        again; one whose predecessors this receiver lacks raises ObjectStreamLost."""
         raw_indices, payload = split_blocks_upload(raw)
         with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
             indices = decode_indices(raw_indices, incoming.receiver.manifest.block_count)

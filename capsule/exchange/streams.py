@@ -11,7 +11,7 @@ compress). The receiver names the codecs it takes in ``STREAMS_HEADER``.
 
 Here: one decoder per object, taking segments strictly in order. A segment already taken is answered
 again as taken (a retried upload); one whose predecessors this receiver does not have (it restarted, or
-dropped the stream after a bad segment) raises :class:`BlockStreamLost`, and the sender starts a new
+dropped the stream after a bad segment) raises :class:`ObjectStreamLost`, and the sender starts a new
 stream after planning again (the blocks already kept stay kept). Ordering uploads that arrive early is
 the caller's (the agent waits for their turn without holding a thread: ``capsule/agent/turns.py``)."""
 
@@ -27,7 +27,7 @@ from hashcache import native
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.hcp import ProtocolError
 
-STREAMS_HEADER = "X-Capsule-Streams"   # on begin's answer: the codecs of the block streams taken here
+STREAMS_HEADER = "X-Capsule-Streams"   # on begin's answer: the codecs of the object streams taken here
 # a codec's decoder: segment(payload, size) -> exactly size bytes, or its error (a ValueError)
 DECODERS: dict[str, Callable[[], native.StreamDecoder | native.XzStreamDecoder]] = {
     "zstd": native.StreamDecoder, "xz": native.XzStreamDecoder}
@@ -42,7 +42,7 @@ def offered_codecs(header: str | None) -> set[str]:
     return {c.strip() for c in (header or "").split(",") if c.strip()}
 
 
-class BlockStreamLost(Conflict):
+class ObjectStreamLost(Conflict):
     """The receiver does not have the stream this segment continues; start a new one."""
 
     code = "stream_lost"
@@ -58,7 +58,7 @@ class _Stream:
 
 
 class Streams:
-    """The open block streams of one receiving store, by (kind, object id); thread-safe."""
+    """The open object streams of one receiving store, by (kind, object id); thread-safe."""
 
     def __init__(self, limit: int = MAX_STREAMS) -> None:
         self._limit = limit
@@ -76,14 +76,14 @@ class Streams:
         """Decode segment ``seq`` (``count`` blocks) of a ``codec`` stream and hand its blocks to ``keep``;
         False if it was taken before. Any failure (a bad segment, blocks ``keep`` refuses) drops the stream."""
         if not sid or len(sid) > MAX_STREAM_ID or not sid.isalnum() or seq < 0:
-            raise ProtocolError(f"bad block stream {sid[:MAX_STREAM_ID]!r} segment {seq}")
+            raise ProtocolError(f"bad object stream {sid[:MAX_STREAM_ID]!r} segment {seq}")
         if codec not in DECODERS:
-            raise ProtocolError(f"block stream {sid}: unknown codec {codec[:16]!r} (this receiver takes {CODECS})")
+            raise ProtocolError(f"object stream {sid}: unknown codec {codec[:16]!r} (this receiver takes {CODECS})")
         with self._lock:
             st = self._streams.get(key)
             if st is None or st.sid != sid:
                 if seq != 0:
-                    raise BlockStreamLost(f"{key[0]} {key[1][:12]}: block stream {sid} is not open here "
+                    raise ObjectStreamLost(f"{key[0]} {key[1][:12]}: object stream {sid} is not open here "
                                           f"(segment {seq}); start a new one")
                 st = self._streams[key] = _Stream(sid, codec, DECODERS[codec]())
                 while len(self._streams) > self._limit:
@@ -92,19 +92,19 @@ class Streams:
         with st.lock:
             if codec != st.codec:
                 self.drop(key)
-                raise ProtocolError(f"{key[0]} {key[1][:12]}: segment {seq} of {st.codec} block stream {sid} "
+                raise ProtocolError(f"{key[0]} {key[1][:12]}: segment {seq} of {st.codec} object stream {sid} "
                                     f"says it is {codec}")
             if seq < st.taken:
                 return False
             if seq > st.taken:
-                raise BlockStreamLost(f"{key[0]} {key[1][:12]}: segment {seq} of block stream {sid} came "
+                raise ObjectStreamLost(f"{key[0]} {key[1][:12]}: segment {seq} of object stream {sid} came "
                                       f"before segment {st.taken}")
             try:
                 raw = st.decoder.segment(payload, count * BLOCK_SIZE)
                 keep([raw[k * BLOCK_SIZE:(k + 1) * BLOCK_SIZE] for k in range(count)])
             except (native.ZstdError, native.XzError) as exc:
                 self.drop(key)
-                raise ProtocolError(f"{key[0]} {key[1][:12]}: segment {seq} of block stream {sid}: {exc}") from exc
+                raise ProtocolError(f"{key[0]} {key[1][:12]}: segment {seq} of object stream {sid}: {exc}") from exc
             except BaseException:
                 self.drop(key)
                 raise

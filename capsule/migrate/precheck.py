@@ -2,9 +2,9 @@
 
 Here: the capsule runs on this host, on local disks, not half-way through an update; its domain XML names
 nothing that cannot move (host devices, shared memory, a host directory, a CPU passed through from this
-host). There: the agent answers, receives live moves (``live-move`` in ``GET /v1/info``), and has no reason
-of its own to refuse (``POST /v1/live/check``: the capsule running there already, a CPU it lacks, no route
-for the migration stream)."""
+host). There: the agent answers, receives live moves (``live-move`` and ``tunnel`` in its
+``X-Capsule-Features``), and has no reason of its own to refuse (``POST /v1/live/check``: the capsule
+running there already, a CPU it lacks, no route for the migration stream)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def remote_refusals(name: str, xml: str, target: Target) -> tuple[list[Refusal],
     try:
         with AgentClient(target.url, target.token, timeout=TIMEOUT, fingerprint=target.fingerprint) as client:
             info = client.get_json("/v1/info")
-            if FEATURE not in (info.get("features") or []):
+            if not {FEATURE, "tunnel"} <= client.features:     # named on every answer (X-Capsule-Features)
                 return [Refusal("no_live_moves", f"the agent at {target.url} (release {info.get('version', '?')}) "
                                                  "does not receive live moves: upgrade it, or move with "
                                                  "--offline")], {}

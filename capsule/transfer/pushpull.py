@@ -21,7 +21,7 @@ import zstandard
 from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
 from capsule.errors import CapsuleError, TransferFailed
-from capsule.exchange.streams import STREAMS_HEADER, BlockStreamLost, offered_codecs
+from capsule.exchange.streams import STREAMS_HEADER, ObjectStreamLost, offered_codecs
 from capsule.names import parse_ref
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
@@ -277,7 +277,7 @@ def raw_size(store: Store, kind: str, oid: str) -> int:
         return 0
 
 
-STREAM_ATTEMPTS = 3  # block streams started for one object before a lost one fails the push
+STREAM_ATTEMPTS = 3  # object streams started for one object before a lost one fails the push
 # from this zstd level on (asking for bytes over speed), an object's batches are one stream, sent one at a
 # time: the receiver takes segments in order, so uploads in flight together would only wait for each other
 STREAM_LEVEL = 10
@@ -285,12 +285,12 @@ STREAM_LEVEL = 10
 
 def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
                  progress: Progress, check: Check = _never) -> ObjectReport | None:
-    """Send one object (:func:`_send_object`); a block stream the receiver lost (it restarted) is started
+    """Send one object (:func:`_send_object`); an object stream the receiver lost (it restarted) is started
     again after a new plan, which leaves out every block it kept."""
     for _ in range(STREAM_ATTEMPTS - 1):
         try:
             return _send_object(store, client, kind, oid, role, opts, progress, check)
-        except BlockStreamLost:
+        except ObjectStreamLost:
             continue
     return _send_object(store, client, kind, oid, role, opts, progress, check)  # a last loss is raised
 
@@ -299,7 +299,7 @@ StreamEncoder = native.StreamEncoder | native.XzStreamEncoder
 
 
 def _stream_encoder(opts: Options, offered: set[str]) -> tuple[StreamEncoder | None, str]:
-    """The block stream to send an object in, and its codec: xz where asked for and taken, else zstd at
+    """The object stream to send an object in, and its codec: xz where asked for and taken, else zstd at
     ``opts.level`` where the receiver takes streams (an older one names none: frames of their own)."""
     if opts.xz and "xz" in offered:
         return native.XzStreamEncoder(), "xz"
@@ -312,7 +312,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                  progress: Progress, check: Check = _never) -> ObjectReport | None:
     """Send one object: its manifest in parts (the receiver plans each part
     while the next one and the blocks it already asked for are on the wire),
-    then the blocks it asks for, then commit. Where the receiver takes block streams
+    then the blocks it asks for, then commit. Where the receiver takes object streams
     (``capsule/exchange/streams.py``) and blocks travel compressed, an object's batches are segments of
     one zstd stream, compressed here in order and sent one at a time, at levels from ``STREAM_LEVEL``, or
     of one xz stream with ``opts.xz``; otherwise each batch is a zstd frame of its own (at ``opts.level``),

@@ -14,7 +14,6 @@ from capsule import hosts
 from capsule import migrate as lib
 from capsule.agent.app import create_app
 from capsule.errors import InvalidName
-from capsule.exchange import incoming
 from capsule.migrate import precheck
 from capsule.migrate.progress import LIVE_PHASES, Tracker, planned
 from capsule.runtime.domainxml import MachineSpec, build
@@ -81,7 +80,10 @@ def peer(tmp_path, monkeypatch):
 
 
 def test_a_destination_that_does_not_receive_live_moves_is_refused(peer, monkeypatch):
-    monkeypatch.setattr(incoming, "FEATURE", "something-else")      # an agent of an older release
+    from capsule.agent import protocol as agent_protocol
+
+    # an agent of an older release: it names the tunnel but not live moves
+    monkeypatch.setattr(agent_protocol, "NAMED", (agent_protocol.NAMED[0], b"tunnel"))
     refusals, _ = precheck.remote_refusals(SECRET, _xml(), precheck.Target(peer.url, PEER_TOKEN))
     assert [r.reason for r in refusals] == ["no_live_moves"]
     assert "upgrade it" in refusals[0].detail and "--offline" in refusals[0].detail

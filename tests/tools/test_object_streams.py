@@ -1,7 +1,7 @@
 """Block uploads as one zstd or xz stream per object between two real agents: a push at a high zstd level
 sends an object whose batches resemble each other in a fraction of the bytes that a frame per batch
 takes, and a push with xz; a push whose stream the receiver lost starts a new one and completes (the
-receiver's and sender's rules in-process are in tests/unit/test_block_streams.py)."""
+receiver's and sender's rules in-process are in tests/unit/test_object_streams.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import random
 import pytest
 
 from capsule import capsules, transfer
-from capsule.exchange.streams import BlockStreamLost
+from capsule.exchange.streams import ObjectStreamLost
 from capsule.store.objectio import has_object
 from capsule.transfer import pushpull
 from hashcache.blocks import BLOCK_SIZE
@@ -88,7 +88,7 @@ def test_a_push_whose_stream_the_receiver_lost_starts_a_new_one_and_completes(tm
             if params["stream"] not in streams_seen:
                 streams_seen.append(params["stream"])
             if len(streams_seen) == 1 and params["seq"] == 1:
-                raise BlockStreamLost("block stream lost (as after a restart)")
+                raise ObjectStreamLost("object stream lost (as after a restart)")
         return real(self, method, path, **kw)
 
     monkeypatch.setattr(AgentClient, "request", request)

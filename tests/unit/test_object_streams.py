@@ -1,7 +1,7 @@
 """Block uploads as one zstd or xz stream per object (capsule/exchange/streams.py): segments taken in
 order, a retried one answered once, a gap or an unknown stream refused as lost, a bad segment (or one in
 another codec, or an xz stream asking for a larger dictionary) dropping the stream; the sender's choice
-of codec (pushes between two real agents: tests/tools/test_block_streams.py)."""
+of codec (pushes between two real agents: tests/tools/test_object_streams.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import random
 import pytest
 
 from capsule import transfer
-from capsule.exchange.streams import BlockStreamLost, Streams
+from capsule.exchange.streams import ObjectStreamLost, Streams
 from capsule.transfer import pushpull
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE
@@ -49,10 +49,10 @@ def test_segments_are_taken_in_order_and_a_retried_one_once(codec):
 def test_a_gap_or_an_unknown_stream_is_lost_and_a_new_stream_starts_at_zero():
     streams, kept = Streams(), []
     segs = _segments(3)
-    with pytest.raises(BlockStreamLost, match="not open here"):
+    with pytest.raises(ObjectStreamLost, match="not open here"):
         streams.take(KEY, "s1", 1, 4, segs[1][1], kept.append)
     streams.take(KEY, "s1", 0, 4, segs[0][1], kept.append)
-    with pytest.raises(BlockStreamLost, match="came before segment 1"):
+    with pytest.raises(ObjectStreamLost, match="came before segment 1"):
         streams.take(KEY, "s1", 2, 4, segs[2][1], kept.append)
     fresh = _segments(1, seed=2)[0]
     assert streams.take(KEY, "s2", 0, 4, fresh[1], kept.append)  # a new stream replaces the old one
@@ -88,7 +88,7 @@ def test_a_segment_in_another_or_an_unknown_codec_or_a_larger_xz_dictionary_is_r
     xz, zs = _segments(2, codec="xz"), _segments(2)
     streams, kept = Streams(), []
     streams.take(KEY, "s1", 0, 4, xz[0][1], kept.append, "xz")
-    with pytest.raises(ProtocolError, match="xz block stream s1 says it is zstd"):
+    with pytest.raises(ProtocolError, match="xz object stream s1 says it is zstd"):
         streams.take(KEY, "s1", 1, 4, zs[1][1], kept.append, "zstd")
     assert streams.position(KEY, "s1") is None and len(kept) == 1
     with pytest.raises(ProtocolError, match="unknown codec 'lz4'"):
