@@ -5,12 +5,14 @@ switchover (at most ``max_pause`` seconds, libvirt's max downtime).
 2. T0: the disks are sealed into a version while the guest runs (``lifecycle.livedisk``), and that version
    is pushed with HCP: the bulk of the disks travels deduplicated (only blocks the other host lacks);
 3. the other host prepares an instance on that version (``POST /v1/live/prepare``) and answers the domain
-   XML to run it with there (built from its own template) and the route for the stream;
-4. libvirt migrates it (``migrateToURI3``, peer to peer): memory in pre-copy rounds while the guest runs,
-   and only the disks' writes since T0 (each disk's new top leaf, over NBD); it switches over when what
-   remains fits ``max_pause``. With ``postcopy`` (or when pre-copy does not converge and the other host
-   can receive it), post-copy is started instead: the guest runs there while its last pages follow —
-   if the other host dies then, the guest is lost there and its fallback is the T0 version;
+   XML to run it with there (built from its own template);
+4. libvirt migrates it (``migrateToURI3``, peer to peer) through the agents' byte tunnel
+   (:mod:`capsule.migrate.tunnel`: this libvirtd reaches the other's, and QEMU its stream and the disks'
+   NBD server, over the agents' own HTTPS): memory in pre-copy rounds while the guest runs, and only the
+   disks' writes since T0 (each disk's new top leaf, over NBD); it switches over when what remains fits
+   ``max_pause``. Only with ``postcopy`` (and a destination that can receive it), when pre-copy does not
+   converge, post-copy is started instead: the guest runs there while its last pages follow — if the link
+   or the other host fails then, the guest restarts from the T0 version: its memory since T0 is lost;
 5. the other host adopts the guest as its instance (``finish``); here the instance ends (T0 stays, as
    history). Cancelled (or failed) before the switchover: libvirt's job is aborted, the guest runs on
    here, and the other host removes what it prepared (``abort``)."""
@@ -21,7 +23,7 @@ import contextlib
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from capsule.agentclient import AgentClient
 from capsule.errors import Cancelled, Conflict, Error, RuntimeFailure
 from capsule.lifecycle import SealResult, livedisk
 from capsule.migrate import precheck as checks
+from capsule.migrate import tunnel
 from capsule.migrate.progress import LIVE_PHASES, CancelToken, Snapshot, Tracker, planned
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store, claims
@@ -68,6 +71,7 @@ class LiveFigures:
     rounds: int = 0                      # pre-copy iterations
     postcopy: bool = False               # post-copy was started
     seconds: float = 0.0                 # libvirt's part (from the prepare to the end)
+    tunnel_bytes: int = 0                # bytes the tunnels carried, both ways (libvirt, memory, disks)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -124,7 +128,7 @@ def move(store: Store, name: str, to: str, token: str, *, max_pause: float, post
         cancel.check()
         result = SealResult(version, sealed.layers, None, 0.0, sealed.pause)
         remote, figures = _migrate(store, name, to, token, pin, sealed.instance, version.chains, max_pause,
-                                   postcopy or bool(answer.get("postcopy")), postcopy, tracker, cancel, say, routes)
+                                   postcopy and bool(answer.get("postcopy")), postcopy, tracker, cancel, say, routes)
         _end_here(store, sealed.instance)
     return Moved(result, pushed, remote, figures)
 
@@ -148,8 +152,11 @@ def _migrate(store: Store, name: str, to: str, token: str, pin: str | None, inst
                                                      "disks": sizes})
         mid = str(prep.get("id", ""))
         try:
-            route = routes or Routes.of(prep.get("routes"))
-            figures = _run_job(dom, route, prep, targets, max_pause, postcopy_ok, postcopy, tracker, cancel, say)
+            with _routes(to, token, pin, routes) as (route, tunnels):
+                figures = _run_job(dom, route, prep, targets, max_pause, postcopy_ok, postcopy, tracker, cancel,
+                                   say)
+                if tunnels is not None:
+                    figures.tunnel_bytes = tunnels.bytes_sent + tunnels.bytes_received
         except BaseException:
             try:
                 client.post_json(f"/v1/live/{mid}/abort", {})
@@ -161,6 +168,29 @@ def _migrate(store: Store, name: str, to: str, token: str, pin: str | None, inst
         figures.pause_ms = remote["downtime_ms"]
         tracker.pause(figures.pause_ms)
     return remote, figures
+
+
+@dataclass
+class _Peer:
+    url: str
+    token: str
+    fingerprint: str | None
+
+
+@contextlib.contextmanager
+def _routes(to: str, token: str, pin: str | None,
+            given: Routes | None) -> Iterator[tuple[Routes, tunnel.Tunnels | None]]:
+    """The routes of one move: the tunnels to the other host's agent (its libvirtd, QEMU's migration
+    stream and the disks' NBD stream, over the agents' own connection), unless the caller gives routes."""
+    if given is not None:
+        yield given, None
+        return
+    tunnels = tunnel.open_tunnels(_Peer(to, token, pin))
+    try:
+        assert tunnels.libvirt_uri and tunnels.migration_uri and tunnels.disks_uri   # every kind was asked for
+        yield Routes(tunnels.libvirt_uri, tunnels.migration_uri, tunnels.disks_uri), tunnels
+    finally:
+        tunnels.close()
 
 
 def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,
