@@ -10,7 +10,6 @@ against its digest before it is installed; the version is recorded last."""
 from __future__ import annotations
 
 import secrets
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from capsule.store.objectio import BlockReader, has_object, install_received, ob
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline, run_batches
 from capsule.transfer.records import objects_of, record_version, validate, version_record
+from capsule.transfer.resend import send_batch, upload_body
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
@@ -339,17 +339,17 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     def send(item: tuple[list[int], int | None, bytes | None]) -> None:
         batch, seq, payload = item
         check()  # a cancel stops here; the pipeline then drops the batches still queued
-        idx = encode_indices(batch)
         params: dict[str, Any] = {"compress": str(opts.compress).lower()}
-        if payload is None:
-            payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
-        else:
-            params.update(stream=stream_id, seq=seq, codec=codec)
         with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
-            body = struct.pack("<I", len(idx)) + idx + payload
-            client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
-                           idempotent=True)  # verified blocks; a segment taken twice is taken once
-            sent.append(len(body))
+            if payload is None:   # a frame of its own: after a lost answer, only the blocks not kept again
+                sent.append(send_batch(client, kind, oid, batch, lambda b: pack_blocks(
+                    reader.read(b), level=opts.level, compress=opts.compress), params))
+            else:   # a segment of a stream: sent again whole (one taken twice is taken once)
+                params.update(stream=stream_id, seq=seq, codec=codec)
+                body = upload_body(batch, payload)
+                client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
+                               idempotent=True)
+                sent.append(len(body))
         stats.add(fetched_bytes=len(batch) * BLOCK_SIZE, requests=1)
         progress.advance(len(batch) * BLOCK_SIZE)
         progress.wire(client.wire_bytes)
