@@ -130,6 +130,11 @@ class Inbox:
                 final.unlink(missing_ok=True)
                 for p in self._part_paths(kind, oid):
                     p.unlink()
+            elif self._has_part(kind, oid, part, parts, m, manifest_part):
+                # the same part again (its answer was lost and the sender tried again): already here
+                with open_shadow(self.store, kind, m, fresh=False) as shadow:
+                    cache = self.store.hash_cache() if hash else None
+                    return Receiver(m, shadow, self._name(kind, oid), cache, dedupe=hash).plan()
             elif len(self._part_paths(kind, oid)) != part:
                 raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
             target = final if parts == 1 else final.with_suffix(f".part{part}")
@@ -249,6 +254,20 @@ class Inbox:
 
     def _expect_path(self, kind: str, oid: str) -> Path:
         return self.store.home / "recv" / f"{check_kind(kind)}-{check_object_id(oid)}.expect"
+
+    def _has_part(self, kind: str, oid: str, part: int, parts: int, m: Expectation, raw: bytes) -> bool:
+        """Whether part ``part`` (> 0) of this manifest arrived already with these very records: the last
+        part on disk, or, once the parts were folded into the whole manifest, its tail."""
+        on_disk = self._part_paths(kind, oid)
+        if on_disk:
+            return len(on_disk) == part + 1 and on_disk[-1].read_bytes() == raw
+        final = self._expect_path(kind, oid)
+        if part != parts - 1 or not final.exists():
+            return False
+        whole = Expectation.from_bytes(final.read_bytes(), oid)
+        n = len(m.keys)
+        return (n <= len(whole.keys) and whole.keys[len(whole.keys) - n:] == m.keys
+                and whole.hashes.endswith(m.hashes))
 
     def _part_paths(self, kind: str, oid: str) -> list[Path]:
         base = self._expect_path(kind, oid)

@@ -361,7 +361,8 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
                 resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
                                       content=zstandard.ZstdCompressor(level=3).compress(part.to_bytes()),
-                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)})
+                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)},
+                                      idempotent=True)   # a part sent again is taken as the same part
                 if resp.headers.get("X-Capsule-Present"):
                     if k == 0:
                         progress.advance(raw_bytes)

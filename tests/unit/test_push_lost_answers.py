@@ -120,3 +120,72 @@ def test_the_lacking_call_refuses_bad_input_and_names_what_is_not_kept(tmp_path)
         assert r.status_code == 413, r.text
         r = http.post(f"/v1/recv/file/{dst.file_id}/lacking", content=encode_indices([0, 1]), headers=auth)
         assert r.status_code == 200 and r.content == b"", r.text   # installed: it lacks none
+
+
+class _LoseBeginAnswers:
+    """A transport wrapper: the manifest parts (``begin``) numbered in ``lose`` reach the agent, which takes
+    them, but their answers are lost."""
+
+    def __init__(self, inner, lose: set[int]) -> None:
+        self.inner, self.url, self.lose = inner, inner.url, lose
+        self.begins = 0
+
+    def call(self, call):
+        if not call.path.endswith("/begin"):
+            return self.inner.call(call)
+        self.begins += 1
+        reply = self.inner.call(call)
+        if self.begins in self.lose:
+            raise Unreachable("Connection reset by peer")
+        return reply
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("lose", [{1}, {2}, {4}, {2, 4}], ids=["first", "middle", "last", "middle-and-last"])
+def test_a_manifest_part_whose_answer_was_lost_is_sent_again_and_taken(tmp_path, monkeypatch, lose):
+    """Old code: begin was not retried, and a part sent twice was refused ('arrived before the parts before
+    it'): a reset during the upload of a manifest's second part failed the push (bench.faults, 64 MiB)."""
+    monkeypatch.setattr(pushpull, "PART_RECORDS", BLOCKS // 4)   # four parts of 16 records
+    src, fid = _source(tmp_path)
+    with agent_app(tmp_path / "dst") as dst:
+        wrapper = _LoseBeginAnswers(in_process(dst.app, TOKEN, stream=False), lose)
+        client = AgentClient("http://dst.example", TOKEN, transport=wrapper, retry=RetryPolicy(delays=(0.01,) * 3))
+        report = pushpull._push_object(src, client, "file", fid, "kernel", transfer.Options(batch=BATCH, inflight=2),
+                                       transfer.Progress())
+        client.close()
+        assert report is not None and report.fetched_bytes == BLOCKS * 4096
+        assert wrapper.begins == 4 + len(lose)
+    dst_store = Store.open(tmp_path / "dst")
+    assert has_object(dst_store, "file", fid)
+    dst_store.close()
+    src.close()
+
+
+
+def test_a_different_part_under_a_number_already_taken_is_refused(tmp_path):
+    """Taking a part again is for the very same records only: other records under that number are a 409."""
+    import zstandard
+    from starlette.testclient import TestClient
+
+    from capsule.store.objectio import object_manifest
+    from hashcache.hcp import Expectation
+
+    src, fid = _source(tmp_path)
+    manifest = object_manifest(src, "file", fid)
+    part = [Expectation.part_of(manifest, start, BLOCKS // 4, 32).to_bytes() for start in range(0, BLOCKS, BLOCKS // 4)]
+    src.close()
+    with agent_app(tmp_path / "dst") as dst:
+        http = TestClient(dst.app)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+
+        def begin(k: int, raw: bytes):
+            return http.post(f"/v1/recv/file/{fid}/begin", content=zstandard.ZstdCompressor().compress(raw),
+                             params={"part": k, "parts": 4}, headers=auth)
+
+        assert begin(0, part[0]).status_code == 200
+        assert begin(1, part[1]).status_code == 200
+        assert begin(1, part[1]).status_code == 200            # the same part again: taken
+        r = begin(1, part[2])                                   # other records under number 1
+        assert r.status_code == 409 and "arrived before" in r.json()["detail"], r.text
