@@ -81,7 +81,11 @@ def kills(a: Store, b: Store, victim: str, times: int, size: int, seed: int = 7,
                 raw = object_manifest(a, "layer", lid).nonzero_blocks * BLOCK_SIZE
                 up0 = proxy.up
                 cli = push_cli(a, ag, proxy.url)
-                _until(lambda u=up0, r=raw, c=cli: proxy.up - u >= r * START or c.poll() is not None, 120)
+
+                def started(u: int = up0, r: int = raw, c: subprocess.Popen = cli) -> bool:
+                    return proxy.up - u >= r * START or c.poll() is not None
+
+                _until(started, 120)
                 time.sleep(rnd.uniform(0.0, max_delay))
                 if cli.poll() is not None or has_object(b, "layer", lid):
                     out.missed += 1   # the push ended before the kill: no fault mid-transfer
