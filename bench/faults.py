@@ -64,7 +64,10 @@ def main() -> None:
 
     for direction in ("push", "pull"):
         for fault in ("reset", "half-open"):
-            run(f"{fault} mid-{direction}", lambda t, d=direction, f=fault: link_fault(*pair(t), d, f))
+            def linked(t: Path, d: str = direction, f: str = fault) -> Outcome:
+                return link_fault(*pair(t), d, f)
+
+            run(f"{fault} mid-{direction}", linked)
     run("reset mid-push, retried", lambda t: reset_retried(*pair(t)))
 
     def full(tmp: Path, layer: int) -> Outcome:
@@ -81,7 +84,10 @@ def main() -> None:
     run("disk full mid-receive", lambda t: full(t, 64))
     run("disk full at install", lambda t: full(t, 40))
     for victim in ("agent", "cli"):
-        run(f"SIGKILL {victim} mid-push", lambda t, v=victim: kills(*pair(t), v, a.kills, size))
+        def killed(t: Path, v: str = victim) -> Outcome:
+            return kills(*pair(t), v, a.kills, size)
+
+        run(f"SIGKILL {victim} mid-push", killed)
     run("slow-loris during a push", lambda t: slow_loris(*pair(t)))
     if not a.no_guest:
         from testkit import demandfaults

@@ -111,7 +111,10 @@ def kills(a: Store, b: Store, victim: str, times: int, size: int, seed: int = 7,
                 raw = _raw(a, layers)
                 up0 = proxy.up
                 cli = push_cli(a, ag, proxy.url)
-                _until(lambda u=up0, r=raw, c=cli: proxy.up - u >= r * START or c.poll() is not None, 120)
+                def started(u: int = up0, r: int = raw, c: subprocess.Popen = cli) -> bool:
+                    return proxy.up - u >= r * START or c.poll() is not None
+
+                _until(started, 120)
                 t0 = time.monotonic()
                 time.sleep(rnd.uniform(0.0, statistics.median(spans)))
                 if cli.poll() is not None or has_object(b, "layer", lid):
@@ -126,7 +129,10 @@ def kills(a: Store, b: Store, victim: str, times: int, size: int, seed: int = 7,
                     _settled(proxy)   # the agent takes in what the push had sent before it died
                     if sum(arrived(b, a, layer) for layer in layers) == raw:
                         # every block arrived: the commit may have been sent and still be verifying
-                        _until(lambda i=lid: has_object(b, "layer", i), COMMIT_WAIT)
+                        def installed(i: str = lid) -> bool:
+                            return has_object(b, "layer", i)
+
+                        _until(installed, COMMIT_WAIT)
                     if has_object(b, "layer", lid):   # its commit had been sent: the kill came after it
                         out.missed += 1
                         continue

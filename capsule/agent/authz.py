@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.routing import Mount, compile_path
 from starlette.websockets import WebSocket
 
@@ -219,7 +219,7 @@ def check_rules(app: FastAPI) -> None:
             raise Internal(f"the rule for {key[0]} {key[1]} names a grant target its path does not have")
 
 
-def caller_of(request: Request | WebSocket) -> Caller | None:
+def caller_of(request: HTTPConnection) -> Caller | None:
     return request.scope.get("state", {}).get("caller")
 
 

@@ -22,6 +22,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import libvirt
 import libvirt_qemu
@@ -54,11 +55,13 @@ class DiskSnapshot:
 def _targets(dom: libvirt.virDomain, leaves: list[str]) -> list[str]:
     """The guest's device name (vda …) of each leaf, in the instance's order."""
     root = ET.fromstring(dom.XMLDesc(0))
-    by_file = {}
+    by_file: dict[str, str] = {}
     for disk in root.findall("./devices/disk"):
         src, tgt = disk.find("source"), disk.find("target")
-        if src is not None and tgt is not None and src.get("file"):
-            by_file[src.get("file")] = tgt.get("dev")
+        file = src.get("file") if src is not None else None
+        dev = tgt.get("dev") if tgt is not None else None   # (libvirt's schema requires a target's dev)
+        if file and dev is not None:
+            by_file[file] = dev
     missing = [leaf for leaf in leaves if leaf not in by_file]
     if missing:
         raise Conflict(f"the running domain does not use the instance's leaves ({', '.join(missing)}); "
@@ -72,7 +75,7 @@ def _snapshot_xml(targets: list[str], new: list[Path]) -> str:
     return f"<domainsnapshot><disks>{disks}</disks></domainsnapshot>"
 
 
-def _qmp(dom: libvirt.virDomain, cmd: str, **args: object) -> object:
+def _qmp(dom: libvirt.virDomain, cmd: str, **args: object) -> Any:   # QMP's reply: JSON
     reply = json.loads(libvirt_qemu.qemuMonitorCommand(dom, json.dumps({"execute": cmd, "arguments": args}), 0))
     if "error" in reply:
         raise RuntimeFailure(f"QEMU {cmd}: {reply['error'].get('desc', reply['error'])}")

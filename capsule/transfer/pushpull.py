@@ -9,6 +9,7 @@ against its digest before it is installed; the version is recorded last."""
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -128,6 +129,11 @@ def _never() -> None:
 
 
 # -- pull -------------------------------------------------------------------------
+
+def _block_hash(expect: Expectation, index: int) -> bytes:
+    """A block's hash in the manifest's records (a block it has no record of: empty)."""
+    return (expect.record(index) or (False, b""))[1]
+
 
 def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) -> tuple[Expectation, dict]:
     """LOOKUP, then READ-HASH in chunks: what the object must turn out to be."""
@@ -496,7 +502,7 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
             say(f"manifest of layer {lid[:12]}")
             expect, _head = _fetch_expectation(client, "layer", lid, 32)
             try:
-                manifest = expect.manifest_from(lambda i, e=expect: (e.record(i) or (False, b""))[1])
+                manifest = expect.manifest_from(functools.partial(_block_hash, expect))
             except ManifestMismatch as exc:
                 raise TransferFailed(f"from {url}: {exc}") from exc
             demand.add_remote_layer(store, manifest, url, token, pin)
