@@ -22,7 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
+from rich.console import Console, JustifyMethod  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from capsule import capsules, hierarchy, images, lifecycle, transfer  # noqa: E402
@@ -166,8 +166,10 @@ def wire(migrated: dict[str, Any]) -> int:
 
 def table(s: Story) -> Table:
     t = Table(title="what it cost (times as each host's CLI reported them)")
-    for col, justify in (("step", "left"), ("data", "right"), ("found locally", "right"), ("on the wire", "right"),
-                         ("time", "right"), ("at 384 kbit/s (DSL)", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("step", "left"), ("data", "right"), ("found locally", "right"), ("on the wire", "right"), ("time", "right"),
+        ("at 384 kbit/s (DSL)", "right"))
+    for col, justify in columns:
         t.add_column(col, justify=justify)
     assert s.to_a is not None
     to_a = s.to_a.totals()

@@ -84,10 +84,10 @@ def _load_error_classes() -> None:
 
 
 def exit_codes() -> str:
-    from hashcache.errors import registered
+    from hashcache.errors import Error, registered
 
     _load_error_classes()
-    by_exit: dict[int, list[type]] = {}
+    by_exit: dict[int, list[type[Error]]] = {}
     for cls in registered().values():
         by_exit.setdefault(cls.exit_code, []).append(cls)
     lines = ["# Exit codes", "",

@@ -17,6 +17,8 @@ Receiving (push) — state lives in the object's shadow on disk, not in memory::
 
     POST /v1/recv/{kind}/{id}/begin              body = zstd(manifest) → zstd(varint indices still needed)
     POST /v1/recv/{kind}/{id}/blocks             body = u32 n, n bytes of varint indices, zstd blocks
+    POST /v1/recv/{kind}/{id}/lacking            body = varint indices of a batch → those not kept (varints):
+                                                 an upload whose answer was lost is sent again only for these
     POST /v1/recv/{kind}/{id}/commit             verify the digest, install, record
 
 Management::
@@ -98,6 +100,7 @@ from capsule.errors import AuthFailed, Error, Internal, InvalidName
 from capsule.exchange import fleet, incoming, running, tunnel
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
+    MAX_LACKING_UPLOAD,
     MAX_MANIFEST_UPLOAD,
     Inbox,
     decode_manifest_upload,
@@ -112,7 +115,7 @@ from capsule.transfer.records import record_version
 from capsule.verify import users_of, verify_versions
 from hashcache import wirejson
 from hashcache.errors import error_class
-from hashcache.hcp import decode_stream_read, encode_stream_error
+from hashcache.hcp import decode_stream_read, encode_indices, encode_stream_error
 
 MAX_VERIFY = 10_000       # versions in one verify request
 
@@ -293,6 +296,13 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
             return {"stored": await serve(inbox.accept_segment, kind, oid, raw, stream, seq, codec)}
         finally:
             await turns.advance()
+
+    @app.post("/v1/recv/{kind}/{oid}/lacking")
+    async def recv_lacking(kind: str, oid: str, request: Request) -> Response:
+        """Which of a batch's blocks (varint indices) this receive has not kept (varint indices)."""
+        raw = await body(request, MAX_LACKING_UPLOAD)
+        lacking = await serve(inbox.lacking, kind, oid, raw)
+        return Response(encode_indices(lacking), media_type="application/octet-stream")
 
     @app.post("/v1/recv/{kind}/{oid}/commit")
     async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:

@@ -165,7 +165,7 @@ class Migration:
         if final:
             self.publish(final[-1])
         else:  # refused before it began (e.g. the capsule stopped meanwhile)
-            cancelled = bool(self.error) and self.error.get("error") == lib.MigrationCancelled.code
+            cancelled = bool(self.error and self.error.get("error") == lib.MigrationCancelled.code)
             self.publish(replace(self.last, seq=self.last.seq + 1, outcome="cancelled" if cancelled else "failed",
                                  where="source", message=str((self.error or {}).get("detail", "")),
                                  cancellable=False))

@@ -187,7 +187,7 @@ def migrate(
                 from capsule.accounts import grants
                 grants.discard(store, source_token)
             raise
-    data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
+    data: dict[str, Any] = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
             "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3),
             "progress": r.last.as_dict() if r.last else None}
     if r.live is not None:

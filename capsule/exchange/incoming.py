@@ -61,7 +61,10 @@ def _text(req: dict[str, Any], key: str, limit: int = MAX_XML) -> str:
 def _request(req: Any) -> dict[str, Any]:
     if not isinstance(req, dict):
         raise InvalidName("malformed live move request: expected a JSON object")
-    check_name(req.get("capsule"))
+    capsule = req.get("capsule")
+    if not isinstance(capsule, str):
+        raise InvalidName("malformed live move request: capsule must be a name")
+    check_name(capsule)
     return req
 
 

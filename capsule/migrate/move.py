@@ -79,7 +79,7 @@ class MigrationFailed(CapsuleError):
         super().__init__(message)
         self.version, self.step, self.restored, self.reached, self.cause = version, step, restored, reached, cause
         if cause is not None:
-            self.exit_code = cause.exit_code if isinstance(cause, Error) else RuntimeFailure.exit_code
+            self.exit_code = cause.exit_code if isinstance(cause, Error) else RuntimeFailure.exit_code  # type: ignore[misc]
 
 
 class MigrationCancelled(MigrationFailed):
