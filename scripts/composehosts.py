@@ -82,13 +82,9 @@ class Project:
 DEMO = Project(os.environ.get("COMPOSE_PROJECT_NAME") or "capsule")
 # The `hosts` test tier's: never the hosts of `make compose-up` or their stores (another run beside this one
 # sets CAPSULE_TEST_COMPOSE_PROJECT and CAPSULE_TEST_HOST_A_LISTEN/…_B_LISTEN)
-# (libvirtd on loopback without authentication and QEMU's migration ports: the direct route of live moves)
 TEST = Project(os.environ.get("CAPSULE_TEST_COMPOSE_PROJECT") or "capsule-test",
                {"CAPSULE_HOST_A_LISTEN": os.environ.get("CAPSULE_TEST_HOST_A_LISTEN") or "127.0.0.1:7271",
-                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272",
-                "CAPSULE_HOST_A_LIBVIRT_TCP": os.environ.get("CAPSULE_TEST_HOST_A_LIBVIRT_TCP") or "127.0.0.1:16671",
-                "CAPSULE_HOST_B_LIBVIRT_TCP": os.environ.get("CAPSULE_TEST_HOST_B_LIBVIRT_TCP") or "127.0.0.1:16672",
-                "CAPSULE_HOST_A_MIGRATION_PORTS": "49480-49489", "CAPSULE_HOST_B_MIGRATION_PORTS": "49490-49499"})
+                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272"})
 
 
 def compose_files() -> list[str]:

@@ -34,8 +34,8 @@ Pods (the destination side of `capsule pod migrate --on HOST`)::
 
 Live moves (the destination side of `capsule migrate`, capsule/exchange/incoming.py)::
 
-    POST /v1/live/check                          {capsule, type, cpu} → {refusals, routes, postcopy}
-    POST /v1/live/prepare                        {capsule, version, xml, disks} → {id, domain, xml, routes}
+    POST /v1/live/check                          {capsule, type, cpu, host_uuid} → {refusals, postcopy}
+    POST /v1/live/prepare                        {capsule, version, xml, disks} → {id, domain, xml, postcopy}
     POST /v1/live/{id}/finish, .../abort         the guest runs here / what prepare made is removed
 
 Fleet (capsule/exchange/fleet.py)::

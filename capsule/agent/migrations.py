@@ -2,8 +2,8 @@
 thread of the agent, its progress kept and streamed, and a cancel.
 
     GET  /api/capsules/{name}/migrate/check?to=HOST   why a live move there would be refused (empty: it may go)
-    POST /api/capsules/{name}/migrate      {to: a known host's name, live (default true), max_pause, postcopy; or
-                                            live: false, mode: full|demand, balloon} → the migration
+    POST /api/capsules/{name}/migrate      {to: a known host's name, live, max_pause, postcopy; or mode: full|demand,
+                                            balloon (an offline move; live defaults to false with them)} → the migration
     GET  /api/migrations                   the migrations this agent ran since it started (newest first)
     GET  /api/migrations/{id}              one of them: its last progress snapshot, and how it ended
     GET  /api/migrations/{id}/events       Server-Sent Events: each progress snapshot (``data:`` JSON), until the end
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from capsule import hosts
 from capsule import migrate as lib
@@ -50,12 +50,33 @@ HISTORY = 5000            # snapshots kept per migration (a stream replays them;
 class MigrateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: str = Field(description="A known host's name (`capsule host ls`)", min_length=1, max_length=64)
-    live: bool = Field(True, description="Move it while it runs (false: suspend it here first, as `--offline`)")
+    live: bool | None = Field(None, description="Move it while it runs (the default, unless a mode or a balloon is "
+                                                "named); false: suspend it here first, as `--offline`")
     max_pause: float = Field(1.0, ge=0.01, le=60, allow_inf_nan=False,
                              description="Live: the longest the guest may pause at the switchover, in seconds")
     postcopy: bool = Field(False, description="Live: post-copy when pre-copy does not converge")
-    mode: Literal["full", "demand"] = "full"
-    balloon: bool = False
+    mode: Literal["full", "demand"] | None = Field(None, description="An offline move's mode (implies live: false)")
+    balloon: bool = Field(False, description="Balloon before suspending (implies live: false)")
+
+    @model_validator(mode="after")
+    def _one_kind_of_move(self) -> MigrateIn:
+        """A mode or a balloon is an offline move's: never a live one silently, and never with live: true."""
+        offline_asked = self.mode is not None or self.balloon
+        if self.live and offline_asked:
+            raise ValueError("live: true takes no mode and no balloon (those are an offline move's)")
+        if self.live is None:
+            self.live = not offline_asked
+        if self.mode is None:
+            self.mode = "full"
+        return self
+
+    @property
+    def moves_live(self) -> bool:
+        return bool(self.live)
+
+    @property
+    def offline_mode(self) -> str:
+        return self.mode or "full"
     balloon_policy: Literal["none", "cache", "aggressive"] = "cache"
     balloon_method: Literal["agent", "virtio"] = "virtio"
 
@@ -84,8 +105,8 @@ class Migration:
         self.cancel = CancelToken()
         self.error: dict[str, Any] | None = None
         self.remote: dict[str, Any] | None = None
-        self.last = Snapshot(0, name, peer.name, planned("live", body.postcopy) if body.live
-                             else planned(body.mode, body.balloon), "")
+        self.last = Snapshot(0, name, peer.name, planned("live", body.postcopy) if body.moves_live
+                             else planned(body.offline_mode, body.balloon), "")
         self._history: deque[Snapshot] = deque([self.last], maxlen=HISTORY)
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -128,7 +149,8 @@ class Migration:
 
     def out(self) -> MigrationOut:
         return MigrationOut(id=self.id, capsule=self.capsule, to=self.peer.name, to_url=self.peer.url,
-                            mode="live" if self.body.live else self.body.mode, balloon=self.body.balloon,
+                            mode="live" if self.body.moves_live else self.body.offline_mode,
+                            balloon=self.body.balloon,
                             started=self.started,
                             progress=self.last.as_dict(), error=self.error, remote=self.remote)
 
@@ -150,15 +172,16 @@ class Migration:
                 final.append(s)
 
         try:
-            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.mode,
+            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.offline_mode,
                             balloon=b.balloon_policy if b.balloon else None, balloon_method=b.balloon_method,
                             source_url=source_url, source_token=source_token, on_event=on_event,
                             cancel=self.cancel, to_name=self.peer.name, source_fingerprint=source_fingerprint,
-                            live=b.live, max_pause=b.max_pause, postcopy=b.postcopy)
+                            live=b.moves_live, max_pause=b.max_pause, postcopy=b.postcopy)
             self.remote = r.remote
         except Error as exc:
             self.error = exc.to_wire()
-            if b.mode == "demand" and not b.live and getattr(exc, "restored", True):   # the other host does not run it
+            # the other host does not run it
+            if b.offline_mode == "demand" and not b.moves_live and getattr(exc, "restored", True):
                 grants.discard(store, source_token)
         except Exception as exc:  # noqa: BLE001 - a bug must still end the migration the page is watching
             self.error = Internal(f"{type(exc).__name__}: {exc}").to_wire()
@@ -233,7 +256,7 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
     @r.post("/capsules/{name}/migrate", response_model=MigrationOut, status_code=202,
             summary="Move a running capsule to a known host")
     def start(name: str, body: MigrateIn, request: Request) -> MigrationOut:
-        demand = body.mode == "demand" and not body.live
+        demand = body.offline_mode == "demand" and not body.moves_live
         source = source_url_for(request) if demand else ""
         # the other host pins this agent's certificate (the one it serves with, --cert included)
         pin = getattr(request.app.state, "tls_fingerprint", None)

@@ -107,12 +107,14 @@ def migrate(
                                              "may pause at the switchover (0.01 to 60).")] = 1.0,
     postcopy: Annotated[bool, typer.Option("--postcopy", help="Live: switch to post-copy when pre-copy does not "
                                                               "converge (the guest runs there while its last pages "
-                                                              "follow; if that host fails then, the fallback is "
-                                                              "the disks at T0).")] = False,
-    mode: Annotated[str, typer.Option("--mode", help="--offline only: full: push, then start there | demand: push "
-                                                     "the memory image, start there, disk blocks paged in from "
-                                                     "here.")] = "full",
-    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1).")] = False,
+                                                              "follow). If the link or the destination fails during "
+                                                              "post-copy, the guest restarts from its disks at T0: "
+                                                              "its memory since T0 is lost.")] = False,
+    mode: Annotated[str | None, typer.Option("--mode", help="An offline move (implies --offline): full: push, then "
+                                                            "start there | demand: push the memory image, start "
+                                                            "there, disk blocks paged in from here.")] = None,
+    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1; implies "
+                                                            "--offline).")] = False,
     balloon_policy: PolicyOpt = "cache",
     balloon_method: MethodOpt = "virtio",
     source_url: Annotated[str | None, typer.Option("--source-url", help="demand: this host's agent URL as the "
@@ -147,6 +149,12 @@ def migrate(
     """
     json_flag(json)
     from capsule import migrate as lib
+
+    if mode is not None or balloon:   # a mode or a balloon is an offline move's: never a live one silently
+        offline = True
+    if mode is not None and mode not in lib.MODES:
+        raise typer.BadParameter(f"{mode!r}: give one of {', '.join(lib.MODES)}", param_hint="--mode")
+    mode = mode or "full"
 
     store = open_store()
     if not offline:

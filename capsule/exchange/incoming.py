@@ -1,6 +1,7 @@
 """The destination side of a live move (``capsule migrate NAME --to HOST``, :mod:`capsule.migrate.live`).
 
-    POST /v1/live/check                 {capsule, type, cpu}: why this host would refuse it → {refusals, routes}
+    POST /v1/live/check                 {capsule, type, cpu, host_uuid}: why this host would refuse it
+                                        → {refusals, postcopy}
     POST /v1/live/prepare               {capsule, version, xml, disks}: an instance ready to receive it
     POST /v1/live/{id}/finish           the guest arrived and runs: it is this host's running instance
     POST /v1/live/{id}/abort            the move stopped: what prepare made is removed
@@ -12,9 +13,10 @@ built from this host's template and the version's config exactly as a memory ima
 (:func:`capsule.runtime.restorexml.rebuild`): from the source's XML only what the running machine's state
 requires is kept, allow-listed, and no path of the source is ever used.
 
-``routes``: how the source's libvirt reaches this host for the migration stream. Until the agents' own
-tunnel carries it, only direct loopback routes exist, offered when this host's libvirtd listens on loopback
-(``CAPSULE_LIBVIRT_TCP``, ``CAPSULE_MIGRATION_PORTS``, as the compose hosts set them)."""
+The source's libvirt reaches this host's, and its QEMU this QEMU's migration stream and NBD server, through
+the agents' byte tunnel (:mod:`capsule.exchange.tunnel`), never a port of libvirt's own. A source whose
+libvirt is this host's own (the same libvirt host UUID: two stores on one machine) is refused: a live move
+needs another host."""
 
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from capsule.errors import Conflict, InvalidName, NotFound, RuntimeFailure
 from capsule.lifecycle import memimage
 from capsule.names import check_name
 from capsule.runtime import restorexml
-from capsule.runtime.connection import connect, lookup_domain
+from capsule.runtime.connection import connect, host_uuid, lookup_domain
 from capsule.store import Store, claims
 from capsule.store.catalogue import InstanceRow
 from capsule.store.fsutil import make_private_dir
@@ -68,29 +69,6 @@ def _request(req: Any) -> dict[str, Any]:
     return req
 
 
-def direct_routes() -> dict[str, str] | None:
-    """This host's direct loopback routes for a migration stream, or None (see the module's text)."""
-    tcp = os.environ.get("CAPSULE_LIBVIRT_TCP", "")
-    ports = re.fullmatch(r"([0-9]+)-([0-9]+)", os.environ.get("CAPSULE_MIGRATION_PORTS", ""))
-    m = re.fullmatch(r"127\.0\.0\.1:([0-9]+)", tcp)
-    if m is None or ports is None:
-        return None
-    free = [p for p in range(int(ports[1]), int(ports[2]) + 1) if _free(p)][:2]
-    if len(free) < 2:
-        return None
-    return {"libvirt_uri": f"qemu+tcp://127.0.0.1:{m[1]}/system", "migration_uri": f"tcp://127.0.0.1:{free[0]}",
-            "disks_uri": f"tcp://127.0.0.1:{free[1]}"}
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def postcopy_ready() -> bool:
     """QEMU here can receive post-copy (it needs userfaultfd; libvirt hands it /dev/userfaultfd)."""
     return os.path.exists("/dev/userfaultfd")
@@ -98,7 +76,8 @@ def postcopy_ready() -> bool:
 
 def check_incoming(store: Store, req: Any) -> dict[str, Any]:
     """Why this host would refuse to receive ``req['capsule']`` live (``type``: the domain's type, kvm or
-    qemu; ``cpu``: its ``<cpu>`` element), and the routes it offers."""
+    qemu; ``cpu``: its ``<cpu>`` element; ``host_uuid``: the source's libvirt host UUID), and whether it can
+    receive post-copy."""
     req = _request(req)
     name = req["capsule"]
     out: list[dict[str, str]] = []
@@ -120,17 +99,16 @@ def check_incoming(store: Store, req: Any) -> dict[str, Any]:
                 why = "this host's CPU lacks features the guest's CPU has"
             if verdict == libvirt.VIR_CPU_COMPARE_INCOMPATIBLE:
                 out.append(refusal("cpu_incompatible", f"{why}: move it with --offline"))
-    routes = direct_routes()
-    if routes is None:
-        out.append(refusal("no_route", "this host offers no route for the migration stream (its libvirtd "
-                                       "listens on no loopback port: CAPSULE_LIBVIRT_TCP and "
-                                       "CAPSULE_MIGRATION_PORTS): move it with --offline"))
-    return {"refusals": out, "routes": routes, "postcopy": postcopy_ready()}
+    theirs = _text(req, "host_uuid", 64)
+    if theirs and theirs == host_uuid():
+        out.append(refusal("same_host", "the destination is this machine's own libvirt: a live move needs "
+                                        "another host (move it with --offline)"))
+    return {"refusals": out, "postcopy": postcopy_ready()}
 
 
 def prepare(store: Store, req: Any) -> dict[str, Any]:
     """Make what a live move of ``req['capsule']`` @ ``req['version']`` needs here (see the module's text):
-    {id, domain, xml, routes, postcopy}."""
+    {id, domain, xml, postcopy}."""
     req = _request(req)
     name = req["capsule"]
     number = int(check(VERSION, req.get("version"), "version"))
@@ -138,9 +116,6 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
     disks = req.get("disks")
     if not isinstance(disks, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in disks):
         raise InvalidName("malformed live move request: disks must be a list of virtual sizes in bytes")
-    routes = direct_routes()
-    if routes is None:
-        raise Conflict("this host offers no route for the migration stream: move it with --offline")
     with claims.claim(store, name, "receiving a live move"), store.lock(purpose=f"receiving {name}"):
         cat = store.catalogue
         version = cat.version(name, number)
@@ -184,7 +159,7 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
                 leaf.unlink(missing_ok=True)
             shutil.rmtree(inst_dir, ignore_errors=True)
             raise
-    return {"id": mid, "domain": domain, "xml": xml, "routes": routes, "postcopy": postcopy_ready()}
+    return {"id": mid, "domain": domain, "xml": xml, "postcopy": postcopy_ready()}
 
 
 def _source_name(xml: str) -> str:

@@ -16,8 +16,9 @@ from typing import Any
 import libvirt
 
 from capsule.agentclient import AgentClient
-from capsule.errors import Error
+from capsule.errors import EnvironmentProblem, Error
 from capsule.lifecycle import USER_NETWORK, demand
+from capsule.runtime import connection
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store
 
@@ -95,12 +96,20 @@ def local_refusals(store: Store, name: str) -> tuple[list[Refusal], str | None]:
     return out + xml_refusals(xml), xml
 
 
+def _host_uuid() -> str:
+    """This host's libvirt host UUID, or "" when libvirt cannot say (the destination then cannot tell)."""
+    try:
+        return connection.host_uuid()
+    except (libvirt.libvirtError, EnvironmentProblem):
+        return ""
+
+
 def remote_refusals(name: str, xml: str, target: Target) -> tuple[list[Refusal], dict[str, Any]]:
     """Reasons the destination gives (and its answer to the check: routes, post-copy)."""
     root = ET.fromstring(xml)
     cpu = root.find("cpu")
     body = {"capsule": name, "type": root.get("type", ""),
-            "cpu": ET.tostring(cpu, encoding="unicode") if cpu is not None else ""}
+            "cpu": ET.tostring(cpu, encoding="unicode") if cpu is not None else "", "host_uuid": _host_uuid()}
     try:
         with AgentClient(target.url, target.token, timeout=TIMEOUT, fingerprint=target.fingerprint) as client:
             info = client.get_json("/v1/info")

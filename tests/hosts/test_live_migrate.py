@@ -1,6 +1,8 @@
 """Live moves between the compose hosts (`capsule migrate NAME --to HOST`, live by default): the guest keeps
 running while its disks (sealed at T0, pushed with HCP) and its memory travel, and pauses only at the
-switchover. Routes: the hosts' direct loopback routes (libvirtd on loopback, QEMU's migration ports)."""
+switchover. Libvirt's and QEMU's connections go through the agents' byte tunnel. The pause is measured as the
+guest lived it: its own clock stops while it is paused, so it is the growth of host time − guest uptime across
+the move (testkit/guestclock.py), not a gap between the guest's own stamps."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 import pytest
 
 from scripts.composehosts import wait_for
+from testkit.guestclock import offset, paused
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]
 
@@ -42,9 +45,11 @@ def test_a_live_move_keeps_the_guest_running_with_a_short_pause(fresh):
     a.guest(name, "echo written-before > /root/before; sync")
     a.guest(name, COUNTER)
     time.sleep(2)
+    before = offset(lambda cmd: a.guest(name, cmd))
     t0 = time.monotonic()
     moved = a.capsule("migrate", name, "--to", b.url, token=b.token, timeout=600)
     seconds = time.monotonic() - t0
+    pause, error = paused(before, offset(lambda cmd: b.guest(name, cmd)))
     assert moved["mode"] == "live" and moved["progress"]["outcome"] == "done"
     phases = [e["phase"] for e in moved["events"] if e["phase"]]
     assert phases[0] == "precheck" and phases[-1] == "switchover"
@@ -56,9 +61,13 @@ def test_a_live_move_keeps_the_guest_running_with_a_short_pause(fresh):
     gaps = [(y[1] - x[1]) for x, y in zip(rows, rows[1:], strict=False)]
     assert all(y[0] == x[0] + 1 for x, y in zip(rows, rows[1:], strict=False)), "the counter jumped"
     assert all(g >= 0 for g in gaps), "the guest's clock went back"
-    print(f"\nlive move of a tiny guest: {seconds:.1f} s; libvirt downtime {moved['live']['pause_ms']} ms; "
-          f"largest gap the guest saw {max(gaps) * 1000:.0f} ms; memory {moved['live']['memory_bytes']} B; "
-          f"HCP wire {moved['push']['wire_bytes']} B")
+    print(f"\nlive move of a tiny guest: {seconds:.1f} s; paused {pause * 1000:.0f} ± {error * 1000:.0f} ms as the "
+          f"guest lived it, libvirt downtime {moved['live']['pause_ms']} ms; memory {moved['live']['memory_bytes']} B; "
+          f"HCP wire {moved['push']['wire_bytes']} B; through the tunnel {moved['live']['tunnel_bytes']} B")
+    # a sanity bound, not a speed target (those are bench/livemigrate.py's): an offline move pauses it for the
+    # whole transfer, ~15 s here
+    assert pause < 5.0, f"paused {pause:.2f} s"
+    assert moved["live"]["tunnel_bytes"] > moved["live"]["memory_bytes"] * 0.5   # the stream went through it
     assert b.guest(name, "cat /root/before") == "written-before"
     assert b.state(name) == "running" and a.states()[name]["domain"] is None
     t0_ref = moved["version"]

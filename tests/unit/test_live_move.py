@@ -73,7 +73,13 @@ def test_a_capsule_that_does_not_run_here_is_refused(home):  # noqa: F811
 
 @pytest.fixture
 def peer(tmp_path, monkeypatch):
-    monkeypatch.delenv("CAPSULE_LIBVIRT_TCP", raising=False)
+    """Another host's agent, in-process: its libvirt host UUID differs from this host's (both in-process here,
+    each side's lookup replaced)."""
+    from capsule.exchange import incoming
+    from capsule.runtime import connection
+
+    monkeypatch.setattr(connection, "host_uuid", lambda: "11111111-1111-1111-1111-111111111111")  # this host
+    monkeypatch.setattr(incoming, "host_uuid", lambda: "22222222-2222-2222-2222-222222222222")    # the peer
     agent = InProcessAgent(tmp_path / "b", PEER_TOKEN)
     yield agent
     agent.stop()
@@ -89,11 +95,20 @@ def test_a_destination_that_does_not_receive_live_moves_is_refused(peer, monkeyp
     assert "upgrade it" in refusals[0].detail and "--offline" in refusals[0].detail
 
 
-def test_the_destinations_own_reasons_come_back_over_http(peer):
+def test_a_destination_with_no_reason_of_its_own_lets_it_go(peer):
     target = precheck.Target(peer.url, PEER_TOKEN)
     refusals, answer = precheck.remote_refusals(SECRET, _xml(), target)
-    # the peer's libvirtd listens on no loopback port here: no route for the stream
-    assert [r.reason for r in refusals] == ["no_route"] and answer["routes"] is None
+    assert refusals == [] and isinstance(answer["postcopy"], bool) and "routes" not in answer
+
+
+def test_a_destination_on_this_machines_own_libvirt_is_refused(peer, monkeypatch):
+    """Two stores on one machine share a libvirtd: libvirt cannot migrate a domain to itself."""
+    from capsule.exchange import incoming
+
+    monkeypatch.setattr(incoming, "host_uuid", lambda: "11111111-1111-1111-1111-111111111111")
+    refusals, _ = precheck.remote_refusals(SECRET, _xml(), precheck.Target(peer.url, PEER_TOKEN))
+    assert [r.reason for r in refusals] == ["same_host"]
+    assert "another host" in refusals[0].detail and "--offline" in refusals[0].detail
 
 
 def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer):
@@ -104,14 +119,15 @@ def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer)
     finally:
         there.close()
     refusals, _ = precheck.remote_refusals(SECRET, _xml(), precheck.Target(peer.url, PEER_TOKEN))
-    assert [r.reason for r in refusals] == ["running_there", "no_route"]
+    assert [r.reason for r in refusals] == ["running_there"]
 
 
-def test_the_destination_refuses_a_prepare_without_a_route_and_changes_nothing(tmp_path, peer):
+def test_the_destination_refuses_a_prepare_of_a_version_it_lacks_and_changes_nothing(tmp_path, peer):
     client = TestClient(peer.app)
     r = client.post("/v1/live/prepare", json={"capsule": SECRET, "version": 1, "xml": _xml(), "disks": [1]},
                     headers={"Authorization": f"Bearer {PEER_TOKEN}"})
-    assert r.status_code == 409 and "--offline" in r.json()["detail"]
+    assert r.status_code in (404, 409) and "push it first" in r.json()["detail"], r.text
+    assert not (tmp_path / "b" / "instances" / SECRET).exists()
     r = client.post("/v1/live/" + "0" * 32 + "/abort", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
     assert r.status_code == 404
     r = client.post("/v1/live/xyz/finish", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
@@ -184,3 +200,56 @@ def test_the_dashboard_checks_and_bounds_a_live_move(home, peer):  # noqa: F811
     r = client.post(f"/api/capsules/{SECRET}/migrate", content=b'{"to": "office", "max_pause": NaN}',
                     headers=h | {"Content-Type": "application/json"})
     assert r.status_code == 400
+
+
+@pytest.mark.parametrize(("body", "live", "mode"), [
+    ({"to": "office"}, True, "full"),
+    ({"to": "office", "mode": "demand"}, False, "demand"),
+    ({"to": "office", "balloon": True}, False, "full"),
+    ({"to": "office", "live": False}, False, "full"),
+    ({"to": "office", "live": True, "postcopy": True}, True, "full"),
+])
+def test_a_dashboard_move_is_live_unless_it_names_an_offline_moves_mode_or_balloon(body, live, mode):
+    from capsule.agent.migrations import MigrateIn
+
+    got = MigrateIn.model_validate(body)
+    assert (got.moves_live, got.offline_mode) == (live, mode)
+
+
+@pytest.mark.parametrize("extra", [{"mode": "full"}, {"balloon": True}])
+def test_live_true_with_an_offline_moves_option_is_refused_naming_the_conflict(extra):
+    from pydantic import ValidationError
+
+    from capsule.agent.migrations import MigrateIn
+
+    with pytest.raises(ValidationError, match="live: true takes no mode and no balloon"):
+        MigrateIn.model_validate({"to": "office", "live": True, **extra})
+
+
+@pytest.mark.parametrize(("args", "offline", "mode"), [
+    ([], False, "full"), (["--mode", "demand"], True, "demand"), (["--balloon"], True, "full"),
+    (["--offline"], True, "full"),
+])
+def test_the_cli_moves_live_unless_an_offline_moves_option_is_given(tmp_path, monkeypatch, args, offline, mode):
+    """`--mode` or `--balloon` imply --offline: a mode is never dropped for a live move without a word."""
+    from capsule.cli import migrate as cli_migrate
+    from capsule.cli.main import app
+
+    seen: dict = {}
+
+    def fake_migrate(store, name, url, token, **kw):
+        seen.update(kw)
+        raise InvalidName("stop here")   # what was asked for is all this test needs
+
+    monkeypatch.setattr(lib, "migrate", fake_migrate)
+    from capsule.cli.common import PeerCall
+
+    office = PeerCall("http://127.0.0.1:9", "t", "office", None)
+    monkeypatch.setattr(cli_migrate, "resolve_peer", lambda *a, **k: office)
+    Store.open(tmp_path / "s").close()
+    if "demand" in args:   # (else the CLI makes a read grant for the capsule, which this store does not hold)
+        (tmp_path / "src.token").write_text("t" * 32)
+        args = [*args, "--source-token-file", str(tmp_path / "src.token")]
+    r = CliRunner().invoke(app, ["--home", str(tmp_path / "s"), "migrate", "vm", "--to", "office", *args])
+    assert "stop here" in r.output + str(r.exception), r.output
+    assert (not seen["live"], seen["mode"]) == (offline, mode)
