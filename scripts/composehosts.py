@@ -91,6 +91,8 @@ def compose_files() -> list[str]:
     files = ["-f", str(ROOT / "docker-compose.yml")]
     if os.path.exists("/dev/kvm"):
         files += ["-f", str(ROOT / "docker-compose.kvm.yml")]
+    if os.path.exists("/dev/userfaultfd"):
+        files += ["-f", str(ROOT / "docker-compose.uffd.yml")]
     return files
 
 

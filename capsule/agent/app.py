@@ -32,6 +32,12 @@ Pods (the destination side of `capsule pod migrate --on HOST`)::
     GET  /v1/pods?capsule=C                      the pods of a running capsule here
     POST /v1/pods/restore                        {"image": ID, "into": C}: restart a pod image (pushed here) in C
 
+Live moves (the destination side of `capsule migrate`, capsule/exchange/incoming.py)::
+
+    POST /v1/live/check                          {capsule, type, cpu, host_uuid} → {refusals, postcopy}
+    POST /v1/live/prepare                        {capsule, version, xml, disks} → {id, domain, xml, postcopy}
+    POST /v1/live/{id}/finish, .../abort         the guest runs here / what prepare made is removed
+
 Fleet (capsule/exchange/fleet.py)::
 
     POST /v1/grants/host                         {"allow": "read", "capsule": C, "version": V, "expires_in": S}
@@ -91,7 +97,7 @@ from capsule.agent.workers import Workers
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
 from capsule.errors import AuthFailed, Error, Internal, InvalidName
-from capsule.exchange import fleet, running, tunnel
+from capsule.exchange import fleet, incoming, running, tunnel
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
     MAX_LACKING_UPLOAD,
@@ -189,7 +195,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
 
     @app.get("/v1/info")
     def info() -> dict[str, Any]:
-        return {"store_id": store.id, "version": capsule_version}
+        return {"store_id": store.id, "version": capsule_version, "features": list(protocol.FEATURES)}
 
     @app.get("/v1/capsules")
     def capsules(request: Request) -> list[dict[str, Any]]:
@@ -324,6 +330,23 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         r = await act(request, running.run_from, store, req)
         return {"version": r.start.version.ref, "mode": r.start.mode, "domain": r.start.domain,
                 "seconds": r.start.seconds, "moved_bytes": r.transfer.wire_bytes, "remote_layers": r.remote_layers}
+
+    # -- live moves (the destination side of `capsule migrate`, capsule/exchange/incoming.py) ---------------
+    @app.post("/v1/live/check")
+    async def live_check(request: Request) -> dict[str, Any]:
+        return await act(request, incoming.check_incoming, store, await json_body(request, "live move check"))
+
+    @app.post("/v1/live/prepare")
+    async def live_prepare(request: Request) -> dict[str, Any]:
+        return await act(request, incoming.prepare, store, await json_body(request, "live move request"))
+
+    @app.post("/v1/live/{mid}/finish")
+    async def live_finish(request: Request, mid: str) -> dict[str, Any]:
+        return await act(request, incoming.finish, store, mid)
+
+    @app.post("/v1/live/{mid}/abort")
+    async def live_abort(request: Request, mid: str) -> dict[str, Any]:
+        return await act(request, incoming.abort, store, mid)
 
     # -- fleet (capsule/exchange/fleet.py) -------------------------------------------------------------
     @app.post("/v1/fleet/pull")

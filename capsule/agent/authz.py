@@ -108,6 +108,11 @@ RULES: dict[tuple[str, str], Rule] = {
     # pods: the destination side of `pod migrate --on HOST` (the capsule is in the body: staff only)
     ("GET", "/v1/pods"): Rule(frozenset({"read", "capsules", "admin", "host"}), STAFF),
     ("POST", "/v1/pods/restore"): Rule(frozenset({"capsules", "host"}), STAFF),
+    # live moves: the destination side of `capsule migrate` (the capsule is in the body: staff only, no grant)
+    ("POST", "/v1/live/check"): Rule(frozenset({"capsules", "host"}), STAFF, changes=False),
+    ("POST", "/v1/live/prepare"): Rule(frozenset({"capsules", "host"}), STAFF),
+    ("POST", "/v1/live/{mid}/finish"): Rule(frozenset({"capsules", "host"}), STAFF),
+    ("POST", "/v1/live/{mid}/abort"): Rule(frozenset({"capsules", "host"}), STAFF),
     # -- the dashboard (dashboard.py) --
     ("POST", "/api/session"): Rule(public=True),           # sign-in: audited, bounded (sessions.Attempts)
     ("GET", "/api/session"): ANY,
@@ -132,6 +137,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("WS", "/api/hosts/{host}/console/{name}/serial"): ACT_STAFF,
     # -- migrations (migrations.py) --
     ("POST", "/api/capsules/{name}/migrate"): ACT,
+    ("GET", "/api/capsules/{name}/migrate/check"): ACT,
     ("GET", "/api/migrations"): LOOK,
     ("GET", "/api/migrations/{mid}"): MIGRATION_LOOK,
     ("GET", "/api/migrations/{mid}/events"): MIGRATION_LOOK,

@@ -1,7 +1,9 @@
 """Migrations started from the dashboard: ``capsule.migrate.migrate`` (the call ``capsule migrate`` makes) in a
 thread of the agent, its progress kept and streamed, and a cancel.
 
-    POST /api/capsules/{name}/migrate      {to: a known host's name, mode: full|demand, balloon} → the migration
+    GET  /api/capsules/{name}/migrate/check?to=HOST   why a live move there would be refused (empty: it may go)
+    POST /api/capsules/{name}/migrate      {to: a known host's name, live, max_pause, postcopy; or mode: full|demand,
+                                            balloon (an offline move; live defaults to false with them)} → the migration
     GET  /api/migrations                   the migrations this agent ran since it started (newest first)
     GET  /api/migrations/{id}              one of them: its last progress snapshot, and how it ended
     GET  /api/migrations/{id}/events       Server-Sent Events: each progress snapshot (``data:`` JSON), until the end
@@ -27,7 +29,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from capsule import hosts
 from capsule import migrate as lib
@@ -48,8 +50,33 @@ HISTORY = 5000            # snapshots kept per migration (a stream replays them;
 class MigrateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: str = Field(description="A known host's name (`capsule host ls`)", min_length=1, max_length=64)
-    mode: Literal["full", "demand"] = "full"
-    balloon: bool = False
+    live: bool | None = Field(None, description="Move it while it runs (the default, unless a mode or a balloon is "
+                                                "named); false: suspend it here first, as `--offline`")
+    max_pause: float = Field(1.0, ge=0.01, le=60, allow_inf_nan=False,
+                             description="Live: the longest the guest may pause at the switchover, in seconds")
+    postcopy: bool = Field(False, description="Live: post-copy when pre-copy does not converge")
+    mode: Literal["full", "demand"] | None = Field(None, description="An offline move's mode (implies live: false)")
+    balloon: bool = Field(False, description="Balloon before suspending (implies live: false)")
+
+    @model_validator(mode="after")
+    def _one_kind_of_move(self) -> MigrateIn:
+        """A mode or a balloon is an offline move's: never a live one silently, and never with live: true."""
+        offline_asked = self.mode is not None or self.balloon
+        if self.live and offline_asked:
+            raise ValueError("live: true takes no mode and no balloon (those are an offline move's)")
+        if self.live is None:
+            self.live = not offline_asked
+        if self.mode is None:
+            self.mode = "full"
+        return self
+
+    @property
+    def moves_live(self) -> bool:
+        return bool(self.live)
+
+    @property
+    def offline_mode(self) -> str:
+        return self.mode or "full"
     balloon_policy: Literal["none", "cache", "aggressive"] = "cache"
     balloon_method: Literal["agent", "virtio"] = "virtio"
 
@@ -78,7 +105,8 @@ class Migration:
         self.cancel = CancelToken()
         self.error: dict[str, Any] | None = None
         self.remote: dict[str, Any] | None = None
-        self.last = Snapshot(0, name, peer.name, planned(body.mode, body.balloon), "")
+        self.last = Snapshot(0, name, peer.name, planned("live", body.postcopy) if body.moves_live
+                             else planned(body.offline_mode, body.balloon), "")
         self._history: deque[Snapshot] = deque([self.last], maxlen=HISTORY)
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -121,7 +149,9 @@ class Migration:
 
     def out(self) -> MigrationOut:
         return MigrationOut(id=self.id, capsule=self.capsule, to=self.peer.name, to_url=self.peer.url,
-                            mode=self.body.mode, balloon=self.body.balloon, started=self.started,
+                            mode="live" if self.body.moves_live else self.body.offline_mode,
+                            balloon=self.body.balloon,
+                            started=self.started,
                             progress=self.last.as_dict(), error=self.error, remote=self.remote)
 
     def run(self, store: Store, source_url: str, source_token: str, source_fingerprint: str | None = None) -> None:
@@ -142,14 +172,16 @@ class Migration:
                 final.append(s)
 
         try:
-            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.mode,
+            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.offline_mode,
                             balloon=b.balloon_policy if b.balloon else None, balloon_method=b.balloon_method,
                             source_url=source_url, source_token=source_token, on_event=on_event,
-                            cancel=self.cancel, to_name=self.peer.name, source_fingerprint=source_fingerprint)
+                            cancel=self.cancel, to_name=self.peer.name, source_fingerprint=source_fingerprint,
+                            live=b.moves_live, max_pause=b.max_pause, postcopy=b.postcopy)
             self.remote = r.remote
         except Error as exc:
             self.error = exc.to_wire()
-            if b.mode == "demand" and getattr(exc, "restored", True):   # the other host does not run it
+            # the other host does not run it
+            if b.offline_mode == "demand" and not b.moves_live and getattr(exc, "restored", True):
                 grants.discard(store, source_token)
         except Exception as exc:  # noqa: BLE001 - a bug must still end the migration the page is watching
             self.error = Internal(f"{type(exc).__name__}: {exc}").to_wire()
@@ -224,11 +256,12 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
     @r.post("/capsules/{name}/migrate", response_model=MigrationOut, status_code=202,
             summary="Move a running capsule to a known host")
     def start(name: str, body: MigrateIn, request: Request) -> MigrationOut:
-        source = source_url_for(request) if body.mode == "demand" else ""
+        demand = body.offline_mode == "demand" and not body.moves_live
+        source = source_url_for(request) if demand else ""
         # the other host pins this agent's certificate (the one it serves with, --cert included)
         pin = getattr(request.app.state, "tls_fingerprint", None)
         grant = token
-        if body.mode == "demand":
+        if demand:
             # what the other host pages the disks in with: the old token, or (once accounts exist) a read grant
             # for this capsule, made by the signed-in user who started the migration (it ends with that user or
             # token)
@@ -244,6 +277,15 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
             if grant is not token:
                 grants.discard(store, grant)
             raise
+
+    @r.get("/capsules/{name}/migrate/check", summary="Why a live move to a known host would be refused")
+    def check(name: str, to: str) -> dict[str, Any]:
+        from capsule.migrate import precheck
+
+        check_name(name)
+        peer = hosts.get(store, to)
+        refusals = precheck.precheck(store, name, precheck.Target(peer.url, peer.token, peer.fingerprint))
+        return {"capsule": name, "to": peer.name, "refusals": [x.as_dict() for x in refusals]}
 
     @r.get("/migrations", response_model=list[MigrationOut], summary="This agent's migrations, newest first")
     def list_all(request: Request) -> list[MigrationOut]:

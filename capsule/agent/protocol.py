@@ -19,7 +19,8 @@ from hashcache.transport import protocol
 
 Scope = MutableMapping[str, Any]
 ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
-FEATURES = ("tunnel",)     # beyond the protocol: the byte tunnel of live moves (capsule/exchange/tunnel.py)
+FEATURES = ("tunnel", "live-move")   # beyond the protocol: the byte tunnel (capsule/exchange/tunnel.py), and
+                                     # receiving live moves (capsule/exchange/incoming.py)
 ANSWER = (protocol.HEADER.lower().encode(), protocol.answer(__version__).encode())
 NAMED = (protocol.FEATURES.lower().encode(), ",".join(FEATURES).encode())
 

@@ -1,6 +1,7 @@
 """Migrate: move a running capsule to another host — suspend here, push, start there (§5.3).
 
-Owns the one call the CLI and the dashboard make (``move.py``: :func:`migrate`, its result and its
+Owns the one call the CLI and the dashboard make (``move.py``; a live move in ``live.py``, its pre-check in
+``precheck.py``: :func:`migrate`, its result and its
 errors :class:`MigrationFailed` and :class:`MigrationCancelled`) and what a migration reports while it
 runs and how it is cancelled (``progress.py``: phases, snapshots, the cancel token), and the source side of
 the byte tunnel a live move runs libvirt and QEMU through (``tunnel.py``: :func:`tunnel.open_tunnels`; its
@@ -14,6 +15,16 @@ Layering: above transfer and lifecycle, below the agent and the CLI. Modules her
 and ``migrate.migrate(...)``.
 """
 
-from capsule.migrate.move import MigrateResult, MigrationCancelled, MigrationFailed, Reached, Steps, migrate
+from capsule.migrate.move import (
+    MAX_PAUSE,
+    MODES,
+    MigrateResult,
+    MigrationCancelled,
+    MigrationFailed,
+    Reached,
+    Steps,
+    migrate,
+)
 
-__all__ = ["MigrateResult", "MigrationCancelled", "MigrationFailed", "Reached", "Steps", "migrate"]
+__all__ = ["MAX_PAUSE", "MODES", "MigrateResult", "MigrationCancelled", "MigrationFailed", "Reached", "Steps",
+           "migrate"]

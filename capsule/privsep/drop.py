@@ -66,6 +66,19 @@ def _prctl(option: int, arg: int) -> None:
         raise EnvironmentProblem(f"prctl({option}, {arg}): {os.strerror(ctypes.get_errno())}")
 
 
+RUNTIME_DIR = Path("/run/capsule")    # the agent's runtime directory (the sockets of live moves' tunnels)
+
+
+def _runtime_dir(pw: pwd.struct_passwd) -> None:
+    """/run/capsule, the user's: made while still root (only root writes /run), so that the agent can make its
+    runtime sockets there once it is that user."""
+    RUNTIME_DIR.mkdir(mode=0o755, exist_ok=True)
+    if RUNTIME_DIR.is_symlink() or not RUNTIME_DIR.is_dir():
+        raise EnvironmentProblem(f"{RUNTIME_DIR} is not a directory: remove it, then start again")
+    os.chown(RUNTIME_DIR, pw.pw_uid, pw.pw_gid)
+    os.chmod(RUNTIME_DIR, 0o755)
+
+
 def drop_to(name: str, home: Path) -> None:
     """Start the root helper for the store ``home``, then become the user ``name`` for good."""
     global _helper
@@ -79,6 +92,7 @@ def drop_to(name: str, home: Path) -> None:
         home.mkdir(mode=0o700)
         os.chown(home, pw.pw_uid, pw.pw_gid)
     check_store_owned(home, pw)
+    _runtime_dir(pw)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with theirs:
         _helper = subprocess.Popen([sys.executable, "-m", "capsule.privsep.helper", str(theirs.fileno()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import xml.etree.ElementTree as ET
 from functools import lru_cache
 
 import libvirt
@@ -51,3 +52,10 @@ def lookup_domain(name: str) -> libvirt.virDomain | None:
         if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
             return None
         raise
+
+
+def host_uuid() -> str:
+    """This host's libvirt host UUID (``<capabilities><host><uuid>``): two stores whose libvirts give the same
+    one share a libvirtd (one machine)."""
+    root = ET.fromstring(connect().getCapabilities())
+    return (root.findtext("./host/uuid") or "").strip()

@@ -65,6 +65,9 @@ def test_migrate_with_the_button(two_hosts, browser, tmp_path):  # noqa: F811
     dialog = page.locator("#migrate-dialog")
     expect(dialog).to_be_visible()
     page.select_option("#migrate-to", "home")
+    # both agents share this machine's libvirtd: a live move cannot happen, and the page says why
+    expect(dialog.locator('input[name="mode"][value="live"]')).to_be_disabled(timeout=30_000)
+    expect(dialog.locator('[data-field="live-reason"]')).to_contain_text("needs another host")
     dialog.locator('input[name="mode"][value="full"]').check()
     dialog.locator('input[name="balloon"]').check()
     dialog.locator('[data-action="start-migration"]').click()

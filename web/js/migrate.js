@@ -67,12 +67,17 @@ function build() {
     h("label", { for: "migrate-to" }, "Destination host"),
     h("select", { id: "migrate-to", name: "to", required: true }),
     h("label", {}, "Mode"),
-    h("label", { class: "check" }, h("input", { type: "radio", name: "mode", value: "full", checked: true }),
-      " Full: copy everything, then resume there"),
+    h("label", { class: "check", "data-field": "live-choice" },
+      h("input", { type: "radio", name: "mode", value: "live", checked: true }),
+      " Live: it keeps running while it moves, and pauses under a second"),
+    h("p", { class: "hint", "data-field": "live-reason", hidden: true }),
+    h("label", { class: "check" }, h("input", { type: "radio", name: "mode", value: "full" }),
+      " Offline, full: suspend it, copy everything, then resume there"),
     h("label", { class: "check" }, h("input", { type: "radio", name: "mode", value: "demand" }),
-      " Demand: copy the memory, resume there at once, disk blocks follow as the guest reads them"),
+      " Offline, demand: suspend it, copy the memory, resume there at once, disk blocks follow as the guest "
+      + "reads them"),
     h("label", { class: "check" }, h("input", { type: "checkbox", name: "balloon" }),
-      " Balloon first (less memory to move)"),
+      " Balloon first (less memory to move; offline moves only)"),
     h("p", { class: "error", "data-field": "choose-error" }),
     h("menu", {},
       h("button", { value: "cancel", formnovalidate: true, class: "quiet" }, "Cancel"),
@@ -135,11 +140,15 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
       "No reachable host to move to: add one with `capsule host add`.";
   } else {
     select.value = usable[0].name;
+    checkLive(capsule.name, select.value, form);
   }
+  select.onchange = () => checkLive(capsule.name, select.value, form);
   dialog.addEventListener("close", async () => {
     if (dialog.returnValue !== "ok" || current) return;
     const data = new FormData(form);
-    const body = { to: String(data.get("to")), mode: String(data.get("mode")), balloon: data.get("balloon") === "on" };
+    const mode = String(data.get("mode"));
+    const body = mode === "live" ? { to: String(data.get("to")), live: true }
+      : { to: String(data.get("to")), live: false, mode, balloon: data.get("balloon") === "on" };
     try {
       const m = await api.migrate(capsule.name, body);
       follow(m, onEnd);
@@ -150,6 +159,27 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
   }, { once: true });
   dialog.returnValue = "";
   dialog.showModal();
+}
+
+// Ask the host whether a live move to `to` would be refused; until it answers, nothing can start. Refused: the
+// Live choice is greyed out with the reason, and an offline move is chosen instead.
+async function checkLive(name, to, form) {
+  const go = form.querySelector("[data-action=start-migration]");
+  const live = form.querySelector("input[name=mode][value=live]");
+  const reason = form.querySelector("[data-field=live-reason]");
+  go.disabled = true;
+  let refusals = [];
+  try {
+    refusals = (await api.migrateCheck(name, to)).refusals || [];
+  } catch (err) {
+    refusals = [{ reason: "unreachable", detail: err.message }];
+  }
+  if (form.querySelector("select").value !== to) return;   // another host was picked meanwhile
+  live.disabled = refusals.length > 0;
+  reason.hidden = refusals.length === 0;
+  reason.textContent = refusals.map((r) => r.detail).join("; ");
+  if (live.disabled && live.checked) form.querySelector("input[name=mode][value=full]").checked = true;
+  go.disabled = false;
 }
 
 function follow(m, onEnd) {
