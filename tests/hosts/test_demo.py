@@ -29,7 +29,7 @@ def test_the_demo_moves_a_running_capsule_between_the_hosts(hosts, tiny_images, 
         # back to A only what changed travels: A holds the old version's objects
         assert story.push_ba["skipped"], story.push_ba
         assert story.push_ba["wire_bytes"] < story.push_ab["wire_bytes"] / 2, (story.push_ba, story.push_ab)
-        assert story.demand_ab["mode"] == "demand" and story.home_ba["mode"] == "live"
+        assert story.demand_ab["mode"] == "demand" and story.home_ba["mode"] == "full"
         assert a.state(name) == "running" and b.state(name) != "running"
         for host, peer in ((a, b), (b, a)):
             known = {p["name"]: p for p in host.capsule("host", "ls")}
