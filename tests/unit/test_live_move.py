@@ -16,6 +16,7 @@ from capsule.agent.app import create_app
 from capsule.errors import InvalidName
 from capsule.migrate import precheck
 from capsule.migrate.progress import LIVE_PHASES, Tracker, planned
+from capsule.runtime.connection import host_uuid
 from capsule.runtime.domainxml import MachineSpec, build
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
@@ -72,8 +73,7 @@ def test_a_capsule_that_does_not_run_here_is_refused(home):  # noqa: F811
 
 
 @pytest.fixture
-def peer(tmp_path, monkeypatch):
-    monkeypatch.delenv("CAPSULE_LIBVIRT_TCP", raising=False)
+def peer(tmp_path):
     agent = InProcessAgent(tmp_path / "b", PEER_TOKEN)
     yield agent
     agent.stop()
@@ -89,11 +89,23 @@ def test_a_destination_that_does_not_receive_live_moves_is_refused(peer, monkeyp
     assert "upgrade it" in refusals[0].detail and "--offline" in refusals[0].detail
 
 
-def test_the_destinations_own_reasons_come_back_over_http(peer):
+def test_a_destination_on_this_machines_own_libvirt_is_refused_as_the_same_host(peer):
     target = precheck.Target(peer.url, PEER_TOKEN)
     refusals, answer = precheck.remote_refusals(SECRET, _xml(), target)
-    # the peer's libvirtd listens on no loopback port here: no route for the stream
-    assert [r.reason for r in refusals] == ["no_route"] and answer["routes"] is None
+    # both agents talk to this machine's one libvirtd: its host UUID is the same on both ends
+    assert [r.reason for r in refusals] == ["same_host"]
+    assert refusals[0].detail.startswith("the destination is this machine's own libvirt: a live move needs "
+                                         "another host")
+    assert answer["host"] == host_uuid() and "routes" not in answer
+
+
+def test_another_hosts_libvirt_is_not_the_same_host(peer):
+    client = TestClient(peer.app)
+    other = "00000000-0000-4000-8000-000000000001"
+    for source in (other, ""):          # another host's libvirt, or a source that names none
+        r = client.post("/v1/live/check", json={"capsule": SECRET, "type": "qemu", "cpu": "", "host": source},
+                        headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+        assert r.status_code == 200 and r.json()["refusals"] == [], r.text
 
 
 def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer):
@@ -104,14 +116,19 @@ def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer)
     finally:
         there.close()
     refusals, _ = precheck.remote_refusals(SECRET, _xml(), precheck.Target(peer.url, PEER_TOKEN))
-    assert [r.reason for r in refusals] == ["running_there", "no_route"]
+    assert [r.reason for r in refusals] == ["same_host", "running_there"]
 
 
-def test_the_destination_refuses_a_prepare_without_a_route_and_changes_nothing(tmp_path, peer):
+def test_the_destination_refuses_a_bad_prepare_and_changes_nothing(tmp_path, peer):
     client = TestClient(peer.app)
-    r = client.post("/v1/live/prepare", json={"capsule": SECRET, "version": 1, "xml": _xml(), "disks": [1]},
+    body = {"capsule": SECRET, "version": 1, "xml": _xml(), "disks": [1]}
+    r = client.post("/v1/live/prepare", json=body | {"tunnel": "../x"},
                     headers={"Authorization": f"Bearer {PEER_TOKEN}"})
-    assert r.status_code == 409 and "--offline" in r.json()["detail"]
+    assert r.status_code == 400 and "tunnel session" in r.json()["detail"]
+    r = client.post("/v1/live/prepare", json=body | {"tunnel": "a" * 32},
+                    headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+    assert r.status_code == 404 and "push it first" in r.json()["detail"]
+    assert not (tmp_path / "b" / "instances" / SECRET).exists()
     r = client.post("/v1/live/" + "0" * 32 + "/abort", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
     assert r.status_code == 404
     r = client.post("/v1/live/xyz/finish", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
