@@ -163,14 +163,18 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, chains: 
                 figures = _run_job(dom, Routes.of(tunnels), prep, targets, max_pause, postcopy, tracker, cancel,
                                    say, link)
             except BaseException as exc:
+                gone = None
                 try:
                     client.post_json(f"/v1/live/{mid}/abort", {})
                 except Error as err:
+                    gone = err
                     say(f"the other host could not remove what it prepared (it does when the tunnel ends or its "
                         f"agent starts again): {err}")
-                broke = [e for t in tunnels.tunnels.values() for e in t.errors]
-                if broke and isinstance(exc, RuntimeFailure):   # libvirt only says its stream ended
-                    raise RuntimeFailure(f"{exc}; the tunnel to the other host broke: {broke[-1]}") from exc
+                if isinstance(exc, RuntimeFailure):     # libvirt only says that its stream ended
+                    broke = [e for t in tunnels.tunnels.values() for e in t.errors]
+                    if broke or gone is not None:
+                        why = broke[-1] if broke else f"its agent does not answer ({gone})"
+                        raise RuntimeFailure(f"{exc}; the link to the other host broke: {why}") from exc
                 raise
             remote = client.post_json(f"/v1/live/{mid}/finish", {})
         figures.tunnel_bytes = tunnels.bytes_sent + tunnels.bytes_received

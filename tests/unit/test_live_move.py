@@ -4,6 +4,8 @@ call, the command line and the dashboard's API)."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from capsule import hosts
 from capsule import migrate as lib
 from capsule.agent.app import create_app
 from capsule.errors import InvalidName
+from capsule.exchange import incoming
 from capsule.migrate import precheck
 from capsule.migrate.progress import LIVE_PHASES, Tracker, planned
 from capsule.runtime.connection import host_uuid
@@ -22,6 +25,7 @@ from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from tests.helpers.inprocess_agent import InProcessAgent
 from tests.unit.test_dashboard_api import PEER_TOKEN, SECRET, TOKEN, home, sign_in  # noqa: F401 - fixture
+from tests.wait import wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -201,3 +205,49 @@ def test_the_dashboard_checks_and_bounds_a_live_move(home, peer):  # noqa: F811
     r = client.post(f"/api/capsules/{SECRET}/migrate", content=b'{"to": "office", "max_pause": NaN}',
                     headers=h | {"Content-Type": "application/json"})
     assert r.status_code == 400
+
+
+def _half_moved(where: Path, tmp_path: Path, session: str) -> Path:
+    """An incoming move prepare left behind (its instance, a leaf, the mark naming its tunnel session)."""
+    store = Store.open(where)
+    try:
+        d = tmp_path / "incoming"
+        d.mkdir()
+        leaf = d / "leaf.qcow2"
+        leaf.write_bytes(b"")
+        (d / incoming.MARK).write_text(json.dumps({"id": "a" * 32, "version": 1, "tunnel": session}))
+        with store.catalogue.transaction():
+            store.catalogue.add_instance(InstanceRow(SECRET, 1, "capsule-nowhere-x", [str(leaf)], [[]], "tcg",
+                                                     str(d)))
+    finally:
+        store.close()
+    return d
+
+
+def test_an_incoming_move_is_removed_when_its_tunnel_session_ends(tmp_path, peer, monkeypatch):
+    monkeypatch.setenv("CAPSULE_TUNNEL_DIR", str(tmp_path / "tunnel"))
+    client = TestClient(peer.app)
+    auth = {"Authorization": f"Bearer {PEER_TOKEN}"}
+    other = client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=auth).json()["session"]
+    session = client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=auth).json()["session"]
+    d = _half_moved(tmp_path / "b", tmp_path, session)
+    assert client.delete(f"/v1/tunnel/{other}", headers=auth).status_code == 200
+    time.sleep(0.5)
+    assert d.exists()                                  # another session's end leaves it be
+    assert client.delete(f"/v1/tunnel/{session}", headers=auth).status_code == 200
+    wait_until(lambda: not d.exists(), 10, "the unfinished move to be removed")
+    there = Store.open(tmp_path / "b")
+    try:
+        assert there.catalogue.instance(SECRET) is None
+    finally:
+        there.close()
+
+
+def test_an_incoming_move_left_by_the_last_agent_is_removed_when_the_agent_starts(home, tmp_path):  # noqa: F811
+    d = _half_moved(home, tmp_path, "b" * 32)
+    create_app(home, TOKEN)
+    store = Store.open(home)
+    try:
+        assert store.catalogue.instance(SECRET) is None and not d.exists()
+    finally:
+        store.close()
