@@ -34,8 +34,8 @@ Pods (the destination side of `capsule pod migrate --on HOST`)::
 
 Live moves (the destination side of `capsule migrate`, capsule/exchange/incoming.py)::
 
-    POST /v1/live/check                          {capsule, type, cpu, host_uuid} → {refusals, postcopy}
-    POST /v1/live/prepare                        {capsule, version, xml, disks} → {id, domain, xml, postcopy}
+    POST /v1/live/check                          {capsule, type, cpu, host} → {refusals, postcopy, host}
+    POST /v1/live/prepare                        {capsule, version, xml, disks, tunnel} → {id, domain, xml}
     POST /v1/live/{id}/finish, .../abort         the guest runs here / what prepare made is removed
 
 Fleet (capsule/exchange/fleet.py)::
@@ -422,6 +422,8 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
 
     # the byte tunnel of live moves (capsule/exchange/tunnel.py): channels by kind, targets chosen here
     app.state.tunnels = tunnel.Registry()
+    app.state.tunnels.on_end.append(lambda sid: incoming.sweep_quietly(store, sid))   # its move never finished
+    incoming.sweep_quietly(store)    # moves whose streams ended with the agent that carried them
     app.include_router(tunnelapi.router(app.state.tunnels))
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent

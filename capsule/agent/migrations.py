@@ -2,8 +2,9 @@
 thread of the agent, its progress kept and streamed, and a cancel.
 
     GET  /api/capsules/{name}/migrate/check?to=HOST   why a live move there would be refused (empty: it may go)
-    POST /api/capsules/{name}/migrate      {to: a known host's name, live, max_pause, postcopy; or mode: full|demand,
-                                            balloon (an offline move; live defaults to false with them)} → the migration
+    POST /api/capsules/{name}/migrate      {to: a known host's name, max_pause, postcopy: live (the default); or
+                                            mode: full|demand, balloon (or live: false): offline} → the migration
+                                            (live: true with a mode or balloon: 400, naming the conflict)
     GET  /api/migrations                   the migrations this agent ran since it started (newest first)
     GET  /api/migrations/{id}              one of them: its last progress snapshot, and how it ended
     GET  /api/migrations/{id}/events       Server-Sent Events: each progress snapshot (``data:`` JSON), until the end
@@ -29,7 +30,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from capsule import hosts
 from capsule import migrate as lib
@@ -38,6 +39,7 @@ from capsule.agent import authz
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agent.workers import Ticket, workers_of
 from capsule.errors import Conflict, Error, Internal, NotFound
+from capsule.migrate.choice import choose
 from capsule.migrate.progress import CancelToken, Snapshot, planned
 from capsule.names import check_name
 from capsule.store import Store
@@ -50,33 +52,21 @@ HISTORY = 5000            # snapshots kept per migration (a stream replays them;
 class MigrateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: str = Field(description="A known host's name (`capsule host ls`)", min_length=1, max_length=64)
-    live: bool | None = Field(None, description="Move it while it runs (the default, unless a mode or a balloon is "
+    live: bool | None = Field(None, description="Move it while it runs (the default unless mode or balloon is "
                                                 "named); false: suspend it here first, as `--offline`")
     max_pause: float = Field(1.0, ge=0.01, le=60, allow_inf_nan=False,
                              description="Live: the longest the guest may pause at the switchover, in seconds")
-    postcopy: bool = Field(False, description="Live: post-copy when pre-copy does not converge")
-    mode: Literal["full", "demand"] | None = Field(None, description="An offline move's mode (implies live: false)")
-    balloon: bool = Field(False, description="Balloon before suspending (implies live: false)")
+    postcopy: bool = Field(False, description="Live: allow post-copy when pre-copy does not converge (if the link "
+                                              "or the destination fails during post-copy, the guest restarts here "
+                                              "from its disks at T0; memory since T0 is lost)")
+    mode: Literal["full", "demand"] | None = Field(None, description="An offline move's mode (naming it makes the "
+                                                                     "move offline; full when offline and none)")
+    balloon: bool = Field(False, description="Balloon before suspending (makes the move offline)")
 
-    @model_validator(mode="after")
-    def _one_kind_of_move(self) -> MigrateIn:
-        """A mode or a balloon is an offline move's: never a live one silently, and never with live: true."""
-        offline_asked = self.mode is not None or self.balloon
-        if self.live and offline_asked:
-            raise ValueError("live: true takes no mode and no balloon (those are an offline move's)")
-        if self.live is None:
-            self.live = not offline_asked
-        if self.mode is None:
-            self.mode = "full"
-        return self
-
-    @property
-    def moves_live(self) -> bool:
-        return bool(self.live)
-
-    @property
-    def offline_mode(self) -> str:
-        return self.mode or "full"
+    def chosen(self) -> MigrateIn:
+        """This request with its kind decided (:mod:`capsule.migrate.choice`): ``live`` and ``mode`` set."""
+        kind = choose(self.live, self.mode, self.balloon, self.postcopy)
+        return self.model_copy(update={"live": kind.live, "mode": None if kind.live else kind.mode})
     balloon_policy: Literal["none", "cache", "aggressive"] = "cache"
     balloon_method: Literal["agent", "virtio"] = "virtio"
 
@@ -99,14 +89,15 @@ class Migration:
 
     def __init__(self, name: str, peer: hosts.Peer, body: MigrateIn, ticket: Ticket | None = None) -> None:
         self.id = secrets.token_hex(8)
+        body = body.chosen()
         self.capsule, self.peer, self.body = name, peer, body
         self.ticket = ticket        # its owner's count of operations under way, given back when it ends
         self.started = time.time()
         self.cancel = CancelToken()
         self.error: dict[str, Any] | None = None
         self.remote: dict[str, Any] | None = None
-        self.last = Snapshot(0, name, peer.name, planned("live", body.postcopy) if body.moves_live
-                             else planned(body.offline_mode, body.balloon), "")
+        self.last = Snapshot(0, name, peer.name, planned("live", body.postcopy) if body.live
+                             else planned(body.mode or "full", body.balloon), "")
         self._history: deque[Snapshot] = deque([self.last], maxlen=HISTORY)
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -149,8 +140,7 @@ class Migration:
 
     def out(self) -> MigrationOut:
         return MigrationOut(id=self.id, capsule=self.capsule, to=self.peer.name, to_url=self.peer.url,
-                            mode="live" if self.body.moves_live else self.body.offline_mode,
-                            balloon=self.body.balloon,
+                            mode="live" if self.body.live else self.body.mode or "full", balloon=self.body.balloon,
                             started=self.started,
                             progress=self.last.as_dict(), error=self.error, remote=self.remote)
 
@@ -172,16 +162,15 @@ class Migration:
                 final.append(s)
 
         try:
-            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.offline_mode,
+            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.mode or "full",
                             balloon=b.balloon_policy if b.balloon else None, balloon_method=b.balloon_method,
                             source_url=source_url, source_token=source_token, on_event=on_event,
                             cancel=self.cancel, to_name=self.peer.name, source_fingerprint=source_fingerprint,
-                            live=b.moves_live, max_pause=b.max_pause, postcopy=b.postcopy)
+                            live=bool(b.live), max_pause=b.max_pause, postcopy=b.postcopy)
             self.remote = r.remote
         except Error as exc:
             self.error = exc.to_wire()
-            # the other host does not run it
-            if b.offline_mode == "demand" and not b.moves_live and getattr(exc, "restored", True):
+            if b.mode == "demand" and not b.live and getattr(exc, "restored", True):   # the other host does not run it
                 grants.discard(store, source_token)
         except Exception as exc:  # noqa: BLE001 - a bug must still end the migration the page is watching
             self.error = Internal(f"{type(exc).__name__}: {exc}").to_wire()
@@ -256,7 +245,8 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
     @r.post("/capsules/{name}/migrate", response_model=MigrationOut, status_code=202,
             summary="Move a running capsule to a known host")
     def start(name: str, body: MigrateIn, request: Request) -> MigrationOut:
-        demand = body.offline_mode == "demand" and not body.moves_live
+        body = body.chosen()      # a 400 naming the conflict before anything
+        demand = body.mode == "demand" and not body.live
         source = source_url_for(request) if demand else ""
         # the other host pins this agent's certificate (the one it serves with, --cert included)
         pin = getattr(request.app.state, "tls_fingerprint", None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import xml.etree.ElementTree as ET
 from functools import lru_cache
 
 import libvirt
@@ -54,8 +53,14 @@ def lookup_domain(name: str) -> libvirt.virDomain | None:
         raise
 
 
-def host_uuid() -> str:
-    """This host's libvirt host UUID (``<capabilities><host><uuid>``): two stores whose libvirts give the same
-    one share a libvirtd (one machine)."""
-    root = ET.fromstring(connect().getCapabilities())
-    return (root.findtext("./host/uuid") or "").strip()
+def host_uuid() -> str | None:
+    """libvirt's host UUID here (``<host><uuid>`` of its capabilities: ``host_uuid`` in libvirtd.conf, else the
+    machine's SMBIOS UUID), lower case; None when libvirt does not answer or names none."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        caps = connect().getCapabilities()
+    except (libvirt.libvirtError, EnvironmentProblem):
+        return None
+    el = ET.fromstring(caps).find("host/uuid")
+    return el.text.strip().lower() if el is not None and el.text else None

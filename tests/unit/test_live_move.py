@@ -4,6 +4,8 @@ call, the command line and the dashboard's API)."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +16,16 @@ from capsule import hosts
 from capsule import migrate as lib
 from capsule.agent.app import create_app
 from capsule.errors import InvalidName
+from capsule.exchange import incoming
 from capsule.migrate import precheck
 from capsule.migrate.progress import LIVE_PHASES, Tracker, planned
+from capsule.runtime.connection import host_uuid
 from capsule.runtime.domainxml import MachineSpec, build
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from tests.helpers.inprocess_agent import InProcessAgent
 from tests.unit.test_dashboard_api import PEER_TOKEN, SECRET, TOKEN, home, sign_in  # noqa: F401 - fixture
+from tests.wait import wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -72,14 +77,7 @@ def test_a_capsule_that_does_not_run_here_is_refused(home):  # noqa: F811
 
 
 @pytest.fixture
-def peer(tmp_path, monkeypatch):
-    """Another host's agent, in-process: its libvirt host UUID differs from this host's (both in-process here,
-    each side's lookup replaced)."""
-    from capsule.exchange import incoming
-    from capsule.runtime import connection
-
-    monkeypatch.setattr(connection, "host_uuid", lambda: "11111111-1111-1111-1111-111111111111")  # this host
-    monkeypatch.setattr(incoming, "host_uuid", lambda: "22222222-2222-2222-2222-222222222222")    # the peer
+def peer(tmp_path):
     agent = InProcessAgent(tmp_path / "b", PEER_TOKEN)
     yield agent
     agent.stop()
@@ -95,20 +93,23 @@ def test_a_destination_that_does_not_receive_live_moves_is_refused(peer, monkeyp
     assert "upgrade it" in refusals[0].detail and "--offline" in refusals[0].detail
 
 
-def test_a_destination_with_no_reason_of_its_own_lets_it_go(peer):
+def test_a_destination_on_this_machines_own_libvirt_is_refused_as_the_same_host(peer):
     target = precheck.Target(peer.url, PEER_TOKEN)
     refusals, answer = precheck.remote_refusals(SECRET, _xml(), target)
-    assert refusals == [] and isinstance(answer["postcopy"], bool) and "routes" not in answer
-
-
-def test_a_destination_on_this_machines_own_libvirt_is_refused(peer, monkeypatch):
-    """Two stores on one machine share a libvirtd: libvirt cannot migrate a domain to itself."""
-    from capsule.exchange import incoming
-
-    monkeypatch.setattr(incoming, "host_uuid", lambda: "11111111-1111-1111-1111-111111111111")
-    refusals, _ = precheck.remote_refusals(SECRET, _xml(), precheck.Target(peer.url, PEER_TOKEN))
+    # both agents talk to this machine's one libvirtd: its host UUID is the same on both ends
     assert [r.reason for r in refusals] == ["same_host"]
-    assert "another host" in refusals[0].detail and "--offline" in refusals[0].detail
+    assert refusals[0].detail.startswith("the destination is this machine's own libvirt: a live move needs "
+                                         "another host")
+    assert answer["host"] == host_uuid() and "routes" not in answer
+
+
+def test_another_hosts_libvirt_is_not_the_same_host(peer):
+    client = TestClient(peer.app)
+    other = "00000000-0000-4000-8000-000000000001"
+    for source in (other, ""):          # another host's libvirt, or a source that names none
+        r = client.post("/v1/live/check", json={"capsule": SECRET, "type": "qemu", "cpu": "", "host": source},
+                        headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+        assert r.status_code == 200 and r.json()["refusals"] == [], r.text
 
 
 def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer):
@@ -119,14 +120,18 @@ def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer)
     finally:
         there.close()
     refusals, _ = precheck.remote_refusals(SECRET, _xml(), precheck.Target(peer.url, PEER_TOKEN))
-    assert [r.reason for r in refusals] == ["running_there"]
+    assert [r.reason for r in refusals] == ["same_host", "running_there"]
 
 
-def test_the_destination_refuses_a_prepare_of_a_version_it_lacks_and_changes_nothing(tmp_path, peer):
+def test_the_destination_refuses_a_bad_prepare_and_changes_nothing(tmp_path, peer):
     client = TestClient(peer.app)
-    r = client.post("/v1/live/prepare", json={"capsule": SECRET, "version": 1, "xml": _xml(), "disks": [1]},
+    body = {"capsule": SECRET, "version": 1, "xml": _xml(), "disks": [1]}
+    r = client.post("/v1/live/prepare", json=body | {"tunnel": "../x"},
                     headers={"Authorization": f"Bearer {PEER_TOKEN}"})
-    assert r.status_code in (404, 409) and "push it first" in r.json()["detail"], r.text
+    assert r.status_code == 400 and "tunnel session" in r.json()["detail"]
+    r = client.post("/v1/live/prepare", json=body | {"tunnel": "a" * 32},
+                    headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+    assert r.status_code == 404 and "push it first" in r.json()["detail"]
     assert not (tmp_path / "b" / "instances" / SECRET).exists()
     r = client.post("/v1/live/" + "0" * 32 + "/abort", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
     assert r.status_code == 404
@@ -202,54 +207,47 @@ def test_the_dashboard_checks_and_bounds_a_live_move(home, peer):  # noqa: F811
     assert r.status_code == 400
 
 
-@pytest.mark.parametrize(("body", "live", "mode"), [
-    ({"to": "office"}, True, "full"),
-    ({"to": "office", "mode": "demand"}, False, "demand"),
-    ({"to": "office", "balloon": True}, False, "full"),
-    ({"to": "office", "live": False}, False, "full"),
-    ({"to": "office", "live": True, "postcopy": True}, True, "full"),
-])
-def test_a_dashboard_move_is_live_unless_it_names_an_offline_moves_mode_or_balloon(body, live, mode):
-    from capsule.agent.migrations import MigrateIn
-
-    got = MigrateIn.model_validate(body)
-    assert (got.moves_live, got.offline_mode) == (live, mode)
-
-
-@pytest.mark.parametrize("extra", [{"mode": "full"}, {"balloon": True}])
-def test_live_true_with_an_offline_moves_option_is_refused_naming_the_conflict(extra):
-    from pydantic import ValidationError
-
-    from capsule.agent.migrations import MigrateIn
-
-    with pytest.raises(ValidationError, match="live: true takes no mode and no balloon"):
-        MigrateIn.model_validate({"to": "office", "live": True, **extra})
+def _half_moved(where: Path, tmp_path: Path, session: str) -> Path:
+    """An incoming move prepare left behind (its instance, a leaf, the mark naming its tunnel session)."""
+    store = Store.open(where)
+    try:
+        d = tmp_path / "incoming"
+        d.mkdir()
+        leaf = d / "leaf.qcow2"
+        leaf.write_bytes(b"")
+        (d / incoming.MARK).write_text(json.dumps({"id": "a" * 32, "version": 1, "tunnel": session}))
+        with store.catalogue.transaction():
+            store.catalogue.add_instance(InstanceRow(SECRET, 1, "capsule-nowhere-x", [str(leaf)], [[]], "tcg",
+                                                     str(d)))
+    finally:
+        store.close()
+    return d
 
 
-@pytest.mark.parametrize(("args", "offline", "mode"), [
-    ([], False, "full"), (["--mode", "demand"], True, "demand"), (["--balloon"], True, "full"),
-    (["--offline"], True, "full"),
-])
-def test_the_cli_moves_live_unless_an_offline_moves_option_is_given(tmp_path, monkeypatch, args, offline, mode):
-    """`--mode` or `--balloon` imply --offline: a mode is never dropped for a live move without a word."""
-    from capsule.cli import migrate as cli_migrate
-    from capsule.cli.main import app
+def test_an_incoming_move_is_removed_when_its_tunnel_session_ends(tmp_path, peer, monkeypatch):
+    monkeypatch.setenv("CAPSULE_TUNNEL_DIR", str(tmp_path / "tunnel"))
+    client = TestClient(peer.app)
+    auth = {"Authorization": f"Bearer {PEER_TOKEN}"}
+    other = client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=auth).json()["session"]
+    session = client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=auth).json()["session"]
+    d = _half_moved(tmp_path / "b", tmp_path, session)
+    assert client.delete(f"/v1/tunnel/{other}", headers=auth).status_code == 200
+    time.sleep(0.5)
+    assert d.exists()                                  # another session's end leaves it be
+    assert client.delete(f"/v1/tunnel/{session}", headers=auth).status_code == 200
+    wait_until(lambda: not d.exists(), 10, "the unfinished move to be removed")
+    there = Store.open(tmp_path / "b")
+    try:
+        assert there.catalogue.instance(SECRET) is None
+    finally:
+        there.close()
 
-    seen: dict = {}
 
-    def fake_migrate(store, name, url, token, **kw):
-        seen.update(kw)
-        raise InvalidName("stop here")   # what was asked for is all this test needs
-
-    monkeypatch.setattr(lib, "migrate", fake_migrate)
-    from capsule.cli.common import PeerCall
-
-    office = PeerCall("http://127.0.0.1:9", "t", "office", None)
-    monkeypatch.setattr(cli_migrate, "resolve_peer", lambda *a, **k: office)
-    Store.open(tmp_path / "s").close()
-    if "demand" in args:   # (else the CLI makes a read grant for the capsule, which this store does not hold)
-        (tmp_path / "src.token").write_text("t" * 32)
-        args = [*args, "--source-token-file", str(tmp_path / "src.token")]
-    r = CliRunner().invoke(app, ["--home", str(tmp_path / "s"), "migrate", "vm", "--to", "office", *args])
-    assert "stop here" in r.output + str(r.exception), r.output
-    assert (not seen["live"], seen["mode"]) == (offline, mode)
+def test_an_incoming_move_left_by_the_last_agent_is_removed_when_the_agent_starts(home, tmp_path):  # noqa: F811
+    d = _half_moved(home, tmp_path, "b" * 32)
+    create_app(home, TOKEN)
+    store = Store.open(home)
+    try:
+        assert store.catalogue.instance(SECRET) is None and not d.exists()
+    finally:
+        store.close()
