@@ -248,17 +248,38 @@ def _unfinished(store: Store) -> list[tuple[InstanceRow, dict[str, Any]]]:
     return out
 
 
+def _runs_here(inst: InstanceRow) -> bool:
+    """The arriving guest already runs here: the switchover happened (its source stopped it), or post-copy
+    started. Destroying it would lose the machine; it is kept, as this host's instance."""
+    dom = lookup_domain(inst.domain)
+    if dom is None:
+        return False
+    try:
+        state, _reason = dom.state()
+    except libvirt.libvirtError:
+        return False
+    return bool(state == libvirt.VIR_DOMAIN_RUNNING)
+
+
 def sweep(store: Store, session: str | None = None) -> list[str]:
     """Remove the incoming moves that never finished: all of them (``session`` None: the agent starts, so no
-    stream of theirs is left), or those whose tunnel session ``session`` ended. The capsules' names."""
+    stream of theirs is left), or those whose tunnel session ``session`` ended. The capsules' names. A move whose
+    guest already runs here (its source went away between the switchover and ``finish``) is never removed: it
+    is adopted as this host's instance, as ``finish`` would have."""
     if session is None and not _unfinished(store):
         return []
     gone = []
     with store.lock(timeout=None, purpose="removing unfinished live moves"):
         for inst, mark in _unfinished(store):
-            if session is None or mark.get("tunnel") == session:
-                _remove(store, inst)
-                gone.append(inst.capsule)
+            if session is not None and mark.get("tunnel") != session:
+                continue
+            if _runs_here(inst):
+                (Path(inst.dir) / MARK).unlink(missing_ok=True)
+                log.warning("%s arrived and runs here although its move never finished: kept as this host's "
+                            "instance", inst.capsule)
+                continue
+            _remove(store, inst)
+            gone.append(inst.capsule)
     return gone
 
 

@@ -251,3 +251,31 @@ def test_an_incoming_move_left_by_the_last_agent_is_removed_when_the_agent_start
         assert store.catalogue.instance(SECRET) is None and not d.exists()
     finally:
         store.close()
+
+
+def test_a_guest_that_already_runs_here_is_adopted_never_destroyed(home, tmp_path, monkeypatch):  # noqa: F811
+    """The source went away between the switchover and finish: the guest runs only here now. The sweep at the
+    agent's start keeps it as this host's instance instead of destroying the one copy of the machine."""
+    import libvirt
+
+    destroyed: list[str] = []
+
+    class Running:
+        def state(self):
+            return libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_MIGRATED
+
+        def destroy(self):
+            destroyed.append("x")
+
+        def isActive(self):
+            return True
+
+    d = _half_moved(home, tmp_path, "c" * 32)
+    monkeypatch.setattr(incoming, "lookup_domain", lambda _name: Running())
+    create_app(home, TOKEN)
+    store = Store.open(home)
+    try:
+        assert store.catalogue.instance(SECRET) is not None and d.exists() and not destroyed
+        assert not (d / incoming.MARK).exists()            # no longer an unfinished move: this host's instance
+    finally:
+        store.close()
