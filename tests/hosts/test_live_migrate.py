@@ -75,6 +75,10 @@ def test_a_live_move_keeps_the_guest_running_with_a_short_pause(fresh):
     b.capsule("stop", name, "--force")
 
 
+def _prepared_there(b, name: str) -> str:
+    return b.sh(f'ls "$CAPSULE_HOME/instances" 2>/dev/null | grep -x {name} || true').strip()
+
+
 def test_a_live_move_cancelled_during_pre_copy_leaves_the_guest_here(fresh):
     a, b, name = fresh
     a.capsule("start", name)
@@ -85,8 +89,7 @@ def test_a_live_move_cancelled_during_pre_copy_leaves_the_guest_here(fresh):
     proc = a.capsule_background("migrate", name, "--to", b.url, "--max-pause", "0.01", token=b.token)
     try:
         # pre-copy under way: the other host has prepared the instance
-        wait_for(lambda: b.sh(f'ls "$CAPSULE_HOME/instances" 2>/dev/null | grep -x {name} || true').strip(),
-                 300, "the other host to prepare the move")
+        wait_for(lambda: _prepared_there(b, name), 300, "the other host to prepare the move")
         time.sleep(2)
         pid = a.sh(f"pgrep -f 'capsule --json migrate {name} ' | head -1").strip()
         assert pid.isdigit()
@@ -103,10 +106,6 @@ def test_a_live_move_cancelled_during_pre_copy_leaves_the_guest_here(fresh):
     assert name not in b.states() or b.states()[name]["domain"] is None
     assert _files_there(b, name) == ""
     a.capsule("stop", name, "--force")
-
-
-def _prepared_there(b, name: str) -> str:
-    return b.sh(f'ls "$CAPSULE_HOME/instances" 2>/dev/null | grep -x {name} || true').strip()
 
 
 def test_a_link_cut_during_pre_copy_fails_the_move_and_the_guest_runs_on_here(fresh):
