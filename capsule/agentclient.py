@@ -4,6 +4,7 @@ idempotent calls and byte counting, and the agent's typed errors raised again he
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ class AgentClient:
             raise InvalidName(f"agent URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
         self.peer: protocol.Peer | None = None      # the agent's release and protocol, from its last answer
+        self.features: frozenset[str] = frozenset()  # what it serves beyond its protocol (protocol.FEATURES)
         base: Transport = transport or HttpTransport(
             self.url, token, timeout=timeout, connect_timeout=30.0, fingerprint=fingerprint,
             user_agent=protocol.user_agent(__version__))
@@ -56,6 +58,10 @@ class AgentClient:
     @property
     def wire_bytes(self) -> int:
         return self._counter.wire_bytes
+
+    def retry_pauses(self) -> Iterator[float]:
+        """The pauses before an idempotent call is tried again, in order (for a caller retrying by itself)."""
+        return self._calls.policy.pauses()
 
     def close(self) -> None:
         self._calls.close()
@@ -76,6 +82,7 @@ class AgentClient:
         call = Call(method, path, params=params, content=content or b"", json=json_body is not None,
                     idempotent=(method == "GET") if idempotent is None else idempotent)
         reply = self._calls.call(call)
+        self.features = protocol.features_of(reply.headers.get(protocol.FEATURES))
         self.peer = protocol.check(protocol.of_agent(reply.headers.get(protocol.HEADER)), __version__,
                                    f"the agent at {self.url}")
         return check(reply, f"agent {self.url}")

@@ -10,6 +10,7 @@ export PATH=/usr/bin:/usr/sbin:$PATH
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-capsule}
 files=(-f docker-compose.yml)
 [ -e /dev/kvm ] && files+=(-f docker-compose.kvm.yml)
+[ -e /dev/userfaultfd ] && files+=(-f docker-compose.uffd.yml)
 log() { printf '\033[1;34m[compose]\033[0m %s\n' "$*" >&2; }
 
 if ! docker info >/dev/null 2>&1; then

@@ -119,9 +119,9 @@ configure_libvirt() {
   if grep -q "^# capsule: run guests as root" "$conf"; then
     log "configuring libvirt's QEMU driver (guests no longer run as root)"
     sed -i '/^# capsule: run guests as root/,/^group = "root"$/d' "$conf"
-    if pgrep -x libvirtd >/dev/null; then
-      pkill -x libvirtd || true
-      for _ in $(seq 1 50); do pgrep -x libvirtd >/dev/null || break; sleep 0.1; done
+    if running_here libvirtd; then
+      pkill --ns $$ --nslist mnt,pid -x libvirtd || true
+      for _ in $(seq 1 50); do running_here libvirtd || break; sleep 0.1; done
     fi
   fi
   if ! id libvirt-qemu >/dev/null 2>&1; then
@@ -180,16 +180,21 @@ create_users() {
   done
 }
 
+# a daemon of this machine, not one of a compose host's containers (their processes show in our pid list)
+running_here() {
+  pgrep --ns $$ --nslist mnt,pid -x "$1" >/dev/null
+}
+
 start_daemons() {
-  if [ "$libvirt_socket_changed" = 1 ] && pgrep -x libvirtd >/dev/null; then
+  if [ "$libvirt_socket_changed" = 1 ] && running_here libvirtd; then
     log "libvirtd already runs with its old socket settings: restart it for the capsule user to reach it" \
         "(e.g. \`pkill -x libvirtd && libvirtd -d\`); it was not restarted"
   fi
-  if ! pgrep -x virtlogd >/dev/null; then
+  if ! running_here virtlogd; then
     log "starting virtlogd"
     setsid virtlogd -d
   fi
-  if ! pgrep -x libvirtd >/dev/null; then
+  if ! running_here libvirtd; then
     log "starting libvirtd"
     setsid libvirtd -d
   fi

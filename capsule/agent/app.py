@@ -17,6 +17,8 @@ Receiving (push) — state lives in the object's shadow on disk, not in memory::
 
     POST /v1/recv/{kind}/{id}/begin              body = zstd(manifest) → zstd(varint indices still needed)
     POST /v1/recv/{kind}/{id}/blocks             body = u32 n, n bytes of varint indices, zstd blocks
+    POST /v1/recv/{kind}/{id}/lacking            body = varint indices of a batch → those not kept (varints):
+                                                 an upload whose answer was lost is sent again only for these
     POST /v1/recv/{kind}/{id}/commit             verify the digest, install, record
 
 Management::
@@ -29,6 +31,12 @@ Pods (the destination side of `capsule pod migrate --on HOST`)::
 
     GET  /v1/pods?capsule=C                      the pods of a running capsule here
     POST /v1/pods/restore                        {"image": ID, "into": C}: restart a pod image (pushed here) in C
+
+Live moves (the destination side of `capsule migrate`, capsule/exchange/incoming.py)::
+
+    POST /v1/live/check                          {capsule, type, cpu, host} → {refusals, postcopy, host}
+    POST /v1/live/prepare                        {capsule, version, xml, disks, tunnel} → {id, domain, xml}
+    POST /v1/live/{id}/finish, .../abort         the guest runs here / what prepare made is removed
 
 Fleet (capsule/exchange/fleet.py)::
 
@@ -44,6 +52,13 @@ Fleet (capsule/exchange/fleet.py)::
     POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)
     POST /v1/verify                              re-hash what some versions reference (backup verify jobs)
     POST /v1/backups/{name}/prune                apply a retention policy to the backup copies held here
+
+Live moves (capsule/agent/tunnelapi.py over capsule/exchange/tunnel.py)::
+
+    POST   /v1/tunnel                            {"kinds": ["libvirt", "qemu-migration", "qemu-disks"], "ttl": S}
+                                                 → {"session": ID, "channels": {KIND: {"path": P|null}}, ...}
+    WS     /v1/tunnel/{session}/{channel}        one connection to the channel's unix socket here, bytes both ways
+    DELETE /v1/tunnel/{session}                  end the session and its connections
 
 Blocking work runs in one of two bounded thread pools (capsule/agent/workers.py): HCP and receiving in the serving
 pool (``serve``), capsule operations in the lifecycle pool (``act``), where an owner has at most a few at once (429
@@ -63,7 +78,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
 from capsule.accounts import grants
-from capsule.agent import authz, dashboard, guard, protocol
+from capsule.agent import authz, dashboard, guard, protocol, tunnelapi
 from capsule.agent.auditlog import AuditLog
 from capsule.agent.bounded import (
     HashLenQuery,
@@ -82,9 +97,10 @@ from capsule.agent.workers import Workers
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
 from capsule.errors import AuthFailed, Error, Internal, InvalidName
-from capsule.exchange import fleet, running
+from capsule.exchange import fleet, incoming, running, tunnel
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
+    MAX_LACKING_UPLOAD,
     MAX_MANIFEST_UPLOAD,
     Inbox,
     decode_manifest_upload,
@@ -99,7 +115,7 @@ from capsule.transfer.records import record_version
 from capsule.verify import users_of, verify_versions
 from hashcache import wirejson
 from hashcache.errors import error_class
-from hashcache.hcp import decode_stream_read, encode_stream_error
+from hashcache.hcp import decode_stream_read, encode_indices, encode_stream_error
 
 MAX_VERIFY = 10_000       # versions in one verify request
 
@@ -179,7 +195,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
 
     @app.get("/v1/info")
     def info() -> dict[str, Any]:
-        return {"store_id": store.id, "version": capsule_version}
+        return {"store_id": store.id, "version": capsule_version, "features": list(protocol.FEATURES)}
 
     @app.get("/v1/capsules")
     def capsules(request: Request) -> list[dict[str, Any]]:
@@ -281,6 +297,13 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         finally:
             await turns.advance()
 
+    @app.post("/v1/recv/{kind}/{oid}/lacking")
+    async def recv_lacking(kind: str, oid: str, request: Request) -> Response:
+        """Which of a batch's blocks (varint indices) this receive has not kept (varint indices)."""
+        raw = await body(request, MAX_LACKING_UPLOAD)
+        lacking = await serve(inbox.lacking, kind, oid, raw)
+        return Response(encode_indices(lacking), media_type="application/octet-stream")
+
     @app.post("/v1/recv/{kind}/{oid}/commit")
     async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:
         installed = await serve(inbox.commit, kind, oid, role)
@@ -307,6 +330,23 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         r = await act(request, running.run_from, store, req)
         return {"version": r.start.version.ref, "mode": r.start.mode, "domain": r.start.domain,
                 "seconds": r.start.seconds, "moved_bytes": r.transfer.wire_bytes, "remote_layers": r.remote_layers}
+
+    # -- live moves (the destination side of `capsule migrate`, capsule/exchange/incoming.py) ---------------
+    @app.post("/v1/live/check")
+    async def live_check(request: Request) -> dict[str, Any]:
+        return await act(request, incoming.check_incoming, store, await json_body(request, "live move check"))
+
+    @app.post("/v1/live/prepare")
+    async def live_prepare(request: Request) -> dict[str, Any]:
+        return await act(request, incoming.prepare, store, await json_body(request, "live move request"))
+
+    @app.post("/v1/live/{mid}/finish")
+    async def live_finish(request: Request, mid: str) -> dict[str, Any]:
+        return await act(request, incoming.finish, store, mid)
+
+    @app.post("/v1/live/{mid}/abort")
+    async def live_abort(request: Request, mid: str) -> dict[str, Any]:
+        return await act(request, incoming.abort, store, mid)
 
     # -- fleet (capsule/exchange/fleet.py) -------------------------------------------------------------
     @app.post("/v1/fleet/pull")
@@ -380,6 +420,11 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         check_object_id(req["image"])
         return await act(request, pod_ops.restore, store, req["image"], req["into"])
 
+    # the byte tunnel of live moves (capsule/exchange/tunnel.py): channels by kind, targets chosen here
+    app.state.tunnels = tunnel.Registry()
+    app.state.tunnels.on_end.append(lambda sid: incoming.sweep_quietly(store, sid))   # its move never finished
+    incoming.sweep_quietly(store)    # moves whose streams ended with the agent that carried them
+    app.include_router(tunnelapi.router(app.state.tunnels))
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent
     app.state.audit_log = AuditLog(home)  # the guard's writer (a bad CAPSULE_AUDIT_* setting: no agent)

@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.routing import Mount, compile_path
 from starlette.websockets import WebSocket
 
@@ -71,6 +71,7 @@ READING, PUSHING, EITHER = frozenset({READ}), frozenset({PUSH}), frozenset({READ
 HCP_READ = Rule(frozenset({"host"}), STAFF, grants=READING, target="object")
 HCP_READ_POST = Rule(frozenset({"host"}), STAFF, changes=False, grants=READING, target="object")
 RECEIVE = Rule(frozenset({"host"}), STAFF, grants=PUSHING, target="object")    # a push grant: its objects
+RECEIVE_ASK = Rule(frozenset({"host"}), STAFF, changes=False, grants=PUSHING, target="object")   # reads only
 GRANT_ONLY = Rule(roles=frozenset(), grants=EITHER)          # only a grant calls it (on itself)
 
 RULES: dict[tuple[str, str], Rule] = {
@@ -86,6 +87,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("WS", "/v1/objects/stream"): Rule(frozenset({"host"}), STAFF, grants=READING, target="message"),
     ("POST", "/v1/recv/{kind}/{oid}/begin"): RECEIVE,
     ("POST", "/v1/recv/{kind}/{oid}/blocks"): RECEIVE,
+    ("POST", "/v1/recv/{kind}/{oid}/lacking"): RECEIVE_ASK,
     ("POST", "/v1/recv/{kind}/{oid}/commit"): RECEIVE,
     ("POST", "/v1/versions"): Rule(frozenset({"host"}), STAFF, grants=PUSHING, target="body"),
     ("POST", "/v1/fleet/pull"): HOST,
@@ -98,9 +100,19 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/run"): ACT_STAFF,
     ("POST", "/v1/capsules/{name}/activate"): ACT,
     ("POST", "/v1/capsules/{name}/stop"): ACT,
+    # the byte tunnel of a live move (tunnelapi.py, capsule/exchange/tunnel.py): what receiving a capsule needs, no
+    # grant; a session serves only the token that opened it (checked by the route, before a byte reaches its target)
+    ("POST", "/v1/tunnel"): HOST,
+    ("DELETE", "/v1/tunnel/{session}"): HOST,
+    ("WS", "/v1/tunnel/{session}/{channel}"): HOST,
     # pods: the destination side of `pod migrate --on HOST` (the capsule is in the body: staff only)
     ("GET", "/v1/pods"): Rule(frozenset({"read", "capsules", "admin", "host"}), STAFF),
     ("POST", "/v1/pods/restore"): Rule(frozenset({"capsules", "host"}), STAFF),
+    # live moves: the destination side of `capsule migrate` (the capsule is in the body: staff only, no grant)
+    ("POST", "/v1/live/check"): Rule(frozenset({"capsules", "host"}), STAFF, changes=False),
+    ("POST", "/v1/live/prepare"): Rule(frozenset({"capsules", "host"}), STAFF),
+    ("POST", "/v1/live/{mid}/finish"): Rule(frozenset({"capsules", "host"}), STAFF),
+    ("POST", "/v1/live/{mid}/abort"): Rule(frozenset({"capsules", "host"}), STAFF),
     # -- the dashboard (dashboard.py) --
     ("POST", "/api/session"): Rule(public=True),           # sign-in: audited, bounded (sessions.Attempts)
     ("GET", "/api/session"): ANY,
@@ -125,6 +137,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("WS", "/api/hosts/{host}/console/{name}/serial"): ACT_STAFF,
     # -- migrations (migrations.py) --
     ("POST", "/api/capsules/{name}/migrate"): ACT,
+    ("GET", "/api/capsules/{name}/migrate/check"): ACT,
     ("GET", "/api/migrations"): LOOK,
     ("GET", "/api/migrations/{mid}"): MIGRATION_LOOK,
     ("GET", "/api/migrations/{mid}/events"): MIGRATION_LOOK,
@@ -212,7 +225,7 @@ def check_rules(app: FastAPI) -> None:
             raise Internal(f"the rule for {key[0]} {key[1]} names a grant target its path does not have")
 
 
-def caller_of(request: Request | WebSocket) -> Caller | None:
+def caller_of(request: HTTPConnection) -> Caller | None:
     return request.scope.get("state", {}).get("caller")
 
 

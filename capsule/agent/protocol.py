@@ -1,7 +1,8 @@
 """The agent's side of protocol versions (:mod:`hashcache.transport.protocol`): every answer names this
 agent's protocol and release; a Capsule client more than one release older is refused before anything else,
 with a message naming both sides; the peer a request came from is kept for the routes whose answer depends
-on it (``scope["state"]["peer"]``: None for a client that is not Capsule, a browser or a script)."""
+on it (``scope["state"]["peer"]``: None for a client that is not Capsule, a browser or a script). Every answer
+also names what this agent serves beyond its protocol (:data:`FEATURES`, see :func:`protocol.features_of`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from hashcache.transport import protocol
 
 Scope = MutableMapping[str, Any]
 ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+FEATURES = ("tunnel", "live-move")   # beyond the protocol: the byte tunnel (capsule/exchange/tunnel.py), and
+                                     # receiving live moves (capsule/exchange/incoming.py)
 ANSWER = (protocol.HEADER.lower().encode(), protocol.answer(__version__).encode())
+NAMED = (protocol.FEATURES.lower().encode(), ",".join(FEATURES).encode())
 
 
 def peer_of(conn: Request | WebSocket) -> protocol.Peer | None:
@@ -56,7 +60,7 @@ class Versions:
 
         async def named(message: Any) -> None:
             if message["type"] in ("http.response.start", "websocket.http.response.start", "websocket.accept"):
-                message.setdefault("headers", []).append(ANSWER)
+                message.setdefault("headers", []).extend((ANSWER, NAMED))
             await send(message)
 
         await self.app(scope, receive, named)

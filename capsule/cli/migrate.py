@@ -36,6 +36,8 @@ from capsule.units import human
 
 LABELS = {"balloon": "balloon", "save": "save memory here", "memory": "memory image", "disk": "disks",
           "resume": "resume there"}
+LIVE_LABELS = {"precheck": "pre-check", "disks": "disks at T0 (HCP)", "memory": "memory (guest runs)",
+               "switchover": "switchover", "postcopy": "post-copy"}
 
 
 def render(s: Snapshot) -> Table:
@@ -51,7 +53,14 @@ def render(s: Snapshot) -> Table:
         detail = ""
         if i == s.index and s.phase_total:
             detail = f"{human(s.phase_done)} / {human(s.phase_total)}"
-        t.add_row(mark, LABELS.get(p, p), detail)
+        live = "precheck" in s.phases
+        if live and p == "memory" and s.round is not None:
+            detail = (f"round {s.round}: {human(s.round_bytes)}, dirty "
+                      f"{'?' if s.dirty_rate is None else s.dirty_rate} pages/s, "
+                      f"{'?' if s.remaining_bytes is None else human(s.remaining_bytes)} left")
+        if live and p == "switchover" and s.pause_ms is not None:
+            detail = f"paused {s.pause_ms} ms"
+        t.add_row(mark, (LIVE_LABELS if live else LABELS).get(p, p), detail)
     line = f"wire {human(s.wire_bytes)} · found locally {human(s.local_bytes)}"
     if s.total_bytes:
         line += f" · {human(s.done_bytes)} of {human(s.total_bytes)}"
@@ -60,6 +69,8 @@ def render(s: Snapshot) -> Table:
     t.add_row("", Text(line, style="dim"), "")
     if s.outcome is None and s.cancellable:
         t.add_row("", Text("Ctrl-C cancels (the capsule runs here again)", style="dim"), "")
+    if s.message and "precheck" in s.phases:
+        t.add_row("", Text(s.message, style="dim"), "")
     return t
 
 
@@ -87,9 +98,24 @@ def ctrl_c_cancels(token: CancelToken) -> Iterator[None]:
 def migrate(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
     to: Annotated[str, typer.Option("--to", help=f"The destination host: {PEER}.")],
-    mode: Annotated[str, typer.Option("--mode", help="full: push, then start there | demand: push the memory "
-                                                     "image, start there, disk blocks paged in from here.")] = "full",
-    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1).")] = False,
+    offline: Annotated[bool, typer.Option("--offline", help="Suspend here, then move it (the guest is paused for "
+                                                            "the whole transfer); --mode full unless named.")]
+    = False,
+    check: Annotated[bool, typer.Option("--check", help="Only say why a live move would be refused (nothing "
+                                                        "changes); exit status 0 when it may go.")] = False,
+    max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Live: the longest the guest "
+                                             "may pause at the switchover (0.01 to 60).")] = 1.0,
+    postcopy: Annotated[bool, typer.Option("--postcopy", help="Live: allow post-copy, switched to when pre-copy "
+                                                              "does not converge (the guest runs there while its "
+                                                              "last pages follow). If the link or the destination "
+                                                              "fails during post-copy, the guest restarts at the "
+                                                              "source from its disks at T0; memory since T0 is "
+                                                              "lost. Off by default.")] = False,
+    mode: Annotated[str | None, typer.Option("--mode", help="An offline move (implies --offline): full: push, then "
+                                                            "start there | demand: push the memory image, start "
+                                                            "there, disk blocks paged in from here.")] = None,
+    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1); implies "
+                                                            "--offline.")] = False,
     balloon_policy: PolicyOpt = "cache",
     balloon_method: MethodOpt = "virtio",
     source_url: Annotated[str | None, typer.Option("--source-url", help="demand: this host's agent URL as the "
@@ -109,22 +135,38 @@ def migrate(
 ) -> None:
     """Move a running capsule to another host; it runs there after.
 
-    Suspend here, then push and start (full) or start there at once with its disks paged in from here
-    (demand). Shows each phase live; Ctrl-C cancels and the capsule runs here again.
+    Live by default: its disks are sealed at T0 and pushed (HCP: only blocks the other host lacks) while it
+    runs, then libvirt sends its memory and the disks' writes since T0, all through the agents' tunnel; the
+    guest pauses only at the switchover (at most --max-pause). --offline (or --mode, or --balloon, which imply
+    it) suspends here, then pushes and starts (full, the default) or starts there at once with its disks paged
+    in from here (demand). Shows each phase live; Ctrl-C cancels and the capsule runs here.
 
     Examples:
 
       capsule migrate alice --to home
 
+      capsule migrate alice --to home --check
+
       capsule migrate alice --to https://home.example:7070 --token-file home.token --mode demand
     """
     json_flag(json)
     from capsule import migrate as lib
+    from capsule.migrate.choice import choose
 
+    kind = choose(False if offline else None, mode, balloon, postcopy,
+                  names={"offline": "--offline", "mode": "--mode", "balloon": "--balloon", "postcopy": "--postcopy"})
+    offline, mode = not kind.live, kind.mode
     store = open_store()
+    if not offline:
+        from capsule import bounds
+
+        max_pause = float(bounds.check(lib.MAX_PAUSE, max_pause, "--max-pause"))
     peer = resolve_peer(store, to, token_file, fingerprint)
+    if check:
+        _check(store, name, peer)
+        return
     source_token = None
-    if mode == "demand":
+    if mode == "demand" and offline:
         if source_token_file is not None:
             source_token = read_token(source_token_file)
         else:   # the agent's token while it works, else a read grant for this capsule (capsule token ls: @host)
@@ -133,10 +175,12 @@ def migrate(
             source_token = grants.for_demand_run(store, read_token(legacy) if legacy.exists() else None, name,
                                                  grants.local_issuer())
     cancel = CancelToken()
+    events: list[Snapshot] = []
     quiet = OPTIONS.json or not err_console.is_terminal
     view = None if quiet else Live(console=err_console, refresh_per_second=8)
     with ctrl_c_cancels(cancel), view or nullcontext():
         def show(s: Snapshot) -> None:
+            events.append(s)
             if view is not None:
                 view.update(render(s))
 
@@ -144,17 +188,41 @@ def migrate(
             r = lib.migrate(store, name, peer.url, peer.token, mode=mode, balloon=balloon_policy if balloon else None,
                             balloon_method=balloon_method, source_url=source_url, source_token=source_token,
                             prefetch=prefetch, on_event=show, cancel=cancel, to_name=peer.label,
-                            fingerprint=peer.fingerprint, source_fingerprint=source_fingerprint)
+                            fingerprint=peer.fingerprint, source_fingerprint=source_fingerprint, live=not offline,
+                            max_pause=max_pause, postcopy=postcopy)
         except Error as exc:
-            if source_token_file is None and getattr(exc, "restored", True):   # the other host does not run it
+            if source_token is not None and source_token_file is None and getattr(exc, "restored", True):
                 from capsule.accounts import grants
                 grants.discard(store, source_token)
             raise
-    data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
+    data: dict[str, Any] = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
             "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3),
             "progress": r.last.as_dict() if r.last else None}
+    if r.live is not None:
+        data["live"] = r.live.as_dict()
+        data["events"] = [e.as_dict() for e in events]
+        emit(data, lambda: console.print(f"{name} now runs at {peer.label} (live) after {r.seconds:.2f}s, paused "
+                                         f"{r.live.pause_ms} ms"))
+        return
     emit(data, lambda: console.print(f"{name} now runs at {peer.label} ({r.mode}, {r.remote.get('mode')}) after "
                                      f"{r.seconds:.2f}s"))
+
+
+def _check(store: Any, name: str, peer: Any) -> None:
+    """``--check``: the pre-check's refusals (none: it may go); a refusal exits with a conflict's status."""
+    from capsule.migrate import live, precheck
+
+    refusals = precheck.precheck(store, name, precheck.Target(peer.url, peer.token, peer.fingerprint))
+
+    def say() -> None:
+        if not refusals:
+            console.print(f"{name} may move live to {peer.label}")
+        for r in refusals:
+            console.print(f"[red]✗[/] {r.reason}: {r.detail}")
+
+    emit({"capsule": name, "to": peer.label, "refusals": [r.as_dict() for r in refusals]}, say)
+    if refusals:
+        raise typer.Exit(live.LiveRefused.exit_code)
 
 
 def register(app: typer.Typer) -> None:

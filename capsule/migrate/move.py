@@ -32,8 +32,10 @@ from capsule.migrate.progress import CancelToken, Snapshot, Tracker, planned
 from capsule.store import Store, claims
 from capsule.store.catalogue import VersionRow
 from capsule.units import human
+from hashcache.bounds import Bound
 
 MODES = ("full", "demand")
+MAX_PAUSE = Bound(0.01, 60, integer=False, unit="seconds")   # a live move's longest pause (libvirt's max downtime)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class MigrateResult:
     remote: dict[str, Any]
     seconds: float
     last: Snapshot | None = None      # the last progress event (outcome "done")
+    live: Any = None                  # a live move's figures (capsule.migrate.live.LiveFigures)
 
 
 @dataclass
@@ -76,7 +79,7 @@ class MigrationFailed(CapsuleError):
         super().__init__(message)
         self.version, self.step, self.restored, self.reached, self.cause = version, step, restored, reached, cause
         if cause is not None:
-            self.exit_code = cause.exit_code if isinstance(cause, Error) else RuntimeFailure.exit_code
+            self.exit_code = cause.exit_code if isinstance(cause, Error) else RuntimeFailure.exit_code  # type: ignore[misc]
 
 
 class MigrationCancelled(MigrationFailed):
@@ -135,12 +138,22 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
             prefetch: bool = False, say: Callable[[str], None] = lambda _m: None,
             on_event: Callable[[Snapshot], None] = lambda _s: None, cancel: CancelToken | None = None,
             to_name: str | None = None, steps: Steps | None = None, fingerprint: str | None = None,
-            source_fingerprint: str | None = None) -> MigrateResult:
+            source_fingerprint: str | None = None, live: bool = False, max_pause: float = 1.0,
+            postcopy: bool = False) -> MigrateResult:
     """Move the running capsule ``name`` to the agent at ``to`` (over https its certificate pinned to
     ``fingerprint``, else to the known host's at ``to``; in demand mode the other host pins this one's
     ``source_fingerprint``, by default this store's own host key). ``on_event`` gets a :class:`Snapshot` as
     each phase begins and as bytes move (see :mod:`capsule.migrate.progress`); ``cancel`` stops it before
-    the other host is asked to start it (:class:`MigrationCancelled`, the guest running here again)."""
+    the other host is asked to start it (:class:`MigrationCancelled`, the guest running here again).
+
+    ``live``: the guest keeps running here while it moves and pauses at most ``max_pause`` seconds (see
+    :mod:`capsule.migrate.live`; ``postcopy``: asked for, switch to post-copy when pre-copy does not converge —
+    if the link or the other host fails during post-copy, the guest restarts here from its disks at T0, its
+    memory since T0 lost); ``mode`` and ballooning do not apply (:mod:`capsule.migrate.choice` decides which
+    kind a request asks for)."""
+    if live:
+        return _migrate_live(store, name, to, token, max_pause=max_pause, postcopy=postcopy, say=say,
+                             on_event=on_event, cancel=cancel, to_name=to_name, fingerprint=fingerprint)
     if mode not in MODES:
         raise InvalidName(f"unknown migration mode {mode!r}: choose full or demand")
     if mode == "demand" and not (source_url and source_token):
@@ -208,6 +221,45 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
         seconds = time.monotonic() - t0
         last = tracker.finish("done", "destination", f"{name} runs at {to_name or to} after {seconds:.1f}s")
         return MigrateResult(mode, sealed, pushed, remote, seconds, last)
+
+
+def _migrate_live(store: Store, name: str, to: str, token: str, *, max_pause: float, postcopy: bool,
+                  say: Callable[[str], None], on_event: Callable[[Snapshot], None], cancel: CancelToken | None,
+                  to_name: str | None, fingerprint: str | None) -> MigrateResult:
+    from capsule import bounds, hosts
+    from capsule.migrate import live
+
+    max_pause = float(bounds.check(MAX_PAUSE, max_pause, "max pause"))
+    pin = hosts.pin_for(store, to, fingerprint)
+    cancel = cancel or CancelToken()
+    tracker = Tracker(name, to_name or to, planned("live", postcopy), on_event)
+    t0 = time.monotonic()
+    try:
+        moved = live.move(store, name, to, token, max_pause=max_pause, postcopy=postcopy, pin=pin,
+                          tracker=tracker, cancel=cancel, say=say)
+    except live.LiveRefused as exc:
+        tracker.finish("failed", "source", str(exc))
+        raise
+    except BaseException as exc:
+        # the switchover began and the guest does not run here: it may run there
+        there = cancel.committed and not live.runs_here(store, name)
+        where = "unknown" if there else "source"
+        ref = tracker.last.version or name
+        cancelled = isinstance(exc, Cancelled) and not there
+        head = (f"the live move of {name} was cancelled" if cancelled else
+                f"the live move of {name} failed: {exc or type(exc).__name__}")
+        tail = (f"it may run at {to_name or to} now (the switchover had begun): check there; its disks at T0 are "
+                f"{ref}" if there else f"{name} runs on here" + (f"; its disks at T0 are {ref}" if "@" in ref else ""))
+        tracker.finish("cancelled" if cancelled else "failed", where, f"{head}; {tail}")
+        if not isinstance(exc, Exception):
+            raise
+        cls = MigrationCancelled if cancelled else MigrationFailed
+        raise cls(f"{head}; {tail}", version=ref if "@" in ref else "", step="live", restored=not there,
+                  reached=Reached(known=False, sent_bytes=tracker.wire_bytes), cause=exc) from exc
+    seconds = time.monotonic() - t0
+    last = tracker.finish("done", "destination", f"{name} runs at {to_name or to} after {seconds:.1f}s "
+                          f"(paused {moved.figures.pause_ms} ms)")
+    return MigrateResult("live", moved.sealed, moved.push, moved.remote, seconds, last, moved.figures)
 
 
 def _may_run_there(step: str, exc: BaseException) -> bool:

@@ -9,6 +9,12 @@ found locally (in its hash cache, in a shadow from an interrupted run, or object
 bytes accounted for. The end is one of ``done`` (it runs at the other host), ``cancelled`` or
 ``failed`` (it runs here again, unless the other host may have started it: see ``where``).
 
+A live move (:mod:`capsule.migrate.live`) goes through LIVE_PHASES instead — ``precheck`` (why the other
+host would refuse it), ``disks`` (the disks sealed at T0 while the guest runs, that version pushed),
+``memory`` (libvirt's pre-copy rounds: the round, the bytes sent in it, the guest's dirty rate, what
+remains), ``switchover`` (the guest pauses here and resumes there: the measured pause), ``postcopy`` (only
+when asked, or when pre-copy does not converge: the guest runs there while its last pages follow).
+
 A :class:`CancelToken` is checked between steps and between transfer batches. Once the start request
 has gone to the other host the migration can no longer be cancelled (:meth:`CancelToken.commit`)."""
 
@@ -24,6 +30,7 @@ from capsule import transfer
 from capsule.errors import Cancelled
 
 PHASES = ("balloon", "save", "memory", "disk", "resume")
+LIVE_PHASES = ("precheck", "disks", "memory", "switchover", "postcopy")
 OUTCOMES = ("done", "cancelled", "failed")
 MIN_INTERVAL = 0.1         # seconds between two progress events within a phase (phase changes always go out)
 ETA_AFTER = 0.5            # seconds of transfer before an ETA is guessed
@@ -85,6 +92,13 @@ class Snapshot:
     version: str | None = None      # the version the suspend made
     message: str = ""
     cancellable: bool = True
+    # a live move's memory rounds (None before libvirt reports one)
+    round: int | None = None            # libvirt's pre-copy iteration
+    round_bytes: int = 0                # bytes sent in that round so far
+    dirty_rate: int | None = None       # pages the guest dirties per second
+    remaining_bytes: int | None = None  # memory still to send
+    disk_bytes: int = 0                 # the disks' writes since T0, sent by libvirt
+    pause_ms: int | None = None         # the switchover: how long the guest was paused (libvirt's downtime)
 
     @property
     def index(self) -> int:
@@ -98,6 +112,8 @@ class Snapshot:
 
 
 def planned(mode: str, balloon: bool) -> tuple[str, ...]:
+    if mode == "live":
+        return LIVE_PHASES if balloon else LIVE_PHASES[:-1]     # (``balloon`` here: post-copy asked for)
     skip = {"balloon"} if not balloon else set()
     if mode == "demand":
         skip.add("disk")
@@ -136,7 +152,7 @@ class Tracker(transfer.Progress):
         with self._lock:
             if phase not in self.last.phases or self.last.phases.index(phase) <= self.last.index:
                 return
-            if phase in ("memory", "disk") and self._transfer_t0 is None:
+            if phase in ("memory", "disk", "disks") and self._transfer_t0 is None:
                 self._transfer_t0 = self._clock()
             self._emit(phase=phase, message=message or self.last.message, force=True)
 
@@ -149,6 +165,29 @@ class Tracker(transfer.Progress):
     def set_version(self, ref: str) -> None:
         with self._lock:
             self._emit(version=ref, force=True)
+
+    def replan(self, phases: tuple[str, ...]) -> None:
+        """The planned phases change (a live move falls back to post-copy): earlier phases stay as they were."""
+        with self._lock:
+            self._emit(phases=phases, force=True)
+
+    def job(self, *, iteration: int | None, round_bytes: int, dirty_rate: int | None, remaining: int | None,
+            disk_bytes: int, wire: int) -> None:
+        """libvirt's job statistics during a live move's memory phase (counters only move forward)."""
+        with self._lock:
+            prev = self.last
+            self._counts.wire = max(self._counts.wire, wire)
+            changes: dict[str, Any] = {"disk_bytes": max(prev.disk_bytes, disk_bytes), "dirty_rate": dirty_rate,
+                                       "remaining_bytes": remaining}
+            if iteration is not None and (prev.round is None or iteration >= prev.round):
+                changes["round"] = iteration
+                changes["round_bytes"] = (round_bytes if iteration != prev.round
+                                          else max(prev.round_bytes, round_bytes))
+            self._emit(**changes)
+
+    def pause(self, ms: int) -> None:
+        with self._lock:
+            self._emit(pause_ms=ms, force=True)
 
     def no_return(self) -> None:
         with self._lock:
@@ -164,7 +203,10 @@ class Tracker(transfer.Progress):
 
     # -- transfer.Progress -------------------------------------------------------------------------------
     def object(self, kind: str, oid: str, role: str, raw_bytes: int, present: bool) -> None:
-        self.enter("memory" if role == "memory" else "disk")
+        if "disks" in self.last.phases:     # a live move: only its T0 disks are pushed
+            self.enter("disks")
+        else:
+            self.enter("memory" if role == "memory" else "disk")
         if present:
             self._add(raw_bytes, local=raw_bytes)
 
@@ -194,7 +236,7 @@ class Tracker(transfer.Progress):
             self._emit()
 
     def _eta(self, now: float, done: int, total: int | None) -> float | None:
-        if total is None or self._transfer_t0 is None or self.last.phase not in ("memory", "disk"):
+        if total is None or self._transfer_t0 is None or self.last.phase not in ("memory", "disk", "disks"):
             return None
         spent = now - self._transfer_t0
         if spent < ETA_AFTER or done <= 0:

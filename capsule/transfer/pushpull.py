@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import secrets
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from capsule.transfer.codecpick import NONE, Codec, CodecPicker
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline, run_batches
 from capsule.transfer.records import objects_of, record_version, validate, version_record
+from capsule.transfer.resend import send_batch, upload_body
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
@@ -163,6 +163,11 @@ def _never() -> None:
 
 
 # -- pull -------------------------------------------------------------------------
+
+def _block_hash(expect: Expectation, index: int) -> bytes:
+    """A block's hash in the manifest's records (a block it has no record of: empty)."""
+    return (expect.record(index) or (False, b""))[1]
+
 
 def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) -> tuple[Expectation, dict]:
     """LOOKUP, then READ-HASH in chunks: what the object must turn out to be."""
@@ -360,6 +365,15 @@ def _sample(reader: BlockReader, batch: list[int]) -> bytes:
     return b"".join(reader.read(batch[:codecpick.PROBE_BLOCKS]))
 
 
+def _pack(reader: BlockReader, picker: CodecPicker, codec: Codec, batch: list[int]) -> bytes:
+    """A batch's blocks as a frame of their own in ``codec``; the time it took counts for the codec's rate."""
+    blocks = reader.read(batch)
+    c0 = time.perf_counter()
+    payload = pack_blocks(blocks, level=codec.level or 1, compress=codec != NONE)
+    picker.record(codec, len(batch) * BLOCK_SIZE, len(payload), time.perf_counter() - c0)
+    return payload
+
+
 _PICKERS: WeakKeyDictionary[AgentClient, CodecPicker] = WeakKeyDictionary()
 
 
@@ -404,20 +418,17 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     def send(item: tuple[list[int], int | None, bytes | None, Codec]) -> None:
         batch, seq, payload, codec = item
         check()  # a cancel stops here; the pipeline then drops the batches still queued
-        idx = encode_indices(batch)
         params: dict[str, Any] = {"compress": str(codec != NONE).lower()}
-        if payload is None:
-            blocks = reader.read(batch)
-            c0 = time.perf_counter()
-            payload = pack_blocks(blocks, level=codec.level or 1, compress=codec != NONE)
-            picker.record(codec, len(batch) * BLOCK_SIZE, len(payload), time.perf_counter() - c0)
-        else:
-            params.update(stream=stream_id, seq=seq, codec=codec.name)
         with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
-            body = struct.pack("<I", len(idx)) + idx + payload
-            client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
-                           idempotent=True)  # verified blocks; a segment taken twice is taken once
-            sent.append(len(body))
+            if payload is None:   # a frame of its own: after a lost answer, only the blocks not kept again
+                sent.append(send_batch(client, kind, oid, batch, functools.partial(_pack, reader, picker, codec),
+                                       params))
+            else:   # a segment of a stream: sent again whole (one taken twice is taken once)
+                params.update(stream=stream_id, seq=seq, codec=codec.name)
+                body = upload_body(batch, payload)
+                client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
+                               idempotent=True)
+                sent.append(len(body))
         stats.add(fetched_bytes=len(batch) * BLOCK_SIZE, requests=1)
         progress.advance(len(batch) * BLOCK_SIZE)
         progress.wire(client.wire_bytes)
@@ -430,7 +441,8 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
                 resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
                                       content=zstandard.ZstdCompressor(level=3).compress(part.to_bytes()),
-                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)})
+                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)},
+                                      idempotent=True)   # a part sent again is taken as the same part
                 if resp.headers.get("X-Capsule-Present"):
                     if k == 0:
                         progress.advance(raw_bytes)
@@ -580,7 +592,7 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
             say(f"manifest of layer {lid[:12]}")
             expect, _head = _fetch_expectation(client, "layer", lid, 32)
             try:
-                manifest = expect.manifest_from(lambda i, e=expect: (e.record(i) or (False, b""))[1])
+                manifest = expect.manifest_from(functools.partial(_block_hash, expect))
             except ManifestMismatch as exc:
                 raise TransferFailed(f"from {url}: {exc}") from exc
             demand.add_remote_layer(store, manifest, url, token, pin)

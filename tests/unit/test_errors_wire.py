@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 MODULES = ("hashcache.errors", "hashcache.hcp", "hashcache.shadow", "hashcache.cache", "diskserver.errors",
            "capsule.errors", "capsule.runtime.guestagent", "capsule.imagebuild.common", "capsule.imagebuild.qemuboot",
-           "capsule.migrate.move")
+           "capsule.migrate.move", "capsule.migrate.live")
 SAMPLE_FIELDS = {"object_name": "layer 0123456789ab", "block": 7, "layer_id": "cd" * 32, "version": "vm@4",
-                 "step": "push", "restored": True, "retry_after": 30, "doing": "stopping", "limit": 2}
+                 "step": "push", "restored": True, "retry_after": 30, "doing": "stopping", "limit": 2,
+                 "refusals": [{"reason": "not_running", "detail": "start it"}]}
 
 
 def _ours() -> list[type[Error]]:

@@ -23,6 +23,8 @@ from tests.unit.test_dashboard_api import PEER_TOKEN, SECRET, TOKEN, home, sign_
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+OFFLINE = {"to": "office", "live": False, "mode": "full"}     # (a live move is the default)
+DEMAND = {"to": "office", "live": False, "mode": "demand"}
 
 
 class StandIn:
@@ -86,7 +88,7 @@ def _events(client: TestClient, mid: str) -> list[dict]:
 
 def test_a_migration_runs_in_the_agent_and_streams_its_phases(world):
     client, csrf, stand_in, peer = world
-    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "full", "balloon": True},
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json=OFFLINE | {"balloon": True},
                     headers={"X-CSRF-Token": csrf})
     assert r.status_code == 202, r.text
     m = r.json()
@@ -160,7 +162,7 @@ def test_demand_mode_gives_the_other_host_this_agents_configured_url_never_the_r
     client.app.state.public_url = PUBLIC            # what `capsule serve --public-url` sets
     forged = {"X-CSRF-Token": csrf, "Host": "evil.example:1", "X-Forwarded-Proto": "http",
               "X-Forwarded-Host": "evil.example:1", "X-Forwarded-For": "127.0.0.1"}
-    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=forged)
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json=DEMAND, headers=forged)
     assert r.status_code == 202, r.text
     wait_until(lambda: stand_in.calls, 10, "the migration never started")
     assert stand_in.calls[0]["source_url"] == PUBLIC
@@ -173,7 +175,7 @@ def test_demand_mode_without_a_public_url_is_refused_and_starts_nothing(world):
     client, csrf, stand_in, _peer = world
     client.app.state.public_url = None
     h = {"X-CSRF-Token": csrf}
-    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=h)
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json=DEMAND, headers=h)
     assert r.status_code == 409 and "--public-url" in r.json()["detail"], r.text
     assert client.get("/api/migrations").json() == [] and not stand_in.calls
     assert client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office"}, headers=h).status_code == 202
@@ -192,10 +194,10 @@ def test_once_accounts_exist_demand_mode_hands_out_a_read_grant_for_the_capsule(
     users.add(store, "alice", "owner")
     _, alice = tokens.create(store, "alice", "read,capsules")
     auth = {"Authorization": f"Bearer {alice}"}
-    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=auth)
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json=DEMAND, headers=auth)
     assert r.status_code == 403 and r.json()["error"] == "forbidden" and not stand_in.calls
     owners.set_owner(store, SECRET, "alice")
-    r = client.post(f"/api/capsules/{SECRET}/migrate", json={"to": "office", "mode": "demand"}, headers=auth)
+    r = client.post(f"/api/capsules/{SECRET}/migrate", json=DEMAND, headers=auth)
     assert r.status_code == 202, r.text
     wait_until(lambda: stand_in.calls, 10, "the migration never started")
     grant = stand_in.calls[0]["source_token"]

@@ -1,0 +1,181 @@
+"""Who may open and use a tunnel session (capsule/exchange/tunnel.py), through the agent app over HTTP: staff
+host calls only, no grant, a session only with the token that opened it, never after it expired or was
+deleted, never a path the caller names — each refusal before a byte reaches the target. And a peer without the
+tunnel is refused with both releases named."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import uvicorn
+from starlette.responses import JSONResponse
+from starlette.testclient import WebSocketDenialResponse
+
+from capsule import __version__
+from capsule.accounts import tokens
+from capsule.exchange import tunnel
+from capsule.migrate.tunnel import open_tunnels
+from hashcache.errors import ProtocolMismatch
+from hashcache.transport import protocol
+from tests.helpers.grantworld import TOKEN, A, World, bearer, make_world
+from tests.helpers.inprocess_agent import free_port
+from tests.helpers.unixecho import Echo
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Iterator[World]:
+    w = make_world(tmp_path_factory.mktemp("tunnel"))
+    yield w
+    w.store.close()
+
+
+@pytest.fixture
+def target(world, tmp_path_factory) -> Iterator[Echo]:
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="tun-", dir="/tmp"))
+    t = Echo(d / "libvirt.sock")
+    registry: tunnel.Registry = world.app.state.tunnels
+    registry.libvirt_socket, registry.tunnel_dir = t.path, d / "run"
+    yield t
+    registry.close_all()
+    t.sock.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _open(w: World, who: str = "operator", **body) -> dict:
+    r = w.client.post("/v1/tunnel", json={"kinds": ["libvirt"]} | body, headers=bearer(w.t[who]))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _ws_status(w: World, path: str, token: str | None) -> int:
+    try:
+        with w.client.websocket_connect(path, headers=bearer(token) if token else {}):
+            return 101
+    except WebSocketDenialResponse as exc:
+        return exc.status_code
+
+
+def test_only_the_token_that_opened_a_session_uses_it(world, target):
+    sid = _open(world)["session"]
+    path = f"/v1/tunnel/{sid}/libvirt"
+    refused = {
+        "anonymous": (None, 401),
+        "another user (an owner)": (world.t["alice"], 403),
+        "another staff user": (world.t["admin"], 403),
+        "the same user's other token": (world.t["host"], 403),
+        "a read grant": (world.grant(allow="read", capsule=A), 403),
+        "a push grant": (world.grant(allow="push", record=world.record(A, 9)), 403),
+    }
+    for who, (token, status) in refused.items():
+        assert _ws_status(world, path, token) == status, who
+    assert _ws_status(world, f"/v1/tunnel/{'0' * 32}/libvirt", world.t["operator"]) == 404
+    assert _ws_status(world, f"/v1/tunnel/{sid}/qemu-disks", world.t["operator"]) == 404   # not opened
+    assert target.accepted == 0                      # nothing reached the target
+    with world.client.websocket_connect(path, headers=bearer(world.t["operator"])) as ws:
+        ws.send_bytes(b"ping")
+        assert ws.receive_bytes() == b"ping"
+    assert target.accepted == 1
+
+
+def test_an_expired_or_deleted_session_is_gone(world, target):
+    registry: tunnel.Registry = world.app.state.tunnels
+    sid = _open(world, ttl=10)["session"]
+    registry._sessions[sid].expires = time.monotonic() - 1   # noqa: SLF001 - as if 10 s had passed
+    assert _ws_status(world, f"/v1/tunnel/{sid}/libvirt", world.t["operator"]) == 404
+    sid = _open(world)["session"]
+    assert world.client.delete(f"/v1/tunnel/{sid}", headers=bearer(world.t["admin"])).status_code == 403
+    assert world.client.delete(f"/v1/tunnel/{sid}", headers=bearer(world.t["operator"])).status_code == 200
+    assert _ws_status(world, f"/v1/tunnel/{sid}/libvirt", world.t["operator"]) == 404
+    assert world.client.delete(f"/v1/tunnel/{sid}", headers=bearer(world.t["operator"])).status_code == 404
+    assert target.accepted == 0
+
+
+@pytest.mark.parametrize("body", [
+    {"kinds": ["/etc/shadow"]},
+    {"kinds": ["libvirt"], "path": "/tmp/anywhere.sock"},
+    {"channels": {"libvirt": "/tmp/anywhere.sock"}},
+    {"kinds": [{"libvirt": "/tmp/anywhere.sock"}]},
+    {"kinds": ["libvirt", "libvirt"]},
+    {"kinds": []},
+    {"kinds": ["libvirt"], "ttl": 0},
+    {"kinds": ["libvirt"], "ttl": 10**9},
+    [],
+])
+def test_a_caller_names_kinds_never_paths(world, target, body):
+    registry: tunnel.Registry = world.app.state.tunnels
+    r = world.client.post("/v1/tunnel", json=body, headers=bearer(world.t["operator"]))
+    assert r.status_code == 400, r.text
+    assert "kinds" in r.json()["detail"] or "ttl" in r.json()["detail"]
+    assert not registry._sessions and not registry.tunnel_dir.exists()   # noqa: SLF001 - nothing made
+
+
+def test_owners_and_grants_cannot_open_one(world, target):
+    for token in (world.t["alice"], world.grant(allow="read", capsule=A),
+                  world.grant(allow="push", record=world.record(A, 9)), None):
+        r = world.client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=bearer(token) if token else {})
+        assert r.status_code in (401, 403), r.text
+    assert not world.app.state.tunnels._sessions   # noqa: SLF001
+
+
+def test_qemu_kinds_get_a_path_of_this_hosts_choosing(world, target):
+    got = _open(world, kinds=["libvirt", "qemu-migration", "qemu-disks"])
+    paths = {k: c["path"] for k, c in got["channels"].items()}
+    assert paths["libvirt"] is None                    # this host's libvirtd: not named to the caller
+    mig, disks = Path(paths["qemu-migration"]), Path(paths["qemu-disks"])
+    assert mig.parent == disks.parent and mig.parent.parent == target.path.parent / "run"
+    assert mig.parent.stat().st_mode & 0o7777 == tunnel.SESSION_DIR_MODE
+    assert got["session"] not in str(mig)              # the session id is not shown in a path
+    world.client.delete(f"/v1/tunnel/{got['session']}", headers=bearer(world.t["operator"]))
+    assert not mig.parent.exists()
+
+
+def test_sessions_and_connections_are_bounded(world, target):
+    sids = [_open(world)["session"] for _ in range(tunnel.SESSIONS_PER_CALLER)]
+    r = world.client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=bearer(world.t["operator"]))
+    assert r.status_code == 429 and "at most" in r.json()["detail"]
+    _open(world, who="admin")                          # another caller still may
+    s = world.app.state.tunnels.get(sids[0], tokens.resolve(world.store, world.t["operator"], TOKEN).who)
+    held = [world.app.state.tunnels.connection(s, "libvirt") for _ in range(tunnel.CONNECTIONS_PER_CHANNEL)]
+    for h in held:
+        h.__enter__()
+    assert _ws_status(world, f"/v1/tunnel/{sids[0]}/libvirt", world.t["operator"]) == 429
+    for h in held:
+        h.__exit__(None, None, None)
+    assert target.accepted == 0
+
+
+def test_every_answer_names_the_tunnel_feature(world):
+    r = world.client.get("/v1/info", headers=bearer(world.t["operator"]))
+    assert "tunnel" in protocol.features_of(r.headers.get(protocol.FEATURES))
+
+
+def test_a_peer_without_the_tunnel_is_refused_naming_both_releases():
+    async def older(scope, receive, send):    # an agent of the release before: no /v1/tunnel, no features
+        assert scope["type"] == "http"
+        await JSONResponse({"error": "not_found", "detail": "Not Found"}, status_code=404,
+                           headers={protocol.HEADER: "2 capsule/0.1.9"})(scope, receive, send)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(older, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        with pytest.raises(ProtocolMismatch) as exc:
+            open_tunnels(SimpleNamespace(url=f"http://127.0.0.1:{port}", token="t" * 20, fingerprint=None))
+        assert "capsule 0.1.9 (protocol 2)" in str(exc.value) and f"capsule {__version__}" in str(exc.value)
+        assert "tunnel" in str(exc.value)
+    finally:
+        server.should_exit = True
+        thread.join(10)
