@@ -221,7 +221,7 @@ def _smooth(old: float | None, new: float) -> float:
 
 
 def forced_codec(codec: str, level: int | None) -> Codec | None:
-    """The codec a user gave (``codec`` and ``level`` of :class:`capsule.transfer.pushpull.Options`;
+    """The codec a user gave (``codec`` and ``level`` of :class:`capsule.transfer.terms.Options`;
     None: "auto", the link picks)."""
     if codec == "auto":
         return None

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from capsule import transfer
-from capsule.transfer import codecpick, pushpull
+from capsule.transfer import codecpick, pulling, pushing
 from capsule.transfer.codecpick import NONE, XZ, ZSTD3, Codec, CodecPicker
 from capsule.transfer.pacing import LinkMeter, Pacer
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 MB = 1e6
 Z19 = Codec("zstd", 19)
 Z10 = Codec("zstd", 10)
-ALL = codecpick.candidates({"zstd", "xz"}, pushpull.STREAM_LEVEL)
+ALL = codecpick.candidates({"zstd", "xz"}, pushing.STREAM_LEVEL)
 # measured on a transfer's data (ratio: wire per raw byte; speed: raw bytes/s on one thread)
 Z13, Z16 = Codec("zstd", 13), Codec("zstd", 16)
 MEASURED = {ZSTD3: (0.45, 300 * MB), Z10: (0.38, 40 * MB), Z13: (0.37, 20 * MB), Z16: (0.35, 6 * MB),
@@ -80,19 +80,19 @@ def test_the_codec_in_use_stays_until_another_is_clearly_better():
 
 
 def test_only_codecs_the_receiver_takes():
-    assert codecpick.candidates(set(), pushpull.STREAM_LEVEL) == [NONE, ZSTD3]     # no streams: frames only
-    assert XZ not in codecpick.candidates({"zstd"}, pushpull.STREAM_LEVEL)
-    assert picker(48_000).choose(codecpick.candidates({"zstd"}, pushpull.STREAM_LEVEL)) == Z19
-    assert picker(48_000).choose(codecpick.candidates(set(), pushpull.STREAM_LEVEL)) == ZSTD3
-    pulled = codecpick.candidates((), pushpull.STREAM_LEVEL_PULL, streams=False)   # a pull: frames at any level
-    assert XZ not in pulled and Z19 in pulled and not any(c.is_stream(pushpull.STREAM_LEVEL_PULL) for c in pulled)
+    assert codecpick.candidates(set(), pushing.STREAM_LEVEL) == [NONE, ZSTD3]     # no streams: frames only
+    assert XZ not in codecpick.candidates({"zstd"}, pushing.STREAM_LEVEL)
+    assert picker(48_000).choose(codecpick.candidates({"zstd"}, pushing.STREAM_LEVEL)) == Z19
+    assert picker(48_000).choose(codecpick.candidates(set(), pushing.STREAM_LEVEL)) == ZSTD3
+    pulled = codecpick.candidates((), pulling.STREAM_LEVEL_PULL, streams=False)   # a pull: frames at any level
+    assert XZ not in pulled and Z19 in pulled and not any(c.is_stream(pulling.STREAM_LEVEL_PULL) for c in pulled)
 
 
 def test_overrides_win():
     def forced(opts: transfer.Options, offered: set[str], link: float) -> Codec:
-        p = opts.picker(pushpull.STREAM_LEVEL)
+        p = opts.picker(pushing.STREAM_LEVEL)
         p.link = lambda: link
-        return p.choose(codecpick.candidates(offered, pushpull.STREAM_LEVEL))
+        return p.choose(codecpick.candidates(offered, pushing.STREAM_LEVEL))
 
     assert transfer.Options().codec == "auto"
     assert forced(transfer.Options(level=3), {"zstd", "xz"}, 48_000) == ZSTD3          # slow link, zstd -3 given
