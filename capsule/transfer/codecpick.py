@@ -1,15 +1,22 @@
-"""The codec of a transfer's blocks, picked by the link (issue 28): the one whose output keeps the link full
-with the fewest bytes.
+"""The codec of a transfer's blocks, picked by the link (issue 28): the one that sends them soonest, and
+of those that keep the link full, the one sending the fewest bytes.
 
-Each candidate delivers raw bytes at ``min(compress rate, link rate / ratio)``: on a slow link every
-candidate waits for the link and the one with the smallest ratio (xz, a high zstd level) delivers the most;
-on a fast one the compressor is the limit and zstd -3, or nothing, delivers the most. The link's rate is what
-the transfer's own requests measure (:class:`capsule.transfer.pacing.LinkMeter`: bytes per second of the
-time requests were in flight); each codec's ratio and speed are running averages over this transfer's
-own batches, those it compressed with it and a small sample it compresses now and then only to measure
-(``PROBE_BYTES``, every ``PROBE_EVERY`` batches, one candidate at a time). Among candidates within
-``NEAR`` of the best delivered rate, the one sending the fewest bytes wins; the codec in use stays
-until another delivers ``SWITCH`` more (no flapping between two close ones).
+A candidate ``c`` is expected to take ``max(cpu(c), ratio(c) / link)`` seconds per raw byte, where
+``ratio`` is wire bytes per raw byte and ``cpu`` the seconds of compressing (spread over the sending
+threads for frames, one thread for a stream) and of decompressing at the receiver, which may share the
+cores, times ``CPU_MARGIN`` (the other work of both ends, which a measurement on an idle moment misses).
+A stream also waits a round trip per batch, one upload in flight (``STREAM_GAP_S``). The fastest wins; a
+candidate within ``NEAR`` of it wins instead only when it sends fewer bytes and its CPU keeps up with the
+link (the link, not the CPU, is then the limit). The codec in use stays unless another is ``SWITCH`` faster.
+
+The figures are this transfer's own, as it runs. The link's rate: what its requests measure
+(:class:`capsule.transfer.pacing.LinkMeter`: bytes per second of the time requests were in flight). Each
+codec's speed: a running average of the time its encode calls took on the batches it sent, else on its
+probes — a small sample of a batch compressed now and then only to measure (``PROBE_BYTES``, every
+``PROBE_EVERY`` batches, one candidate at a time), decoded again to time the receiver's side. Each codec's
+ratio: what it made of a probe's sample against zstd -3 on the same sample (so candidates probed on
+different data are judged alike), scaled by what the codecs in use made of whole batches against their
+samples (a stream's history, a batch larger than a sample).
 
 Only codecs the receiver takes are candidates: object streams (zstd from the stream level, xz) where its
 ``X-Capsule-Streams`` names them, frames (none, zstd -3) everywhere. A given codec (``--zstd-level``,
@@ -29,13 +36,14 @@ from hashcache.blocks import BLOCK_SIZE
 
 FRAME_LEVEL = 3                  # zstd frames, packed by each sending thread
 STREAM_LEVELS = (10, 13, 16, 19)  # zstd stream levels tried (from the stream level on)
-NEAR = 0.10                      # delivered rates this close to the best count as equal: fewer bytes win
-SWITCH = 0.15                    # the codec in use is kept unless another delivers this much more
+NEAR = 0.03                      # expected times this close to the fastest: fewer bytes win if the link is full
+SWITCH = 0.03                    # the codec in use is kept unless another is expected this much faster
+CPU_MARGIN = 1.25                # measured CPU seconds count this much more (both ends' other work)
+STREAM_GAP_S = 0.03              # a stream's idle link per batch: one upload in flight, a round trip each
 PROBE_EVERY = 16                 # batches between two probes
 PROBE_BLOCKS = 64                # blocks a probe compresses
 PROBE_BYTES = PROBE_BLOCKS * BLOCK_SIZE
 SMOOTH = 0.3                     # weight of a new measurement in a running average
-NO_CPU_LIMIT = 1e12              # bytes/s of sending blocks as they are
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,14 @@ class Codec:
             return native.StreamEncoder(self.level).segment(raw)
         return raw
 
+    def decode(self, payload: bytes, size: int) -> bytes:
+        """What :meth:`encode` made of ``size`` raw bytes, decoded as the receiver would (a probe)."""
+        if self.name == "xz":
+            return native.XzStreamDecoder().segment(payload, size)
+        if self.name == "zstd":
+            return native.StreamDecoder().segment(payload, size)
+        return payload
+
 
 NONE = Codec("none")
 ZSTD3 = Codec("zstd", FRAME_LEVEL)
@@ -83,10 +99,31 @@ def candidates(offered: Iterable[str], stream_level: int = STREAM_LEVELS[0], *,
 
 @dataclass
 class _Measure:
-    ratio: float | None = None    # wire bytes per raw byte, in use
-    probed: float | None = None   # wire bytes per raw byte of a probe's sample
-    speed: float | None = None    # raw bytes compressed per second (one thread)
+    rel: float | None = None      # wire bytes against zstd -3's on the same probe sample
+    ratio: float | None = None    # wire bytes per raw byte of the batches sent with it
+    speed: float | None = None    # raw bytes compressed per second (one thread) on the batches sent with it
+    probe_speed: float | None = None   # the same on its probes
+    decode: float | None = None   # raw bytes decompressed per second (one thread), on its probes
     batch: int = -PROBE_EVERY     # the batch it was last measured at
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a candidate is expected to cost per raw byte: ``seconds`` (the larger of ``cpu`` and ``wire``)
+    and ``ratio`` (wire bytes)."""
+
+    cpu: float
+    wire: float
+    ratio: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.cpu, self.wire)
+
+    @property
+    def link_full(self) -> bool:
+        """Its CPU keeps up with the link: the link, not the CPU, decides when the blocks arrive."""
+        return self.cpu <= self.wire
 
 
 class CodecPicker:
@@ -106,41 +143,62 @@ class CodecPicker:
         self.current: Codec | None = None
         self.link_at_pick: float | None = None
         self._measures: dict[Codec, _Measure] = {}
-        # wire bytes in use per wire byte of a probe, of streams (their history) and of frames (batch sizes)
-        self._in_use: dict[bool, float] = {}
+        self._sample_ratio: float | None = None   # zstd -3's wire bytes per raw byte of the probes' samples
+        # wire bytes of whole batches per wire byte the probes predict, of streams and of frames
+        self._scale: dict[bool, float] = {}
+        self._batch_raw: float | None = None      # raw bytes of a batch sent
         self._batches = 0
         self._last_probe = -PROBE_EVERY
         self._lock = threading.Lock()
 
     # -- measurements ------------------------------------------------------------------------------------
 
-    def record(self, codec: Codec, raw: int, wire: int, seconds: float | None = None, *,
-               probe: bool = False) -> None:
-        """``raw`` bytes went out as ``wire`` bytes of ``codec`` (``probe``: would have), compressed in
-        ``seconds`` (None: not timed here, e.g. the serving side compressed them)."""
+    def record(self, codec: Codec, raw: int, wire: int, seconds: float | None = None) -> None:
+        """A batch of ``raw`` bytes went out as ``wire`` bytes of ``codec``, compressed in ``seconds``
+        (None: not timed here, e.g. the serving side compressed them)."""
         if raw <= 0:
             return
         with self._lock:
             m = self._measures.setdefault(codec, _Measure())
-            if probe:
-                m.probed = _smooth(m.probed, wire / raw)
-            else:
-                m.ratio = _smooth(m.ratio, wire / raw)
-                if m.probed:
-                    kind = codec.is_stream(self.stream_level)
-                    self._in_use[kind] = _smooth(self._in_use.get(kind), m.ratio / m.probed)
+            m.ratio = _smooth(m.ratio, wire / raw)
+            self._batch_raw = _smooth(self._batch_raw, raw)
+            predicted = self._predicted(codec)
+            if predicted and codec != NONE:
+                kind = codec.is_stream(self.stream_level)
+                self._scale[kind] = _smooth(self._scale.get(kind), (wire / raw) / predicted)
             if seconds is not None and codec != NONE:
                 m.speed = _smooth(m.speed, raw / max(seconds, 1e-6))
             m.batch = self._batches
 
+    def record_probe(self, codec: Codec, raw: int, wire: int, reference: int, seconds: float,
+                     decode_seconds: float | None = None) -> None:
+        """A probe: ``raw`` bytes of a sample made ``wire`` bytes of ``codec`` (``reference``: of zstd -3)
+        in ``seconds``, decoded again in ``decode_seconds``."""
+        if raw <= 0 or reference <= 0:
+            return
+        with self._lock:
+            m = self._measures.setdefault(codec, _Measure())
+            m.rel = _smooth(m.rel, wire / reference)
+            self._sample_ratio = _smooth(self._sample_ratio, reference / raw)
+            if codec != NONE:
+                m.probe_speed = _smooth(m.probe_speed, raw / max(seconds, 1e-6))
+            if decode_seconds is not None and codec != NONE:
+                m.decode = _smooth(m.decode, raw / max(decode_seconds, 1e-6))
+            m.batch = self._batches
+
     def measure(self, codec: Codec, raw: bytes) -> None:
-        """Compress ``raw`` with ``codec`` only to measure it (a probe)."""
+        """Compress ``raw`` with ``codec`` (and with zstd -3, the yardstick) only to measure it (a probe),
+        and decode it again as the receiver would."""
         t0 = time.perf_counter()
-        wire = len(codec.encode(raw))
-        self.record(codec, len(raw), wire, time.perf_counter() - t0, probe=True)
+        wire = codec.encode(raw)
+        seconds = time.perf_counter() - t0
+        reference = len(wire) if codec == ZSTD3 else len(ZSTD3.encode(raw))
+        t1 = time.perf_counter()
+        codec.decode(wire, len(raw))
+        self.record_probe(codec, len(raw), len(wire), reference, seconds, time.perf_counter() - t1)
 
     def probe_due(self, allowed: Iterable[Codec]) -> Codec | None:
-        """The candidate to measure on the next batch: one never measured first, then the one measured
+        """The candidate to measure on the next batch: one never probed first, then the one measured
         longest ago every ``PROBE_EVERY`` batches; counts a batch."""
         if self.forced is not None:
             return None
@@ -151,7 +209,7 @@ class CodecPicker:
                 return None
             oldest = min(stale, key=lambda c: self._measures.get(c, _Measure()).batch)
             m = self._measures.get(oldest)
-            if (m is not None and m.probed is not None and m.speed is not None
+            if (m is not None and m.rel is not None
                     and self._batches - max(m.batch, self._last_probe) < PROBE_EVERY):
                 return None
             self._last_probe = self._batches
@@ -160,30 +218,47 @@ class CodecPicker:
     def probe(self, allowed: Iterable[Codec], sample: Callable[[], bytes]) -> None:
         """Measure the candidate due (``sample()``: up to ``PROBE_BYTES`` of the batch), if one is. A sample
         is a fresh stream: an object stream's history, which makes its later segments smaller, shows
-        only once it is in use."""
+        only once it is in use (as the scale of streams)."""
         codec = self.probe_due(allowed)
         if codec is not None:
             self.measure(codec, sample()[:PROBE_BYTES])
 
-    def delivered(self, codec: Codec, link: float) -> float | None:
-        """Raw bytes per second ``codec`` would deliver over a link of ``link`` bytes/s (None: unmeasured)."""
-        m = self._measures.get(codec)
-        if codec == NONE:
-            return link / self.ratio(codec)
-        if m is None or (m.ratio is None and m.probed is None) or m.speed is None:
-            return None
-        cpu = m.speed * (1 if codec.is_stream(self.stream_level) else self.parallel)
-        return min(cpu, link / max(self.ratio(codec), 1e-3))
+    # -- the model ---------------------------------------------------------------------------------------
 
-    def ratio(self, codec: Codec) -> float:
-        """Wire bytes per raw byte ``codec`` is expected to send: its probes' ratio as the codecs in use did
-        against theirs (so every candidate is judged alike), else its ratio in use (1.0: unmeasured)."""
+    def _predicted(self, codec: Codec) -> float | None:
+        """Wire bytes per raw byte the probes predict for ``codec`` on a sample (None: not probed)."""
         m = self._measures.get(codec)
-        if m is None:
+        if codec == ZSTD3 and self._sample_ratio is not None:
+            return self._sample_ratio
+        if m is None or m.rel is None or self._sample_ratio is None:
+            return None
+        return m.rel * self._sample_ratio
+
+    def ratio(self, codec: Codec) -> float | None:
+        """Wire bytes per raw byte ``codec`` is expected to send on whole batches (None: unmeasured)."""
+        if codec == NONE:
             return 1.0
-        if m.probed is not None:
-            return m.probed * self._in_use.get(codec.is_stream(self.stream_level), 1.0)
-        return m.ratio if m.ratio is not None else 1.0
+        predicted = self._predicted(codec)
+        if predicted is not None:
+            return min(1.0, predicted * self._scale.get(codec.is_stream(self.stream_level), 1.0))
+        m = self._measures.get(codec)
+        return m.ratio if m is not None else None
+
+    def expected(self, codec: Codec, link: float) -> Expected | None:
+        """What ``codec`` is expected to cost per raw byte over a link of ``link`` bytes/s (None: unmeasured)."""
+        ratio = self.ratio(codec)
+        if ratio is None:
+            return None
+        stream = codec.is_stream(self.stream_level)
+        wire = ratio / max(link, 1.0) + (STREAM_GAP_S / self._batch_raw if stream and self._batch_raw else 0.0)
+        if codec == NONE:
+            return Expected(0.0, wire, ratio)
+        m = self._measures[codec] if codec in self._measures else _Measure()
+        speed = m.speed or m.probe_speed
+        if speed is None:
+            return None
+        cpu = 1 / (speed * (1 if stream else self.parallel)) + (1 / m.decode if m.decode else 0.0)
+        return Expected(CPU_MARGIN * cpu, wire, ratio)
 
     # -- the choice --------------------------------------------------------------------------------------
 
@@ -204,14 +279,19 @@ class CodecPicker:
         default = ZSTD3 if ZSTD3 in allowed else allowed[0]
         if link is None:       # nothing measured yet: today's default until the first answers
             return self.current if self.current in allowed else default
-        rates = {c: d for c in allowed if (d := self.delivered(c, link)) is not None}
-        if not rates:
+        costs = {c: e for c in allowed if (e := self.expected(c, link)) is not None}
+        if len(costs) < len(allowed):   # a stream lasts to the object's end: none before all are measured
+            costs = {c: e for c, e in costs.items() if not c.is_stream(self.stream_level)}
+        if not costs:
             return default
-        best = max(rates.values())
-        near = [c for c, d in rates.items() if d >= (1 - NEAR) * best]
-        pick = min(near, key=lambda c: (self.ratio(c), c.level))
+        fastest = min(costs, key=lambda c: (costs[c].seconds, costs[c].ratio))
+        best = costs[fastest].seconds
+        fewer = [c for c, e in costs.items() if e.link_full and e.seconds <= (1 + NEAR) * best
+                 and e.ratio < costs[fastest].ratio]
+        pick = min(fewer, key=lambda c: (costs[c].ratio, c.level)) if fewer else fastest
         cur = self.current
-        if cur is not None and cur in rates and cur != pick and rates[cur] >= rates[pick] / (1 + SWITCH):
+        if (cur is not None and cur in costs and cur != pick
+                and costs[cur].seconds <= (1 + SWITCH) * costs[pick].seconds):
             return cur
         return pick
 

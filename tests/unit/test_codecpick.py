@@ -1,6 +1,8 @@
 """The codec picked by the link (capsule/transfer/codecpick.py): for given measured rates and ratios the
-picker sends what keeps the link full with the fewest bytes, does not flap, stays within what the
-receiver takes, and a codec the user gave wins; the link meter (capsule/transfer/pacing.py) counts only
+picker sends what arrives soonest, and of what keeps the link full the fewest bytes; it never picks a
+codec whose CPU is the limit when a faster one exists (xz on a 20 Mbit/s link), counts the receiver's
+decoding, believes the encode times of the batches it sent over its probes, does not flap, stays within what
+the receiver takes, and a codec the user gave wins; the link meter (capsule/transfer/pacing.py) counts only
 the time requests were in flight."""
 
 from __future__ import annotations
@@ -21,62 +23,121 @@ MB = 1e6
 Z19 = Codec("zstd", 19)
 Z10 = Codec("zstd", 10)
 ALL = codecpick.candidates({"zstd", "xz"}, pushing.STREAM_LEVEL)
-# measured on a transfer's data (ratio: wire per raw byte; speed: raw bytes/s on one thread)
+# measured on a transfer's data: ratio (wire per raw byte), compress and decompress speed (raw bytes/s, one
+# thread), about as this 2-core machine does them
 Z13, Z16 = Codec("zstd", 13), Codec("zstd", 16)
-MEASURED = {ZSTD3: (0.45, 300 * MB), Z10: (0.38, 40 * MB), Z13: (0.37, 20 * MB), Z16: (0.35, 6 * MB),
-            Z19: (0.33, 3 * MB), XZ: (0.30, 2.5 * MB), NONE: (1.0, 0)}
+MEASURED = {ZSTD3: (0.45, 300 * MB, 600 * MB), Z10: (0.38, 40 * MB, 600 * MB), Z13: (0.37, 20 * MB, 600 * MB),
+            Z16: (0.35, 6 * MB, 600 * MB), Z19: (0.33, 3 * MB, 600 * MB), XZ: (0.30, 2.5 * MB, 100 * MB)}
+Measured = dict[Codec, tuple[float, float, float]]
+RAW = 1 << 18
 
 
-def picker(link: float | None, measured: dict[Codec, tuple[float, float]] = MEASURED, **kw) -> CodecPicker:
+def picker(link: float | None, measured: Measured = MEASURED, **kw) -> CodecPicker:
+    """A picker that probed each codec once with the figures ``measured`` on a link of ``link`` bytes/s."""
     rate = {"link": link}
     p = CodecPicker(lambda: rate["link"], parallel=2, **kw)
     p.rate = rate   # type: ignore[attr-defined]  # the test changes the link under it
-    for codec, (ratio, speed) in measured.items():
-        raw = 1 << 20
-        p.record(codec, raw, int(raw * ratio), raw / speed if speed else None)
+    reference = int(RAW * measured.get(ZSTD3, (1.0, 0, 0))[0])
+    for codec, (ratio, speed, decode) in measured.items():
+        p.record_probe(codec, RAW, int(RAW * ratio), reference, RAW / speed, RAW / decode)
     return p
 
 
-def test_a_slow_link_gets_xz_a_fast_one_zstd_3():
+def seconds(p: CodecPicker, codec: Codec) -> float:
+    e = p.expected(codec, p.link() or 0)
+    assert e is not None
+    return e.seconds
+
+
+def test_a_slow_link_gets_xz_a_fast_one_zstd_3_or_nothing():
     assert picker(48_000).choose(ALL) == XZ                 # 384 kbit/s: every codec waits for the link
     assert picker(0.5 * MB).choose(ALL) == XZ               # 4 Mbit/s: xz's 2.5 MB/s still outruns it
     assert picker(125 * MB).choose(ALL) == ZSTD3            # a LAN: only zstd -3 keeps up
-    assert picker(400 * MB).choose(ALL) == ZSTD3            # 2 × 300 MB/s of zstd -3 fills it: fewer bytes
     assert picker(1000 * MB).choose(ALL) == NONE            # loopback: faster than 2 threads of zstd -3
+    no_xz = codecpick.candidates({"zstd"}, pushing.STREAM_LEVEL)
+    assert picker(48_000).choose(no_xz) == Z19              # a receiver without xz: the smallest zstd
 
 
 def test_incompressible_data_on_a_fast_link_goes_as_it_is():
-    random_data = {ZSTD3: (1.0, 900 * MB), Z19: (1.0, 50 * MB), XZ: (1.0, 10 * MB), NONE: (1.0, 0)}
+    random_data = {ZSTD3: (1.0, 900 * MB, 2000 * MB), Z19: (1.0, 50 * MB, 2000 * MB), XZ: (1.0, 10 * MB, 2000 * MB)}
     assert picker(1000 * MB, random_data).choose(ALL) == NONE
+    assert picker(48_000, random_data).choose(ALL) == NONE   # nothing to gain on a slow link either
 
 
-def test_a_cpu_slower_than_the_link_gets_a_faster_codec():
-    # 20 Mbit/s = 2.5 MB/s: xz would deliver 2.5 MB/s of raw data (its CPU), zstd -13 2.5/0.37 = 6.8 MB/s
-    assert picker(2.5 * MB).choose(ALL) == Z13
-    slow_cpu = {c: (r, s / 10) for c, (r, s) in MEASURED.items()}
+def test_where_the_cpu_is_the_limit_xz_is_never_picked():
+    # 20 Mbit/s = 2.5 MB/s: xz would compress 2.5 MB/s of raw data (its CPU), zstd -13 sends 2.5/0.37 = 6.8 MB/s
+    p = picker(2.5 * MB)
+    assert p.choose(ALL) == Z13
+    assert seconds(p, Z13) < seconds(p, ZSTD3) < seconds(p, XZ)
+    slow_cpu = {c: (r, s / 10, d / 10) for c, (r, s, d) in MEASURED.items()}
     assert picker(2.5 * MB, slow_cpu).choose(ALL) == ZSTD3   # a tenth of the CPU: only zstd -3 keeps up
+    much_smaller = {**MEASURED, XZ: (0.15, 2.5 * MB, 100 * MB)}   # half zstd -19's bytes, but the CPU limits it
+    assert picker(2.5 * MB, much_smaller).choose(ALL) != XZ
 
 
-def test_near_equal_rates_prefer_fewer_bytes():
-    # 1 MB/s: zstd -16 delivers 1/0.35 = 2.86 MB/s, xz min(2.5, 3.33) = 2.5 MB/s: 13 % less -> not near
-    base = {**MEASURED, Z19: (0.33, 2 * MB)}
-    assert picker(1 * MB, base).choose(ALL) == Z16
-    near = {**base, XZ: (0.30, 2.7 * MB)}              # xz 2.7 MB/s: within 10 % of 2.86 -> fewer bytes
-    assert picker(1 * MB, near).choose(ALL) == XZ
+@pytest.mark.parametrize("kbit", [256, 384, 1000, 4000, 8000, 20_000, 50_000, 100_000, 1_000_000, 10_000_000])
+def test_never_slower_than_zstd_3_and_xz_only_where_the_link_is_full(kbit):
+    for measured in (MEASURED, {c: (r, s / 4, d / 4) for c, (r, s, d) in MEASURED.items()}):
+        p = picker(kbit * 125, measured)
+        pick = p.choose(ALL)
+        assert seconds(p, pick) <= 1.03 * seconds(p, ZSTD3), (kbit, pick)
+        cost = p.expected(pick, kbit * 125)
+        assert cost is not None and cost.ratio <= p.expected(ZSTD3, kbit * 125).ratio or pick == NONE
+        if pick == XZ:
+            assert cost.link_full, kbit
 
 
-def test_the_codec_in_use_stays_until_another_is_clearly_better():
-    assert picker(0.92 * MB).choose(ALL) == Z19   # at 0.92 MB/s zstd -19 delivers 2.79 MB/s, xz 2.5 MB/s
-    p = picker(0.5 * MB)
+def test_the_receivers_decoding_counts():
+    # 4 Mbit/s, xz's compression keeps up, but a receiver decoding only 1 MB/s would not
+    slow_decode = {**MEASURED, XZ: (0.30, 2.5 * MB, 1 * MB)}
+    assert picker(0.5 * MB).choose(ALL) == XZ
+    assert picker(0.5 * MB, slow_decode).choose(ALL) == Z19
+
+
+def test_encode_times_of_the_batches_sent_overrule_an_optimistic_probe():
+    # the probe saw xz compress 12 MB/s (an idle moment, a small sample): at 20 Mbit/s xz looks best
+    optimistic = {**MEASURED, XZ: (0.30, 12 * MB, 100 * MB)}
+    p = picker(2.5 * MB, optimistic)
     assert p.choose(ALL) == XZ
-    p.rate["link"] = 0.92 * MB             # zstd -19 only 11 % better than xz, which is in use: xz stays
-    assert [p.choose(ALL) for _ in range(5)] == [XZ] * 5
-    p.rate["link"] = 100 * MB              # a fast link now: zstd -3 delivers 90 times more
-    assert p.choose(ALL) == ZSTD3
-    p.rate["link"] = 500 * MB              # none delivers 500 MB/s, zstd -3 its 600 (fewer bytes): it stays
-    assert p.choose(ALL) == ZSTD3
-    p.rate["link"] = 1 * MB                # and slow again
-    assert p.choose(ALL) == Z19
+    p.record(XZ, 1 << 20, int(0.30 * (1 << 20)), (1 << 20) / (2 * MB))   # a batch sent took 2 MB/s
+    assert p.choose(ALL) == Z13
+
+
+def test_no_stream_starts_before_every_candidate_is_measured():
+    some = {ZSTD3: MEASURED[ZSTD3], Z19: MEASURED[Z19]}
+    assert picker(48_000, some).choose(ALL) == ZSTD3        # xz and the others not probed yet: frames
+    assert picker(48_000, some).choose([NONE, ZSTD3, Z19]) == Z19
+
+
+def test_fewer_bytes_win_only_where_the_link_is_full():
+    # a stream waits a round trip per batch: zstd -10 (a stream) sends 2 % fewer bytes than zstd -3 frames,
+    # but over 4 Mbit/s with 1 MiB batches its round trips make it 1 % slower: fewer bytes, the link full
+    measured = {ZSTD3: (0.45, 300 * MB, 600 * MB), Z10: (0.44, 40 * MB, 600 * MB)}
+    allowed = [NONE, ZSTD3, Z10]
+    p = picker(0.5 * MB, measured)
+    p.record(ZSTD3, 1 << 20, int(0.45 * (1 << 20)))   # a batch sent: 1 MiB
+    assert seconds(p, ZSTD3) < seconds(p, Z10) <= 1.03 * seconds(p, ZSTD3)
+    assert p.expected(Z10, 0.5 * MB).link_full and p.choose(allowed) == Z10
+    # the same, but zstd -10's CPU is the limit: the fastest wins
+    slow = {ZSTD3: (0.45, 300 * MB, 600 * MB), Z10: (0.44, 1.36 * MB, 600 * MB)}
+    q = picker(0.5 * MB, slow)
+    q.record(ZSTD3, 1 << 20, int(0.45 * (1 << 20)))
+    assert seconds(q, ZSTD3) < seconds(q, Z10) <= 1.03 * seconds(q, ZSTD3)
+    assert not q.expected(Z10, 0.5 * MB).link_full and q.choose(allowed) == ZSTD3
+
+
+def test_the_codec_in_use_stays_until_another_is_clearly_faster():
+    two = {ZSTD3: MEASURED[ZSTD3], Z19: MEASURED[Z19]}
+    allowed = [NONE, ZSTD3, Z19]
+    p = picker(1.0 * MB, two)              # zstd -19's CPU (3 MB/s) is faster than zstd -3 over 1 MB/s
+    assert p.choose(allowed) == Z19
+    p.rate["link"] = 1.09 * MB             # zstd -3 now 1.5 % faster: zstd -19 stays
+    assert seconds(p, ZSTD3) < seconds(p, Z19) < 1.03 * seconds(p, ZSTD3)
+    assert [p.choose(allowed) for _ in range(5)] == [Z19] * 5
+    p.rate["link"] = 1.2 * MB              # 11 % faster: it changes
+    assert p.choose(allowed) == ZSTD3
+    p.rate["link"] = 0.2 * MB              # and slow again
+    assert p.choose(allowed) == Z19
 
 
 def test_only_codecs_the_receiver_takes():
