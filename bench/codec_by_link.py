@@ -2,13 +2,16 @@
 half random) over a shaped link (testkit/netlink.py SlowLink, 20 ms RTT), with the codec picked by the
 link ("auto"), zstd -3 frames (the default before) and ``--xz``. Needs root (network namespaces).
 
-    .venv/bin/python bench/codec_by_link.py --mib 64 --kbit 20000
+    .venv/bin/python bench/codec_by_link.py --mib 64 --kbit 20000 --out bench/results/codec_by_link.json
+
+``--out`` adds this run's rows to that JSON file (rows of the same size, rate and codec are replaced).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -47,11 +50,21 @@ def text(size: int, seed: int) -> bytes:
     return bytes(out[:size])
 
 
+def save(path: Path, row: dict) -> None:
+    """Add ``row`` to the rows in ``path``, in place of one of the same size, rate and codec."""
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    key = ("mib", "kbit", "how")
+    rows = [r for r in rows if tuple(r[k] for k in key) != tuple(row[k] for k in key)] + [row]
+    rows.sort(key=lambda r: (-r["kbit"], r["mib"], r["how"]))
+    path.write_text(json.dumps({"bench": "codec_by_link", "cpus": os.cpu_count(), "rows": rows}, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--kbit", type=int, default=20_000)
     ap.add_argument("--how", default="auto,zstd-3,xz")
+    ap.add_argument("--out", type=Path, help="add the rows to this JSON file")
     args = ap.parse_args()
     size = args.mib << 20
     content = bytearray()
@@ -76,8 +89,10 @@ def main() -> None:
                                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-3000:])
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            print(json.dumps({"mib": args.mib, "kbit": args.kbit, **row}), flush=True)
+            row = {"mib": args.mib, "kbit": args.kbit, **json.loads(out.stdout.strip().splitlines()[-1])}
+            print(json.dumps(row), flush=True)
+            if args.out:
+                save(args.out, row)
 
 
 if __name__ == "__main__":

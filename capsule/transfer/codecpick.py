@@ -15,8 +15,16 @@ codec's speed: a running average of the time its encode calls took on the batche
 probes — a small sample of a batch compressed now and then only to measure (``PROBE_BYTES``, every
 ``PROBE_EVERY`` batches, one candidate at a time), decoded again to time the receiver's side. Each codec's
 ratio: what it made of a probe's sample against zstd -3 on the same sample (so candidates probed on
-different data are judged alike), scaled by what the codecs in use made of whole batches against their
-samples (a stream's history, a batch larger than a sample).
+different data are judged alike), scaled by what the codecs in use made of whole batches against the
+probes of those very batches, for streams and frames apart (a stream's history, a frame smaller or larger
+than a sample); until a stream is in use, its history is judged by zstd -3 on a sample after the samples
+probed before it (``HISTORY_BYTES``) against on the sample alone.
+
+An object stream lasts while its codec stays the pick: the sender asks again at every batch and, when
+another is expected ``LEAVE_STREAM`` faster (a stream's history is lost when it ends), waits for the
+stream's last segment and goes on in frames or in a new stream (the link changed, or the figures of its
+first seconds were wrong). None starts before every candidate is measured and the link has been measured
+for a few seconds (a transfer's window opens over its first seconds, so the link's rate starts low).
 
 Only codecs the receiver takes are candidates: object streams (zstd from the stream level, xz) where its
 ``X-Capsule-Streams`` names them, frames (none, zstd -3) everywhere. A given codec (``--zstd-level``,
@@ -38,11 +46,14 @@ FRAME_LEVEL = 3                  # zstd frames, packed by each sending thread
 STREAM_LEVELS = (10, 13, 16, 19)  # zstd stream levels tried (from the stream level on)
 NEAR = 0.03                      # expected times this close to the fastest: fewer bytes win if the link is full
 SWITCH = 0.03                    # the codec in use is kept unless another is expected this much faster
+LEAVE_STREAM = 0.10              # a stream in use (its history lost when it ends) unless this much faster
 CPU_MARGIN = 1.25                # measured CPU seconds count this much more (both ends' other work)
 STREAM_GAP_S = 0.03              # a stream's idle link per batch: one upload in flight, a round trip each
 PROBE_EVERY = 16                 # batches between two probes
 PROBE_BLOCKS = 64                # blocks a probe compresses
 PROBE_BYTES = PROBE_BLOCKS * BLOCK_SIZE
+HISTORY_BYTES = 1 << 20          # the probes' last samples kept: what a stream would have seen before
+MAX_BATCH_BYTES = 256 * BLOCK_SIZE   # a stream's segments: its one upload in flight takes the whole window
 SMOOTH = 0.3                     # weight of a new measurement in a running average
 
 
@@ -135,37 +146,43 @@ class CodecPicker:
     def __init__(self, link: Callable[[], float | None], *, parallel: int = 1, forced: Codec | None = None,
                  stream_level: int = STREAM_LEVELS[0], fallback_level: int = FRAME_LEVEL) -> None:
         self.link = link
+        self.settled: Callable[[], bool] = lambda: True   # the link's rate measured long enough for a stream
         self.meter: LinkMeter | None = None
         self.fallback_level = fallback_level
         self.parallel = max(1, min(parallel, os.cpu_count() or 1))
+        self.inflight = max(1, parallel)
         self.forced = forced
         self.stream_level = stream_level
         self.current: Codec | None = None
         self.link_at_pick: float | None = None
         self._measures: dict[Codec, _Measure] = {}
         self._sample_ratio: float | None = None   # zstd -3's wire bytes per raw byte of the probes' samples
-        # wire bytes of whole batches per wire byte the probes predict, of streams and of frames
+        # wire bytes of whole batches per wire byte a probe of the same batch predicts: of streams, of frames
         self._scale: dict[bool, float] = {}
         self._batch_raw: float | None = None      # raw bytes of a batch sent
+        self._context = b""                       # the probes' last samples (``HISTORY_BYTES``)
+        self._history: float | None = None        # zstd -3 on a sample after them, against on it alone
         self._batches = 0
         self._last_probe = -PROBE_EVERY
         self._lock = threading.Lock()
 
     # -- measurements ------------------------------------------------------------------------------------
 
-    def record(self, codec: Codec, raw: int, wire: int, seconds: float | None = None) -> None:
+    def record(self, codec: Codec, raw: int, wire: int, seconds: float | None = None,
+               sample: float | None = None) -> None:
         """A batch of ``raw`` bytes went out as ``wire`` bytes of ``codec``, compressed in ``seconds``
-        (None: not timed here, e.g. the serving side compressed them)."""
+        (None: not timed here, e.g. the serving side compressed them); ``sample``: zstd -3's ratio on a probe
+        of this very batch (what :meth:`probe` answered), which tells how whole batches do against samples."""
         if raw <= 0:
             return
         with self._lock:
             m = self._measures.setdefault(codec, _Measure())
             m.ratio = _smooth(m.ratio, wire / raw)
             self._batch_raw = _smooth(self._batch_raw, raw)
-            predicted = self._predicted(codec)
-            if predicted and codec != NONE:
+            m_rel = 1.0 if codec == ZSTD3 else m.rel
+            if sample and m_rel and codec != NONE:
                 kind = codec.is_stream(self.stream_level)
-                self._scale[kind] = _smooth(self._scale.get(kind), (wire / raw) / predicted)
+                self._scale[kind] = _smooth(self._scale.get(kind), (wire / raw) / (m_rel * sample))
             if seconds is not None and codec != NONE:
                 m.speed = _smooth(m.speed, raw / max(seconds, 1e-6))
             m.batch = self._batches
@@ -186,9 +203,9 @@ class CodecPicker:
                 m.decode = _smooth(m.decode, raw / max(decode_seconds, 1e-6))
             m.batch = self._batches
 
-    def measure(self, codec: Codec, raw: bytes) -> None:
+    def measure(self, codec: Codec, raw: bytes) -> float:
         """Compress ``raw`` with ``codec`` (and with zstd -3, the yardstick) only to measure it (a probe),
-        and decode it again as the receiver would."""
+        and decode it again as the receiver would; zstd -3's ratio on ``raw``."""
         t0 = time.perf_counter()
         wire = codec.encode(raw)
         seconds = time.perf_counter() - t0
@@ -196,6 +213,21 @@ class CodecPicker:
         t1 = time.perf_counter()
         codec.decode(wire, len(raw))
         self.record_probe(codec, len(raw), len(wire), reference, seconds, time.perf_counter() - t1)
+        self._after_history(raw, reference)
+        return reference / max(len(raw), 1)
+
+    def _after_history(self, raw: bytes, reference: int) -> None:
+        """How much smaller zstd -3 makes ``raw`` after the samples probed before it than alone (a
+        stream's history, which a fresh sample cannot show): a stream's scale until one is in use."""
+        with self._lock:
+            context = self._context
+            self._context = (context + raw)[-HISTORY_BYTES:]
+        if context and reference > 0:
+            encoder = native.StreamEncoder(FRAME_LEVEL)
+            encoder.segment(context)
+            after = len(encoder.segment(raw))
+            with self._lock:
+                self._history = _smooth(self._history, min(1.0, after / reference))
 
     def probe_due(self, allowed: Iterable[Codec]) -> Codec | None:
         """The candidate to measure on the next batch: one never probed first, then the one measured
@@ -215,13 +247,13 @@ class CodecPicker:
             self._last_probe = self._batches
             return oldest
 
-    def probe(self, allowed: Iterable[Codec], sample: Callable[[], bytes]) -> None:
+    def probe(self, allowed: Iterable[Codec], sample: Callable[[], bytes]) -> float | None:
         """Measure the candidate due (``sample()``: up to ``PROBE_BYTES`` of the batch), if one is. A sample
         is a fresh stream: an object stream's history, which makes its later segments smaller, shows
-        only once it is in use (as the scale of streams)."""
+        only once it is in use (as the scale of streams). Answers zstd -3's ratio on the sample (None: no
+        probe), for :meth:`record` of the batch."""
         codec = self.probe_due(allowed)
-        if codec is not None:
-            self.measure(codec, sample()[:PROBE_BYTES])
+        return self.measure(codec, sample()[:PROBE_BYTES]) if codec is not None else None
 
     # -- the model ---------------------------------------------------------------------------------------
 
@@ -240,7 +272,8 @@ class CodecPicker:
             return 1.0
         predicted = self._predicted(codec)
         if predicted is not None:
-            return min(1.0, predicted * self._scale.get(codec.is_stream(self.stream_level), 1.0))
+            stream = codec.is_stream(self.stream_level)
+            return min(1.0, predicted * self._scale.get(stream, (self._history or 1.0) if stream else 1.0))
         m = self._measures.get(codec)
         return m.ratio if m is not None else None
 
@@ -250,7 +283,8 @@ class CodecPicker:
         if ratio is None:
             return None
         stream = codec.is_stream(self.stream_level)
-        wire = ratio / max(link, 1.0) + (STREAM_GAP_S / self._batch_raw if stream and self._batch_raw else 0.0)
+        segment = min(self._batch_raw * self.inflight, MAX_BATCH_BYTES) if self._batch_raw else None
+        wire = ratio / max(link, 1.0) + (STREAM_GAP_S / segment if stream and segment else 0.0)
         if codec == NONE:
             return Expected(0.0, wire, ratio)
         m = self._measures[codec] if codec in self._measures else _Measure()
@@ -262,15 +296,19 @@ class CodecPicker:
 
     # -- the choice --------------------------------------------------------------------------------------
 
-    def choose(self, allowed: Iterable[Codec]) -> Codec:
-        """The codec for what is sent next, among ``allowed`` (what the receiver takes, and what can still
-        change: frames only in the middle of an object that started in frames)."""
+    def choose(self, allowed: Iterable[Codec], keep: Codec | None = None) -> Codec:
+        """The codec for what is sent next, among ``allowed`` (what the receiver takes). ``keep``: the codec
+        of the object stream in use, kept unless another is expected ``LEAVE_STREAM`` faster."""
         allowed = list(allowed)
         if self.forced is not None:   # xz where the receiver takes it, else zstd at the level given (or 3)
             return Codec("zstd", self.fallback_level) if self.forced == XZ and XZ not in allowed else self.forced
         link = self.link()
         with self._lock:
             pick = self._pick(allowed, link)
+            if keep is not None and pick != keep and link is not None:
+                now, then = self.expected(keep, link), self.expected(pick, link)
+                if now is not None and then is not None and now.seconds <= (1 + LEAVE_STREAM) * then.seconds:
+                    pick = keep
             self.current = pick
             self.link_at_pick = link
             return pick
@@ -280,7 +318,7 @@ class CodecPicker:
         if link is None:       # nothing measured yet: today's default until the first answers
             return self.current if self.current in allowed else default
         costs = {c: e for c in allowed if (e := self.expected(c, link)) is not None}
-        if len(costs) < len(allowed):   # a stream lasts to the object's end: none before all are measured
+        if len(costs) < len(allowed) or not self.settled():   # no stream on first figures: it lasts a while
             costs = {c: e for c, e in costs.items() if not c.is_stream(self.stream_level)}
         if not costs:
             return default
@@ -318,6 +356,7 @@ def for_transfer(codec: str, level: int | None, parallel: int, stream_level: int
     picker = CodecPicker(meter.rate, parallel=parallel, forced=forced_codec(codec, level), stream_level=stream_level,
                          fallback_level=level or FRAME_LEVEL)
     picker.meter = meter
+    picker.settled = meter.settled
     return picker
 
 

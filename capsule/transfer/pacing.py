@@ -74,6 +74,12 @@ class LinkMeter:
                                                 or now - self._marks[1][2] > LINK_AGE_S):
                     self._marks.popleft()
 
+    def settled(self) -> bool:
+        """Requests have been in flight for ``span_s`` seconds: a transfer's window opens over its first
+        seconds, and the rate measured before says more about the window than about the link."""
+        with self._lock:
+            return self._busy_now(time.monotonic()) >= self.span_s
+
     def rate(self) -> float | None:
         """Bytes per busy second over the last ``span_s`` busy seconds (None before any answer)."""
         with self._lock:

@@ -119,12 +119,12 @@ def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                                       params={"level": codec.level or 1, "compress": str(codec != NONE).lower()},
                                       idempotent=True)
                 sent.append(len(idx) + len(resp.content))
-            picker.record(codec, len(batch) * BLOCK_SIZE, len(resp.content))
             with used_lock:
                 used[codec.label] = used.get(codec.label, 0) + len(batch) * BLOCK_SIZE
             try:
                 blocks = unpack_blocks(resp.content, len(batch), compressed=codec != NONE)
-                picker.probe(PULL_CODECS, lambda: b"".join(blocks[:codecpick.PROBE_BLOCKS]))
+                sample = picker.probe(PULL_CODECS, lambda: b"".join(blocks[:codecpick.PROBE_BLOCKS]))
+                picker.record(codec, len(batch) * BLOCK_SIZE, len(resp.content), sample=sample)
                 with translating_enospc(f"receiving {name}"):
                     receiver.accept(batch, blocks, on_progress=progress.advance)
             except (ManifestMismatch, ProtocolError) as exc:

@@ -89,12 +89,13 @@ def _sample(reader: BlockReader, batch: list[int]) -> bytes:
     return b"".join(reader.read(batch[:codecpick.PROBE_BLOCKS]))
 
 
-def _pack(reader: BlockReader, picker: CodecPicker, codec: Codec, batch: list[int]) -> bytes:
-    """A batch's blocks as a frame of their own in ``codec``; the time it took counts for the codec's rate."""
+def _pack(reader: BlockReader, picker: CodecPicker, codec: Codec, sample: float | None, batch: list[int]) -> bytes:
+    """A batch's blocks as a frame of their own in ``codec``; the time it took counts for the codec's rate
+    (``sample``: zstd -3's ratio on a probe of the batch)."""
     blocks = reader.read(batch)
     c0 = time.perf_counter()
     payload = pack_blocks(blocks, level=codec.level or 1, compress=codec != NONE)
-    picker.record(codec, len(batch) * BLOCK_SIZE, len(payload), time.perf_counter() - c0)
+    picker.record(codec, len(batch) * BLOCK_SIZE, len(payload), time.perf_counter() - c0, sample)
     return payload
 
 
@@ -116,9 +117,10 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     while the next one and the blocks it already asked for are on the wire),
     then the blocks it asks for, then commit. Each batch's codec is the transfer's picker's
     (``codecpick.py``: by the link's measured rate, or the one given): frames of their own (none, zstd -3),
-    packed by the thread that sends them, many in flight; or, from the batch the picker first names a stream
-    codec the receiver takes (``capsule/exchange/streams.py``: zstd from ``STREAM_LEVEL``, xz), segments of
-    one object stream, compressed here in order and sent one at a time, to the object's end."""
+    packed by the thread that sends them, many in flight; or, while the picker names a stream codec the
+    receiver takes (``capsule/exchange/streams.py``: zstd from ``STREAM_LEVEL``, xz), segments of one object
+    stream, compressed here in order and sent one at a time. When the pick changes, the stream's segments
+    in flight are waited for and the next batches go in frames or in a new stream."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
@@ -139,16 +141,16 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     stream_codec = NONE
     segments = 0
 
-    def send(item: tuple[list[int], int | None, bytes | None, Codec]) -> None:
-        batch, seq, payload, codec = item
+    def send(item: tuple[list[int], int | None, bytes | None, Codec, str, float | None]) -> None:
+        batch, seq, payload, codec, sid, sample = item
         check()  # a cancel stops here; the pipeline then drops the batches still queued
         params: dict[str, Any] = {"compress": str(codec != NONE).lower()}
         with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
             if payload is None:   # a frame of its own: after a lost answer, only the blocks not kept again
-                sent.append(send_batch(client, kind, oid, batch, functools.partial(_pack, reader, picker, codec),
-                                       params))
+                pack = functools.partial(_pack, reader, picker, codec, sample)
+                sent.append(send_batch(client, kind, oid, batch, pack, params))
             else:   # a segment of a stream: sent again whole (one taken twice is taken once)
-                params.update(stream=stream_id, seq=seq, codec=codec.name)
+                params.update(stream=sid, seq=seq, codec=codec.name)
                 body = upload_body(batch, payload)
                 client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
                                idempotent=True)
@@ -183,27 +185,28 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 needed_total += len(needed)
                 if k == 0:
                     allowed = codecpick.candidates(offered_codecs(resp.headers.get(STREAMS_HEADER)), STREAM_LEVEL)
-                    stream_codec = picker.choose(allowed)
-                    encoder = _stream_encoder(stream_codec, allowed)
                 for batch in pacer.batches(needed):
                     for pipe in (frames, stream):
                         if pipe.failed:
                             pipe.close()   # raises its first error
+                    sample = picker.probe(allowed, functools.partial(_sample, reader, batch))
+                    pick = picker.choose(allowed, keep=stream_codec if encoder is not None else None)
+                    if encoder is None or pick != stream_codec:   # frames, or a stream that is no longer the pick
+                        if encoder is not None:   # its segments in flight first: a new stream replaces it there
+                            stream.drain()
+                            stream_id, segments = secrets.token_hex(8), 0
+                        stream_codec, encoder = pick, _stream_encoder(pick, allowed)
+                        pacer.inflight = 1 if encoder is not None else opts.inflight
                     used_codec = stream_codec
-                    if encoder is None:   # frames so far: the codec of this batch (a stream codec starts one)
-                        picker.probe(allowed, functools.partial(_sample, reader, batch))
-                        used_codec = stream_codec = picker.choose(allowed)
-                        encoder = _stream_encoder(stream_codec, allowed)
                     used[used_codec.label] = used.get(used_codec.label, 0) + len(batch) * BLOCK_SIZE
                     if encoder is None:
-                        frames.submit((batch, None, None, used_codec))
+                        frames.submit((batch, None, None, used_codec, "", sample))
                         continue
-                    pacer.inflight = 1
                     data = b"".join(reader.read(batch))
                     c0 = time.perf_counter()
                     segment = encoder.segment(data)
-                    picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0)
-                    stream.submit((batch, segments, segment, used_codec))
+                    picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0, sample)
+                    stream.submit((batch, segments, segment, used_codec, stream_id, None))
                     segments += 1
     finally:
         reader.close()
