@@ -206,3 +206,30 @@ def test_pacers_of_a_transfer_feed_its_meter():
             time.sleep(0.02)
             sent.append(20_000)
     assert meter.rate() is not None and meter.rate() > 0.3 * MB
+
+
+def test_no_stream_before_the_link_is_measured_for_a_few_seconds():
+    p = picker(48_000)
+    p.settled = lambda: False          # the window still opening: its rate says little of the link
+    assert p.choose(ALL) == ZSTD3
+    p.settled = lambda: True
+    assert p.choose(ALL) == XZ
+    meter = LinkMeter(span_s=0.2)
+    meter.started()
+    time.sleep(0.05)
+    meter.ended(10_000)
+    assert not meter.settled()
+    meter.started()
+    time.sleep(0.2)
+    meter.ended(10_000)
+    assert meter.settled()
+
+
+def test_a_stream_in_use_is_left_only_for_a_clearly_faster_codec():
+    two = {ZSTD3: MEASURED[ZSTD3], Z19: MEASURED[Z19]}
+    allowed = [NONE, ZSTD3, Z19]
+    p = picker(1.15 * MB, two)         # zstd -3 about 5 % faster than the zstd -19 stream in use: it stays
+    assert seconds(p, ZSTD3) * 1.03 < seconds(p, Z19) < 1.10 * seconds(p, ZSTD3)
+    assert p.choose(allowed) == ZSTD3 and p.choose(allowed, keep=Z19) == Z19
+    p.rate["link"] = 1.5 * MB          # 28 % faster: it is left
+    assert p.choose(allowed, keep=Z19) == ZSTD3
