@@ -4,7 +4,8 @@ link ("auto"), zstd -3 frames (the default before) and ``--xz``. Needs root (net
 
     .venv/bin/python bench/codec_by_link.py --mib 64 --kbit 20000 --out bench/results/codec_by_link.json
 
-``--out`` adds this run's rows to that JSON file (rows of the same size, rate and codec are replaced).
+``--out`` adds this run's rows to that JSON file (rows of the same size, rate, codec and run number are
+replaced); ``--runs N`` pushes N times with each codec, in turn.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def text(size: int, seed: int) -> bytes:
 def save(path: Path, row: dict) -> None:
     """Add ``row`` to the rows in ``path``, in place of one of the same size, rate and codec."""
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    key = ("mib", "kbit", "how")
+    key = ("mib", "kbit", "how", "run")
     rows = [r for r in rows if tuple(r[k] for k in key) != tuple(row[k] for k in key)] + [row]
-    rows.sort(key=lambda r: (-r["kbit"], r["mib"], r["how"]))
+    rows.sort(key=lambda r: (-r["kbit"], r["mib"], r["run"], r["how"]))
     path.write_text(json.dumps({"bench": "codec_by_link", "cpus": os.cpu_count(), "rows": rows}, indent=1) + "\n")
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--kbit", type=int, default=20_000)
     ap.add_argument("--how", default="auto,zstd-3,xz")
     ap.add_argument("--out", type=Path, help="add the rows to this JSON file")
+    ap.add_argument("--runs", type=int, default=1)
     args = ap.parse_args()
     size = args.mib << 20
     content = bytearray()
@@ -77,19 +79,19 @@ def main() -> None:
         capsules.create(a, "cap", "tiny", memory="256M")
         new_version(a, "cap", size, seed=0, content=bytes(content))
         a.close()
-        for how in args.how.split(","):
-            b = Store.open(work / how)
+        for run, how in [(r, h) for r in range(1, args.runs + 1) for h in args.how.split(",")]:
+            b = Store.open(work / f"{how}-{run}")
             images.import_image(image_store(), b, "tiny")
             b.close()
-            token_file = work / f"{how}.token"
+            token_file = work / f"{how}-{run}.token"
             with SlowLink(rate_kbit=args.kbit, rtt_ms=20) as link:
-                url, pin = link.agent_b(work / how, token_file)
+                url, pin = link.agent_b(work / f"{how}-{run}", token_file)
                 out = link.exec_a([sys.executable, "-c", PUSH, str(work / "a"), url, token_file.read_text().strip(),
                                    pin, how], capture_output=True, text=True, cwd=ROOT,
                                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-3000:])
-            row = {"mib": args.mib, "kbit": args.kbit, **json.loads(out.stdout.strip().splitlines()[-1])}
+            row = {"mib": args.mib, "kbit": args.kbit, "run": run, **json.loads(out.stdout.strip().splitlines()[-1])}
             print(json.dumps(row), flush=True)
             if args.out:
                 save(args.out, row)

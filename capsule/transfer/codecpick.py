@@ -17,8 +17,8 @@ probes — a small sample of a batch compressed now and then only to measure (``
 ratio: what it made of a probe's sample against zstd -3 on the same sample (so candidates probed on
 different data are judged alike), scaled by what the codecs in use made of whole batches against the
 probes of those very batches, for streams and frames apart (a stream's history, a frame smaller or larger
-than a sample); until a stream is in use, its history is judged by zstd -3 on a sample after the samples
-probed before it (``HISTORY_BYTES``) against on the sample alone.
+than a sample); until a stream is in use, its history is judged by zstd -3 on a sample after the end of
+the batch sent before it against on the sample alone.
 
 An object stream lasts while its codec stays the pick: the sender asks again at every batch and, when
 another is expected ``LEAVE_STREAM`` faster (a stream's history is lost when it ends), waits for the
@@ -52,7 +52,6 @@ STREAM_GAP_S = 0.03              # a stream's idle link per batch: one upload in
 PROBE_EVERY = 16                 # batches between two probes
 PROBE_BLOCKS = 64                # blocks a probe compresses
 PROBE_BYTES = PROBE_BLOCKS * BLOCK_SIZE
-HISTORY_BYTES = 1 << 20          # the probes' last samples kept: what a stream would have seen before
 MAX_BATCH_BYTES = 256 * BLOCK_SIZE   # a stream's segments: its one upload in flight takes the whole window
 SMOOTH = 0.3                     # weight of a new measurement in a running average
 
@@ -160,8 +159,7 @@ class CodecPicker:
         # wire bytes of whole batches per wire byte a probe of the same batch predicts: of streams, of frames
         self._scale: dict[bool, float] = {}
         self._batch_raw: float | None = None      # raw bytes of a batch sent
-        self._context = b""                       # the probes' last samples (``HISTORY_BYTES``)
-        self._history: float | None = None        # zstd -3 on a sample after them, against on it alone
+        self._history: float | None = None        # zstd -3 on a sample after the batch before, against alone
         self._batches = 0
         self._last_probe = -PROBE_EVERY
         self._lock = threading.Lock()
@@ -203,9 +201,10 @@ class CodecPicker:
                 m.decode = _smooth(m.decode, raw / max(decode_seconds, 1e-6))
             m.batch = self._batches
 
-    def measure(self, codec: Codec, raw: bytes) -> float:
+    def measure(self, codec: Codec, raw: bytes, before: bytes = b"") -> float:
         """Compress ``raw`` with ``codec`` (and with zstd -3, the yardstick) only to measure it (a probe),
-        and decode it again as the receiver would; zstd -3's ratio on ``raw``."""
+        and decode it again as the receiver would; zstd -3's ratio on ``raw``. ``before``: the end of the
+        batch sent before (what a stream would have seen just before ``raw``)."""
         t0 = time.perf_counter()
         wire = codec.encode(raw)
         seconds = time.perf_counter() - t0
@@ -213,21 +212,13 @@ class CodecPicker:
         t1 = time.perf_counter()
         codec.decode(wire, len(raw))
         self.record_probe(codec, len(raw), len(wire), reference, seconds, time.perf_counter() - t1)
-        self._after_history(raw, reference)
-        return reference / max(len(raw), 1)
-
-    def _after_history(self, raw: bytes, reference: int) -> None:
-        """How much smaller zstd -3 makes ``raw`` after the samples probed before it than alone (a
-        stream's history, which a fresh sample cannot show): a stream's scale until one is in use."""
-        with self._lock:
-            context = self._context
-            self._context = (context + raw)[-HISTORY_BYTES:]
-        if context and reference > 0:
+        if before and reference > 0:   # a stream's history, which a fresh sample cannot show
             encoder = native.StreamEncoder(FRAME_LEVEL)
-            encoder.segment(context)
+            encoder.segment(before)
             after = len(encoder.segment(raw))
             with self._lock:
                 self._history = _smooth(self._history, min(1.0, after / reference))
+        return reference / max(len(raw), 1)
 
     def probe_due(self, allowed: Iterable[Codec]) -> Codec | None:
         """The candidate to measure on the next batch: one never probed first, then the one measured
@@ -247,13 +238,16 @@ class CodecPicker:
             self._last_probe = self._batches
             return oldest
 
-    def probe(self, allowed: Iterable[Codec], sample: Callable[[], bytes]) -> float | None:
+    def probe(self, allowed: Iterable[Codec], sample: Callable[[], bytes],
+              before: Callable[[], bytes] | None = None) -> float | None:
         """Measure the candidate due (``sample()``: up to ``PROBE_BYTES`` of the batch), if one is. A sample
         is a fresh stream: an object stream's history, which makes its later segments smaller, shows
         only once it is in use (as the scale of streams). Answers zstd -3's ratio on the sample (None: no
-        probe), for :meth:`record` of the batch."""
+        probe), for :meth:`record` of the batch; ``before()``: the end of the batch sent before it."""
         codec = self.probe_due(allowed)
-        return self.measure(codec, sample()[:PROBE_BYTES]) if codec is not None else None
+        if codec is None:
+            return None
+        return self.measure(codec, sample()[:PROBE_BYTES], before()[-PROBE_BYTES:] if before else b"")
 
     # -- the model ---------------------------------------------------------------------------------------
 

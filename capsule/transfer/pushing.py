@@ -89,6 +89,11 @@ def _sample(reader: BlockReader, batch: list[int]) -> bytes:
     return b"".join(reader.read(batch[:codecpick.PROBE_BLOCKS]))
 
 
+def _tail(reader: BlockReader, batch: list[int]) -> bytes:
+    """The end of a batch: what a stream would have seen just before the next one."""
+    return b"".join(reader.read(batch[-codecpick.PROBE_BLOCKS:]))
+
+
 def _pack(reader: BlockReader, picker: CodecPicker, codec: Codec, sample: float | None, batch: list[int]) -> bytes:
     """A batch's blocks as a frame of their own in ``codec``; the time it took counts for the codec's rate
     (``sample``: zstd -3's ratio on a probe of the batch)."""
@@ -160,6 +165,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
         progress.wire(client.wire_bytes)
 
     needed_total = 0
+    previous: list[int] = []
     try:
         with Pipeline(send, opts.inflight, max_pending=max(2, opts.inflight)) as frames, \
                 Pipeline(send, 1, max_pending=2) as stream:
@@ -189,7 +195,9 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                     for pipe in (frames, stream):
                         if pipe.failed:
                             pipe.close()   # raises its first error
-                    sample = picker.probe(allowed, functools.partial(_sample, reader, batch))
+                    sample = picker.probe(allowed, functools.partial(_sample, reader, batch),
+                                          functools.partial(_tail, reader, previous) if previous else None)
+                    previous = batch
                     pick = picker.choose(allowed, keep=stream_codec if encoder is not None else None)
                     if encoder is None or pick != stream_codec:   # frames, or a stream that is no longer the pick
                         if encoder is not None:   # its segments in flight first: a new stream replaces it there
