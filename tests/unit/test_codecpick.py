@@ -233,3 +233,18 @@ def test_a_stream_in_use_is_left_only_for_a_clearly_faster_codec():
     assert p.choose(allowed) == ZSTD3 and p.choose(allowed, keep=Z19) == Z19
     p.rate["link"] = 1.5 * MB          # 28 % faster: it is left
     assert p.choose(allowed, keep=Z19) == ZSTD3
+
+
+def test_a_streams_history_is_judged_against_the_batch_sent_before():
+    rng = random.Random(7)
+    prior, alike = rng.randbytes(1 << 16), rng.randbytes(1 << 16)
+
+    def probed(before: bytes) -> CodecPicker:
+        p = CodecPicker(lambda: 48_000.0)
+        for codec in (ZSTD3, Z19):
+            p.measure(codec, prior + alike, before)
+        return p
+
+    fresh, after = probed(b""), probed(prior)   # the same data, seen before by a stream or not
+    assert fresh.ratio(Z19) > 0.9 and abs(fresh.ratio(Z19) - fresh.ratio(ZSTD3)) < 0.05
+    assert after.ratio(Z19) < 0.7 * after.ratio(ZSTD3)   # a stream would send half of it: frames all of it
