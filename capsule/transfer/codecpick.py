@@ -46,6 +46,7 @@ FRAME_LEVEL = 3                  # zstd frames, packed by each sending thread
 STREAM_LEVELS = (10, 13, 16, 19)  # zstd stream levels tried (from the stream level on)
 NEAR = 0.03                      # expected times this close to the fastest: fewer bytes win if the link is full
 SWITCH = 0.03                    # the codec in use is kept unless another is expected this much faster
+HOPELESS = 4.0                   # CPU alone this many times the fastest's time: neither it nor slower ones probed
 LEAVE_STREAM = 0.10              # a stream in use (its history lost when it ends) unless this much faster
 CPU_MARGIN = 1.25                # measured CPU seconds count this much more (both ends' other work)
 STREAM_GAP_S = 0.03              # a stream's idle link per batch: one upload in flight, a round trip each
@@ -222,12 +223,19 @@ class CodecPicker:
 
     def probe_due(self, allowed: Iterable[Codec]) -> Codec | None:
         """The candidate to measure on the next batch: one never probed first, then the one measured
-        longest ago every ``PROBE_EVERY`` batches; counts a batch."""
+        longest ago every ``PROBE_EVERY`` batches; counts a batch. None before the link's first answers,
+        and none that cannot win (:meth:`hopeless`: on a fast link, probing slow codecs costs more CPU than
+        the transfer)."""
         if self.forced is not None:
             return None
+        link = self.link()
+        allowed = list(allowed)
+        skip = self.hopeless(allowed, link) if link is not None else set()
         with self._lock:
             self._batches += 1
-            stale = [c for c in allowed if c != NONE]
+            if link is None:
+                return None
+            stale = [c for c in allowed if c != NONE and c not in skip]
             if not stale:
                 return None
             oldest = min(stale, key=lambda c: self._measures.get(c, _Measure()).batch)
@@ -288,6 +296,21 @@ class CodecPicker:
         cpu = 1 / (speed * (1 if stream else self.parallel)) + (1 / m.decode if m.decode else 0.0)
         return Expected(CPU_MARGIN * cpu, wire, ratio)
 
+    def hopeless(self, allowed: list[Codec], link: float) -> set[Codec]:
+        """The candidates that cannot win over a link of ``link`` bytes/s: one measured whose CPU alone
+        takes ``HOPELESS`` times the fastest's expected time, and those not measured after it in
+        ``allowed`` (cheapest first: zstd levels up, then xz)."""
+        costs = {c: e for c in allowed if (e := self.expected(c, link)) is not None}
+        if not costs:
+            return set()
+        best = min(e.seconds for e in costs.values())
+        out: set[Codec] = set()
+        for c in allowed:
+            e = costs.get(c)
+            if (e is None and out) or (e is not None and e.cpu > HOPELESS * best):
+                out.add(c)
+        return out
+
     # -- the choice --------------------------------------------------------------------------------------
 
     def choose(self, allowed: Iterable[Codec], keep: Codec | None = None) -> Codec:
@@ -312,7 +335,8 @@ class CodecPicker:
         if link is None:       # nothing measured yet: today's default until the first answers
             return self.current if self.current in allowed else default
         costs = {c: e for c in allowed if (e := self.expected(c, link)) is not None}
-        if len(costs) < len(allowed) or not self.settled():   # no stream on first figures: it lasts a while
+        unmeasured = set(allowed) - set(costs) - self.hopeless(allowed, link)
+        if unmeasured or not self.settled():   # no stream on first figures: it lasts a while
             costs = {c: e for c, e in costs.items() if not c.is_stream(self.stream_level)}
         if not costs:
             return default

@@ -165,8 +165,11 @@ def test_overrides_win():
 
 
 def test_probes_measure_each_candidate_then_only_now_and_then():
-    p = CodecPicker(lambda: None)
+    link: dict[str, float | None] = {"rate": None}
+    p = CodecPicker(lambda: link["rate"])
     data = random.Random(1).randbytes(1 << 16) * 4     # compressible: a 64 KiB pattern four times
+    assert p.probe_due(ALL) is None                    # nothing before the link's first answers
+    link["rate"] = 48_000.0                            # a slow link: every candidate may win
     probed: list[Codec | None] = []
     for _ in range(len(ALL) - 1 + 3 * codecpick.PROBE_EVERY):
         due = p.probe_due(ALL)
@@ -178,7 +181,8 @@ def test_probes_measure_each_candidate_then_only_now_and_then():
     later = [c for c in probed[len(ALL) - 1:] if c is not None]
     assert 0 < len(later) <= 4                         # then one every PROBE_EVERY batches
     assert p.ratio(XZ) < 0.5 and p.ratio(ZSTD3) < 0.5  # the repeat found
-    assert p.choose(ALL) == ZSTD3                      # nothing measured of the link yet: today's default
+    link["rate"] = None
+    assert p.choose(ALL) == ZSTD3                      # nothing measured of the link: today's default
 
 
 def test_the_link_meter_counts_only_time_with_requests_in_flight():
@@ -248,3 +252,18 @@ def test_a_streams_history_is_judged_against_the_batch_sent_before():
     fresh, after = probed(b""), probed(prior)   # the same data, seen before by a stream or not
     assert fresh.ratio(Z19) > 0.9 and abs(fresh.ratio(Z19) - fresh.ratio(ZSTD3)) < 0.05
     assert after.ratio(Z19) < 0.7 * after.ratio(ZSTD3)   # a stream would send half of it: frames all of it
+
+
+def test_on_a_fast_link_codecs_that_cannot_win_are_not_probed():
+    p = CodecPicker(lambda: 1000 * MB, parallel=2)    # loopback
+    data = random.Random(2).randbytes(1 << 16) * 4
+    p.record_probe(ZSTD3, 1 << 18, 1 << 16, 1 << 16, (1 << 18) / (400 * MB), (1 << 18) / (800 * MB))
+    p.record_probe(Z10, 1 << 18, 1 << 16, 1 << 16, (1 << 18) / (30 * MB), (1 << 18) / (800 * MB))
+    assert p.hopeless(ALL, 1000 * MB) == set(ALL) - {NONE, ZSTD3}   # zstd -10's CPU is 30x too slow
+    probed = [p.probe_due(ALL) for _ in range(3 * codecpick.PROBE_EVERY)]
+    assert set(probed) <= {None, ZSTD3}                # no probe of zstd -13 and up, nor of xz
+    assert p.choose(ALL) in (NONE, ZSTD3)              # and the choice does not wait for them
+    slow = CodecPicker(lambda: 48_000.0, parallel=2)   # a slow link: zstd -10 can win, the rest are probed
+    slow.measure(ZSTD3, data)
+    slow.measure(Z10, data)
+    assert not slow.hopeless(ALL, 48_000.0)
