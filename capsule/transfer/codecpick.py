@@ -23,8 +23,11 @@ the batch sent before it against on the sample alone.
 An object stream lasts while its codec stays the pick: the sender asks again at every batch and, when
 another is expected ``LEAVE_STREAM`` faster (a stream's history is lost when it ends), waits for the
 stream's last segment and goes on in frames or in a new stream (the link changed, or the figures of its
-first seconds were wrong). None starts before every candidate is measured and the link has been measured
-for a few seconds (a transfer's window opens over its first seconds, so the link's rate starts low).
+first seconds were wrong). None starts before every candidate that may win is measured and the link has
+been measured for a few seconds (a transfer's window opens over its first seconds, so its rate starts
+low). Nothing is probed before the link's first answers, and no candidate whose CPU alone takes
+``HOPELESS`` times the fastest's expected time, nor a slower one (on a fast link probes of slow codecs
+would cost more CPU than the transfer).
 
 Only codecs the receiver takes are candidates: object streams (zstd from the stream level, xz) where its
 ``X-Capsule-Streams`` names them, frames (none, zstd -3) everywhere. A given codec (``--zstd-level``,
