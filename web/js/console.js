@@ -17,6 +17,7 @@
 import RFB from "/web/vendor/novnc/core/rfb.js";
 import { Terminal } from "/web/vendor/xterm/lib/xterm.mjs";
 import * as api from "./api.js";
+import { clipboardFor } from "./clipboard.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -61,6 +62,7 @@ function disconnect() {
 }
 
 function showKind(kind) {
+  clipboardFor(current.host, current.name, kind);
   $("console-screen").hidden = kind !== "screen";
   $("console-serial").hidden = kind !== "serial";
   for (const b of document.querySelectorAll("#console [data-kind]")) {
@@ -153,6 +155,7 @@ export function openConsole(host, name, { kind = "screen" } = {}) {
 export function closeConsole() {
   disconnect();
   current.name = null;
+  clipboardFor(null, null, null);
   $("console").hidden = true;
   delete $("console").dataset.capsule;
   delete $("console").dataset.host;
