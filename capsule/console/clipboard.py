@@ -1,8 +1,8 @@
 """A running capsule's clipboard, both ways, through Capsule's own guest agent (the virtio-serial channel every
 capsule has): :func:`get` reads the guest's X clipboard, :func:`set` makes a text the guest's clipboard.
 
-The guest side is a small X selection helper (``xclip.py``) run with ``python3 -c`` through the agent's
-``exec``; nothing is installed in the guest, and nothing is added to the machine: QEMU's own clipboard path
+The guest side is a small X selection helper (``xclip.py``) run by ``python3 -`` (its source on stdin) through
+the agent's ``exec``; nothing is installed in the guest, and nothing is added to the machine: QEMU's own clipboard path
 (the ``qemu-vdagent`` chardev) carries a migration blocker, so a capsule with it could no longer move. The
 selection lives in a guest process, so it moves with the capsule (live, or in a memory image).
 
@@ -70,7 +70,7 @@ def get(store: Store, name: str) -> str:
     unknown capsule, Conflict when it is not running or has no X session, RequestTooLarge over
     :data:`MAX_BYTES`, GuestAgent errors (503/502) when its agent does not answer."""
     with _agent(store, name) as agent:
-        r = _run(agent, name, ["python3", "-c", HELPER, "get", str(MAX_BYTES)],
+        r = _run(agent, name, ["python3", "-", "get", str(MAX_BYTES)], stdin=HELPER,
                  max_output=4 * (MAX_BYTES // 3 + 1) + 64)
     if r["exit_code"] == TOO_LARGE:
         raise _too_large(None, f"capsule {name!r}'s clipboard")
@@ -100,7 +100,7 @@ def set(store: Store, name: str, text: str) -> int:
             r = _run(agent, name, ["sh", "-c", write + inbox], stdin=encoded[i:i + CHUNK])
             if r["exit_code"] != 0:
                 raise _failed(name, r)
-        r = _run(agent, name, ["python3", "-c", HELPER, "set", inbox])
+        r = _run(agent, name, ["python3", "-", "set", inbox], stdin=HELPER)
         if r["exit_code"] != 0:
             _run(agent, name, ["rm", "-f", inbox])
             raise _failed(name, r)

@@ -1,6 +1,6 @@
 """The guest side of the clipboard (``capsule.console.clipboard``): a small X selection helper, shipped to the guest
-as its source and run there with ``python3 -c`` through the guest agent's ``exec``. It needs only Python's
-standard library and libX11 (any guest with an X session has both), so no guest image carries it.
+as its source and run there by ``python3 -`` (the source on its stdin) through the guest agent's ``exec``. It
+needs only Python's standard library and libX11 (any guest with an X session has both): no guest image carries it.
 
 It runs as root (the agent's ``exec``), takes the display's owner from the X socket and runs as that user,
 with that user's X cookie::
@@ -8,6 +8,7 @@ with that user's X cookie::
     get MAX            the clipboard's text on stdout, base64; at most MAX bytes (exit 3 beyond)
     set FILE           FILE (base64, written by the host) becomes the CLIPBOARD and PRIMARY selections: a
                        background process owns them until another program takes both
+    pointer            where the X pointer is: "X Y" on the screen (what `xdotool getmouselocation` says)
 
 ``get`` reads CLIPBOARD, or PRIMARY where that is newer: when nothing owns CLIPBOARD, or when this helper
 owns it and another program has taken PRIMARY since (text selected in a terminal). Exit codes: 0 done,
@@ -83,6 +84,8 @@ class X:
         lib.XOpenDisplay.restype = ctypes.c_void_p
         lib.XOpenDisplay.argtypes = [ctypes.c_char_p]
         lib.XDefaultRootWindow.restype = Window
+        lib.XDefaultRootWindow.argtypes = [ctypes.c_void_p]
+        lib.XQueryPointer.argtypes = [ctypes.c_void_p, Window, *[ctypes.c_void_p] * 7]
         lib.XCreateSimpleWindow.restype = Window
         lib.XCreateSimpleWindow.argtypes = [ctypes.c_void_p, Window, ctypes.c_int, ctypes.c_int, ctypes.c_uint,
                                             ctypes.c_uint, ctypes.c_uint, ulong, ulong]
@@ -220,14 +223,26 @@ def set_(path: str) -> None:
     os._exit(0)
 
 
+def pointer() -> None:
+    x = X()
+    root, child = Window(), Window()
+    rx, ry, wx, wy, mask = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_uint()
+    x.lib.XQueryPointer(x.dpy, x.lib.XDefaultRootWindow(x.dpy), ctypes.byref(root), ctypes.byref(child),
+                        ctypes.byref(rx), ctypes.byref(ry), ctypes.byref(wx), ctypes.byref(wy), ctypes.byref(mask))
+    sys.stdout.write(f"{rx.value} {ry.value}\n")
+
+
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["get"] and len(argv) == 2:
+    if argv == ["pointer"]:
+        become_session_user()
+        pointer()
+    elif argv[:1] == ["get"] and len(argv) == 2:
         become_session_user()
         get(int(argv[1]))
     elif argv[:1] == ["set"] and len(argv) == 2:
         set_(argv[1])
     else:
-        fail(2, "usage: get MAX | set FILE")
+        fail(2, "usage: get MAX | set FILE | pointer")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ LINE_LIMIT = 65536     # the guest agent's longest request line (guest-balloon/P
 
 class FakeDesktop:
     """A guest agent whose ``exec`` plays the guest: ``sh -c '... cat >[>] FILE'`` writes its stdin to FILE,
-    ``python3 -c HELPER set FILE`` makes FILE's base64 the clipboard, ``python3 -c HELPER get MAX`` answers it in
+    ``python3 - set FILE`` (the helper on stdin) makes FILE's base64 the clipboard, ``python3 - get MAX`` answers it in
     base64 (exit 3 beyond MAX)."""
 
     def __init__(self, path: Path) -> None:
@@ -68,11 +68,11 @@ class FakeDesktop:
             assert m, argv
             self.files[m[2]] = (self.files.get(m[2], "") if m[1] == ">>" else "") + args.get("stdin", "")
             return done
-        assert argv[:2] == ["python3", "-c"] and argv[2] == clipboard.HELPER
-        if argv[3] == "set":
-            self.clipboard = base64.b64decode(self.files.pop(argv[4]))
+        assert argv[:2] == ["python3", "-"] and args["stdin"] == clipboard.HELPER
+        if argv[2] == "set":
+            self.clipboard = base64.b64decode(self.files.pop(argv[3]))
             return done
-        if len(self.clipboard) > int(argv[4]):
+        if len(self.clipboard) > int(argv[3]):
             return done | {"exit_code": 3, "stderr": "the guest's clipboard holds more than it may\n"}
         return done | {"stdout": base64.b64encode(self.clipboard).decode()}
 
