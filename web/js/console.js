@@ -63,6 +63,7 @@ function disconnect() {
 
 function showKind(kind) {
   clipboardFor(current.host, current.name, kind);
+  $("console-fullscreen").hidden = kind !== "screen" || !document.fullscreenEnabled;
   $("console-screen").hidden = kind !== "screen";
   $("console-serial").hidden = kind !== "serial";
   for (const b of document.querySelectorAll("#console [data-kind]")) {
@@ -103,7 +104,12 @@ async function connect() {
 
 function connectScreen(url, live, lost) {
   const rfb = new RFB($("console-screen"), url, { wsProtocols: ["binary"] });
-  rfb.scaleViewport = true;     // the whole screen, scaled to fit the panel
+  // Resize: the guest's screen is scaled to fit the panel (and the whole page, with Full screen), not resized.
+  // The capsule's display is QEMU's standard VGA card, and QEMU 10.0's VNC server answers a SetDesktopSize
+  // for it with status 3, "invalid screen layout" (measured: it forwards the request only for a display with
+  // a guest-side resize path, such as virtio-vga, which answers 4, "request forwarded"); so resizeSession
+  // would only be refused.
+  rfb.scaleViewport = true;
   rfb.resizeSession = false;
   rfb.focusOnClick = true;
   rfb.addEventListener("connect", () => {
@@ -174,6 +180,10 @@ $("console-reconnect").addEventListener("click", () => {
   if (current.name) connect();
 });
 $("console-close").addEventListener("click", closeConsole);
+// the screen alone on the whole display, scaled to fit it (Esc leaves)
+$("console-fullscreen").addEventListener("click", () => {
+  $("console-screen").requestFullscreen().catch(() => {});
+});
 for (const b of document.querySelectorAll("#console [data-kind]")) {
   b.addEventListener("click", () => {
     if (current.name && current.kind !== b.dataset.kind) {
