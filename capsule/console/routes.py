@@ -7,6 +7,7 @@
                                                 pty's output; what the page sends is typed into it
     GET  /api/capsules/{name}/clipboard         the guest's clipboard text (``clipboard.get``)
     PUT  /api/capsules/{name}/clipboard {text}  make a text the guest's clipboard (``clipboard.set``)
+    PUT  /api/capsules/{name}/screen-size {width, height}   the guest's screen resolution (``screensize.set_size``)
 
 QEMU's VNC server listens on a unix socket in the instance's directory only (``capsule.console.screen``); the agent
 splices an authenticated WebSocket to it, so the page's noVNC speaks RFB to the guest's screen. The WebSocket
@@ -42,7 +43,7 @@ from starlette.websockets import WebSocketState
 
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agent.workers import workers_of
-from capsule.console import clipboard, screen
+from capsule.console import clipboard, screen, screensize
 from capsule.errors import Error
 from capsule.runtime import guestfiles
 from capsule.store import Store
@@ -110,6 +111,11 @@ class ClipboardSet(BaseModel):
     max_bytes: int
 
 
+class ScreenSize(BaseModel):
+    width: int
+    height: int
+
+
 class TicketOut(BaseModel):
     ticket: str
     expires_in: float
@@ -164,6 +170,12 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
     async def clipboard_set(name: str, body: ClipboardIn, request: Request) -> ClipboardSet:
         size = await workers_of(request).act(request, clipboard.set, store, name, body.text)
         return ClipboardSet(bytes=size, max_bytes=clipboard.MAX_BYTES)
+
+    @api.put("/capsules/{name}/screen-size", response_model=ScreenSize, dependencies=[Depends(caller)],
+             summary="Set the running capsule's screen resolution, through its guest agent")
+    async def screen_size(name: str, body: ScreenSize, request: Request) -> ScreenSize:
+        w, h = await workers_of(request).act(request, screensize.set_size, store, name, body.width, body.height)
+        return ScreenSize(width=w, height=h)
 
     @api.websocket("/console/{name}/serial")
     async def serial(ws: WebSocket, name: str, ticket: str = "") -> None:

@@ -72,6 +72,7 @@ EXPECTED = {
                                            "/v1/live/{mid}/abort")},
     ("GET", "/api/capsules/{name}/migrate/check"): "act",
     **{(m, "/api/capsules/{name}/clipboard"): "act" for m in ("GET", "PUT")},
+    ("PUT", "/api/capsules/{name}/screen-size"): "act",
     ("POST", "/v1/tunnel"): "host",
     ("DELETE", "/v1/tunnel/{session}"): "host",
     ("WS", "/v1/tunnel/{session}/{channel}"): "host",

@@ -1,8 +1,9 @@
-"""The clipboard routes on a real agent app and store, with a fake guest agent on the capsule's socket that plays
-the guest's X selection helper (``capsule.console.xclip``): a text set through the page is what the guest is
+"""The clipboard and screen-size routes on a real agent app and store, with a fake guest agent on the capsule's
+socket that plays the guest's X helper (``capsule.console.xsession``): a text set through the page is what the guest is
 given, in exec requests within the agent's line limit, and what the guest holds comes back; a text over the
 limit is refused either way with the clipboard's own error and nothing reaches the guest; an unknown or stopped
-capsule, another owner's capsule, and a call without the session's CSRF token are refused."""
+capsule, another owner's capsule, and a call without the session's CSRF token are refused. The screen size asked
+for is brought within what the VGA card shows before the guest is asked, and a size that is none is refused."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from fastapi.testclient import TestClient
 from capsule import capsules
 from capsule.accounts import owners, tokens, users
 from capsule.agent.app import create_app
-from capsule.console import clipboard
+from capsule.console import clipboard, guestx
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from tests.helpers.fakeagent import reply, requests
@@ -38,6 +39,7 @@ class FakeDesktop:
     def __init__(self, path: Path) -> None:
         self.files: dict[str, str] = {}
         self.clipboard = b""
+        self.screen = (1280, 800)
         self.execs: list[list[str]] = []
         self.longest = 0
         self.listener = socket.socket(socket.AF_UNIX)
@@ -68,7 +70,10 @@ class FakeDesktop:
             assert m, argv
             self.files[m[2]] = (self.files.get(m[2], "") if m[1] == ">>" else "") + args.get("stdin", "")
             return done
-        assert argv[:2] == ["python3", "-"] and args["stdin"] == clipboard.HELPER
+        assert argv[:2] == ["python3", "-"] and args["stdin"] == guestx.HELPER
+        if argv[2] == "size":
+            self.screen = (int(argv[3]), int(argv[4]))
+            return done | {"stdout": f"{argv[3]} {argv[4]}\n"}
         if argv[2] == "set":
             self.clipboard = base64.b64decode(self.files.pop(argv[3]))
             return done
@@ -182,3 +187,35 @@ def test_an_owner_reaches_only_the_clipboard_of_its_own_capsules(client, home, g
     assert client.get("/api/capsules/desk/clipboard", headers=reader).status_code == 403   # a read-only token
     assert client.put("/api/capsules/desk/clipboard", json={"text": "mine"}, headers=alice).status_code == 200
     assert client.get("/api/capsules/desk/clipboard", headers=alice).json()["text"] == "mine"
+
+
+def test_the_screen_size_is_brought_within_what_the_card_shows(client, guests):
+    csrf = sign_in(client)
+    h = {"X-CSRF-Token": csrf}
+    r = client.put("/api/capsules/desk/screen-size", json={"width": 1501, "height": 900}, headers=h)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"width": 1496, "height": 900} and guests["desk"].screen == (1496, 900)
+    r = client.put("/api/capsules/desk/screen-size", json={"width": 5000, "height": 100}, headers=h)
+    assert r.json() == {"width": 2560, "height": 400} and guests["desk"].screen == (2560, 400)
+    assert guests["other"].screen == (1280, 800)
+
+
+def test_a_screen_size_that_is_none_or_not_allowed_is_refused(client, home, guests):
+    csrf = sign_in(client)
+    h = {"X-CSRF-Token": csrf}
+    for body in ({"width": 0, "height": 600}, {"width": 800, "height": -1}, {"width": 99999, "height": 600}):
+        r = client.put("/api/capsules/desk/screen-size", json=body, headers=h)
+        assert r.status_code == 400 and "1 to 16384" in r.json()["detail"], body
+    r = client.put("/api/capsules/desk/screen-size", json={"width": "wide", "height": 600}, headers=h)
+    assert r.status_code == 400
+    assert client.put("/api/capsules/desk/screen-size", json={"width": 800, "height": 600}).status_code == 403
+    r = client.put("/api/capsules/off/screen-size", json={"width": 800, "height": 600}, headers=h)
+    assert r.status_code == 409
+    store = Store.open(home / "a")
+    users.add(store, "alice", "owner")
+    owners.set_owner(store, "desk", "alice")
+    bob = {"Authorization": f"Bearer {tokens.create(store, 'alice', 'read,capsules')[1]}"}
+    store.close()
+    r = client.put("/api/capsules/other/screen-size", json={"width": 800, "height": 600}, headers=bob)
+    assert r.status_code == 403
+    assert guests["desk"].execs == [] and guests["other"].execs == []

@@ -2,7 +2,9 @@
 X session, and a VNC client's pointer lands where it points (within 2 px, read back through the guest's X
 server); a text made the guest's clipboard through the guest agent is what the X server hands out and what comes
 back, also once the guest has been suspended and restored (as a move does); a middle click pastes it in the
-terminal, and a line selected in the terminal (a triple click through VNC) is what the clipboard then reads."""
+terminal, and a line selected in the terminal (a triple click through VNC) is what the clipboard then reads. The
+screen's resolution follows what the console asks for (a listed mode, and one made for the size), the VNC server
+tells its client, and the pointer still lands where it points."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ import time
 import pytest
 
 from capsule import capsules, lifecycle
-from capsule.console import clipboard
+from capsule.console import clipboard, guestx, screensize
 from capsule.console.screen import connect_screen, screenshot
-from capsule.imagebuild.desktop import USER
+from capsule.imagebuild.desktop import BACKGROUND, USER
 from capsule.runtime.guestagent import GuestAgent, exec_result, wait_for_agent
 from capsule.store import Store
 from tests.helpers.guest import run
@@ -68,7 +70,7 @@ class Vnc:
 
 def guest_pointer(store: Store, name: str) -> tuple[int, int]:
     with GuestAgent(store.instance_dir(name) / "agent.sock", timeout=10) as agent:
-        r = exec_result(agent.call("exec", {"argv": ["python3", "-", "pointer"], "stdin": clipboard.HELPER},
+        r = exec_result(agent.call("exec", {"argv": ["python3", "-", "pointer"], "stdin": guestx.HELPER},
                                     timeout=20))
     assert r["exit_code"] == 0, r["stderr"]
     x, y = r["stdout"].split()
@@ -144,5 +146,20 @@ def test_tablet_and_clipboard_in_the_desktop_session(desktop_store):
         vnc.click(left + 30, top + 8, times=3)
         wait_until(lambda: clipboard.get(store, "desk").strip() == "SELECT-ME-42", 10,
                    lambda: f"the selected line on the clipboard: {clipboard.get(store, 'desk')!r}", interval=0.5)
+    finally:
+        vnc.close()
+
+    # the screen's size, set through the agent: the X server's mode, the screen QEMU shows and VNC reports
+    for want, got in (((1024, 768), (1024, 768)), ((1500, 900), (1496, 900)), ((4000, 100), (2560, 400))):
+        assert screensize.set_size(store, "desk", *want) == got
+        shot = wait_until(lambda got=got: (s := screenshot(store, "desk")) and (s.width, s.height) == got and s, 10,
+                          lambda got=got: f"the screen at {got}: {screenshot(store, 'desk').width}")
+        assert shot.colours().most_common(1)[0][0] == bytes.fromhex(BACKGROUND.lstrip("#"))
+    vnc = Vnc(store, "desk")
+    try:
+        assert (vnc.width, vnc.height) == (2560, 400)
+        vnc.point(2000, 300)
+        wait_until(lambda: (p := guest_pointer(store, "desk")) and abs(p[0] - 2000) <= 2 and abs(p[1] - 300) <= 2, 10,
+                   lambda: f"the pointer at 2000,300: {guest_pointer(store, 'desk')}", interval=0.5)
     finally:
         vnc.close()

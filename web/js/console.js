@@ -18,11 +18,12 @@ import RFB from "/web/vendor/novnc/core/rfb.js";
 import { Terminal } from "/web/vendor/xterm/lib/xterm.mjs";
 import * as api from "./api.js";
 import { clipboardFor } from "./clipboard.js";
+import { fitScreen } from "./fit.js";
 
 const $ = (id) => document.getElementById(id);
 
 const current = { rfb: null, ws: null, term: null, host: null, name: null, kind: "screen", generation: 0,
-  moving: null };
+  moving: null, unfit: null };
 
 function setState(state, text) {
   const el = $("console-state");
@@ -48,8 +49,9 @@ async function peerName(host) {
 
 function disconnect() {
   current.generation += 1;
-  const { rfb, ws, term } = current;
-  current.rfb = current.ws = current.term = null;
+  const { rfb, ws, term, unfit } = current;
+  current.rfb = current.ws = current.term = current.unfit = null;
+  if (unfit) unfit();
   try {
     if (rfb) rfb.disconnect();
     if (ws) ws.close();
@@ -104,16 +106,18 @@ async function connect() {
 
 function connectScreen(url, live, lost) {
   const rfb = new RFB($("console-screen"), url, { wsProtocols: ["binary"] });
-  // Resize: the guest's screen is scaled to fit the panel (and the whole page, with Full screen), not resized.
-  // The capsule's display is QEMU's standard VGA card, and QEMU 10.0's VNC server answers a SetDesktopSize
-  // for it with status 3, "invalid screen layout" (measured: it forwards the request only for a display with
-  // a guest-side resize path, such as virtio-vga, which answers 4, "request forwarded"); so resizeSession
-  // would only be refused.
+  // Resize: the guest's resolution follows the panel through its guest agent (fit.js), and what the guest shows
+  // is scaled to fit (always: a guest that cannot change its resolution, such as a text console, still fits).
+  // Not noVNC's resizeSession (the VNC SetDesktopSize message): the capsule's display is QEMU's standard VGA
+  // card, and QEMU 10.0's VNC server answers a SetDesktopSize for it with status 3, "invalid screen layout"
+  // (measured; it forwards the request only for a display with a resize path, such as virtio-vga: status 4).
   rfb.scaleViewport = true;
   rfb.resizeSession = false;
   rfb.focusOnClick = true;
   rfb.addEventListener("connect", () => {
-    if (live()) setState("connected", "connected");
+    if (!live()) return;
+    setState("connected", "connected");
+    if (!current.host) current.unfit = fitScreen(current.name, $("console-screen"));
   });
   rfb.addEventListener("disconnect", (ev) => {
     if (live()) current.rfb = null;

@@ -1,6 +1,7 @@
-"""The guest side of the clipboard (``capsule.console.clipboard``): a small X selection helper, shipped to the guest
-as its source and run there by ``python3 -`` (the source on its stdin) through the guest agent's ``exec``. It
-needs only Python's standard library and libX11 (any guest with an X session has both): no guest image carries it.
+"""The guest side of the console's X calls (``capsule.console.guestx``): the clipboard's selections, the screen's
+size and the pointer, shipped to the guest as source and run there by ``python3 -`` (the source on its stdin)
+through the guest agent's ``exec``. It needs only Python's standard library, libX11 and, for the size, libXrandr
+(any guest with an X session has them): no guest image carries it.
 
 It runs as root (the agent's ``exec``), takes the display's owner from the X socket and runs as that user,
 with that user's X cookie::
@@ -9,6 +10,8 @@ with that user's X cookie::
     set FILE           FILE (base64, written by the host) becomes the CLIPBOARD and PRIMARY selections: a
                        background process owns them until another program takes both
     pointer            where the X pointer is: "X Y" on the screen (what `xdotool getmouselocation` says)
+    size W H           the screen's resolution becomes W x H (within what the X server allows; a mode made for
+                       it where the output has none), as `xrandr --output O --mode WxH` does: "W H" set
 
 ``get`` reads CLIPBOARD, or PRIMARY where that is newer: when nothing owns CLIPBOARD, or when this helper
 owns it and another program has taken PRIMARY since (text selected in a terminal). Exit codes: 0 done,
@@ -232,8 +235,91 @@ def pointer() -> None:
     sys.stdout.write(f"{rx.value} {ry.value}\n")
 
 
+class ModeInfo(ctypes.Structure):
+    _fields_ = [("id", ulong), ("width", ctypes.c_uint), ("height", ctypes.c_uint), ("dotClock", ulong),
+                ("hSyncStart", ctypes.c_uint), ("hSyncEnd", ctypes.c_uint), ("hTotal", ctypes.c_uint),
+                ("hSkew", ctypes.c_uint), ("vSyncStart", ctypes.c_uint), ("vSyncEnd", ctypes.c_uint),
+                ("vTotal", ctypes.c_uint), ("name", ctypes.c_char_p), ("nameLength", ctypes.c_uint),
+                ("modeFlags", ulong)]
+
+
+class Resources(ctypes.Structure):
+    _fields_ = [("timestamp", ulong), ("configTimestamp", ulong), ("ncrtc", ctypes.c_int),
+                ("crtcs", ctypes.POINTER(ulong)), ("noutput", ctypes.c_int), ("outputs", ctypes.POINTER(ulong)),
+                ("nmode", ctypes.c_int), ("modes", ctypes.POINTER(ModeInfo))]
+
+
+class OutputInfo(ctypes.Structure):
+    _fields_ = [("timestamp", ulong), ("crtc", ulong), ("name", ctypes.c_char_p), ("nameLen", ctypes.c_int),
+                ("mm_width", ulong), ("mm_height", ulong), ("connection", ctypes.c_ushort),
+                ("subpixel_order", ctypes.c_ushort), ("ncrtc", ctypes.c_int), ("crtcs", ctypes.POINTER(ulong)),
+                ("nclone", ctypes.c_int), ("clones", ctypes.POINTER(ulong)), ("nmode", ctypes.c_int),
+                ("npreferred", ctypes.c_int), ("modes", ctypes.POINTER(ulong))]
+
+
+def size(width: int, height: int) -> None:
+    x = X()
+    rr = ctypes.CDLL("libXrandr.so.2")
+    root = x.lib.XDefaultRootWindow(x.dpy)
+    rr.XRRGetScreenResourcesCurrent.restype = ctypes.POINTER(Resources)
+    rr.XRRGetScreenResourcesCurrent.argtypes = [ctypes.c_void_p, Window]
+    rr.XRRGetOutputInfo.restype = ctypes.POINTER(OutputInfo)
+    rr.XRRGetOutputInfo.argtypes = [ctypes.c_void_p, ctypes.POINTER(Resources), ulong]
+    rr.XRRGetScreenSizeRange.argtypes = [ctypes.c_void_p, Window, *[ctypes.POINTER(ctypes.c_int)] * 4]
+    rr.XRRCreateMode.restype = ulong
+    rr.XRRCreateMode.argtypes = [ctypes.c_void_p, Window, ctypes.POINTER(ModeInfo)]
+    rr.XRRAddOutputMode.argtypes = [ctypes.c_void_p, ulong, ulong]
+    rr.XRRSetScreenSize.argtypes = [ctypes.c_void_p, Window, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    rr.XRRSetCrtcConfig.argtypes = [ctypes.c_void_p, ctypes.POINTER(Resources), ulong, ulong, ctypes.c_int,
+                                    ctypes.c_int, ulong, ctypes.c_ushort, ctypes.POINTER(ulong), ctypes.c_int]
+    rr.XRRFreeOutputInfo.argtypes = [ctypes.POINTER(OutputInfo)]
+    rr.XRRFreeScreenResources.argtypes = [ctypes.POINTER(Resources)]
+    x.lib.XSync.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lo_w, lo_h, hi_w, hi_h = (ctypes.c_int() for _ in range(4))
+    rr.XRRGetScreenSizeRange(x.dpy, root, ctypes.byref(lo_w), ctypes.byref(lo_h), ctypes.byref(hi_w),
+                             ctypes.byref(hi_h))
+    width, height = max(lo_w.value, min(width, hi_w.value)), max(lo_h.value, min(height, hi_h.value))
+
+    res = rr.XRRGetScreenResourcesCurrent(x.dpy, root)
+    output = crtc = 0
+    for i in range(res.contents.noutput):
+        info = rr.XRRGetOutputInfo(x.dpy, res, res.contents.outputs[i])
+        if info.contents.connection == 0 and info.contents.crtc:
+            output, crtc = res.contents.outputs[i], info.contents.crtc
+            has = {info.contents.modes[j] for j in range(info.contents.nmode)}
+        rr.XRRFreeOutputInfo(info)
+        if output:
+            break
+    if not output:
+        fail(NO_SESSION, "the X screen has no connected output to resize")
+    mode = next((m.id for m in (res.contents.modes[j] for j in range(res.contents.nmode))
+                 if (m.width, m.height) == (width, height) and m.id in has), 0)
+    if not mode:
+        name = f"{width}x{height}".encode()
+        info = ModeInfo(0, width, height, (width + 160) * (height + 30) * 60, width + 48, width + 80, width + 160, 0,
+                        height + 3, height + 9, height + 30, name, len(name), 0)
+        mode = rr.XRRCreateMode(x.dpy, root, ctypes.byref(info))
+        rr.XRRAddOutputMode(x.dpy, output, mode)
+        x.lib.XSync(x.dpy, 0)
+        rr.XRRFreeScreenResources(res)
+        res = rr.XRRGetScreenResourcesCurrent(x.dpy, root)
+    # as xrandr does: the CRTC off, the screen to its new size, the CRTC on in the new mode (96 dpi)
+    rr.XRRSetCrtcConfig(x.dpy, res, crtc, 0, 0, 0, 0, 1, None, 0)
+    rr.XRRSetScreenSize(x.dpy, root, width, height, width * 254 // 960, height * 254 // 960)
+    outputs = (ulong * 1)(output)
+    status = rr.XRRSetCrtcConfig(x.dpy, res, crtc, 0, 0, 0, mode, 1, outputs, 1)
+    x.lib.XSync(x.dpy, 0)
+    rr.XRRFreeScreenResources(res)
+    if status != 0:
+        fail(NO_ANSWER, f"the X server refused the mode {width}x{height} (status {status})")
+    sys.stdout.write(f"{width} {height}\n")
+
+
 def main(argv: list[str]) -> None:
-    if argv == ["pointer"]:
+    if argv[:1] == ["size"] and len(argv) == 3:
+        become_session_user()
+        size(int(argv[1]), int(argv[2]))
+    elif argv == ["pointer"]:
         become_session_user()
         pointer()
     elif argv[:1] == ["get"] and len(argv) == 2:
@@ -242,7 +328,7 @@ def main(argv: list[str]) -> None:
     elif argv[:1] == ["set"] and len(argv) == 2:
         set_(argv[1])
     else:
-        fail(2, "usage: get MAX | set FILE | pointer")
+        fail(2, "usage: get MAX | set FILE | pointer | size W H")
 
 
 if __name__ == "__main__":
