@@ -120,7 +120,11 @@ function connectScreen(url, live, lost) {
     if (!current.host) current.unfit = fitScreen(current.name, $("console-screen"));
   });
   rfb.addEventListener("disconnect", (ev) => {
-    if (live()) current.rfb = null;
+    if (live()) {
+      current.rfb = null;
+      if (current.unfit) current.unfit();     // the screen is gone: its size is not followed any more
+      current.unfit = null;
+    }
     lost(ev.detail.clean);
   });
   rfb.addEventListener("securityfailure", (ev) => {
