@@ -59,7 +59,7 @@ class Repository:
         client.put(loc.key(f"keys/{key_id}"), crypto.seal_master(master, secret, key_id, n=scrypt_n))
         config = {"format": FORMAT, "id": new_id(), "created": time.time(), "pack_size": pack_size}
         repo = cls(client, master, key_id, config)
-        repo.put_sealed("config", json.dumps(config).encode())   # last: a repository exists once it has one
+        repo.put_json("config", config)   # last: a repository exists once it has one
         return repo
 
     @classmethod
