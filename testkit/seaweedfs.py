@@ -61,6 +61,7 @@ class SeaweedCluster:
         self.access_key = "capsule-" + secrets.token_hex(4)
         self.secret_key = secrets.token_hex(20)
         self.procs: list[subprocess.Popen[Any]] = []
+        self.roles: list[str] = []
         self.master_port = self.filer_port = self.s3_port = 0
         self.volume_ports: list[int] = []
 
@@ -80,6 +81,7 @@ class SeaweedCluster:
                              cwd=self.workdir)
         log.close()
         self.procs.append(p)
+        self.roles.append(name)
         return p
 
     def start(self, timeout: float = 90.0) -> SeaweedCluster:
@@ -128,9 +130,9 @@ class SeaweedCluster:
         last: Exception | None = None
         try:
             while time.monotonic() < deadline:
-                for p in self.procs:
+                for p, role in zip(self.procs, self.roles, strict=True):
                     if p.poll() is not None:
-                        raise RuntimeError(f"a SeaweedFS process exited ({p.args[1]}): see {self.workdir}")
+                        raise RuntimeError(f"SeaweedFS's {role} exited: see {self.workdir}/{role}.log")
                 try:
                     if not client.bucket_exists():
                         client.create_bucket()
@@ -146,6 +148,7 @@ class SeaweedCluster:
 
     def stop(self) -> None:
         stop_groups(self.procs)
+        self.roles.clear()
 
     def remove(self) -> None:
         self.stop()

@@ -176,7 +176,7 @@ def restore(ref: Annotated[str, typer.Argument(help="NAME or NAME@V to bring bac
 def key_ls(url: Url, key_file: KeyFile = None, json: JsonOpt = False) -> None:
     """List the keys that open a repository."""
     json_flag(json)
-    rows = _open(url, key_file).keys()
+    rows = _open(url, key_file).list_keys()
 
     def show() -> None:
         table = Table("key", "made", "on host", "", box=None)

@@ -109,7 +109,7 @@ class Repository:
             yield key[cut:], size
 
     # -- keys ----------------------------------------------------------------------
-    def keys(self) -> list[dict[str, Any]]:
+    def list_keys(self) -> list[dict[str, Any]]:
         out = []
         for name, _size in self.names("keys"):
             key_id = name.split("/", 1)[1]
@@ -124,7 +124,7 @@ class Repository:
         return key_id
 
     def remove_key(self, key_id: str) -> None:
-        ids = [k["id"] for k in self.keys()]
+        ids = [k["id"] for k in self.list_keys()]
         if key_id not in ids:
             raise NotFound(f"no key {key_id} in {self.location.url} (`capsule repo key ls` lists them)")
         if key_id == self.key_id:
