@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -62,6 +63,7 @@ class SeaweedCluster:
         self.secret_key = secrets.token_hex(20)
         self.procs: list[subprocess.Popen[Any]] = []
         self.roles: list[str] = []
+        self.args: dict[str, tuple[str, ...]] = {}
         self.master_port = self.filer_port = self.s3_port = 0
         self.volume_ports: list[int] = []
 
@@ -76,7 +78,8 @@ class SeaweedCluster:
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
 
     def _run(self, name: str, *args: str) -> subprocess.Popen[Any]:
-        log = open(self.workdir / f"{name}.log", "wb")   # noqa: SIM115 - the process holds it
+        self.args[name] = args
+        log = open(self.workdir / f"{name}.log", "ab")   # noqa: SIM115 - the process holds it
         p = subprocess.Popen([str(self.weed), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                              cwd=self.workdir)
         log.close()
@@ -103,7 +106,7 @@ class SeaweedCluster:
             d = self.workdir / f"volume{i}"
             d.mkdir(exist_ok=True)
             self._run(f"volume{i}", "volume", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={port}",
-                      f"-dir={d}", f"-mserver={master}", "-max=16", "-dataCenter=dc1", f"-rack=rack{i}")
+                      f"-dir={d}", f"-mserver={master}", "-max=100", "-dataCenter=dc1", f"-rack=rack{i}")
         self.filer_port = _port_pair()
         (self.workdir / "filer").mkdir(exist_ok=True)
         self._run("filer", "filer", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={self.filer_port}",
@@ -145,6 +148,19 @@ class SeaweedCluster:
         finally:
             client.close()
         raise RuntimeError(f"SeaweedFS did not become ready in {timeout:.0f}s: {last}")
+
+    def kill(self, role: str) -> None:
+        """Kill one server (``s3``, ``filer``, ``master``, ``volume0`` …) at once, as a crash would."""
+        i = self.roles.index(role)
+        proc = self.procs.pop(i)
+        self.roles.pop(i)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def restart(self, role: str, timeout: float = 60.0) -> None:
+        """Start a killed server again, as it was, and wait until the store answers."""
+        self._run(role, *self.args[role])
+        self._wait_ready(timeout)
 
     def stop(self) -> None:
         stop_groups(self.procs)

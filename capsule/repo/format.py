@@ -123,16 +123,20 @@ class PackWriter:
 
 def read_pack_header(key: MasterKey, pack: str, data: bytes) -> dict[bytes, tuple[int, int]]:
     """The entries a whole pack's header lists, checked against the pack's size."""
-    what = f"pack {pack}"
     if len(data) < 4:
-        raise IntegrityError(f"{what} is truncated")
+        raise IntegrityError(f"pack {pack} is truncated")
     (hlen,) = struct.unpack("<I", data[-4:])
     if hlen > len(data) - 4:
-        raise IntegrityError(f"{what}: its header length is past its start")
-    header = key.open(data[-4 - hlen:-4], f"pack-header/{pack}", f"the header of {what}")
+        raise IntegrityError(f"pack {pack}: its header length is past its start")
+    return read_pack_header_only(key, pack, data[-4 - hlen:-4], len(data) - 4 - hlen)
+
+
+def read_pack_header_only(key: MasterKey, pack: str, sealed: bytes, body_end: int) -> dict[bytes, tuple[int, int]]:
+    """The entries of a pack's sealed header (``body_end``: where its blobs end)."""
+    what = f"pack {pack}"
+    header = key.open(sealed, f"pack-header/{pack}", f"the header of {what}")
     if len(header) % ENTRY.size:
         raise IntegrityError(f"{what}: a header of {len(header)} bytes is not whole entries")
-    body_end = len(data) - 4 - hlen
     out: dict[bytes, tuple[int, int]] = {}
     for bid, off, n in ENTRY.iter_unpack(header):
         if off + n > body_end:

@@ -8,6 +8,7 @@ then the version record, in that order — a record is visible only once everyth
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,8 +17,8 @@ from typing import Any
 import zstandard
 
 from capsule.capsules import resolve
-from capsule.errors import Conflict
-from capsule.repo.format import PackWriter, encode_index, pack_name
+from capsule.errors import Conflict, IntegrityError, NotFound
+from capsule.repo.format import Entry, PackWriter, encode_index, is_id, pack_name, read_pack_header_only
 from capsule.repo.repository import Repository
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest
@@ -40,6 +41,7 @@ class PushReport:
     raw_bytes: int = 0            # the bytes of ``blocks``
     new_bytes: int = 0            # the bytes of ``blocks_new`` before compression and sealing
     packs: int = 0
+    packs_adopted: int = 0        # unindexed packs of an interrupted push, whose blocks were not sent again
     uploaded_bytes: int = 0       # every object body sent to the store (packs, index, manifests, record, lock)
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
@@ -107,6 +109,29 @@ def _push_object(session: _Session, store: Store, kind: str, oid: str) -> bytes:
     return manifest.to_bytes()
 
 
+def adopt_unindexed(repo: Repository, index: dict[bytes, Entry], session: _Session) -> None:
+    """Packs no index lists — an interrupted push's (the store or this host died before its index was
+    written), or one still being written by another host's push — are read (their sealed headers only) and
+    listed in this session's index: their blocks are not uploaded again, so a push killed half-way resumes.
+    Listing a live writer's pack twice is harmless (packs never change; prune runs alone)."""
+    indexed = {e.pack for e in index.values()}
+    for name, size in repo.names("packs"):
+        pack = name.rsplit("/", 1)[-1]
+        if pack in indexed or not is_id(pack) or size < 4:
+            continue
+        try:
+            key = repo.location.key(name)
+            (hlen,) = struct.unpack("<I", repo.client.get(key, size - 4, 4))
+            if hlen > size - 4:
+                continue
+            header = read_pack_header_only(repo.key, pack, repo.client.get(key, size - 4 - hlen, hlen), size - 4 - hlen)
+        except (IntegrityError, NotFound):
+            continue      # damaged, or gone since the listing: `repo check` and prune deal with it
+        session.packs[pack] = header
+        session.known.update(header)
+        session.report.packs_adopted += 1
+
+
 def push(store: Store, ref: str, repo: Repository, progress: Progress = _noop) -> PushReport:
     """Store ``NAME[@V]`` in ``repo``; what the repository held already (any capsule's, any host's) is not
     uploaded again."""
@@ -126,6 +151,7 @@ def push(store: Store, ref: str, repo: Repository, progress: Progress = _noop) -
         index, _names = repo.load_index()
         present = repo.manifest_names()
         session = _Session(repo, set(index), report, progress)
+        adopt_unindexed(repo, index, session)
         manifests: dict[str, bytes] = {}
         objects = []
         for kind, oid, role in items:

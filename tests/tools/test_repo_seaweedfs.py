@@ -15,7 +15,7 @@ import time
 import pytest
 
 from capsule import capsules
-from capsule.errors import AuthFailed
+from capsule.errors import AuthFailed, Error
 from capsule.repo import maintain
 from capsule.repo.format import pack_name
 from capsule.repo.push import push
@@ -207,3 +207,32 @@ def test_cli_init_push_keys_and_wrong_passphrase(seaweed, stores, tmp_path):
         Repository.open(_client(seaweed, "cli", "lab"), b"first secret")
     stats = json.loads(run("repo", "stats", url, "--key-file", str(key_file), "--json").stdout)
     assert stats["versions"] == 1 and stats["keys"] == 1
+
+
+def test_a_push_cut_by_a_killed_s3_gateway_shows_nothing_and_resumes(seaweed, stores, monkeypatch):
+    a, b, (one, _two) = stores
+    monkeypatch.setattr(Repository, "pack_size", property(lambda self: 1024 * 1024))   # several packs
+    repo = Repository.init(_client(seaweed, "killed"), PASS)
+    packs_seen = []
+
+    def kill_after_two_packs(msg: str) -> None:
+        if "pack(s)" in msg:
+            packs_seen.append(msg)
+            if len(packs_seen) == 2:
+                seaweed.kill("s3")
+
+    try:
+        with pytest.raises(Error):
+            push(a, one, repo, kill_after_two_packs)
+    finally:
+        if "s3" not in seaweed.roles:
+            seaweed.restart("s3")
+    assert maintain.listing(repo) == []                  # no version record: nothing half-written is visible
+    full = sum(1 for _ in repo.names("packs"))
+    assert full == 2
+    resumed = push(a, one, repo)
+    assert resumed.packs_adopted == 2 and resumed.blocks_new + resumed.blocks_known == resumed.blocks
+    assert resumed.blocks_known >= 2 * 200     # the two packs' blocks (1 MiB each) were not sent again
+    assert [r["version"] for r in maintain.listing(repo)] == [one]
+    assert maintain.check(repo, read_data=True).ok
+    assert restore(b, one, repo).recorded
