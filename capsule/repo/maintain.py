@@ -93,7 +93,7 @@ def check(repo: Repository, *, read_data: bool = False) -> CheckReport:
     """Every version's manifests readable, every block they use indexed, every indexed pack present (and, with
     ``read_data``, every pack read whole: its header and each blob open, and each block hashes to its id)."""
     report = CheckReport(repo.location.url)
-    with repo.lock():
+    with repo.lock(reading=True):
         try:
             index, _names = repo.load_index()
         except IntegrityError as exc:

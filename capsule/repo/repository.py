@@ -13,7 +13,7 @@ from typing import Any
 
 import zstandard
 
-from capsule.errors import AlreadyExists, AuthFailed, Conflict, Error, IntegrityError, NotFound
+from capsule.errors import AlreadyExists, AuthFailed, Conflict, Error, IntegrityError, NotFound, Unreachable
 from capsule.repo import crypto
 from capsule.repo.format import PACK_SIZE, Entry, decode_index, is_id, new_id
 from capsule.repo.s3 import Location, S3Client, credentials_from_environment, parse_url
@@ -166,10 +166,20 @@ class Repository:
         return out
 
     @contextmanager
-    def lock(self, exclusive: bool = False) -> Iterator[Lock]:
+    def lock(self, exclusive: bool = False, *, reading: bool = False) -> Iterator[Lock]:
+        """A shared lock (pushes, restores, checks) or the exclusive one (prune). ``reading``: the caller only
+        reads and verifies what it reads, so when the store refuses the lock object (a store that lost a
+        volume server still serves reads, not writes) it goes on without one — a prune running beside it
+        could at worst make it fail, never make it take a wrong block."""
         name = f"locks/{new_id()}"
         lock = Lock(self, name, exclusive)
-        lock.refresh()
+        try:
+            lock.refresh()
+        except Unreachable:
+            if not reading:
+                raise
+            yield lock
+            return
         try:
             now = time.time()
             for other, body in self._locks():

@@ -134,7 +134,7 @@ def restore(store: Store, ref: str, repo: Repository, progress: Callable[[str], 
             ) -> RestoreReport:
     """Bring ``NAME[@V]`` from ``repo`` into ``store`` (only the objects the store lacks)."""
     t0 = time.monotonic()
-    with repo.lock():
+    with repo.lock(reading=True):
         _name, body = find_version(repo, ref)
         try:
             record = validate(body["record"])

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from capsule import capsules
-from capsule.errors import AuthFailed, Error
+from capsule.errors import AuthFailed, Conflict, Error
 from capsule.repo import maintain
 from capsule.repo.format import pack_name
 from capsule.repo.push import push
@@ -236,3 +236,49 @@ def test_a_push_cut_by_a_killed_s3_gateway_shows_nothing_and_resumes(seaweed, st
     assert [r["version"] for r in maintain.listing(repo)] == [one]
     assert maintain.check(repo, read_data=True).ok
     assert restore(b, one, repo).recorded
+
+
+def test_two_hosts_push_at_once_and_prune_waits_for_them(seaweed, stores, tmp_path, tiny_images):
+    a, b, (one, two) = stores
+    Repository.init(_client(seaweed, "together"), PASS)
+    host_a, host_b = (Repository.open(_client(seaweed, "together"), PASS) for _ in range(2))
+    refused = []
+
+    def prune_beside(msg: str) -> None:
+        if "pack(s)" in msg and not refused:
+            with pytest.raises(Conflict, match="locked by") as info:
+                maintain.prune(Repository.open(_client(seaweed, "together"), PASS))
+            refused.append(str(info.value))
+
+    import threading
+
+    results = {}
+    threads = [threading.Thread(target=lambda r=r, ref=ref, say=say: results.setdefault(ref, push(a, ref, r, say)))
+               for r, ref, say in ((host_a, one, prune_beside), (host_b, two, lambda _m: None))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(results) == {one, two} and refused
+    assert sorted(r["version"] for r in maintain.listing(host_a)) == [one, two]
+    assert maintain.check(host_a, read_data=True).ok
+    pruned = maintain.prune(host_a)       # alone now: duplicate blocks the two pushes both sent are repacked
+    assert maintain.check(host_a, read_data=True).ok
+    assert restore(b, two, host_a).recorded and restore(b, one, host_a).recorded
+    print(f"\nconcurrent pushes: {pruned}")
+
+
+def test_a_lost_volume_server_loses_nothing_with_replication_010(tmp_path_factory, stores):
+    """SeaweedFS replication "010": each volume has a copy on a volume server in another rack; with one of the
+    two volume servers gone, every pack still reads back."""
+    a, b, (one, _two) = stores
+    cluster = SeaweedCluster(tmp_path_factory.mktemp("seaweedfs-010"), replication="010")
+    cluster.start()
+    try:
+        repo = Repository.init(_client(cluster, "replicated"), PASS)
+        push(a, one, repo)
+        cluster.kill("volume0")
+        assert maintain.check(repo, read_data=True).ok
+        assert restore(b, one, repo).recorded
+    finally:
+        cluster.remove()
