@@ -208,6 +208,12 @@ def test_cli_init_push_keys_and_wrong_passphrase(seaweed, stores, tmp_path):
     stats = json.loads(run("repo", "stats", url, "--key-file", str(key_file), "--json").stdout)
     assert stats["versions"] == 1 and stats["keys"] == 1
 
+    restored = run("repo", "restore", one, url, "--key-file", str(key_file), "--json", CAPSULE_HOME=str(_b.home))
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads(restored.stdout)["recorded"] and _b.catalogue.latest_version("one").number == 2
+    absent = run("repo", "restore", "nobody@1", url, "--key-file", str(key_file), CAPSULE_HOME=str(_b.home))
+    assert absent.returncode == 3 and "holds no nobody@1" in absent.stderr
+
 
 def test_a_push_cut_by_a_killed_s3_gateway_shows_nothing_and_resumes(seaweed, stores, monkeypatch):
     a, b, (one, _two) = stores
