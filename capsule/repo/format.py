@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import secrets
 import struct
+import threading
 from dataclasses import dataclass
 
 import zstandard
@@ -63,11 +64,17 @@ class Entry:
 
 # -- blobs ----------------------------------------------------------------------------
 
-_compressor = zstandard.ZstdCompressor(level=3)
+_local = threading.local()     # a ZstdCompressor is not safe to share between threads (two pushes at once)
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_local, "compressor"):
+        _local.compressor = zstandard.ZstdCompressor(level=3)
+    return _local.compressor
 
 
 def seal_blob(key: MasterKey, block_id: bytes, data: bytes) -> bytes:
-    packed = _compressor.compress(data)
+    packed = _compressor().compress(data)
     body = bytes([ZSTD]) + packed if len(packed) < len(data) else bytes([RAW]) + data
     return key.seal(body, b"blob\0" + block_id)
 

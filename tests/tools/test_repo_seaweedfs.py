@@ -288,3 +288,47 @@ def test_a_lost_volume_server_loses_nothing_with_replication_010(tmp_path_factor
         assert restore(b, one, repo).recorded
     finally:
         cluster.remove()
+
+
+def test_scheduled_backups_copy_to_a_repository_keep_its_policy_and_verify(seaweed, stores, monkeypatch):
+    """`backup schedule NAME --to s3://…`: each run's backups are pushed to the repository, its --to-keep
+    policy forgets and prunes there, and `backup verify` checks the repository, naming a lost pack."""
+    from capsule.backup import jobs, runner, verifyjob
+    from capsule.backup.retention import Policy
+
+    a, _b, (one, _two) = stores
+    url = seaweed.url("scheduled", "lab")
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CAPSULE_REPO_PASSPHRASE", PASS.decode())
+    Repository.init(_client(seaweed, "scheduled", "lab"), PASS)
+    jobs.schedule(a, "one", "daily", Policy(last=5), target=url, target_policy=Policy(last=1))
+    clock = [time.time()]
+
+    def take(store, name, mode, say):      # a snapshot without a guest: a backup version of the same objects
+        v = store.catalogue.latest_version(name)
+        row = VersionRow(name, v.number + 1, name, v.number, v.memory, v.chains, v.config,
+                         jobs.backup_note(mode, "memory"), clock[0])
+        store.catalogue.add_version(row)
+        return runner.Taken(row, 0, 0.0, "memory")
+
+    first = runner.run(a, "one", take=take, clock=lambda: clock[0])
+    assert first.ok, first.error
+    assert first.copy.copied == [3] and first.copy.wire_bytes > 1_000_000
+    clock[0] += 86400
+    second = runner.run(a, "one", take=take, clock=lambda: clock[0])
+    assert second.ok, second.error
+    assert second.copy.copied == [4] and second.copy.wire_bytes < 100_000     # nothing new but its record
+    assert second.copy.pruned == [3]                                            # --to-keep last=1
+    repo = Repository.open(_client(seaweed, "scheduled", "lab"), PASS)
+    assert [r["version"] for r in maintain.listing(repo)] == ["one@4"]
+
+    checked = verifyjob.run(a, ["one"])
+    there = next(h for h in checked.hosts if h.host == url)
+    assert there.error is None and there.broken == [] and there.backups == ["one@4"]
+    index, _ = repo.load_index()
+    lost = next(iter({e.pack for e in index.values()}))
+    _client(seaweed, "scheduled", "").delete(f"lab/{pack_name(lost)}")
+    checked = verifyjob.run(a, ["one"])
+    there = next(h for h in checked.hosts if h.host == url)
+    assert [(b.kind, b.id, b.backups) for b in there.broken] == [("pack", lost, ["one@4"])]
