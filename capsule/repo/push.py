@@ -19,7 +19,7 @@ import zstandard
 from capsule.capsules import resolve
 from capsule.errors import Conflict, IntegrityError, NotFound
 from capsule.repo.format import Entry, PackWriter, encode_index, is_id, pack_name, read_pack_header_only
-from capsule.repo.repository import Repository
+from capsule.repo.repository import Lock, Repository
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest
 from capsule.transfer.records import objects_of, version_record
@@ -58,8 +58,10 @@ def _noop(_msg: str) -> None:
 
 
 class _Session:
-    def __init__(self, repo: Repository, known: set[bytes], report: PushReport, progress: Progress) -> None:
+    def __init__(self, repo: Repository, known: set[bytes], report: PushReport, progress: Progress,
+                 lock: Lock) -> None:
         self.repo = repo
+        self.lock = lock
         self.known = known
         self.report = report
         self.progress = progress
@@ -81,6 +83,7 @@ class _Session:
         self.report.packs += 1
         self.progress(f"{self.report.packs} pack(s), {self.report.blocks_new} new block(s)")
         self.pack = PackWriter(self.repo.key)
+        self.lock.refresh(if_due=True)    # a long push keeps its lock fresh: prune never takes it for dead
 
 
 def _push_object(session: _Session, store: Store, kind: str, oid: str) -> bytes:
@@ -150,7 +153,7 @@ def push(store: Store, ref: str, repo: Repository, progress: Progress = _noop) -
         progress("reading the repository's indexes")
         index, _names = repo.load_index()
         present = repo.manifest_names()
-        session = _Session(repo, set(index), report, progress)
+        session = _Session(repo, set(index), report, progress, lock)
         adopt_unindexed(repo, index, session)
         manifests: dict[str, bytes] = {}
         objects = []

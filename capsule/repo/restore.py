@@ -7,12 +7,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zstandard
 
-from capsule.errors import IntegrityError, NotFound
+from capsule.errors import IntegrityError, NotFound, Unreachable
 from capsule.names import parse_ref
 from capsule.repo.format import Entry, open_blob, pack_name
 from capsule.repo.repository import Repository
@@ -134,7 +135,7 @@ def restore(store: Store, ref: str, repo: Repository, progress: Callable[[str], 
             ) -> RestoreReport:
     """Bring ``NAME[@V]`` from ``repo`` into ``store`` (only the objects the store lacks)."""
     t0 = time.monotonic()
-    with repo.lock(reading=True):
+    with repo.lock(reading=True) as lock:
         _name, body = find_version(repo, ref)
         try:
             record = validate(body["record"])
@@ -152,6 +153,8 @@ def restore(store: Store, ref: str, repo: Repository, progress: Callable[[str], 
                 progress("reading the repository's indexes")
                 index, _names = repo.load_index()
             progress(f"{role} {oid[:12]}")
+            with suppress(Unreachable):     # a degraded store that refused the lock object refuses this too
+                lock.refresh(if_due=True)
             _restore_object(store, repo, index, kind, oid, role, name, report)
         _row, report.recorded = record_version(store, record)
     report.seconds = round(time.monotonic() - t0, 3)
