@@ -222,3 +222,24 @@ def test_repository_urls(url, endpoint, bucket, prefix):
 def test_bad_repository_urls_are_refused(url):
     with pytest.raises(InvalidName):
         parse_url(url)
+
+
+def test_a_long_push_keeps_its_lock_fresh(bucket, monkeypatch):
+    """Each pack a push uploads refreshes its lock once it is due, so prune never takes a running push's lock
+    for a dead writer's."""
+    from capsule.repo import push as push_mod
+    from capsule.repo import repository
+
+    repo = _init(bucket)
+    monkeypatch.setattr(Repository, "pack_size", property(lambda self: 8192))
+    writes = []
+    with repo.lock() as lock:
+        real_put = bucket.put
+        monkeypatch.setattr(bucket, "put", lambda key, data: (writes.append(key), real_put(key, data)))
+        monkeypatch.setattr(repository, "REFRESH_LOCK_SECONDS", 0.0)
+        report = push_mod.PushReport("x@1", "url")
+        session = push_mod._Session(repo, set(), report, lambda _m: None, lock)
+        for i in range(6):
+            session.add(bytes([i]) * 32, random.Random(i).randbytes(4096))
+        session.flush()
+    assert report.packs == 3 and sum(1 for k in writes if k == f"repo/{lock.name}") == 3
