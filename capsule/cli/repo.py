@@ -97,8 +97,10 @@ def stats(url: Url, key_file: KeyFile = None, json: JsonOpt = False) -> None:
 def check(url: Url, read_data: Annotated[bool, typer.Option("--read-data", help="Read every pack whole and "
                                                                                 "check each block.")] = False,
           key_file: KeyFile = None, json: JsonOpt = False) -> None:
-    """Check that every version's blocks are indexed and their packs present (with --read-data: intact),
-    naming each bad pack and the versions that use it."""
+    """Check that every version's blocks are indexed and their packs present.
+
+    With --read-data every pack is read and each block checked; each bad pack is named with the versions
+    that use it."""
     json_flag(json)
     from capsule.repo import maintain
 
@@ -114,8 +116,9 @@ def check(url: Url, read_data: Annotated[bool, typer.Option("--read-data", help=
 def prune(url: Url, dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be freed; change "
                                                                             "nothing.")] = False,
           key_file: KeyFile = None, json: JsonOpt = False) -> None:
-    """Free the blocks no version uses (after `repo forget`): alone in the repository, under its exclusive
-    lock."""
+    """Free the blocks no version uses (after `repo forget`).
+
+    It runs alone in the repository, under its exclusive lock."""
     json_flag(json)
     from capsule.repo import maintain
 
@@ -140,8 +143,9 @@ def forget(ref: Annotated[str, typer.Argument(help="NAME@V to drop from the repo
 @app.command(rich_help_panel=MOVING)
 def push(ref: Annotated[str, typer.Argument(help="NAME or NAME@V to store.")], url: Url,
          key_file: KeyFile = None, json: JsonOpt = False) -> None:
-    """Store a capsule version in a repository: only blocks it lacks (from any capsule, any host) are
-    uploaded, sealed."""
+    """Store a capsule version in a repository, sealed.
+
+    Only the blocks it lacks (from any capsule, any host) are uploaded."""
     json_flag(json)
     from capsule.repo.push import push as run
 
@@ -158,8 +162,9 @@ def push(ref: Annotated[str, typer.Argument(help="NAME or NAME@V to store.")], u
 @app.command(rich_help_panel=MOVING)
 def restore(ref: Annotated[str, typer.Argument(help="NAME or NAME@V to bring back.")], url: Url,
             key_file: KeyFile = None, json: JsonOpt = False) -> None:
-    """Bring a capsule version from a repository into this store (only the layers and files it lacks), each
-    checked against its manifest."""
+    """Bring a capsule version from a repository into this store.
+
+    Only the layers and files it lacks are fetched, each checked against its manifest."""
     json_flag(json)
     from capsule.repo.restore import restore as run
 
