@@ -35,6 +35,13 @@ def weed_binary() -> Path:
     return Path(found.stdout.strip().splitlines()[-1])
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies (a crashed test run leaves no servers behind)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+
+
 def _port_pair() -> int:
     """A loopback port free together with its gRPC port (+10000)."""
     for _ in range(200):
@@ -81,7 +88,7 @@ class SeaweedCluster:
         self.args[name] = args
         log = open(self.workdir / f"{name}.log", "ab")   # noqa: SIM115 - the process holds it
         p = subprocess.Popen([str(self.weed), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=self.workdir)
+                             cwd=self.workdir, preexec_fn=_die_with_parent)
         log.close()
         self.procs.append(p)
         self.roles.append(name)
