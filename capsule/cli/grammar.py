@@ -7,7 +7,9 @@
    resolver reads it: :func:`capsule.cli.common.resolve_peer` for a call to the peer (push, pull,
    start --from, migrate, pod migrate --on), :func:`capsule.cli.common.known_host_name` where the host must be
    known already (backup copies, fleet members, host rm). ``capsule host add NAME URL`` and
-   ``capsule fleet add NAME URL`` define a peer; they are the only commands that take a URL as an argument.
+   ``capsule fleet add NAME URL`` define a peer; they are the only commands that take a peer's URL as an
+   argument. A capsule repository is not a peer: ``capsule repo …`` commands take its ``s3://HOST:PORT/BUCKET/
+   PREFIX`` URL as an argument, and ``backup schedule NAME --to`` takes either a PEER or such a URL.
 2. **``--to`` and ``--from`` name a place**: where something goes, where it comes from. The place is a PEER
    (``push NAME --to PEER``, ``pull NAME --from PEER``, ``start NAME --from PEER``, ``migrate NAME --to
    PEER``, ``backup schedule NAME --to PEER``, ``fleet push NAME@V --to PEER``), except for pods, whose place
