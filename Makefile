@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CAPSULE := $(VENV)/bin/capsule
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-compose test check fuzz setup host venv native web lint bench bench-quick bench-live clean-venv agent compose-up compose-down compose-build
+.PHONY: demo demo-compose test check fuzz setup host venv native web seaweedfs lint bench bench-quick bench-live clean-venv agent compose-up compose-down compose-build
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -38,7 +38,12 @@ fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/unit/test_fuzz_*.py $(PYTEST_ARGS)
 	$(MAKE) -C guest-balloon fuzz FUZZ_TIME=$(FUZZ_TIME)
 
-setup: host venv native web
+setup: host venv native web seaweedfs
+
+# SeaweedFS's `weed` (the object store the capsule repository's tests run against), built once from the Go
+# module proxy at a pinned version and cached outside the clone, keyed by version (scripts/seaweedfs.sh).
+seaweedfs:
+	@bash scripts/seaweedfs.sh >/dev/null
 
 host:
 	@bash scripts/setup-host.sh

@@ -131,6 +131,10 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/api/capsules/{name}/console-ticket"): Rule(frozenset({"capsules"}), capsule="name", changes=False),
     ("WS", "/api/console/{name}"): ACT,
     ("WS", "/api/console/{name}/serial"): ACT,
+    # the guest's clipboard (capsule/console/clipboard.py): what the guest holds is its owner's, like its screen
+    ("GET", "/api/capsules/{name}/clipboard"): ACT,
+    ("PUT", "/api/capsules/{name}/clipboard"): ACT,
+    ("PUT", "/api/capsules/{name}/screen-size"): ACT,      # its screen's resolution (capsule/console/screensize.py)
     ("POST", "/api/hosts/{host}/capsules/{name}/console-ticket"): Rule(frozenset({"capsules"}), STAFF,
                                                                        changes=False),
     ("WS", "/api/hosts/{host}/console/{name}"): ACT_STAFF,

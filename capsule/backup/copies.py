@@ -1,8 +1,9 @@
-"""Off-host copies (``--to HOST``): after each run, every backup of the capsule not yet on the backup host
-is pushed there with HCP (``transfer.push``: only the blocks that host lacks travel), oldest first. Which
-backups are there is kept in a table of its own. If the host is down the copies wait for the next run;
-the local backups are untouched either way. A backup pruned here before it was copied is not copied.
-After the copies the backup host applies its own policy (the job's ``--to-keep``, or the same as here)."""
+"""Off-host copies (``--to HOST``; ``--to s3://…``, a repository: :mod:`capsule.repo.backups`): after each run, every
+backup of the capsule not yet on the backup host is pushed there with HCP (``transfer.push``: only the blocks that
+host lacks travel), oldest first. Which backups are there is kept in a table of its own. If the host is down the
+copies wait for the next run; the local backups are untouched either way. A backup pruned here before it was copied
+is not copied. After the copies the backup host applies its own policy (the job's ``--to-keep``, or the same as
+here)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from capsule.agentclient import AgentClient
 from capsule.backup import jobs
 from capsule.backup.retention import Policy
 from capsule.errors import Error
+from capsule.repo import backups as repo_backups
 from capsule.store import Store
 from hashcache.hcp import ProtocolError
 
@@ -51,6 +53,8 @@ def copied_to(store: Store, name: str) -> dict[str, set[int]]:
 def prune_there(store: Store, name: str, target: str, policy: Policy) -> list[int]:
     """Apply ``policy`` to the copies on ``target`` (its agent prunes, then collects what nothing there
     uses); the copies it removed are remembered, so they are neither sent again nor verified there."""
+    if repo_backups.is_repository(target):
+        return repo_backups.prune_there(store, name, target, policy)
     peer = hosts.get(store, target)
     with AgentClient(peer.url, peer.token, fingerprint=peer.fingerprint) as client:
         answer = client.post_json(f"/v1/backups/{name}/prune", {"policy": policy.as_dict()})
@@ -69,6 +73,9 @@ def push_pending(store: Store, name: str, target: str) -> CopyResult:
     result = CopyResult(target)
     done = copied(store, name, target)
     todo = [v for v in jobs.backups(store, name) if v.number not in done]
+    if repo_backups.is_repository(target):
+        repo_backups.push_pending(store, name, target, result, todo)
+        return result
     try:
         peer = hosts.get(store, target)
     except Error as exc:

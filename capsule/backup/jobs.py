@@ -18,6 +18,7 @@ from capsule.backup.retention import Policy
 from capsule.capsules import resolve
 from capsule.errors import Conflict, NotFound
 from capsule.names import check_name
+from capsule.repo import backups as repo_backups
 from capsule.store import Store
 from capsule.store.catalogue import VersionRow
 
@@ -112,7 +113,9 @@ def schedule(store: Store, name: str, every: str, policy: Policy, *, mode: str =
     next_run = event.next_after(now)
     if next_run is None:
         raise CalendarError(f"{every!r} ({event.normalized()}) never elapses after now: nothing would run")
-    if target is not None:
+    if target is not None and repo_backups.is_repository(target):
+        target = repo_backups.check_target(target)
+    elif target is not None:
         hosts.get(store, check_name(target, "host"))
     elif target_policy is not None:
         raise Conflict("a backup host's policy (--to-keep) needs a backup host: give --to HOST")

@@ -20,6 +20,7 @@ from capsule.backup import copies, jobs
 from capsule.backup.calendar import CalendarError, parse
 from capsule.capsules import resolve
 from capsule.errors import Error, NotFound
+from capsule.repo import backups as repo_backups
 from capsule.store import Store
 from capsule.verify import Problem, VerifyReport, users_of, verify_versions
 
@@ -112,6 +113,12 @@ def run(store: Store, names: list[str] | None = None, *, remote: bool = True,
     for target, their_refs in sorted(there.items()):
         say(f"asking {target} to re-hash {len(their_refs)} backup copies")
         try:
+            if repo_backups.is_repository(target):
+                found = repo_backups.verify_copies(target, their_refs)
+                checks.append(HostCheck(target, their_refs, broken=[
+                    Broken(target, b["kind"], b["id"], b["error"], b["backups"]) for b in found["broken"]],
+                    error="; ".join(found["errors"]) or None))
+                continue
             peer = hosts.get(store, target)
             with AgentClient(peer.url, peer.token, timeout=3600.0, fingerprint=peer.fingerprint) as client:
                 answer = client.post_json("/v1/verify", {"versions": their_refs})

@@ -17,6 +17,7 @@ from capsule.backup.retention import Policy
 from capsule.cli import grammar
 from capsule.cli.common import JsonOpt, console, emit, json_flag, known_host_name, open_store, progress
 from capsule.errors import Conflict, InvalidInput
+from capsule.repo import backups as repo_backups
 from capsule.units import human
 
 app = typer.Typer(
@@ -65,7 +66,11 @@ def schedule(
                                                         "lacks travels): a known host's name or its agent URL "
                                                         "(`capsule host add` it first: the agent makes the "
                                                         "copies later with its token). If it is down, the "
-                                                        "copies wait for the next run.")] = None,
+                                                        "copies wait for the next run. Or a repository URL "
+                                                        "s3://HOST:PORT/BUCKET/PREFIX (`capsule repo init` it; "
+                                                        "the agent opens it with CAPSULE_REPO_KEY_FILE or "
+                                                        "CAPSULE_REPO_PASSPHRASE and the AWS credentials from "
+                                                        "its environment).")] = None,
     to_keep: Annotated[str | None, typer.Option("--to-keep", help="The backup host's own policy for its copies, "
                                                                   "e.g. 'daily=30,weekly=12,monthly=24' (the "
                                                                   "--keep-* rules; default: the same as here). "
@@ -103,7 +108,10 @@ def schedule(
                     monthly=keep_monthly, yearly=keep_yearly, within=keep_within)
     store = open_store()
     there = Policy.parse(to_keep) if to_keep is not None else None
-    target = known_host_name(store, to) if to is not None else None
+    if to is not None and repo_backups.is_repository(to):
+        target: str | None = repo_backups.check_target(to)
+    else:
+        target = known_host_name(store, to) if to is not None else None
     job, created = jobs.schedule(store, name, every, policy, mode="disk-only" if disk_only else "memory",
                                  target=target, target_policy=there)
 

@@ -7,7 +7,9 @@
    resolver reads it: :func:`capsule.cli.common.resolve_peer` for a call to the peer (push, pull,
    start --from, migrate, pod migrate --on), :func:`capsule.cli.common.known_host_name` where the host must be
    known already (backup copies, fleet members, host rm). ``capsule host add NAME URL`` and
-   ``capsule fleet add NAME URL`` define a peer; they are the only commands that take a URL as an argument.
+   ``capsule fleet add NAME URL`` define a peer; they are the only commands that take a peer's URL as an
+   argument. A capsule repository is not a peer: ``capsule repo …`` commands take its ``s3://HOST:PORT/BUCKET/
+   PREFIX`` URL as an argument, and ``backup schedule NAME --to`` takes either a PEER or such a URL.
 2. **``--to`` and ``--from`` name a place**: where something goes, where it comes from. The place is a PEER
    (``push NAME --to PEER``, ``pull NAME --from PEER``, ``start NAME --from PEER``, ``migrate NAME --to
    PEER``, ``backup schedule NAME --to PEER``, ``fleet push NAME@V --to PEER``), except for pods, whose place
@@ -69,12 +71,16 @@ TOP = ""
 VERBS: dict[str, tuple[str, frozenset[str]]] = {
     "create": ("make a new capsule, pod or token", frozenset({TOP, "pod", "token"})),
     "derive": ("make a child capsule sharing every layer of its parent", frozenset({TOP})),
-    "ls": ("list", frozenset({TOP, "host", "fleet", "backup", "pod", "image", "user", "token"})),
+    "ls": ("list", frozenset({TOP, "host", "fleet", "backup", "pod", "image", "user", "token", "repo"})),
     "show": ("show one capsule version", frozenset({TOP})),
     "tree": ("draw the layer hierarchy", frozenset({TOP})),
     "promote": ("fold a layer's parent into it", frozenset({TOP})),
-    "rm": ("remove from where it is listed (a capsule, a version, a known host, a fleet member, a user)",
-           frozenset({TOP, "host", "fleet", "user"})),
+    "rm": ("remove from where it is listed (a capsule, a version, a known host, a fleet member, a user, a "
+           "repository key)", frozenset({TOP, "host", "fleet", "user", "repo"})),
+    "init": ("make a new, empty repository", frozenset({"repo"})),
+    "check": ("check a repository is whole (every block indexed, every pack present and intact)",
+              frozenset({"repo"})),
+    "forget": ("drop a version from a repository (prune frees its blocks)", frozenset({"repo"})),
     "gc": ("collect unreferenced objects", frozenset({TOP})),
     "verify": ("re-hash stored objects against their digests", frozenset({TOP, "backup"})),
     "doctor": ("check this host", frozenset({TOP})),
@@ -84,22 +90,25 @@ VERBS: dict[str, tuple[str, frozenset[str]]] = {
     "snapshot": ("record a running capsule as a new version; it keeps running", frozenset({TOP})),
     "stop": ("shut a capsule down, keeping its disks as a new version", frozenset({TOP})),
     "console": ("attach to a capsule's serial console", frozenset({TOP})),
-    "push": ("send a version to other hosts", frozenset({TOP, "fleet"})),
+    "push": ("send a version to other hosts (or into a repository)", frozenset({TOP, "fleet", "repo"})),
     "pull": ("fetch a version from another host", frozenset({TOP})),
     "migrate": ("move a running capsule or pod to another place; it runs there after",
                 frozenset({TOP, "pod"})),
     "localize": ("make remote layers local once all their blocks are here", frozenset({TOP})),
     "serve": ("run this host's agent", frozenset({TOP})),
     "prime": ("index files into the hash cache", frozenset({"cache"})),
-    "stats": ("print counters", frozenset({"cache"})),
-    "add": ("add to a list (a known host, a fleet member, a user)", frozenset({"host", "fleet", "user"})),
+    "stats": ("print counters", frozenset({"cache", "repo"})),
+    "add": ("add to a list (a known host, a fleet member, a user, a repository key)",
+            frozenset({"host", "fleet", "user", "repo"})),
     "status": ("ask every member what it holds and runs", frozenset({"fleet"})),
     "rollback": ("put an earlier version back on the fleet", frozenset({"fleet"})),
     "schedule": ("run a job on a calendar", frozenset({"backup"})),
     "unschedule": ("drop a job's calendar", frozenset({"backup"})),
     "run": ("do a scheduled job now, outside its schedule", frozenset({"backup"})),
-    "prune": ("remove the backups a retention policy does not keep", frozenset({"backup"})),
-    "restore": ("start again from a saved image (a backup version, a pod image)", frozenset({"backup", "pod"})),
+    "prune": ("remove what is no longer kept: backups a retention policy drops, a repository's unused blocks",
+              frozenset({"backup", "repo"})),
+    "restore": ("start again from a saved image (a backup version, a pod image, a repository's version)",
+                frozenset({"backup", "pod", "repo"})),
     "files": ("read files from a version's disk without booting it", frozenset({"backup"})),
     "exec": ("run a command inside a pod", frozenset({"pod"})),
     "freeze": ("pause every process of a pod in place (nothing is saved)", frozenset({"pod"})),
@@ -116,7 +125,7 @@ VERBS: dict[str, tuple[str, frozenset[str]]] = {
     "chown": ("give a capsule to a user", frozenset({TOP})),
     "audit": ("read the audit log", frozenset({TOP})),
 }
-GROUPS = frozenset({"cache", "host", "fleet", "backup", "pod", "update", "image", "user", "token"})
+GROUPS = frozenset({"cache", "host", "fleet", "backup", "pod", "update", "image", "user", "token", "repo", "key"})
 
 F = TypeVar("F", bound=Callable[..., Any])
 

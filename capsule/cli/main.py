@@ -21,6 +21,7 @@ from capsule.cli import (
     images,
     migrate,
     pod,
+    repo,
     runtime,
     transfer,
     update,
@@ -79,6 +80,7 @@ migrate.register(app)
 hosts.register(app)
 fleet.register(app)
 backup.register(app)
+repo.register(app)
 pod.register(app)
 app.add_typer(images.app, name="image", help="Build and list guest images.", rich_help_panel=grammar.IMAGES)
 update.register(app)

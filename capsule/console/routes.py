@@ -5,6 +5,9 @@
     WS   /api/console/{name}?ticket=T           the screen's VNC byte stream, in binary WebSocket frames
     WS   /api/console/{name}/serial?ticket=T    the serial console: first the tail of its log, then the
                                                 pty's output; what the page sends is typed into it
+    GET  /api/capsules/{name}/clipboard         the guest's clipboard text (``clipboard.get``)
+    PUT  /api/capsules/{name}/clipboard {text}  make a text the guest's clipboard (``clipboard.set``)
+    PUT  /api/capsules/{name}/screen-size {width, height}   the guest's screen resolution (``screensize.set_size``)
 
 QEMU's VNC server listens on a unix socket in the instance's directory only (``capsule.console.screen``); the agent
 splices an authenticated WebSocket to it, so the page's noVNC speaks RFB to the guest's screen. The WebSocket
@@ -39,7 +42,8 @@ from pydantic import BaseModel
 from starlette.websockets import WebSocketState
 
 from capsule.agent.sessions import Caller, Sessions
-from capsule.console import screen
+from capsule.agent.workers import workers_of
+from capsule.console import clipboard, screen, screensize
 from capsule.errors import Error
 from capsule.runtime import guestfiles
 from capsule.store import Store
@@ -92,6 +96,26 @@ class Tickets:
                 and self.clock() < t.expires)
 
 
+class ClipboardIn(BaseModel):
+    text: str
+
+
+class ClipboardOut(BaseModel):
+    text: str
+    bytes: int        # of UTF-8
+    max_bytes: int    # the clipboard's limit, either way
+
+
+class ClipboardSet(BaseModel):
+    bytes: int
+    max_bytes: int
+
+
+class ScreenSize(BaseModel):
+    width: int
+    height: int
+
+
 class TicketOut(BaseModel):
     ticket: str
     expires_in: float
@@ -134,6 +158,24 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
         ticket = tickets.issue(name, None if c.session is None else c.session.sid, kind)
         path = f"/api/console/{name}" + ("/serial" if kind == "serial" else "")
         return TicketOut(ticket=ticket, expires_in=tickets.lifetime, url=f"{path}?ticket={ticket}")
+
+    @api.get("/capsules/{name}/clipboard", response_model=ClipboardOut, dependencies=[Depends(caller)],
+             summary="The running capsule's clipboard text, through its guest agent")
+    async def clipboard_get(name: str, request: Request) -> ClipboardOut:
+        text = await workers_of(request).act(request, clipboard.get, store, name)
+        return ClipboardOut(text=text, bytes=len(text.encode()), max_bytes=clipboard.MAX_BYTES)
+
+    @api.put("/capsules/{name}/clipboard", response_model=ClipboardSet, dependencies=[Depends(caller)],
+             summary="Make a text the running capsule's clipboard, through its guest agent")
+    async def clipboard_set(name: str, body: ClipboardIn, request: Request) -> ClipboardSet:
+        size = await workers_of(request).act(request, clipboard.set, store, name, body.text)
+        return ClipboardSet(bytes=size, max_bytes=clipboard.MAX_BYTES)
+
+    @api.put("/capsules/{name}/screen-size", response_model=ScreenSize, dependencies=[Depends(caller)],
+             summary="Set the running capsule's screen resolution, through its guest agent")
+    async def screen_size(name: str, body: ScreenSize, request: Request) -> ScreenSize:
+        w, h = await workers_of(request).act(request, screensize.set_size, store, name, body.width, body.height)
+        return ScreenSize(width=w, height=h)
 
     @api.websocket("/console/{name}/serial")
     async def serial(ws: WebSocket, name: str, ticket: str = "") -> None:

@@ -30,7 +30,9 @@ class Serial:
     log: Path      # everything the guest wrote to it since it started on this host
 
 
-def _instance(store: Store, name: str, what: str) -> InstanceRow:
+def running_instance(store: Store, name: str, what: str) -> InstanceRow:
+    """The instance of the running capsule ``name``: NotFound for an unknown capsule, Conflict when it is not
+    running (``what``: what it was wanted for, in the message)."""
     resolve(store, check_name(name))
     inst = store.catalogue.instance(name)
     if inst is None:
@@ -47,7 +49,7 @@ def vnc_socket(store: Store, name: str) -> Path:
     """The unix socket of the running capsule ``name``'s VNC server. NotFound for an unknown capsule, Conflict
     when it is not running or has no screen (restored from a memory image saved before capsules had one),
     GuestFileRefused when what is there is not a socket of QEMU's (a link, another owner: ``guestfiles``)."""
-    inst = _instance(store, name, "screen")
+    inst = running_instance(store, name, "screen")
     sock = Path(inst.dir) / VNC_SOCKET
     try:
         guestfiles.check_socket(sock, f"capsule {name!r}'s screen socket")
@@ -60,7 +62,7 @@ def connect_screen(store: Store, name: str, timeout: float = 5.0) -> socket.sock
     """A connection to the running capsule ``name``'s VNC server, made through the socket's own node (no link
     followed, its owner checked: ``guestfiles.connect_socket``). Errors as :func:`vnc_socket`; OSError when
     nothing listens there."""
-    inst = _instance(store, name, "screen")
+    inst = running_instance(store, name, "screen")
     try:
         return guestfiles.connect_socket(Path(inst.dir) / VNC_SOCKET, f"capsule {name!r}'s screen socket", timeout)
     except FileNotFoundError:
@@ -69,7 +71,7 @@ def connect_screen(store: Store, name: str, timeout: float = 5.0) -> socket.sock
 
 def serial_console(store: Store, name: str) -> Serial:
     """The running capsule ``name``'s serial console. NotFound / Conflict as :func:`vnc_socket`."""
-    inst = _instance(store, name, "serial console")
+    inst = running_instance(store, name, "serial console")
     dom = lookup_domain(inst.domain)
     src = None if dom is None else ET.fromstring(dom.XMLDesc(0)).find("./devices/serial/source")
     path = None if src is None else src.get("path")
@@ -94,7 +96,7 @@ class Screenshot:
 def screenshot(store: Store, name: str) -> Screenshot:
     """The running capsule ``name``'s screen now (`virsh screenshot`: QEMU's screen dump through libvirt, PPM, or
     PNG where QEMU gives that). NotFound / Conflict as :func:`vnc_socket`."""
-    inst = _instance(store, name, "screen")
+    inst = running_instance(store, name, "screen")
     dom = lookup_domain(inst.domain)
     if dom is None:
         raise Conflict(f"capsule {name!r} has no screen: its domain is gone")

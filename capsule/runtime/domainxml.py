@@ -65,11 +65,23 @@ def screen_cmdline(cmdline: str) -> str:
 
 def add_screen(devices: ET.Element, vnc_socket: Path) -> None:
     """A standard VGA card (text mode from the BIOS on: any kernel shows its console there without a driver)
-    and its VNC server, on a unix socket in the instance's directory only: never a TCP port."""
+    and its VNC server, on a unix socket in the instance's directory only: never a TCP port. Plus an absolute
+    pointer (:func:`add_pointer`)."""
     graphics = ET.SubElement(devices, "graphics", type="vnc", socket=str(vnc_socket))
     ET.SubElement(graphics, "listen", type="socket", socket=str(vnc_socket))
     video = ET.SubElement(devices, "video")
     ET.SubElement(video, "model", type="vga", vram="16384", heads="1", primary="yes")
+    add_pointer(devices)
+
+
+def add_pointer(devices: ET.Element) -> None:
+    """An absolute pointing device (virtio-tablet-pci): QEMU's VNC server then hands it the client's pointer
+    position as it is, so the guest's pointer sits exactly under the browser's; with only the PS/2 mouse QEMU
+    makes relative moves of it and the guest's acceleration makes the two drift apart. Virtio rather than a USB
+    tablet: a USB device keeps the UHCI controller's 1 kHz frame timer running, which costs a TCG guest CPU
+    while it idles. Both are migratable (the device has its vmstate); a guest without ``virtio_input`` keeps
+    the PS/2 mouse."""
+    ET.SubElement(devices, "input", type="tablet", bus="virtio")
 
 
 def add_user_network(devices: ET.Element, network: str) -> None:

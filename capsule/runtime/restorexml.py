@@ -66,7 +66,8 @@ DEVICES: dict[str, Node] = {
         "source": _IGNORED,
         "target": Node(attrs={"type": "virtio", "name": re.escape(AGENT_CHANNEL), "state": r"connected|disconnected"}),
         **_DEV}),
-    "input": Node(attrs={"type": r"mouse|keyboard", "bus": "ps2"}, children=dict(_DEV)),
+    # PS/2 (libvirt's implicit ones) and the screen's absolute pointer (``domainxml.add_pointer``)
+    "input": Node(attrs={"type": r"mouse|keyboard|tablet", "bus": r"ps2|virtio"}, children=dict(_DEV)),
     # the screen: the VNC server's content is this host's (its socket), only the VGA card is device state
     "graphics": Node(attrs={"type": "vnc", "*": None}, opaque=True),
     "video": Node(children={"model": Node(attrs={"type": "vga", "vram": _NUM, "heads": _NUM, "primary": r"yes|no"}),
@@ -225,6 +226,11 @@ def rebuild(saved_xml: str, spec: MachineSpec) -> tuple[str, str]:
         # saved before capsules had a screen: a VGA card would change the machine the state was saved from
         for el in devices.findall("graphics") + devices.findall("video"):
             devices.remove(el)
+    if not any(el.tag == "input" and el.get("type") == "tablet" for el in saved_list):
+        # saved (or running, for a live move) before capsules had a tablet: it joins at the next cold start
+        for el in devices.findall("input"):
+            if el.get("type") == "tablet":
+                devices.remove(el)
     emulators = [el for el in saved_list if el.tag == "emulator"]
     for el in emulators:
         mine = (devices.findtext("emulator") or "").strip()

@@ -71,6 +71,8 @@ EXPECTED = {
     **{("POST", path): "host" for path in ("/v1/live/check", "/v1/live/prepare", "/v1/live/{mid}/finish",
                                            "/v1/live/{mid}/abort")},
     ("GET", "/api/capsules/{name}/migrate/check"): "act",
+    **{(m, "/api/capsules/{name}/clipboard"): "act" for m in ("GET", "PUT")},
+    ("PUT", "/api/capsules/{name}/screen-size"): "act",
     ("POST", "/v1/tunnel"): "host",
     ("DELETE", "/v1/tunnel/{session}"): "host",
     ("WS", "/v1/tunnel/{session}/{channel}"): "host",

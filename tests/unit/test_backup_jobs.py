@@ -308,3 +308,26 @@ def test_cli_human_views_show_results_and_reasons(store):
     assert "last, daily" in r.stdout and "would remove 0 backup(s)" in r.stdout
     r = CliRunner().invoke(app, [*home, "backup", "unschedule", "desk"])
     assert r.exit_code == 0 and jobs.jobs(store) == []
+
+
+def test_cli_schedule_to_a_repository_url(store, monkeypatch):
+    """--to takes a repository URL as well as a host; a malformed one changes nothing. Without a passphrase
+    in the environment the run keeps its backup and says the copy waits."""
+    from capsule.cli.main import app
+
+    home = ["--home", str(store.home)]
+    bad = CliRunner().invoke(app, [*home, "backup", "schedule", "desk", "--every", "daily", "--to", "s3://h/UP"])
+    assert bad.exit_code != 0 and "bucket name" in str(bad.exception) and jobs.jobs(store) == []
+    url = "s3+http://127.0.0.1:9/backups/lab"
+    r = CliRunner().invoke(app, [*home, "backup", "schedule", "desk", "--every", "daily", "--keep-last", "3",
+                                 "--to", url, "--to-keep", "last=1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert _job(store).target == url and _job(store).there_policy.last == 1
+    monkeypatch.delenv("CAPSULE_REPO_PASSPHRASE", raising=False)
+    monkeypatch.delenv("CAPSULE_REPO_KEY_FILE", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    clock = Clock(T0)
+    result = runner.run(store, "desk", take=Taker(clock), clock=clock)
+    assert not result.ok and result.copy.waiting == [2] and "cannot be opened" in result.error
+    assert [v.number for v in jobs.backups(store, "desk")] == [2]

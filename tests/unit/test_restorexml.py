@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from capsule.errors import IntegrityError
-from capsule.runtime.domainxml import MachineSpec
+from capsule.runtime.domainxml import MachineSpec, build
 from capsule.runtime.restorexml import rebuild
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -232,3 +232,41 @@ def test_a_leaf_on_a_disk_server_names_its_nbd_backing_with_a_reconnect_delay():
     assert bs.find("source/host").attrib == {"transport": "unix", "socket": str(sock)}
     assert int(bs.find("source/reconnect").get("delay")) > 0
     assert bs.find("backingStore") is not None and len(bs.find("backingStore")) == 0  # the chain ends there
+
+
+# the screen's absolute pointer (``domainxml.add_pointer``): every capsule with a screen boots with a virtio tablet;
+# an image (or a running guest, for a live move) with one keeps it at its address; one saved before has none until
+# its next boot
+TABLET = """<input type='tablet' bus='virtio'>
+      <alias name='input0'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x06' function='0x0'/>
+    </input>"""
+VNC = HERE / "instances/x/vnc.sock"
+
+
+def tablets(xml: str) -> list[ET.Element]:
+    return [el for el in ET.fromstring(xml).findall("devices/input") if el.get("type") == "tablet"]
+
+
+def test_a_capsule_with_a_screen_boots_with_a_virtio_tablet_and_one_without_has_none():
+    (tablet,) = tablets(build(spec(vnc_socket=VNC)))
+    assert tablet.attrib == {"type": "tablet", "bus": "virtio"}
+    assert tablets(build(spec())) == []
+
+
+def test_an_image_with_a_tablet_keeps_it_at_its_saved_address():
+    xml, _ = rebuild(with_devices(SCREEN + "\n    " + TABLET), spec(vnc_socket=VNC))
+    (tablet,) = tablets(xml)
+    assert tablet.get("bus") == "virtio" and tablet.find("address").get("slot") == "0x06"
+
+
+def test_an_image_saved_before_tablets_is_restored_without_one_and_boots_with_one():
+    assert len(tablets(build(spec(vnc_socket=VNC)))) == 1     # the next cold start has it
+    xml, _ = rebuild(with_devices(SCREEN), spec(vnc_socket=VNC))
+    assert tablets(xml) == []
+    assert ET.fromstring(xml).find("devices/video") is not None
+
+
+def test_a_usb_tablet_is_not_this_hosts_machine():
+    with pytest.raises(IntegrityError, match="usb"):
+        rebuild(with_devices(SCREEN + "\n    " + TABLET.replace("'virtio'", "'usb'")), spec(vnc_socket=VNC))

@@ -73,6 +73,12 @@ export const consoleTicket = (name, kind = "screen") =>
 export const peerConsoleTicket = (host, name, kind = "screen") =>
   call("POST", `hosts/${encodeURIComponent(host)}/capsules/${encodeURIComponent(name)}/console-ticket` +
     `?kind=${encodeURIComponent(kind)}`, {});
+// the guest's clipboard, through its guest agent (capsule/console/clipboard.py): {text, bytes, max_bytes}
+export const clipboard = (name) => call("GET", `capsules/${encodeURIComponent(name)}/clipboard`);
+export const setClipboard = (name, text) => call("PUT", `capsules/${encodeURIComponent(name)}/clipboard`, { text });
+// the guest's screen resolution (capsule/console/screensize.py): {width, height} as set
+export const setScreenSize = (name, width, height) =>
+  call("PUT", `capsules/${encodeURIComponent(name)}/screen-size`, { width, height });
 
 // migrations (capsule/agent/migrations.py); progress streams from /api/migrations/{id}/events (EventSource)
 export const migrate = (name, body) => call("POST", `capsules/${encodeURIComponent(name)}/migrate`, body);

@@ -17,11 +17,13 @@
 import RFB from "/web/vendor/novnc/core/rfb.js";
 import { Terminal } from "/web/vendor/xterm/lib/xterm.mjs";
 import * as api from "./api.js";
+import { clipboardFor } from "./clipboard.js";
+import { fitScreen } from "./fit.js";
 
 const $ = (id) => document.getElementById(id);
 
 const current = { rfb: null, ws: null, term: null, host: null, name: null, kind: "screen", generation: 0,
-  moving: null };
+  moving: null, unfit: null };
 
 function setState(state, text) {
   const el = $("console-state");
@@ -47,8 +49,9 @@ async function peerName(host) {
 
 function disconnect() {
   current.generation += 1;
-  const { rfb, ws, term } = current;
-  current.rfb = current.ws = current.term = null;
+  const { rfb, ws, term, unfit } = current;
+  current.rfb = current.ws = current.term = current.unfit = null;
+  if (unfit) unfit();
   try {
     if (rfb) rfb.disconnect();
     if (ws) ws.close();
@@ -61,6 +64,8 @@ function disconnect() {
 }
 
 function showKind(kind) {
+  clipboardFor(current.host, current.name, kind);
+  $("console-fullscreen").hidden = kind !== "screen" || !document.fullscreenEnabled;
   $("console-screen").hidden = kind !== "screen";
   $("console-serial").hidden = kind !== "serial";
   for (const b of document.querySelectorAll("#console [data-kind]")) {
@@ -101,14 +106,25 @@ async function connect() {
 
 function connectScreen(url, live, lost) {
   const rfb = new RFB($("console-screen"), url, { wsProtocols: ["binary"] });
-  rfb.scaleViewport = true;     // the whole screen, scaled to fit the panel
+  // Resize: the guest's resolution follows the panel through its guest agent (fit.js), and what the guest shows
+  // is scaled to fit (always: a guest that cannot change its resolution, such as a text console, still fits).
+  // Not noVNC's resizeSession (the VNC SetDesktopSize message): the capsule's display is QEMU's standard VGA
+  // card, and QEMU 10.0's VNC server answers a SetDesktopSize for it with status 3, "invalid screen layout"
+  // (measured; it forwards the request only for a display with a resize path, such as virtio-vga: status 4).
+  rfb.scaleViewport = true;
   rfb.resizeSession = false;
   rfb.focusOnClick = true;
   rfb.addEventListener("connect", () => {
-    if (live()) setState("connected", "connected");
+    if (!live()) return;
+    setState("connected", "connected");
+    if (!current.host) current.unfit = fitScreen(current.name, $("console-screen"));
   });
   rfb.addEventListener("disconnect", (ev) => {
-    if (live()) current.rfb = null;
+    if (live()) {
+      current.rfb = null;
+      if (current.unfit) current.unfit();     // the screen is gone: its size is not followed any more
+      current.unfit = null;
+    }
     lost(ev.detail.clean);
   });
   rfb.addEventListener("securityfailure", (ev) => {
@@ -153,6 +169,7 @@ export function openConsole(host, name, { kind = "screen" } = {}) {
 export function closeConsole() {
   disconnect();
   current.name = null;
+  clipboardFor(null, null, null);
   $("console").hidden = true;
   delete $("console").dataset.capsule;
   delete $("console").dataset.host;
@@ -171,6 +188,10 @@ $("console-reconnect").addEventListener("click", () => {
   if (current.name) connect();
 });
 $("console-close").addEventListener("click", closeConsole);
+// the screen alone on the whole display, scaled to fit it (Esc leaves)
+$("console-fullscreen").addEventListener("click", () => {
+  $("console-screen").requestFullscreen().catch(() => {});
+});
 for (const b of document.querySelectorAll("#console [data-kind]")) {
   b.addEventListener("click", () => {
     if (current.name && current.kind !== b.dataset.kind) {

@@ -1,0 +1,38 @@
+"""A running capsule's screen resolution, set from the console (the page asks for its panel's size): the guest's
+X server changes its mode through RandR, run by the X helper through Capsule's guest agent (``guestx``), as
+`xrandr` would. QEMU's VNC server then sends the new size to the page. This is the resize path because the
+capsule's display, QEMU's standard VGA card, refuses a VNC client's SetDesktopSize (status 3, "invalid screen
+layout", on QEMU 10.0); the page scales what it gets to fit, so a guest without an X session still fits."""
+
+from __future__ import annotations
+
+from capsule.console import guestx
+from capsule.errors import InvalidName
+from capsule.store import Store
+
+MIN_SIZE = (640, 400)
+MAX_SIZE = (2560, 1600)
+"""The resolutions asked for are brought within these: the VGA card's 16 MiB hold one 2560x1600 screen at 32 bits
+a pixel."""
+WHAT = "screen size"
+
+
+def set_size(store: Store, name: str, width: int, height: int) -> tuple[int, int]:
+    """Make the running capsule ``name``'s screen ``width`` x ``height`` (brought within :data:`MIN_SIZE` ..
+    :data:`MAX_SIZE` and what its X server allows, the width down to a multiple of 8); the size set.
+    InvalidName for a size that is not one, NotFound / Conflict as ``guestx.agent``, Conflict when the guest has
+    no X session to resize."""
+    if not (0 < width <= 16384 and 0 < height <= 16384):
+        raise InvalidName(f"a screen of {width}x{height} pixels is not one to ask for: give a width and a height "
+                          "of 1 to 16384")
+    w = max(MIN_SIZE[0], min(width, MAX_SIZE[0])) // 8 * 8      # the VGA card shows whole 8-pixel columns
+    h = max(MIN_SIZE[1], min(height, MAX_SIZE[1]))
+    with guestx.agent(store, name, WHAT) as agent:
+        r = guestx.helper(agent, name, WHAT, "size", str(w), str(h))
+    if r["exit_code"] != 0:
+        raise guestx.failed(name, WHAT, r)
+    try:
+        got_w, got_h = (int(v) for v in r["stdout"].split())
+    except ValueError:
+        raise guestx.failed(name, WHAT, r | {"stderr": f"the helper answered {r['stdout'][:80]!r}"}) from None
+    return got_w, got_h
