@@ -98,7 +98,7 @@ def measure(root: Path, work: Path, size: int, layer_size: int) -> dict[str, flo
     from capsule.agentclient import AgentClient
     from capsule.qemuimg import convert_raw_to_layer
     from capsule.store import Store
-    from capsule.transfer import pushpull
+    from capsule.transfer import pushing
     from hashcache.manifest import manifest_of_layer, verify_layer
 
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -118,7 +118,7 @@ def measure(root: Path, work: Path, size: int, layer_size: int) -> dict[str, flo
         for agent, key in zip(agents, ("hcp_all_novel", "hcp_all_known"), strict=True):
             with AgentClient(agent.url, agent.token) as client:
                 t = time.perf_counter()
-                report = pushpull._push_object(a, client, "file", row.id, "memory", transfer.Options(),
+                report = pushing._push_object(a, client, "file", row.id, "memory", transfer.Options(),
                                                transfer.Progress())
                 seconds = time.perf_counter() - t
             out[f"{key}_MBps"] = raw / seconds / 1e6

@@ -4,9 +4,9 @@ For each case, ``capsule update make`` derives a child of the Debian test image 
 files sit in tmpfs), installs real packages from the machine's Debian source inside a real boot (or, for
 the "null" update, only boots, runs ``true`` and shuts down), and seals the new layer. Side by side:
 - .deb bytes: what apt fetched (measured in its tmpfs before it was dropped);
-- HCP wire bytes: the new version pushed to a second store (with its agent) that holds the parent, with the
-  default zstd level (3), again at a high level (``--high-level``, 19: one zstd stream per object) to a
-  third such store, and as one xz stream per object (``capsule push --xz``) to a fourth;
+- HCP wire bytes: the new version pushed to a second store (with its agent) that holds the parent, in the
+  codec picked by the link (on loopback: zstd 3 or none), again at a high level (``--high-level``, 19: one
+  zstd stream per object) to a third such store, and as one xz stream per object (``capsule push --xz``) to a fourth;
 - zstd -3 of the layer: its allocated (non-zero) blocks as one stream;
 - rsync -z: the new flattened raw disk against the old one, through a pipe remote shell (bytes sent);
 - casync: chunks of the new raw image a store seeded with the old one lacks (zstd chunks, + the index);
@@ -105,7 +105,7 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
     rep = transfer.push(a, res.version.ref, agent.url, agent.token)
     row["hcp_wire_bytes"] = rep.wire_bytes
     row["hcp"] = {"raw_bytes": rep.totals()["raw_bytes"], "cache_bytes": rep.totals()["cache_bytes"],
-                  "seconds": round(rep.seconds, 1), "zstd_level": transfer.Options().level}
+                  "seconds": round(rep.seconds, 1), "codecs": sorted({o.codec for o in rep.objects})}
     for key, agent_x, opts in extra:
         rep_x = transfer.push(a, res.version.ref, agent_x.url, agent_x.token, opts)
         row[f"{key}_wire_bytes"] = rep_x.wire_bytes

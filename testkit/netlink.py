@@ -81,6 +81,15 @@ class SlowLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def set_rate(self, rate_kbit: int) -> None:
+        """Change the link's rate (``tbf`` on both ends), e.g. in the middle of a transfer."""
+        burst = max(3200, rate_kbit * 1000 // 8 // 100)
+        for ns, dev in ((self.ns_a, self.veth_a), (self.ns_b, self.veth_b)):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, "root", "tbf",
+                            "rate", f"{rate_kbit}kbit", "burst", str(burst), "latency", "400ms"],
+                           check=True, capture_output=True)
+        self.rate_kbit = rate_kbit
+
     def close(self) -> None:
         stop_groups(self.procs)
         for ns in (self.ns_a, self.ns_b):

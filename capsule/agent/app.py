@@ -46,7 +46,7 @@ Fleet (capsule/exchange/fleet.py)::
                                                  a grant for one job (capsule/accounts/grants.py)
     DELETE /v1/grants/self                       the calling grant ends (its job is done)
     POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V", "fingerprint": F,
-                                                 "zstd_level": 1..19 (optional, 3)}: pull it
+                                                 "zstd_level": 1..19 (optional: by the link)}: pull it
     GET  /v1/fleet/activity                      this agent's recent pulls and what it served
     POST /v1/capsules/{name}/activate?version=V  run NAME@V here (a running older version is stopped)
     POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)

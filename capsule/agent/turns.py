@@ -12,7 +12,7 @@ import contextlib
 
 from capsule.exchange.streams import Streams
 
-# A sender keeps one upload of a stream in flight (capsule/transfer/pushpull.py), so a segment waits here only
+# A sender keeps one upload of a stream in flight (capsule/transfer/pushing.py), so a segment waits here only
 # when its predecessor's upload is still being handled, or never comes (the receiver restarted): then
 # the sender hears stream_lost after this long and starts a new stream.
 WAIT_S = 5.0

@@ -236,17 +236,19 @@ def push(
     max_failures: MaxFailOpt = 0, parallel: ParallelOpt = 4, no_fanout: NoFanoutOpt = False,
     activate: Annotated[bool, typer.Option("--activate", help="Where another version of it runs, stop that "
                                                               "and start this one.")] = False,
-    zstd_level: Annotated[int, typer.Option(
+    zstd_level: Annotated[int | None, typer.Option(
         "--zstd-level", min=1, max=19,
-        help="zstd level of the blocks on the wire, from this host and between hosts (fan-out). Higher "
-             "sends fewer bytes for more CPU at each sender. From 10 an object's blocks travel from this "
-             "host as one zstd stream, so later batches match earlier ones: on new layers of Debian "
-             "packages 19 sent 15-31 % less than the default 3 and took ~25 times as long to compress; "
-             "worth it on slow links.")] = 3,
+        help="zstd level of the blocks on the wire, from this host and between hosts (fan-out), overriding "
+             "the automatic choice (by default each transfer measures its link and picks the codec and level "
+             "that keep it full with the fewest bytes). Higher sends fewer bytes for more CPU at each sender. "
+             "From 10 an object's blocks travel from this host as one zstd stream, so later batches match "
+             "earlier ones: on new layers of Debian packages 19 sent 15-31 % less than 3 and took ~25 times "
+             "as long to compress.")] = None,
     xz: Annotated[bool, typer.Option(
-        "--xz", help="From this host, send each object's new blocks as one xz (LZMA2, xz -6) stream: the fewest "
-                     "bytes (new packages: 5-9 % fewer than --zstd-level 19, about as slow to compress). "
-                     "Between hosts (fan-out) blocks go at --zstd-level.")] = False,
+        "--xz", help="From this host, send each object's new blocks as one xz (LZMA2, xz -6) stream, overriding "
+                     "the automatic choice: the fewest bytes (new packages: 5-9 % fewer than --zstd-level 19, "
+                     "about as slow to compress). Between hosts (fan-out) blocks go at --zstd-level, or at "
+                     "levels picked by the link.")] = False,
     json: JsonOpt = False, host: OldHostOpt = None,
 ) -> None:
     """Roll a version out: canaries, then waves; hosts that have it pass it on (fan-out).

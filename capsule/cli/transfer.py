@@ -37,22 +37,28 @@ from capsule.cli.common import (
 )
 from capsule.errors import InvalidInput
 from capsule.store import Store
+from capsule.transfer.codecpick import rate_text
 from capsule.units import human
 
 NoHash = Annotated[bool, typer.Option("--no-hash", help="Do not look blocks up in the receiver's hash cache.")]
-NoCompress = Annotated[bool, typer.Option("--no-compress", help="Send blocks without zstd.")]
-ZstdLevel = Annotated[int, typer.Option("--zstd-level", help="zstd level on the wire (1-19). From 10 an object's "
-                                        "blocks travel as one zstd stream, one batch at a time: fewer bytes where "
-                                        "its batches resemble each other (new packages: ~18 % at 19), for more "
-                                        "CPU.", min=1, max=19)]
+NoCompress = Annotated[bool, typer.Option("--no-compress", help="Send blocks uncompressed (overrides the "
+                                                                "automatic choice).")]
+ZstdLevel = Annotated[int | None, typer.Option(
+    "--zstd-level", help="zstd level on the wire (1-19), overriding the automatic choice (by default each "
+                         "transfer measures its link and picks the codec and level that keep it full with the "
+                         "fewest bytes: xz or high zstd levels on slow links, zstd 3 or none on fast ones). From "
+                         "10 an object's blocks travel as one zstd stream, one batch at a time: fewer bytes where "
+                         "its batches resemble each other (new packages: ~18 % at 19), for more CPU.",
+    min=1, max=19)]
 OldLevel = Annotated[int | None, typer.Option("--level", hidden=True, min=1, max=19,
                                               help="The old spelling of --zstd-level.")]
 Inflight = Annotated[int, typer.Option("--inflight", help="Requests in flight.", min=1, max=64)]
 Batch = Annotated[int, typer.Option("--batch", help="Blocks per request.", min=1, max=1024)]
-Xz = Annotated[bool, typer.Option("--xz", help="Send each object's new blocks as one xz (LZMA2, xz -6) stream: "
-                                                "the fewest bytes, for updates over slow links (new packages: "
-                                                "5-9 % fewer than --zstd-level 19, about as slow to compress). "
-                                                "A receiver without it gets zstd at --zstd-level.")]
+Xz = Annotated[bool, typer.Option("--xz", help="Send each object's new blocks as one xz (LZMA2, xz -6) stream, "
+                                                "overriding the automatic choice (which picks xz itself on links "
+                                                "slow enough): the fewest bytes (new packages: 5-9 % fewer than "
+                                                "--zstd-level 19, about as slow to compress). A receiver without "
+                                                "it gets zstd at --zstd-level (3 if not given).")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
 
@@ -93,31 +99,38 @@ def _summary(r: transfer.TransferReport) -> None:
     t = r.totals()
     console.print(f"{r.direction}ed [bold]{r.version}[/] {'to' if r.direction == 'push' else 'from'} {r.url} "
                   f"in {r.seconds:.2f}s")
-    table = Table("object", "raw", "already there", "from hash cache", "sent", "on the wire")
+    table = Table("object", "raw", "already there", "from hash cache", "sent", "on the wire", "codec")
     for o in r.objects:
         table.add_row(f"{o.role} {o.id[:12]}", human(o.raw_bytes), human(o.resumed_bytes), human(o.cache_bytes),
-                      human(o.fetched_bytes), human(o.wire_bytes))
+                      human(o.fetched_bytes), human(o.wire_bytes), codec_text(o))
     table.add_row("[bold]total[/]", human(t["raw_bytes"]), human(t["resumed_bytes"]), human(t["cache_bytes"]),
-                  human(t["fetched_bytes"]), human(r.wire_bytes))
+                  human(t["fetched_bytes"]), human(r.wire_bytes), "")
     console.print(table)
     if r.skipped:
         console.print(f"{len(r.skipped)} object(s) were already at the receiver")
 
 
-def _options(no_hash: bool, no_compress: bool, level: int, inflight: int, batch: int,
+def codec_text(o: transfer.ObjectReport) -> str:
+    """The codec an object travelled in and the link it was picked for: ``xz (link 0.4 Mbit/s)``."""
+    if not o.codec:
+        return ""
+    return f"{o.codec} (link {rate_text(o.link_rate)})" if o.link_rate else o.codec
+
+
+def _options(no_hash: bool, no_compress: bool, level: int | None, inflight: int, batch: int,
              full_hashes: bool, xz: bool = False) -> transfer.Options:
     return transfer.Options(hash=not no_hash, compress=not no_compress, level=level, inflight=inflight, batch=batch,
                             full_hashes=full_hashes, xz=xz)
 
 
-def _zstd_level(level: int | None, zstd_level: int) -> int:
+def _zstd_level(level: int | None, zstd_level: int | None) -> int | None:
     return grammar.renamed("--level", level, "--zstd-level", zstd_level)
 
 
 def push(
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to send.")],
     to: Annotated[str, typer.Option("--to", help=f"The receiving host: {PEER}.")],
-    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = 3,
+    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = None,
     xz: Xz = False, inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False,
     fingerprint: FingerprintOpt = None, json: JsonOpt = False, level: OldLevel = None,
 ) -> None:
@@ -141,7 +154,7 @@ def pull(
     ctx: typer.Context,
     ref: Annotated[str, typer.Argument(help="NAME or NAME@V to fetch.")],
     source: Annotated[str | None, typer.Option("--from", help=f"The sending host: {PEER}.")] = None,
-    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = 3,
+    token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = None,
     inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False, fingerprint: FingerprintOpt = None,
     json: JsonOpt = False, level: OldLevel = None,
 ) -> None:

@@ -65,15 +65,17 @@ def parse_pull_request(req: Any) -> tuple[str, str, str]:
     return source, token, ref
 
 
-def pull_level(req: Any) -> int:
-    """The zstd level a pull request asks the source to send at (``zstd_level``, 1..19; 3 if absent)."""
-    level = req.get("zstd_level", 3) if isinstance(req, dict) else 3
-    return int(check(ZSTD_LEVEL, level, "zstd_level"))
+def pull_level(req: Any) -> int | None:
+    """The zstd level a pull request asks the source to send at (``zstd_level``, 1..19; None if absent: the
+    puller picks it by the link it measures)."""
+    if not isinstance(req, dict) or "zstd_level" not in req:
+        return None
+    return int(check(ZSTD_LEVEL, req["zstd_level"], "zstd_level"))
 
 
 def pull_from(store: Store, req: Any, activity: Activity) -> TransferReport:
     """Pull NAME@V from the agent named in the request into this store (HCP: only what is lacking), the
-    blocks compressed by the source at the request's ``zstd_level``."""
+    blocks compressed by the source at the request's ``zstd_level`` (or at levels picked by the link)."""
     from capsule import transfer
     from capsule.exchange.running import request_pin
 

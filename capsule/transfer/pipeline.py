@@ -22,6 +22,8 @@ class Pipeline(Generic[T]):
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self.started = 0
+        self._open = 0                       # submitted and not yet done
+        self._idle = threading.Condition(self._lock)
 
     @property
     def failed(self) -> bool:
@@ -38,6 +40,10 @@ class Pipeline(Generic[T]):
                 if self._error is None:
                     self._error = exc
         finally:
+            with self._lock:
+                self._open -= 1
+                if not self._open:
+                    self._idle.notify_all()
             if self._slots is not None:
                 self._slots.release()
 
@@ -53,7 +59,16 @@ class Pipeline(Generic[T]):
             if self._error is not None:
                 self._slots.release()
                 self._raise()
+        with self._lock:
+            self._open += 1
         self._pool.submit(self._run, item)
+
+    def drain(self) -> None:
+        """Wait until every batch submitted is done (the pipeline stays open); raise the first failure."""
+        with self._lock:
+            while self._open:
+                self._idle.wait()
+        self._raise()
 
     def close(self) -> None:
         """Wait for every batch (those after a failure are skipped); raise the first failure."""

@@ -12,7 +12,7 @@ import pytest
 from capsule import capsules, transfer
 from capsule.exchange.streams import ObjectStreamLost
 from capsule.store.objectio import has_object
-from capsule.transfer import pushpull
+from capsule.transfer import pushing
 from hashcache.blocks import BLOCK_SIZE
 from testkit.fleetkit import new_version
 from testkit.images import make_store
@@ -47,13 +47,13 @@ def test_a_high_level_push_of_similar_batches_sends_a_fraction_of_the_frames_byt
     monkeypatch.setattr(AgentClient, "request", request)
     wire, used = {}, {}
     for label, stream_level, opts in (("frames", 100, transfer.Options(level=19)),
-                                      ("stream", pushpull.STREAM_LEVEL, transfer.Options(level=19)),
+                                      ("stream", pushing.STREAM_LEVEL, transfer.Options(level=19)),
                                       ("xz", 100, transfer.Options(xz=True))):
         b = make_store(tmp_path / label, tiny_images, "tiny")
         agent = Agent(b.home, tmp_path / f"{label}.token")
         codecs.clear()
         try:
-            monkeypatch.setattr(pushpull, "STREAM_LEVEL", stream_level)
+            monkeypatch.setattr(pushing, "STREAM_LEVEL", stream_level)
             r = transfer.push(a, version.ref, agent.url, agent.token, opts)
             used[label] = codecs - {"frame"}
             layer = version.chains[0][-1]

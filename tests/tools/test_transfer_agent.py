@@ -17,7 +17,7 @@ import pytest
 from capsule import capsules, transfer
 from capsule.errors import AuthFailed, TransferFailed
 from capsule.store.objectio import BlockReader, has_object
-from capsule.transfer import pushpull
+from capsule.transfer import pushing
 from testkit.images import make_store
 from tests.conftest import Agent
 from tests.wait import wait_until
@@ -225,7 +225,7 @@ def test_full_hashes_option_transfers_the_same_object(hosts):
 
 def test_push_with_the_manifest_in_many_parts(hosts, monkeypatch):
     a, b, _agent_a, agent_b = hosts
-    monkeypatch.setattr(pushpull, "PART_RECORDS", 100)
+    monkeypatch.setattr(pushing, "PART_RECORDS", 100)
     r = transfer.push(a, "cap", agent_b.url, agent_b.token)
     assert r.recorded
     assert len(a.layer_manifest(_layer(a))) > 300  # so the layer went in several parts

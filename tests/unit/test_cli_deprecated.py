@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 TOKEN = "a-token-of-the-other-agent-0123"
 ENV = {"CAPSULE_TOKEN": TOKEN}
-PER_CALL = frozenset({"seconds", "commit_seconds", "url", "wire_bytes"})   # differ between two agents
+PER_CALL = frozenset({"seconds", "commit_seconds", "url", "wire_bytes",   # differ between two agents
+                      "codec", "codecs", "link_rate"})               # picked by the link each measures
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from capsule import transfer
 from capsule.exchange.streams import ObjectStreamLost, Streams
-from capsule.transfer import pushpull
+from capsule.transfer import codecpick, pushing
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import ManifestMismatch
@@ -106,9 +106,14 @@ def test_a_segment_in_another_or_an_unknown_codec_or_a_larger_xz_dictionary_is_r
 
 @pytest.mark.unit
 def test_the_sender_picks_xz_where_asked_and_taken_else_zstd_streams_from_the_stream_level():
-    pick = pushpull._stream_encoder
+    def pick(opts: transfer.Options, offered: set[str]) -> tuple[object, str]:
+        allowed = codecpick.candidates(offered, pushing.STREAM_LEVEL)
+        codec = opts.picker(pushing.STREAM_LEVEL).choose(allowed)
+        return pushing._stream_encoder(codec, allowed), codec.name
+
     assert pick(transfer.Options(xz=True), {"zstd", "xz"})[1] == "xz"
     assert pick(transfer.Options(xz=True, level=19), {"1"})[1] == "zstd"   # an older receiver: zstd streams
+    assert pick(transfer.Options(xz=True, level=19), {"1"})[0] is not None
     assert pick(transfer.Options(xz=True), {"zstd"})[0] is None            # no xz there, level 3: frames
     assert pick(transfer.Options(level=19), {"zstd", "xz"})[1] == "zstd"
     assert pick(transfer.Options(level=19), set())[0] is None               # no streams at all: frames

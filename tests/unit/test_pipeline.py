@@ -111,11 +111,11 @@ def test_a_push_that_fails_does_not_send_the_queued_batches(tmp_path, monkeypatc
     from capsule.agentclient import AgentClient
     from capsule.errors import Internal
     from capsule.store import Store
-    from capsule.transfer import pushpull
+    from capsule.transfer import pushing
     from hashcache.transport.memory import in_process
     from tests.helpers.transport_fixtures import TOKEN, agent_app
 
-    monkeypatch.setattr(pushpull, "PART_RECORDS", 128)  # a small object in several manifest parts
+    monkeypatch.setattr(pushing, "PART_RECORDS", 128)  # a small object in several manifest parts
     src = Store.open(tmp_path / "src")
     path = src.temp_path("-obj")
     path.write_bytes(b"".join((i + 1).to_bytes(4, "little") * 1024 for i in range(300)))
@@ -127,7 +127,7 @@ def test_a_push_that_fails_does_not_send_the_queued_batches(tmp_path, monkeypatc
         client = AgentClient("http://dst.example", TOKEN, transport=wrapper)
         opts = transfer.Options(batch=1, inflight=4)
         with pytest.raises(Internal, match="the receiver fell over"):
-            pushpull._push_object(src, client, "file", row.id, "kernel", opts, transfer.Progress())
+            pushing._push_object(src, client, "file", row.id, "kernel", opts, transfer.Progress())
         client.close()
     assert wrapper.block_uploads < 40, wrapper.block_uploads  # part 0 asked for 128 blocks, one per batch
     src.close()

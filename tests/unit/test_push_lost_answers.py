@@ -14,7 +14,7 @@ from capsule.agentclient import AgentClient
 from capsule.errors import Unreachable
 from capsule.store import Store
 from capsule.store.objectio import has_object
-from capsule.transfer import pushpull
+from capsule.transfer import pushing
 from hashcache.hcp import decode_indices
 from hashcache.transport import RetryPolicy
 from hashcache.transport.memory import in_process
@@ -77,7 +77,7 @@ def _push(tmp_path, lose: set[int], old: bool = False, before: bool = False) -> 
         wrapper = _LoseAnswers(in_process(dst.app, TOKEN, stream=False), lose, old, before)
         client = AgentClient("http://dst.example", TOKEN, transport=wrapper, retry=RetryPolicy(delays=(0.01,) * 3))
         opts = transfer.Options(batch=BATCH, inflight=2)
-        report = pushpull._push_object(src, client, "file", fid, "kernel", opts, transfer.Progress())
+        report = pushing._push_object(src, client, "file", fid, "kernel", opts, transfer.Progress())
         client.close()
         assert report is not None and report.fetched_bytes == BLOCKS * 4096
         dst_store = Store.open(tmp_path / "dst")
@@ -147,12 +147,12 @@ class _LoseBeginAnswers:
 def test_a_manifest_part_whose_answer_was_lost_is_sent_again_and_taken(tmp_path, monkeypatch, lose):
     """Old code: begin was not retried, and a part sent twice was refused ('arrived before the parts before
     it'): a reset during the upload of a manifest's second part failed the push (bench.faults, 64 MiB)."""
-    monkeypatch.setattr(pushpull, "PART_RECORDS", BLOCKS // 4)   # four parts of 16 records
+    monkeypatch.setattr(pushing, "PART_RECORDS", BLOCKS // 4)   # four parts of 16 records
     src, fid = _source(tmp_path)
     with agent_app(tmp_path / "dst") as dst:
         wrapper = _LoseBeginAnswers(in_process(dst.app, TOKEN, stream=False), lose)
         client = AgentClient("http://dst.example", TOKEN, transport=wrapper, retry=RetryPolicy(delays=(0.01,) * 3))
-        report = pushpull._push_object(src, client, "file", fid, "kernel", transfer.Options(batch=BATCH, inflight=2),
+        report = pushing._push_object(src, client, "file", fid, "kernel", transfer.Options(batch=BATCH, inflight=2),
                                        transfer.Progress())
         client.close()
         assert report is not None and report.fetched_bytes == BLOCKS * 4096

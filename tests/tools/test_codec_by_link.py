@@ -1,0 +1,97 @@
+"""The codec is picked by the link (capsule/transfer/codecpick.py): a real push from namespace A to a real
+agent in namespace B over a shaped link (testkit/netlink.py) whose ``tbf`` rate drops from 200 Mbit/s to
+1 Mbit/s between two objects. The objects sent after the drop travel in another codec than those before
+(as the transfer's report says), and every object arrives intact."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from capsule import capsules, images
+from capsule.store import Store
+from capsule.store.objectio import has_object
+from testkit.fleetkit import new_version
+from testkit.netlink import SlowLink
+
+pytestmark = [pytest.mark.tools, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+LAYERS, SWITCH_AT = 6, 4     # the link slows down before the 4th of the 6 new layers
+# in namespace A: push the capsule; before the SWITCH_AT-th object sent, say so and wait for a line on stdin
+PUSH = """
+import json, sys
+from pathlib import Path
+from capsule import transfer
+from capsule.store import Store
+from hashcache.transport.http import HttpTransport
+home, url, token, pin, switch_at = sys.argv[1:6]
+
+class Pause(transfer.Progress):
+    sent = 0
+    def object(self, kind, oid, role, raw_bytes, present):
+        if not present:
+            self.sent += 1
+            if self.sent == int(switch_at):
+                print("switch", flush=True)
+                sys.stdin.readline()
+
+store = Store.open(Path(home))
+r = transfer.push(store, "cap", url, token, progress=Pause(), transport=HttpTransport(url, token, fingerprint=pin))
+print(json.dumps(r.as_dict()))
+"""
+
+
+def text(size: int, seed: int) -> bytes:
+    """Text-like blocks: random lines from a pool, so a stream's history and a slow codec pay off."""
+    r = random.Random(seed)
+    vocab = [bytes(r.choice(b"abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(3000)]
+    lines = [b" ".join(r.choices(vocab, k=r.randint(4, 14))) + b"\n" for _ in range(4000)]
+    out = bytearray()
+    while len(out) < size:
+        out += b"".join(r.choices(lines, k=64))
+    return bytes(out[:size])
+
+
+def test_objects_after_the_link_slows_down_travel_in_another_codec(tmp_path, tiny_images):
+    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+    for s in (a, b):
+        images.import_image(tiny_images, s, "tiny")
+    capsules.create(a, "cap", "tiny", memory="256M")
+    for k in range(LAYERS):
+        new_version(a, "cap", 2 * MiB, seed=k, offset=k * 2 * MiB, content=text(2 * MiB, k))
+    a.close()
+    b.close()
+    token_file = tmp_path / "b.token"
+    with SlowLink(rate_kbit=200_000, rtt_ms=2) as link:
+        url, pin = link.agent_b(tmp_path / "b", token_file)
+        push = link.spawn_a([sys.executable, "-c", PUSH, str(tmp_path / "a"), url, token_file.read_text().strip(),
+                             pin, str(SWITCH_AT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        assert push.stdout is not None and push.stdin is not None
+        line = push.stdout.readline()
+        assert line == b"switch\n", (line, push.stderr.read() if push.stderr else b"")
+        link.set_rate(1000)
+        out, err = push.communicate(b"go\n", timeout=150)
+    assert push.returncode == 0, err.decode()[-3000:]
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    objects = report["objects"]
+    assert len(objects) == LAYERS, objects
+    before = {o["codec"] for o in objects[:SWITCH_AT - 1]}
+    after = [o["codec"] for o in objects[SWITCH_AT:]]          # the first slow object starts with fast figures
+    assert after and all(c not in before for c in after), (before, after, objects)
+    assert all(o["link_rate"] for o in objects)
+    fast = min(o["link_rate"] for o in objects[1:SWITCH_AT - 1])
+    assert all(o["link_rate"] < fast / 4 for o in objects[SWITCH_AT:]), objects
+    b = Store.open(tmp_path / "b")
+    try:
+        assert b.catalogue.version("cap", LAYERS + 1) is not None
+        assert all(has_object(b, "layer", o["id"]) for o in objects)   # verified against its digest when received
+    finally:
+        b.close()
