@@ -105,6 +105,7 @@ from capsule.exchange.receiving import (
 )
 from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, missing, version_of
 from capsule.exchange.streams import CODECS, STREAMS_HEADER
+from capsule.migrate.memrefs import StoreResolver
 from capsule.names import check_object_id
 from capsule.pod import ops as pod_ops
 from capsule.store import Store
@@ -411,7 +412,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         return await act(request, pod_ops.restore, store, req["image"], req["into"])
 
     # the byte tunnel of live moves (capsule/exchange/tunnel.py): channels by kind, targets chosen here
-    app.state.tunnels = tunnel.Registry()
+    app.state.tunnels = tunnel.Registry(resolver=lambda objects: StoreResolver(store, objects))
     app.include_router(tunnelapi.router(app.state.tunnels))
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent

@@ -17,13 +17,12 @@ import threading
 from typing import Any
 
 from capsule.errors import Error, InvalidName
-from capsule.migrate.ramdedup import Known
+from capsule.migrate.ramdedup import Known, Objects
 from capsule.names import check_object_id
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest
 
 MAX_OBJECTS = 256                    # objects one move may name (a version's layers and a few memory images)
-Objects = list[tuple[str, str]]      # (kind, id): kind "layer" or "file"
 
 
 def shared_objects(store: Store, version: Any, held_files: set[str] | None = None) -> Objects:

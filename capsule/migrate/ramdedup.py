@@ -48,6 +48,7 @@ BATCH = b"B"
 _HEAD = struct.Struct(">cIII")
 OP_RAW, OP_PAGE, OP_REF, OP_RECENT = 1, 2, 3, 4
 _U32 = struct.Struct(">I")
+Objects = list[tuple[str, str]]    # (kind, id) of objects whose blocks a reference may name: "layer" or "file"
 
 
 class Known:
