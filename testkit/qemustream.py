@@ -45,9 +45,11 @@ def stream_out(dom: libvirt.virDomain, sock_dir: Path, sink: Callable[[bytes], N
     os.chmod(path, 0o666)
     listener.listen(1)
     listener.settimeout(timeout)
-    caps = [{"capability": c, "state": False} for c in ("xbzrle", "multifd", "postcopy-ram")]
-    qmp(dom, "migrate-set-capabilities", capabilities=caps)
-    qmp(dom, "migrate-set-parameters", **{"max-bandwidth": 1 << 40})
+    caps = [{"capability": c, "state": False} for c in ("xbzrle", "multifd", "postcopy-ram", "mapped-ram")]
+    for command, args in (("migrate-set-capabilities", {"capabilities": caps}),
+                          ("migrate-set-parameters", {"max-bandwidth": 1 << 40})):
+        if "error" in (answer := qmp(dom, command, **args)):
+            raise RuntimeError(f"{command}: {answer['error']}")
     failure: list[BaseException] = []
 
     def read() -> None:
@@ -62,7 +64,8 @@ def stream_out(dom: libvirt.virDomain, sock_dir: Path, sink: Callable[[bytes], N
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        qmp(dom, "migrate", uri=f"unix:{path}")
+        if "error" in (answer := qmp(dom, "migrate", uri=f"unix:{path}")):
+            raise RuntimeError(f"migrate: {answer['error']}")
         deadline = time.monotonic() + timeout
         while True:
             state = qmp(dom, "query-migrate")["return"]

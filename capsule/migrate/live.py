@@ -68,6 +68,15 @@ class LiveFigures:
     rounds: int = 0                      # pre-copy iterations
     postcopy: bool = False               # post-copy was started
     seconds: float = 0.0                 # libvirt's part (from the prepare to the end)
+    memory_refs: int = 0                 # pages sent as references to blocks the other host holds (the codec)
+    memory_raw_pages: int = 0            # pages sent themselves, compressed
+    memory_wire_bytes: int = 0           # the migration stream's bytes on the link (0: the codec was not used)
+
+    def record_memory(self, tunnels: Any) -> None:
+        """The memory codec's figures, from the :class:`~capsule.migrate.tunnel.Tunnels` the move used."""
+        m = tunnels.memory
+        self.memory_refs, self.memory_raw_pages = m.refs + m.recent, m.raw_pages
+        self.memory_wire_bytes = m.wire_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -18,6 +18,7 @@ from typing import Any
 
 from capsule.errors import Error, InvalidName
 from capsule.migrate.ramdedup import Known, Objects
+from capsule.migrate.tunnel import Dedup
 from capsule.names import check_object_id
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest
@@ -43,6 +44,19 @@ def memory_images(store: Store, capsule: str, number: int) -> list[str]:
 
 def known_of(store: Store, objects: Objects) -> Known:
     return Known.of_manifests(object_manifest(store, kind, oid) for kind, oid in objects)
+
+
+def dedup_terms(store: Store, version: Any, client: Any) -> Dedup:
+    """The memory codec's terms for moving ``version`` live to the agent ``client`` talks to (an AgentClient):
+    after the push, the objects both hold (the destination asked which older memory images it has) and their
+    hashes."""
+    images = memory_images(store, version.capsule, version.number)
+    held: set[str] = set()
+    if images:
+        lacking = client.post_json("/v1/objects/missing", {"layers": [], "files": images})
+        held = set(images) - set(lacking.get("files", []) if isinstance(lacking, dict) else images)
+    objects = shared_objects(store, version, held)
+    return Dedup(objects, known_of(store, objects))
 
 
 def parse_objects(value: Any) -> Objects:
@@ -105,4 +119,4 @@ class StoreResolver:
             self._readers.clear()
 
 
-__all__ = ["Objects", "StoreResolver", "known_of", "memory_images", "parse_objects", "shared_objects"]
+__all__ = ["dedup_terms", "Objects", "StoreResolver", "known_of", "memory_images", "parse_objects", "shared_objects"]
