@@ -134,19 +134,22 @@ def account(a: Store, rows: list[dict[str, Any]]) -> None:
     cat = a.catalogue
     seen = Seen()
     image = cat.image("debian")
-    layer = image.root_layer
+    assert image is not None   # (the capsule was made from it)
+    layer: str | None = image.root_layer
     while layer is not None:                      # the image the capsule started from is known to both
         seen.add_known(a.layer_manifest(layer).records())
-        row = cat.layer(layer)
-        layer = row.parent if row else None
+        lrow = cat.layer(layer)
+        layer = lrow.parent if lrow else None
     previous: set[str] = set()
     for row in rows:
         v = cat.version(NAME, row["version"])
         assert v is not None and v.memory is not None
+        memory = cat.file(v.memory)
+        assert memory is not None   # (a version's objects are in its store)
         m = a.file_manifest(v.memory)
         new = seen.take("memory", m.records())
         mem = compressed_sizes(_blocks(a, "file", v.memory, new.indices))
-        row.update({"memory_raw_bytes": cat.file(v.memory).size, "memory_nonzero_bytes": m.nonzero_blocks * 4096,
+        row.update({"memory_raw_bytes": memory.size, "memory_nonzero_bytes": m.nonzero_blocks * 4096,
                     "memory_hashed_bytes": new.nbytes, "memory_hashed_zstd_bytes": mem.zstd,
                     "memory_hashed_gzip_bytes": mem.gzip})
         disk_raw = disk_hashed = disk_zstd = disk_gzip = 0
@@ -233,12 +236,12 @@ def chart(rows: list[dict[str, Any]], path: Path, minutes: int) -> None:
              "borg (zstd,3) growth": "tab:purple"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), sharey=True)
     for ax, kind, col in zip(axes, ("disk", "memory"), (0, 1), strict=True):
-        labels = [s for s in shown if COLUMNS[s][col] is not None]
+        labels = [(s, key) for s in shown if (key := COLUMNS[s][col]) is not None]
         width = 0.8 / len(labels)
         lo, hi = PAPER_MB[kind]
         ax.axhspan(lo, hi, color="grey", alpha=0.2, zorder=0, label=f"paper, gzip ({lo}–{hi} MB)")
-        for k, label in enumerate(labels):
-            ys = [max(y, 1e-3) for y in _series(inc, COLUMNS[label][col])]
+        for k, (label, key) in enumerate(labels):
+            ys = [max(y, 1e-3) for y in _series(inc, key)]
             ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], ys, width, label=label, color=shown[label], zorder=2)
         ax.set_yscale("log")
         ax.set_title(f"{kind}, per snapshot")

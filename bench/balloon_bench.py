@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -103,18 +104,22 @@ def main() -> None:
             rows.append([wname, "libvirt stream + zstd (peer)", "", f"{peer_bytes / 2**20:.2f}",
                          f"{peer_bytes / GOODPUT_BPS:.0f}", ""])
             snap, _ = lifecycle.snapshot(a, base)
+            assert snap.version is not None   # a snapshot records a version
             lifecycle.stop(a, base, force=True)
             for case, policy, method, primed in (CASES if fpr else CASES[:2]):
                 name = f"{wname}-{case}"
                 capsules.derive(a, snap.version.ref, name)
                 lifecycle.start(a, name)
                 sealed = lifecycle.suspend(a, name, balloon=policy, balloon_method=method)
+                assert sealed.version is not None and sealed.memory is not None   # a suspend records both
                 # a receiving host that has the disk image but none of this memory
                 b = Store.open(work / f"b-{name}")
                 stores.append(b)
                 images.import_image(src, b, "debian")
+                debian = b.catalogue.image("debian")
+                assert debian is not None   # (just imported)
                 if primed:  # the receiver's cache knows its own copy of the guest's disk
-                    b.hash_cache().prime_paths([b.layer_path(b.catalogue.image("debian").root_layer)])
+                    b.hash_cache().prime_paths([b.layer_path(debian.root_layer)])
                 b.close()
                 agent = AgentProcess(b.home, work / f"b-{name}.token")
                 agents.append(agent)
@@ -129,12 +134,11 @@ def main() -> None:
                 run_s = float(guest(b, name, TOUCH))
                 lifecycle.stop(b, name, force=True)
                 link_s = push.wire_bytes / GOODPUT_BPS + restore
-                entry = {"workload": wname, "case": case,
-                         "memory_nonzero_bytes": sealed.memory.stored_bytes,
-                         "balloon_held_bytes": sealed.balloon.held_bytes if sealed.balloon else 0,
-                         "hcp_wire_bytes": push.wire_bytes, "restore_seconds": round(restore, 2),
-                         "seconds_until_running_at_384kbit": round(link_s, 1),
-                         "workload_seconds_after_resume": run_s}
+                entry: dict[str, Any] = {
+                    "workload": wname, "case": case, "memory_nonzero_bytes": sealed.memory.stored_bytes,
+                    "balloon_held_bytes": sealed.balloon.held_bytes if sealed.balloon else 0,
+                    "hcp_wire_bytes": push.wire_bytes, "restore_seconds": round(restore, 2),
+                    "seconds_until_running_at_384kbit": round(link_s, 1), "workload_seconds_after_resume": run_s}
                 results.append(entry)
                 rows.append([wname, case, f"{entry['memory_nonzero_bytes'] / 2**20:.1f}",
                              f"{entry['hcp_wire_bytes'] / 2**20:.2f}", f"{link_s:.0f}", f"{run_s:.2f}"])

@@ -117,7 +117,7 @@ def through_agent(agent: AgentProcess) -> Iterator[Rfb]:
     ticket = json.loads(urllib.request.urlopen(req, timeout=10).read())["ticket"]
     url = agent.url.replace("http://", "ws://") + f"/api/console/{NAME}?ticket={ticket}"
     with connect(url, additional_headers=auth, max_size=None, open_timeout=10) as ws:
-        rfb = Rfb(ws.send, lambda: ws.recv(timeout=10))
+        rfb = Rfb(ws.send, lambda: ws.recv(timeout=10, decode=False))
         rfb.handshake()
         yield rfb
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -87,7 +88,9 @@ def _source(work: Path) -> tuple[Store, Store, str]:
     a = Store.open(work / "a")
     images.import_image(src, a, "debian")
     capsules.create(a, "deb", "debian", memory="512M")
-    return src, a, a.catalogue.image("debian").root_layer
+    image = a.catalogue.image("debian")
+    assert image is not None   # (just imported)
+    return src, a, image.root_layer
 
 
 def main() -> None:
@@ -115,7 +118,9 @@ def main() -> None:
     try:
         _src, a, root = _source(work)
         stores.append(a)
-        root_bytes = a.catalogue.layer(root).stored_bytes
+        root_row = a.catalogue.layer(root)
+        assert root_row is not None   # (the image's root layer)
+        root_bytes = root_row.stored_bytes
         agent = AgentProcess(a.home, work / "a.token")
         rows, results = [], []
 
@@ -192,7 +197,8 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] 
         stores.append(a)
         cases = cases or list(SHAPED_CASES)
         ours = {c for key in cases for c in SHAPED_CASES[key]}
-        rows, results = [], []
+        rows: list[list[str]] = []
+        results: list[dict[str, Any]] = []
 
         def others() -> list[dict]:
             """With ``merge``, the other cases' figures in the JSON result as it is now (another run of other
@@ -224,7 +230,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] 
                 write_result(name, {"rate_kbit": rate_kbit, "rtt_ms": rtt_ms, "bytes": "on the link, both ways",
                                     "results": others() + results})
 
-            def timed(fn, *argv: str) -> tuple[float | None, int]:  # noqa: ANN001
+            def timed(fn, *argv: str | Path) -> tuple[float | None, int]:  # noqa: ANN001
                 """Seconds (None: failed or over the timeout, said on stderr) and bytes on the link."""
                 before, t = link.wire_bytes(), time.monotonic()
                 try:
@@ -258,6 +264,7 @@ def shaped(rate_kbit: int, rtt_ms: float, case_timeout: float, cases: list[str] 
                                                   ("cor", "QEMU copy-on-read over NBD", True)) if key in cases]
             peers = NbdPeers(link, a, "deb", work) if peered else None
             for case, cor in peered:
+                assert peers is not None   # (made when there are peered cases)
                 seconds, moved = peers.boot(case, cor, case_timeout)
                 record(case, seconds, moved)
             # last: on a slow link the longest case, and the one whose bytes are known in advance

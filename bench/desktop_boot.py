@@ -28,6 +28,7 @@ from capsule.console import screen  # noqa: E402
 from capsule.errors import Conflict  # noqa: E402
 from capsule.imagebuild.desktop import BACKGROUND  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from capsule.store.catalogue import ImageRow  # noqa: E402
 from testkit.images import IMAGE_HOME  # noqa: E402
 
 TIMEOUT = 600.0
@@ -64,6 +65,12 @@ def boot(store: Store, image: str, name: str, marker: str, watch_screen: bool) -
     return seen
 
 
+def _image(store: Store, kind: str) -> ImageRow:
+    row = store.catalogue.image(kind)
+    assert row is not None   # (built, and imported, above)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -76,13 +83,13 @@ def main() -> None:
         store = Store.open(Path(tmp) / "store")
         for kind in ("debian", "desktop"):
             images.import_image(src, store, kind)
+        desktop, debian = _image(store, "desktop"), _image(store, "debian")
         desk_screen, desk_marker, deb_marker = [], [], []
         for r in range(args.rounds):
-            d = boot(store, "desktop", f"desk{r}", store.catalogue.image("desktop").marker, watch_screen=True)
+            d = boot(store, "desktop", f"desk{r}", desktop.marker, watch_screen=True)
             desk_screen.append(d["screen"])
             desk_marker.append(d["marker"])
-            deb_marker.append(boot(store, "debian", f"deb{r}", store.catalogue.image("debian").marker,
-                                   watch_screen=False)["marker"])
+            deb_marker.append(boot(store, "debian", f"deb{r}", debian.marker, watch_screen=False)["marker"])
         store.close()
     peer = median(deb_marker)
     rows = [[what, f"{median(xs):.1f}", f"{median(xs) / peer:.2f}"] for what, xs in (
@@ -90,7 +97,7 @@ def main() -> None:
         ("desktop: CAPSULE-DESKTOP-READY", desk_marker),
         ("debian: CAPSULE-GUEST-READY (the peer)", deb_marker))]
     table(f"boot under {args.rounds} rounds (medians)", ["from start to", "seconds", "× debian"], rows)
-    info = {k: src.catalogue.image(k).info for k in ("debian", "desktop")}
+    info = {k: _image(src, k).info for k in ("debian", "desktop")}
     write_result("desktop_boot", {
         "rounds": args.rounds,
         "desktop_screen_s": desk_screen, "desktop_marker_s": desk_marker, "debian_marker_s": deb_marker,

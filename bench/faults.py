@@ -4,14 +4,16 @@ Runs each fault kind of testkit/faultkit.py between stores in a temporary direct
 agents on loopback speaking TLS, their certificates pinned, the fault proxy of testkit/faultproxy.py, no
 guest): link resets and a half-open link mid-push and mid-pull, a push retried through a short reset, a disk
 filling up mid-receive (a tmpfs: needs root), SIGKILL of the receiving agent and of `capsule push` at random
-points mid-transfer (``--kills`` times each, testkit/faultkills.py: a draw landing after the push ended is
-drawn again and counted as missed), slow-loris clients during a push (bench/loris.py);
+points mid-transfer (``--kills`` times each, testkit/faultkills.py: the kill moments are drawn over the span
+of a push measured first on this machine; a draw landing after the push ended is drawn again and counted as
+missed), slow-loris clients during a push (bench/loris.py);
 then, on a tiny guest run by demand paging (testkit/demandfaults.py; ``--no-guest`` leaves it out), SIGKILL
 of its disk server at random points of its reads (``--kills`` times) and the link to the source reset and
 half-open mid-read.
 Writes bench/results/faults.json: per kind the faults injected and survived, the block bytes sent after
 them, the bytes that were missing at the receiver, their ratio, and for the kills the draws missed and the
-worst excess of one kill's resend over what was missing (against one batch and the batches in flight).
+worst excess of one kill's resend over what was missing (against one batch, the batches in flight, and the
+manifest a rerun uploads again: its records, 16 bytes per block of the layer).
 A kind whose faults injected fall short of those asked is printed as a warning and says why in its detail."""
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bench.common import ROOT, table, temp_workdir, write_result
 from bench.loris import slow_loris
 from capsule import capsules, images, transfer
 from capsule.store import Store
+from hashcache.blocks import BLOCK_SIZE
 from testkit.faultkills import batch_bytes, kills
 from testkit.faultkit import MiB, Outcome, disk_full, link_fault, make_pair, reset_retried
 
@@ -61,7 +64,10 @@ def main() -> None:
 
     for direction in ("push", "pull"):
         for fault in ("reset", "half-open"):
-            run(f"{fault} mid-{direction}", lambda t, d=direction, f=fault: link_fault(*pair(t), d, f))
+            def linked(t: Path, d: str = direction, f: str = fault) -> Outcome:
+                return link_fault(*pair(t), d, f)
+
+            run(f"{fault} mid-{direction}", linked)
     run("reset mid-push, retried", lambda t: reset_retried(*pair(t)))
 
     def full(tmp: Path, layer: int) -> Outcome:
@@ -78,7 +84,10 @@ def main() -> None:
     run("disk full mid-receive", lambda t: full(t, 64))
     run("disk full at install", lambda t: full(t, 40))
     for victim in ("agent", "cli"):
-        run(f"SIGKILL {victim} mid-push", lambda t, v=victim: kills(*pair(t), v, a.kills, size))
+        def killed(t: Path, v: str = victim) -> Outcome:
+            return kills(*pair(t), v, a.kills, size)
+
+        run(f"SIGKILL {victim} mid-push", killed)
     run("slow-loris during a push", lambda t: slow_loris(*pair(t)))
     if not a.no_guest:
         from testkit import demandfaults
@@ -94,6 +103,7 @@ def main() -> None:
     rows = [{**asdict(o), "detail": _scrub(o.detail), "ratio": round(o.ratio, 3)} for o in outcomes]
     opts = transfer.Options()
     bound = {"batch_bytes": batch_bytes(), "inflight_bytes": opts.inflight * batch_bytes(),
+             "manifest_bytes": size // BLOCK_SIZE * (8 + opts.hash_len),
              "worst_kill_excess": max((o.worst for o in outcomes if o.kind.startswith("SIGKILL") and o.injected),
                                       default=0)}
     short = [o for o in outcomes if o.kind.startswith("SIGKILL") and o.injected < a.kills]

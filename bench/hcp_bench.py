@@ -97,10 +97,10 @@ def novel_zstd(store_new: Store, kind: str, oid: str, known: set[bytes]) -> tupl
 
 def known_hashes(store: Store) -> set[bytes]:
     out: set[bytes] = set()
-    for row in store.catalogue.layers():
-        out.update(h for _i, z, h in store.layer_manifest(row.id).records() if not z)
-    for row in store.catalogue.files():
-        out.update(h for _i, z, h in store.file_manifest(row.id).records() if not z)
+    for layer in store.catalogue.layers():
+        out.update(h for _i, z, h in store.layer_manifest(layer.id).records() if not z)
+    for file in store.catalogue.files():
+        out.update(h for _i, z, h in store.file_manifest(file.id).records() if not z)
     return out
 
 
@@ -127,6 +127,7 @@ def main() -> None:
         guest(a, "seq 1 2500000 > /tmp/seq; dd if=/dev/urandom of=/tmp/rand bs=1M count=16 2>/dev/null")
         guest(a, "dd if=/tmp/seq of=/dev/vda bs=4096 seek=2000 count=1024 conv=notrunc 2>/dev/null; sync")
         v2 = lifecycle.suspend(a, "bench")
+        assert v2.version is not None and v2.memory is not None   # a suspend records both
         agents = [AgentProcess(s.home, work / f"{n}.token") for n, s in (("b", b), ("c", c), ("d", d))]
         agent_b, agent_c, agent_d = agents
         transfer.push(a, v2.version.ref, agent_b.url, agent_b.token)
@@ -160,6 +161,7 @@ def main() -> None:
         guest(a, "seq 3000000 3200000 > /tmp/seq2; rm /tmp/rand; "
                  "dd if=/tmp/seq2 of=/dev/vda bs=4096 seek=6000 count=128 conv=notrunc 2>/dev/null; sync")
         v3 = lifecycle.suspend(a, "bench")
+        assert v3.version is not None
         b_known = known_hashes(b)
 
         # 2. push v3 over the shaped link: agent B inside namespace B, the client inside namespace A

@@ -95,7 +95,9 @@ def virsh_move(a: hc.Host, b: hc.Host, link: LoopLink, name: str, zstd: bool) ->
     xml = a.sh(f"virsh -c qemu:///system dumpxml --migratable {dom}")
     _write(a, f"/tmp/{name}.xml", xml.replace(a_home, b_home))
     # B: the disk's top layer precreated over B's own copy of the image's layer; the instance's directory
-    leaf = re.search(r"<source file='([^']+)'", xml).group(1)
+    found = re.search(r"<source file='([^']+)'", xml)
+    assert found is not None, "the domain has no file disk"
+    leaf = found.group(1)
     info = json.loads(a.sh(f"qemu-img info -U --output=json {leaf}"))
     b_leaf = leaf.replace(a_home, b_home)
     b.sh(f"mkdir -p {b_home}/instances/{name} && cd {os.path.dirname(b_leaf)} && "

@@ -38,6 +38,7 @@ class NbdPeers:
         self.link = link
         self.work = work
         version = a.catalogue.latest_version(capsule)
+        assert version is not None   # (the bench made it)
         self.config = version.config
         self.layer = a.layer_path(version.chains[0][-1])
         self.size = int(qemu_img_info(self.layer)["virtual-size"])

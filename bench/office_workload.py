@@ -79,7 +79,7 @@ def main():
     server = subprocess.Popen([sys.executable, "-m", "http.server", "8000", "--bind", "127.0.0.1",
                                "--directory", site], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(2)
-    memory_cache = []
+    memory_cache: list[bytes] = []
     step = 0
     try:
         while True:

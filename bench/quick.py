@@ -149,10 +149,10 @@ def measure(root: Path, work: Path, size: int, layer_size: int) -> dict[str, flo
 
     (work / "ds").mkdir()
     tp = diskserver_measure.bench_throughput(work / "ds", 128, 4, 5)  # as bench/diskserver_micro.py measures
-    for size, key in (("4k", "qemu_img_bench_4k"), ("64k", "qemu_img_bench_64k"), ("1m", "qemu_img_bench")):
+    for request, key in (("4k", "qemu_img_bench_4k"), ("64k", "qemu_img_bench_64k"), ("1m", "qemu_img_bench")):
         if f"{key}_MBps" in tp["diskserver"]:
-            out[f"diskserver_{size}_MBps"] = tp["diskserver"][f"{key}_MBps"]
-            out[f"nbdkit_file_{size}_MBps"] = tp["file_plugin"][f"{key}_MBps"]
+            out[f"diskserver_{request}_MBps"] = tp["diskserver"][f"{key}_MBps"]
+            out[f"nbdkit_file_{request}_MBps"] = tp["file_plugin"][f"{key}_MBps"]
     return {k: round(v, 1) for k, v in out.items()}
 
 

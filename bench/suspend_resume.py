@@ -52,6 +52,7 @@ def main() -> None:
         mem_alloc = mem_size = 0
         for _ in range(args.rounds):
             r = lifecycle.suspend(store, "bench")
+            assert r.memory is not None   # a suspend records a memory image
             t = time.monotonic()
             s = lifecycle.start(store, "bench")
             rows["capsule_resume"].append(time.monotonic() - t)

@@ -4,6 +4,7 @@ idempotent calls and byte counting, and the agent's typed errors raised again he
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,10 @@ class AgentClient:
     @property
     def wire_bytes(self) -> int:
         return self._counter.wire_bytes
+
+    def retry_pauses(self) -> Iterator[float]:
+        """The pauses before an idempotent call is tried again, in order (for a caller retrying by itself)."""
+        return self._calls.policy.pauses()
 
     def close(self) -> None:
         self._calls.close()

@@ -149,14 +149,21 @@ def promote(store: Store, ref: str, *, disk: int = 0, to_root: bool = False, say
             raise Conflict(f"disk {disk} of {version.ref} is already a root layer; nothing to promote")
         rewritten = 0
         while True:
-            chain = store.catalogue.version(version.capsule, version.number).chains[disk]
+            chain = _reread(store, version).chains[disk]
             if len(chain) < 2:
                 break
             rewritten += len(_fold(store, chain[-2], {chain[-1]}, say))
             if not to_root:
                 break
-        after = store.catalogue.version(version.capsule, version.number).chains[disk]
-        return PromoteResult(store.catalogue.version(version.capsule, version.number), before, after, rewritten)
+        now = _reread(store, version)
+        return PromoteResult(now, before, now.chains[disk], rewritten)
+
+
+def _reread(store: Store, version: VersionRow) -> VersionRow:
+    """The catalogue's row of a version resolved under the store lock still held (so it is still there)."""
+    row = store.catalogue.version(version.capsule, version.number)
+    assert row is not None
+    return row
 
 
 @dataclass

@@ -32,6 +32,21 @@ finally:
     s.close()
 """
 
+# Run inside a host: the guest's clock against the host's (testkit.guestclock), sampled over one console session
+# so that a sample's round trip is the console's alone
+_GUEST_OFFSET = """
+import json, sys
+from capsule.console.serial import ConsoleSession
+from testkit import guestclock
+s = ConsoleSession(sys.argv[1])
+try:
+    s.run("true", timeout=30)
+    o = guestclock.offset(lambda cmd: s.run(cmd, timeout=30), samples=5)
+    print(json.dumps([o.seconds, o.error]))
+finally:
+    s.close()
+"""
+
 
 class ComposeError(Exception):
     """Something about the compose hosts went wrong (a command failed, a wait timed out)."""
@@ -82,13 +97,10 @@ class Project:
 DEMO = Project(os.environ.get("COMPOSE_PROJECT_NAME") or "capsule")
 # The `hosts` test tier's: never the hosts of `make compose-up` or their stores (another run beside this one
 # sets CAPSULE_TEST_COMPOSE_PROJECT and CAPSULE_TEST_HOST_A_LISTEN/…_B_LISTEN)
-# (libvirtd on loopback without authentication and QEMU's migration ports: the direct route of live moves)
+# (live moves cross in the agents' tunnel: no libvirtd or QEMU port of their own)
 TEST = Project(os.environ.get("CAPSULE_TEST_COMPOSE_PROJECT") or "capsule-test",
                {"CAPSULE_HOST_A_LISTEN": os.environ.get("CAPSULE_TEST_HOST_A_LISTEN") or "127.0.0.1:7271",
-                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272",
-                "CAPSULE_HOST_A_LIBVIRT_TCP": os.environ.get("CAPSULE_TEST_HOST_A_LIBVIRT_TCP") or "127.0.0.1:16671",
-                "CAPSULE_HOST_B_LIBVIRT_TCP": os.environ.get("CAPSULE_TEST_HOST_B_LIBVIRT_TCP") or "127.0.0.1:16672",
-                "CAPSULE_HOST_A_MIGRATION_PORTS": "49480-49489", "CAPSULE_HOST_B_MIGRATION_PORTS": "49490-49499"})
+                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272"})
 
 
 def compose_files() -> list[str]:
@@ -205,6 +217,14 @@ class Host:
         """Run a shell command in a guest running on this host; its output."""
         args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_SHELL, self.domain(name), command, str(timeout)]
         return self._exec(args, timeout=timeout + 30).stdout.strip()
+
+    def guest_offset(self, name: str) -> Any:
+        """testkit.guestclock's offset of a guest running on this host (the hosts share this machine's clock)."""
+        from testkit.guestclock import Offset
+
+        args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_OFFSET, self.domain(name)]
+        seconds, error = json.loads(self._exec(args, timeout=120).stdout.strip().splitlines()[-1])
+        return Offset(seconds, error)
 
     def guest_background(self, name: str, command: str, timeout: float) -> subprocess.Popen[str]:
         """Like guest(), without waiting: the process ends when the command has run in the guest."""

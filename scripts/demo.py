@@ -81,6 +81,7 @@ def main() -> int:
         step(f"A: the guest's counter is at {before}; it wrote 1 MiB to its disk")
 
         s1 = lifecycle.suspend(a, NAME)
+        assert s1.version is not None and s1.memory is not None   # a suspend records both
         step(f"A: suspended → {s1.version.ref} (save {s1.save_seconds:.2f}s, seal {s1.seal_seconds:.2f}s)")
         p1 = transfer.push(a, s1.version.ref, url_b, token_b, fingerprint=pin_b)
         step(f"A → B: pushed {p1.version}: {human(p1.totals()['raw_bytes'])} of data, "
@@ -92,6 +93,7 @@ def main() -> int:
         time.sleep(1)
 
         s2 = lifecycle.suspend(b, NAME)
+        assert s2.version is not None
         p2 = transfer.push(b, s2.version.ref, url_a, token_a, fingerprint=pin_a)
         step(f"B → A: pushed {p2.version}: only the changes travel — {human(p2.wire_bytes)} on the wire, "
              f"{len(p2.skipped)} object(s) already at A")
@@ -107,26 +109,26 @@ def main() -> int:
         step(f"A → B demand-paged (ballooned): B runs it after {m3.seconds:.2f}s, "
              f"{human(m3.remote.get('moved_bytes', 0))} moved first; the counter is at {at_b2}")
 
-        t = Table(title="what it cost")
-        t.add_column("step")
-        t.add_column("data", justify="right")
-        t.add_column("found locally", justify="right")
-        t.add_column("on the wire", justify="right")
-        t.add_column("time", justify="right")
-        t.add_column("at 384 kbit/s (DSL)", justify="right")
+        cost = Table(title="what it cost")
+        cost.add_column("step")
+        cost.add_column("data", justify="right")
+        cost.add_column("found locally", justify="right")
+        cost.add_column("on the wire", justify="right")
+        cost.add_column("time", justify="right")
+        cost.add_column("at 384 kbit/s (DSL)", justify="right")
         mem = s1.memory
-        t.add_row("suspend on A (256 MiB guest)", f"memory image {human(mem.allocated)} allocated", "",
-                  "", f"{s1.save_seconds + s1.seal_seconds:.2f} s", "")
+        cost.add_row("suspend on A (256 MiB guest)", f"memory image {human(mem.allocated)} allocated", "",
+                     "", f"{s1.save_seconds + s1.seal_seconds:.2f} s", "")
         for label, p in (("push A → B (B had nothing)", p1), ("push B → A (A had the old version)", p2)):
             tt = p.totals()
-            t.add_row(label, human(tt["raw_bytes"]), human(tt["cache_bytes"]), human(p.wire_bytes),
-                      f"{p.seconds:.2f} s", f"~{p.wire_bytes / (370_000 / 8):.0f} s")
-        t.add_row("resume on B", "", "", "", f"{r1.seconds:.2f} s", "")
-        t.add_row("resume on A", "", "", "", f"{r2.seconds:.2f} s", "")
-        t.add_row("migrate A → B, demand-paged", "", "", human(m3.remote.get("moved_bytes", 0)) + " first",
-                  f"{m3.seconds:.2f} s", f"~{m3.remote.get('moved_bytes', 0) / (370_000 / 8):.0f} s")
-        t.add_row("counter: A → B → A → B", f"{before} → {at_b} → {back} → {at_b2}", "", "", "", "")
-        out.print(t)
+            cost.add_row(label, human(tt["raw_bytes"]), human(tt["cache_bytes"]), human(p.wire_bytes),
+                         f"{p.seconds:.2f} s", f"~{p.wire_bytes / (370_000 / 8):.0f} s")
+        cost.add_row("resume on B", "", "", "", f"{r1.seconds:.2f} s", "")
+        cost.add_row("resume on A", "", "", "", f"{r2.seconds:.2f} s", "")
+        cost.add_row("migrate A → B, demand-paged", "", "", human(m3.remote.get("moved_bytes", 0)) + " first",
+                     f"{m3.seconds:.2f} s", f"~{m3.remote.get('moved_bytes', 0) / (370_000 / 8):.0f} s")
+        cost.add_row("counter: A → B → A → B", f"{before} → {at_b} → {back} → {at_b2}", "", "", "", "")
+        out.print(cost)
         ok = before <= at_b <= back <= at_b2
         out.print("[green]demo OK[/]" if ok else "[red]the counter did not continue[/]")
         if ok and sys.stdin.isatty() and os.environ.get("CAPSULE_DEMO_WAIT", "1") != "0":

@@ -71,8 +71,11 @@ def cli_reference() -> str:
     return "\n".join(head + _command_md(root, ["capsule"], ctx)).rstrip() + "\n"
 
 
+_PACKAGES = ("hashcache", "diskserver", "capsule")
+
+
 def _load_error_classes() -> None:
-    for pkg_name in ("hashcache", "diskserver", "capsule"):
+    for pkg_name in _PACKAGES:
         pkg = importlib.import_module(pkg_name)
         for mod in pkgutil.walk_packages(pkg.__path__, pkg_name + "."):
             if mod.name.endswith("plugin") or ".imagebuild.files" in mod.name:
@@ -84,11 +87,13 @@ def _load_error_classes() -> None:
 
 
 def exit_codes() -> str:
-    from hashcache.errors import registered
+    from hashcache.errors import Error, registered
 
     _load_error_classes()
-    by_exit: dict[int, list[type]] = {}
+    by_exit: dict[int, list[type[Error]]] = {}
     for cls in registered().values():
+        if cls.__module__.split(".")[0] not in _PACKAGES:
+            continue  # a class a test (or a plugin) defined is no part of the product's reference
         by_exit.setdefault(cls.exit_code, []).append(cls)
     lines = ["# Exit codes", "",
              "Every error Capsule raises on purpose is a class with one root (`hashcache.errors.Error`); each",

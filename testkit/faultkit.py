@@ -94,6 +94,7 @@ def arrived(receiver: Store, sender: Store, lid: str) -> int:
 def short_client(timeout: float = 3.0, tries: int = 1) -> Iterator[None]:
     """Clients made meanwhile give up fast: ``timeout`` per call, ``tries`` retries of 0.2 s."""
     kw = AgentClient.__init__.__kwdefaults__
+    assert kw is not None   # (its keyword-only parameters have defaults)
     saved = dict(kw)
     kw.update(retry=RetryPolicy(delays=(0.2,) * tries))
     defaults = AgentClient.__init__.__defaults__
@@ -244,7 +245,7 @@ def disk_full(a: Store, tmp: Path, small: str = "48m", large: str = "256m", cach
     out = Outcome("disk full mid-receive" if cache else "disk full (hash cache)")
     with tmpfs(tmp / "small", small) as mnt:
         home = mnt / "b"
-        ag = agent(home, **({"CAPSULE_HASHCACHE_SIZE": str(cache)} if cache else {}))
+        ag = agent(home, None, **({"CAPSULE_HASHCACHE_SIZE": str(cache)} if cache else {}))
         b = Store.open(home)
         try:
             proc = push_cli(a, ag)

@@ -67,9 +67,9 @@ class FaultProxy:
         if not ready.wait(10):
             raise RuntimeError("the fault proxy did not start")
         assert self._server is not None
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port: int = self._server.sockets[0].getsockname()[1]
         # the bytes pass as they are: a TLS agent behind the proxy is reached with https and its pin
-        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
+        self.url: str = f"{'https' if tls else 'http'}://{host}:{self.port}"
 
     def _run(self, start: Callable[[], object]) -> None:
         asyncio.set_event_loop(self._loop)

@@ -21,12 +21,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TypedDict
 
 from testkit.processes import stop_groups
 
 HERE = Path(__file__).resolve().parent
-DSL = {"rate_kbit": 384, "rtt_ms": 20.0}
-LAN = {"rate_kbit": 100_000, "rtt_ms": 1.0}
+
+
+class Shape(TypedDict):
+    """A link's shape: ``SlowLink(**DSL)``."""
+
+    rate_kbit: int
+    rtt_ms: float
+
+
+DSL: Shape = {"rate_kbit": 384, "rtt_ms": 20.0}
+LAN: Shape = {"rate_kbit": 100_000, "rtt_ms": 1.0}
 
 
 def _ip(*args: str) -> None:

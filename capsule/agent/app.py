@@ -17,6 +17,8 @@ Receiving (push) — state lives in the object's shadow on disk, not in memory::
 
     POST /v1/recv/{kind}/{id}/begin              body = zstd(manifest) → zstd(varint indices still needed)
     POST /v1/recv/{kind}/{id}/blocks             body = u32 n, n bytes of varint indices, zstd blocks
+    POST /v1/recv/{kind}/{id}/lacking            body = varint indices of a batch → those not kept (varints):
+                                                 an upload whose answer was lost is sent again only for these
     POST /v1/recv/{kind}/{id}/commit             verify the digest, install, record
 
 Management::
@@ -32,8 +34,8 @@ Pods (the destination side of `capsule pod migrate --on HOST`)::
 
 Live moves (the destination side of `capsule migrate`, capsule/exchange/incoming.py)::
 
-    POST /v1/live/check                          {capsule, type, cpu} → {refusals, routes, postcopy}
-    POST /v1/live/prepare                        {capsule, version, xml, disks} → {id, domain, xml, routes}
+    POST /v1/live/check                          {capsule, type, cpu, host} → {refusals, postcopy, host}
+    POST /v1/live/prepare                        {capsule, version, xml, disks, tunnel} → {id, domain, xml}
     POST /v1/live/{id}/finish, .../abort         the guest runs here / what prepare made is removed
 
 Fleet (capsule/exchange/fleet.py)::
@@ -98,6 +100,7 @@ from capsule.errors import AuthFailed, Error, Internal, InvalidName
 from capsule.exchange import fleet, incoming, running, tunnel
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
+    MAX_LACKING_UPLOAD,
     MAX_MANIFEST_UPLOAD,
     Inbox,
     decode_manifest_upload,
@@ -113,7 +116,7 @@ from capsule.transfer.records import record_version
 from capsule.verify import users_of, verify_versions
 from hashcache import wirejson
 from hashcache.errors import error_class
-from hashcache.hcp import decode_stream_read, encode_stream_error
+from hashcache.hcp import decode_stream_read, encode_indices, encode_stream_error
 
 MAX_VERIFY = 10_000       # versions in one verify request
 
@@ -295,6 +298,13 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         finally:
             await turns.advance()
 
+    @app.post("/v1/recv/{kind}/{oid}/lacking")
+    async def recv_lacking(kind: str, oid: str, request: Request) -> Response:
+        """Which of a batch's blocks (varint indices) this receive has not kept (varint indices)."""
+        raw = await body(request, MAX_LACKING_UPLOAD)
+        lacking = await serve(inbox.lacking, kind, oid, raw)
+        return Response(encode_indices(lacking), media_type="application/octet-stream")
+
     @app.post("/v1/recv/{kind}/{oid}/commit")
     async def recv_commit(kind: str, oid: str, role: str = "memory") -> dict[str, Any]:
         installed = await serve(inbox.commit, kind, oid, role)
@@ -413,6 +423,8 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
 
     # the byte tunnel of live moves (capsule/exchange/tunnel.py): channels by kind, targets chosen here
     app.state.tunnels = tunnel.Registry(resolver=lambda objects: StoreResolver(store, objects))
+    app.state.tunnels.on_end.append(lambda sid: incoming.sweep_quietly(store, sid))   # its move never finished
+    incoming.sweep_quietly(store)    # moves whose streams ended with the agent that carried them
     app.include_router(tunnelapi.router(app.state.tunnels))
     dashboard.install(app, store, token)  # the page at / and its API under /api/ (capsule/agent/dashboard.py)
     authz.check_rules(app)      # every route has its rule, or no agent

@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.routing import Mount, compile_path
 from starlette.websockets import WebSocket
 
@@ -71,6 +71,7 @@ READING, PUSHING, EITHER = frozenset({READ}), frozenset({PUSH}), frozenset({READ
 HCP_READ = Rule(frozenset({"host"}), STAFF, grants=READING, target="object")
 HCP_READ_POST = Rule(frozenset({"host"}), STAFF, changes=False, grants=READING, target="object")
 RECEIVE = Rule(frozenset({"host"}), STAFF, grants=PUSHING, target="object")    # a push grant: its objects
+RECEIVE_ASK = Rule(frozenset({"host"}), STAFF, changes=False, grants=PUSHING, target="object")   # reads only
 GRANT_ONLY = Rule(roles=frozenset(), grants=EITHER)          # only a grant calls it (on itself)
 
 RULES: dict[tuple[str, str], Rule] = {
@@ -86,6 +87,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("WS", "/v1/objects/stream"): Rule(frozenset({"host"}), STAFF, grants=READING, target="message"),
     ("POST", "/v1/recv/{kind}/{oid}/begin"): RECEIVE,
     ("POST", "/v1/recv/{kind}/{oid}/blocks"): RECEIVE,
+    ("POST", "/v1/recv/{kind}/{oid}/lacking"): RECEIVE_ASK,
     ("POST", "/v1/recv/{kind}/{oid}/commit"): RECEIVE,
     ("POST", "/v1/versions"): Rule(frozenset({"host"}), STAFF, grants=PUSHING, target="body"),
     ("POST", "/v1/fleet/pull"): HOST,
@@ -223,7 +225,7 @@ def check_rules(app: FastAPI) -> None:
             raise Internal(f"the rule for {key[0]} {key[1]} names a grant target its path does not have")
 
 
-def caller_of(request: Request | WebSocket) -> Caller | None:
+def caller_of(request: HTTPConnection) -> Caller | None:
     return request.scope.get("state", {}).get("caller")
 
 

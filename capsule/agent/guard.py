@@ -120,11 +120,11 @@ class Guard:
             reply = _reply(exc)
             if audited:
                 audit_line(_result(reply))
-            if ws:
+            if isinstance(conn, WebSocket):
                 if "websocket.http.response" in scope.get("extensions", {}):
-                    await conn.send_denial_response(reply)   # type: ignore[union-attr]
+                    await conn.send_denial_response(reply)
                 else:
-                    await conn.close(code=1008)              # type: ignore[union-attr]
+                    await conn.close(code=1008)
             else:
                 await reply(scope, receive, send)
             return

@@ -2,8 +2,9 @@
 thread of the agent, its progress kept and streamed, and a cancel.
 
     GET  /api/capsules/{name}/migrate/check?to=HOST   why a live move there would be refused (empty: it may go)
-    POST /api/capsules/{name}/migrate      {to: a known host's name, live (default true), max_pause, postcopy; or
-                                            live: false, mode: full|demand, balloon} → the migration
+    POST /api/capsules/{name}/migrate      {to: a known host's name, max_pause, postcopy: live (the default); or
+                                            mode: full|demand, balloon (or live: false): offline} → the migration
+                                            (live: true with a mode or balloon: 400, naming the conflict)
     GET  /api/migrations                   the migrations this agent ran since it started (newest first)
     GET  /api/migrations/{id}              one of them: its last progress snapshot, and how it ended
     GET  /api/migrations/{id}/events       Server-Sent Events: each progress snapshot (``data:`` JSON), until the end
@@ -38,6 +39,7 @@ from capsule.agent import authz
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agent.workers import Ticket, workers_of
 from capsule.errors import Conflict, Error, Internal, NotFound
+from capsule.migrate.choice import choose
 from capsule.migrate.progress import CancelToken, Snapshot, planned
 from capsule.names import check_name
 from capsule.store import Store
@@ -50,12 +52,21 @@ HISTORY = 5000            # snapshots kept per migration (a stream replays them;
 class MigrateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: str = Field(description="A known host's name (`capsule host ls`)", min_length=1, max_length=64)
-    live: bool = Field(True, description="Move it while it runs (false: suspend it here first, as `--offline`)")
+    live: bool | None = Field(None, description="Move it while it runs (the default unless mode or balloon is "
+                                                "named); false: suspend it here first, as `--offline`")
     max_pause: float = Field(1.0, ge=0.01, le=60, allow_inf_nan=False,
                              description="Live: the longest the guest may pause at the switchover, in seconds")
-    postcopy: bool = Field(False, description="Live: post-copy when pre-copy does not converge")
-    mode: Literal["full", "demand"] = "full"
-    balloon: bool = False
+    postcopy: bool = Field(False, description="Live: allow post-copy when pre-copy does not converge (if the link "
+                                              "or the destination fails during post-copy, the guest restarts here "
+                                              "from its disks at T0; memory since T0 is lost)")
+    mode: Literal["full", "demand"] | None = Field(None, description="An offline move's mode (naming it makes the "
+                                                                     "move offline; full when offline and none)")
+    balloon: bool = Field(False, description="Balloon before suspending (makes the move offline)")
+
+    def chosen(self) -> MigrateIn:
+        """This request with its kind decided (:mod:`capsule.migrate.choice`): ``live`` and ``mode`` set."""
+        kind = choose(self.live, self.mode, self.balloon, self.postcopy)
+        return self.model_copy(update={"live": kind.live, "mode": None if kind.live else kind.mode})
     balloon_policy: Literal["none", "cache", "aggressive"] = "cache"
     balloon_method: Literal["agent", "virtio"] = "virtio"
 
@@ -78,6 +89,7 @@ class Migration:
 
     def __init__(self, name: str, peer: hosts.Peer, body: MigrateIn, ticket: Ticket | None = None) -> None:
         self.id = secrets.token_hex(8)
+        body = body.chosen()
         self.capsule, self.peer, self.body = name, peer, body
         self.ticket = ticket        # its owner's count of operations under way, given back when it ends
         self.started = time.time()
@@ -85,7 +97,7 @@ class Migration:
         self.error: dict[str, Any] | None = None
         self.remote: dict[str, Any] | None = None
         self.last = Snapshot(0, name, peer.name, planned("live", body.postcopy) if body.live
-                             else planned(body.mode, body.balloon), "")
+                             else planned(body.mode or "full", body.balloon), "")
         self._history: deque[Snapshot] = deque([self.last], maxlen=HISTORY)
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -128,7 +140,7 @@ class Migration:
 
     def out(self) -> MigrationOut:
         return MigrationOut(id=self.id, capsule=self.capsule, to=self.peer.name, to_url=self.peer.url,
-                            mode="live" if self.body.live else self.body.mode, balloon=self.body.balloon,
+                            mode="live" if self.body.live else self.body.mode or "full", balloon=self.body.balloon,
                             started=self.started,
                             progress=self.last.as_dict(), error=self.error, remote=self.remote)
 
@@ -150,11 +162,11 @@ class Migration:
                 final.append(s)
 
         try:
-            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.mode,
+            r = lib.migrate(store, self.capsule, self.peer.url, self.peer.token, mode=b.mode or "full",
                             balloon=b.balloon_policy if b.balloon else None, balloon_method=b.balloon_method,
                             source_url=source_url, source_token=source_token, on_event=on_event,
                             cancel=self.cancel, to_name=self.peer.name, source_fingerprint=source_fingerprint,
-                            live=b.live, max_pause=b.max_pause, postcopy=b.postcopy)
+                            live=bool(b.live), max_pause=b.max_pause, postcopy=b.postcopy)
             self.remote = r.remote
         except Error as exc:
             self.error = exc.to_wire()
@@ -165,7 +177,7 @@ class Migration:
         if final:
             self.publish(final[-1])
         else:  # refused before it began (e.g. the capsule stopped meanwhile)
-            cancelled = bool(self.error) and self.error.get("error") == lib.MigrationCancelled.code
+            cancelled = bool(self.error and self.error.get("error") == lib.MigrationCancelled.code)
             self.publish(replace(self.last, seq=self.last.seq + 1, outcome="cancelled" if cancelled else "failed",
                                  where="source", message=str((self.error or {}).get("detail", "")),
                                  cancellable=False))
@@ -233,6 +245,7 @@ def router(store: Store, sessions: Sessions, token: str, migrations: Migrations 
     @r.post("/capsules/{name}/migrate", response_model=MigrationOut, status_code=202,
             summary="Move a running capsule to a known host")
     def start(name: str, body: MigrateIn, request: Request) -> MigrationOut:
+        body = body.chosen()      # a 400 naming the conflict before anything
         demand = body.mode == "demand" and not body.live
         source = source_url_for(request) if demand else ""
         # the other host pins this agent's certificate (the one it serves with, --cert included)

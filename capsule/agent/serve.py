@@ -165,7 +165,8 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
     uvicorn.run(BodyLimit(app, limits.max_body), host=host, port=port,
                 log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),
                 access_log=False, server_header=False, date_header=False,
-                timeout_keep_alive=limits.keep_alive,   # idle: once the last answer has left (limits.py)
+                # idle: once the last answer has left (limits.py); uvicorn says int, but it is a timer's delay
+                timeout_keep_alive=limits.keep_alive,  # type: ignore[arg-type]
                 http=http_protocol, ws=ws_protocol, ws_max_size=limits.ws_max_message,
                 # X-Forwarded-* only from the configured proxies (uvicorn would believe them from 127.0.0.1)
                 proxy_headers=bool(trust_proxy), forwarded_allow_ips=trust_proxy or None,

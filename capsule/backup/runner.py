@@ -117,6 +117,7 @@ def run(store: Store, name: str, *, take: Taker = take_snapshot, clock: Callable
         if not jobs.claim(store, name, started):
             return RunResult(name, False, started, 0.0, error="the previous run is still going", skipped=True)
         t0 = time.monotonic()
+        error: str | None
         try:
             taken = take(store, name, job.mode, say)
         except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job, with its reason

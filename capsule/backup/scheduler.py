@@ -14,6 +14,7 @@ The clock is injectable (``clock``: epoch seconds) and ``tick(now)`` does one ro
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -57,7 +58,7 @@ class Scheduler:
                 jobs.finish(self.store, job.capsule, started=now, ok=False, duration=0.0, error=str(exc))
                 continue
             jobs.advance(self.store, job.capsule, nxt.timestamp() if nxt else None)
-            if self._spawn(job.capsule, lambda name=job.capsule: self._run(name)):
+            if self._spawn(job.capsule, functools.partial(self._run, job.capsule)):
                 started.append(job.capsule)
         if verifyjob.due(self.store, now) and self._spawn(VERIFY, self._verify):
             started.append(VERIFY)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -77,7 +77,8 @@ def user_ls(json: JsonOpt = False) -> None:
     json_flag(json)
     store = open_store()
     active = [t for t in tokens.tokens(store) if t.state() == "active"]
-    rows = [u.as_dict() | {"tokens": sum(t.user == u.name for t in active)} for u in users.users(store)]
+    rows: list[dict[str, Any]] = [u.as_dict() | {"tokens": sum(t.user == u.name for t in active)}
+                                  for u in users.users(store)]
 
     def human() -> None:
         if not rows:
@@ -131,10 +132,13 @@ def token_create(
     capsules migrate here or fleet rollouts activate versions here."""
     json_flag(json)
     t, secret = tokens.create(open_store(), user, scope, parse_duration(expires) if expires else None)
-    emit(t.as_dict() | {"token": secret}, lambda: (
-        console.print(secret, soft_wrap=True),
+
+    def human() -> None:
+        console.print(secret, soft_wrap=True)
         err_console.print(f"token {t.id} for {t.user} ({', '.join(sorted(t.scopes))}), expires "
-                          f"{_when(t.expires) if t.expires else 'never'}: keep it now, it is not shown again")))
+                          f"{_when(t.expires) if t.expires else 'never'}: keep it now, it is not shown again")
+
+    emit(t.as_dict() | {"token": secret}, human)
 
 
 @token_app.command("ls")
@@ -144,7 +148,7 @@ def token_ls(user: Annotated[str | None, typer.Option("--user", help="Only this 
     scopes; a grant (user @host: made for a fleet pull, a demand run's destination, a push) allows one job —
     read NAME or NAME@V, or push NAME@V — and names who made it (user/token, unix:NAME for this command line)."""
     json_flag(json)
-    rows = [t.as_dict() for t in tokens.tokens(open_store(), user)]
+    rows: list[dict[str, Any]] = [t.as_dict() for t in tokens.tokens(open_store(), user)]
 
     def allows(r: dict) -> str:
         if r["allow"] is None:

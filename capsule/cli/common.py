@@ -133,13 +133,12 @@ def resolve_peer(store: Store, peer: str, token_file: Path | None = None,
         token = read_token(token_file) if token_file is not None else known.token
         return PeerCall(known.url, token, known.name, fingerprint or known.fingerprint)
     url = hosts.check_url(peer)
-    known = _known_at(store, url)
-    if token_file is None and known is not None and not os.environ.get(TOKEN_ENV, "").strip():
-        token = known.token
+    at = _known_at(store, url)
+    if token_file is None and at is not None and not os.environ.get(TOKEN_ENV, "").strip():
+        token = at.token
     else:
         token = read_token(token_file)
-    return PeerCall(url, token, known.name if known else url,
-                    fingerprint or (known.fingerprint if known else None))
+    return PeerCall(url, token, at.name if at else url, fingerprint or (at.fingerprint if at else None))
 
 
 def known_host_name(store: Store, peer: str) -> str:

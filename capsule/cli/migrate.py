@@ -98,21 +98,24 @@ def ctrl_c_cancels(token: CancelToken) -> Iterator[None]:
 def migrate(
     name: Annotated[str, typer.Argument(help="A running capsule.")],
     to: Annotated[str, typer.Option("--to", help=f"The destination host: {PEER}.")],
-    offline: Annotated[bool, typer.Option("--offline", help="Suspend here, then move it (today's way: the guest "
-                                                            "is paused for the whole transfer; --mode applies).")]
+    offline: Annotated[bool, typer.Option("--offline", help="Suspend here, then move it (the guest is paused for "
+                                                            "the whole transfer); --mode full unless named.")]
     = False,
     check: Annotated[bool, typer.Option("--check", help="Only say why a live move would be refused (nothing "
                                                         "changes); exit status 0 when it may go.")] = False,
     max_pause: Annotated[float, typer.Option("--max-pause", metavar="SECONDS", help="Live: the longest the guest "
                                              "may pause at the switchover (0.01 to 60).")] = 1.0,
-    postcopy: Annotated[bool, typer.Option("--postcopy", help="Live: switch to post-copy when pre-copy does not "
-                                                              "converge (the guest runs there while its last pages "
-                                                              "follow; if that host fails then, the fallback is "
-                                                              "the disks at T0).")] = False,
-    mode: Annotated[str, typer.Option("--mode", help="--offline only: full: push, then start there | demand: push "
-                                                     "the memory image, start there, disk blocks paged in from "
-                                                     "here.")] = "full",
-    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1).")] = False,
+    postcopy: Annotated[bool, typer.Option("--postcopy", help="Live: allow post-copy, switched to when pre-copy "
+                                                              "does not converge (the guest runs there while its "
+                                                              "last pages follow). If the link or the destination "
+                                                              "fails during post-copy, the guest restarts at the "
+                                                              "source from its disks at T0; memory since T0 is "
+                                                              "lost. Off by default.")] = False,
+    mode: Annotated[str | None, typer.Option("--mode", help="An offline move (implies --offline): full: push, then "
+                                                            "start there | demand: push the memory image, start "
+                                                            "there, disk blocks paged in from here.")] = None,
+    balloon: Annotated[bool, typer.Option("--balloon", help="Balloon before suspending (§4.1); implies "
+                                                            "--offline.")] = False,
     balloon_policy: PolicyOpt = "cache",
     balloon_method: MethodOpt = "virtio",
     source_url: Annotated[str | None, typer.Option("--source-url", help="demand: this host's agent URL as the "
@@ -133,9 +136,10 @@ def migrate(
     """Move a running capsule to another host; it runs there after.
 
     Live by default: its disks are sealed at T0 and pushed (HCP: only blocks the other host lacks) while it
-    runs, then libvirt sends its memory and the disks' writes since T0; the guest pauses only at the switchover
-    (at most --max-pause). --offline suspends here, then pushes and starts (full) or starts there at once with
-    its disks paged in from here (demand). Shows each phase live; Ctrl-C cancels and the capsule runs here.
+    runs, then libvirt sends its memory and the disks' writes since T0, all through the agents' tunnel; the
+    guest pauses only at the switchover (at most --max-pause). --offline (or --mode, or --balloon, which imply
+    it) suspends here, then pushes and starts (full, the default) or starts there at once with its disks paged
+    in from here (demand). Shows each phase live; Ctrl-C cancels and the capsule runs here.
 
     Examples:
 
@@ -143,11 +147,15 @@ def migrate(
 
       capsule migrate alice --to home --check
 
-      capsule migrate alice --to https://home.example:7070 --token-file home.token --offline --mode demand
+      capsule migrate alice --to https://home.example:7070 --token-file home.token --mode demand
     """
     json_flag(json)
     from capsule import migrate as lib
+    from capsule.migrate.choice import choose
 
+    kind = choose(False if offline else None, mode, balloon, postcopy,
+                  names={"offline": "--offline", "mode": "--mode", "balloon": "--balloon", "postcopy": "--postcopy"})
+    offline, mode = not kind.live, kind.mode
     store = open_store()
     if not offline:
         from capsule import bounds
@@ -187,7 +195,7 @@ def migrate(
                 from capsule.accounts import grants
                 grants.discard(store, source_token)
             raise
-    data = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
+    data: dict[str, Any] = {"mode": r.mode, "version": r.suspended.version.ref if r.suspended.version else None,
             "push": r.push.as_dict() if r.push else None, "remote": r.remote, "seconds": round(r.seconds, 3),
             "progress": r.last.as_dict() if r.last else None}
     if r.live is not None:

@@ -119,8 +119,12 @@ def snapshot(
         sealed, resumed = lifecycle.snapshot(store, name, balloon=balloon_policy if balloon else None,
                                              balloon_method=balloon_method, say=say)
     data = seal_dict(sealed) | {"resumed": start_dict(resumed)}
-    emit(data, lambda: (_print_seal(sealed, "snapshot"),
-                        console.print(f"  running again after {resumed.seconds:.2f}s")))
+
+    def human() -> None:
+        _print_seal(sealed, "snapshot")
+        console.print(f"  running again after {resumed.seconds:.2f}s")
+
+    emit(data, human)
 
 
 def stop(

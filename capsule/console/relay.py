@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -33,7 +34,7 @@ from hashcache.transport import tls
 PEER_TIMEOUT = 10.0
 
 
-def router(store: Store, sessions: Sessions, tickets: Tickets, caller: object) -> APIRouter:
+def router(store: Store, sessions: Sessions, tickets: Tickets, caller: Callable[..., Caller]) -> APIRouter:
     api = APIRouter(prefix="/api/hosts", tags=["dashboard"])
 
     @api.post("/{host}/capsules/{name}/console-ticket", response_model=TicketOut, dependencies=[Depends(caller)],

@@ -1,7 +1,8 @@
 """The destination side of a live move (``capsule migrate NAME --to HOST``, :mod:`capsule.migrate.live`).
 
-    POST /v1/live/check                 {capsule, type, cpu}: why this host would refuse it → {refusals, routes}
-    POST /v1/live/prepare               {capsule, version, xml, disks}: an instance ready to receive it
+    POST /v1/live/check                 {capsule, type, cpu, host}: why this host would refuse it
+                                        → {refusals, postcopy, host}
+    POST /v1/live/prepare               {capsule, version, xml, disks, tunnel}: an instance ready to receive it
     POST /v1/live/{id}/finish           the guest arrived and runs: it is this host's running instance
     POST /v1/live/{id}/abort            the move stopped: what prepare made is removed
 
@@ -12,19 +13,24 @@ built from this host's template and the version's config exactly as a memory ima
 (:func:`capsule.runtime.restorexml.rebuild`): from the source's XML only what the running machine's state
 requires is kept, allow-listed, and no path of the source is ever used.
 
-``routes``: how the source's libvirt reaches this host for the migration stream. Until the agents' own
-tunnel carries it, only direct loopback routes exist, offered when this host's libvirtd listens on loopback
-(``CAPSULE_LIBVIRT_TCP``, ``CAPSULE_MIGRATION_PORTS``, as the compose hosts set them)."""
+The streams (libvirtd to libvirtd, QEMU's migration stream, the disks' NBD) cross in the agents' byte tunnel
+(:mod:`capsule.exchange.tunnel`), never on a port of their own: ``prepare`` names the tunnel session the source
+opened (``tunnel``), and when that session ends (closed or expired) with the move still unfinished, what prepare
+made is removed (:func:`ended`); so is every unfinished move when the agent starts (:func:`sweep`: its source's
+streams went with the agent that carried them).
+
+``host`` (libvirt's host UUID at the source): equal to this host's, the destination is the source's own libvirt
+(two agents on one machine): refused as ``same_host``, a live move needs another host."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -33,15 +39,16 @@ import libvirt
 
 from capsule import qemuimg
 from capsule.bounds import VERSION, check
-from capsule.errors import Conflict, InvalidName, NotFound, RuntimeFailure
+from capsule.errors import Conflict, Error, InvalidName, NotFound, RuntimeFailure
 from capsule.lifecycle import memimage
 from capsule.names import check_name
 from capsule.runtime import restorexml
-from capsule.runtime.connection import connect, lookup_domain
+from capsule.runtime.connection import connect, host_uuid, lookup_domain
 from capsule.store import Store, claims
 from capsule.store.catalogue import InstanceRow
 from capsule.store.fsutil import make_private_dir
 
+log = logging.getLogger(__name__)
 MARK = "incoming.json"           # in the instance directory while a move is under way
 MAX_XML = 256 * 1024
 _MOVE_ID = re.compile(r"[0-9a-f]{32}")
@@ -61,31 +68,11 @@ def _text(req: dict[str, Any], key: str, limit: int = MAX_XML) -> str:
 def _request(req: Any) -> dict[str, Any]:
     if not isinstance(req, dict):
         raise InvalidName("malformed live move request: expected a JSON object")
-    check_name(req.get("capsule"))
+    capsule = req.get("capsule")
+    if not isinstance(capsule, str):
+        raise InvalidName("malformed live move request: capsule must be a name")
+    check_name(capsule)
     return req
-
-
-def direct_routes() -> dict[str, str] | None:
-    """This host's direct loopback routes for a migration stream, or None (see the module's text)."""
-    tcp = os.environ.get("CAPSULE_LIBVIRT_TCP", "")
-    ports = re.fullmatch(r"([0-9]+)-([0-9]+)", os.environ.get("CAPSULE_MIGRATION_PORTS", ""))
-    m = re.fullmatch(r"127\.0\.0\.1:([0-9]+)", tcp)
-    if m is None or ports is None:
-        return None
-    free = [p for p in range(int(ports[1]), int(ports[2]) + 1) if _free(p)][:2]
-    if len(free) < 2:
-        return None
-    return {"libvirt_uri": f"qemu+tcp://127.0.0.1:{m[1]}/system", "migration_uri": f"tcp://127.0.0.1:{free[0]}",
-            "disks_uri": f"tcp://127.0.0.1:{free[1]}"}
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def postcopy_ready() -> bool:
@@ -95,11 +82,17 @@ def postcopy_ready() -> bool:
 
 def check_incoming(store: Store, req: Any) -> dict[str, Any]:
     """Why this host would refuse to receive ``req['capsule']`` live (``type``: the domain's type, kvm or
-    qemu; ``cpu``: its ``<cpu>`` element), and the routes it offers."""
+    qemu; ``cpu``: its ``<cpu>`` element; ``host``: libvirt's host UUID at the source), whether it can receive
+    post-copy, and its own host UUID."""
     req = _request(req)
     name = req["capsule"]
     out: list[dict[str, str]] = []
     inst = store.catalogue.instance(name)
+    here = host_uuid()
+    source = _text(req, "host", 64).strip().lower()
+    if source and here is not None and source == here:
+        out.append(refusal("same_host", "the destination is this machine's own libvirt: a live move needs another "
+                                        "host (move it with --offline)"))
     if inst is not None:
         out.append(refusal("running_there", f"{name} already has an instance on this host (domain {inst.domain}): "
                                             f"stop it there first"))
@@ -117,17 +110,13 @@ def check_incoming(store: Store, req: Any) -> dict[str, Any]:
                 why = "this host's CPU lacks features the guest's CPU has"
             if verdict == libvirt.VIR_CPU_COMPARE_INCOMPATIBLE:
                 out.append(refusal("cpu_incompatible", f"{why}: move it with --offline"))
-    routes = direct_routes()
-    if routes is None:
-        out.append(refusal("no_route", "this host offers no route for the migration stream (its libvirtd "
-                                       "listens on no loopback port: CAPSULE_LIBVIRT_TCP and "
-                                       "CAPSULE_MIGRATION_PORTS): move it with --offline"))
-    return {"refusals": out, "routes": routes, "postcopy": postcopy_ready()}
+    return {"refusals": out, "postcopy": postcopy_ready(), "host": here}
 
 
 def prepare(store: Store, req: Any) -> dict[str, Any]:
     """Make what a live move of ``req['capsule']`` @ ``req['version']`` needs here (see the module's text):
-    {id, domain, xml, routes, postcopy}."""
+    {id, domain, xml, postcopy}. ``tunnel``: the id of the tunnel session carrying its streams (see the module's
+    text)."""
     req = _request(req)
     name = req["capsule"]
     number = int(check(VERSION, req.get("version"), "version"))
@@ -135,9 +124,10 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
     disks = req.get("disks")
     if not isinstance(disks, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in disks):
         raise InvalidName("malformed live move request: disks must be a list of virtual sizes in bytes")
-    routes = direct_routes()
-    if routes is None:
-        raise Conflict("this host offers no route for the migration stream: move it with --offline")
+    session = req.get("tunnel")
+    if session is not None and (not isinstance(session, str) or not _MOVE_ID.fullmatch(session)):
+        raise InvalidName("malformed live move request: tunnel must be a tunnel session's id (32 hexadecimal "
+                          "digits)")
     with claims.claim(store, name, "receiving a live move"), store.lock(purpose=f"receiving {name}"):
         cat = store.catalogue
         version = cat.version(name, number)
@@ -171,7 +161,8 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
             xml, accel = restorexml.rebuild(saved_xml, spec)
             memimage.grant(store, spec, version.chains)
             mid = secrets.token_hex(16)
-            (inst_dir / MARK).write_text(json.dumps({"id": mid, "version": number, "since": time.time()}))
+            (inst_dir / MARK).write_text(json.dumps({"id": mid, "version": number, "since": time.time(),
+                                                      "tunnel": session}))
             with cat.transaction():
                 cat.add_instance(InstanceRow(capsule=name, version=number, domain=domain,
                                              leaves=[str(p) for p in leaves], chains=version.chains, accel=accel,
@@ -181,7 +172,7 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
                 leaf.unlink(missing_ok=True)
             shutil.rmtree(inst_dir, ignore_errors=True)
             raise
-    return {"id": mid, "domain": domain, "xml": xml, "routes": routes, "postcopy": postcopy_ready()}
+    return {"id": mid, "domain": domain, "xml": xml, "postcopy": postcopy_ready()}
 
 
 def _source_name(xml: str) -> str:
@@ -226,16 +217,78 @@ def abort(store: Store, mid: str) -> dict[str, Any]:
     destroyed)."""
     with store.lock(purpose="aborting a live move"):
         inst = _find(store, mid)
-        dom = lookup_domain(inst.domain)
-        if dom is not None:
-            try:
-                dom.destroy()
-            except libvirt.libvirtError as exc:
+        _remove(store, inst)
+    return {"capsule": inst.capsule, "aborted": True}
+
+
+def _remove(store: Store, inst: InstanceRow) -> None:
+    """(Store lock held.) What prepare made for ``inst`` goes: its arriving domain, its row, leaves, directory."""
+    dom = lookup_domain(inst.domain)
+    if dom is not None:
+        try:
+            dom.destroy()
+        except libvirt.libvirtError as exc:
+            if dom.isActive():
                 raise RuntimeFailure(f"the incoming domain {inst.domain} could not be removed: "
                                      f"{exc.get_error_message()}") from exc
-        with store.catalogue.transaction():
-            store.catalogue.delete_instance(inst.capsule)
-        for leaf in inst.leaves:
-            Path(leaf).unlink(missing_ok=True)
-        shutil.rmtree(inst.dir, ignore_errors=True)
-    return {"capsule": inst.capsule, "aborted": True}
+    with store.catalogue.transaction():
+        store.catalogue.delete_instance(inst.capsule)
+    for leaf in inst.leaves:
+        Path(leaf).unlink(missing_ok=True)
+    shutil.rmtree(inst.dir, ignore_errors=True)
+
+
+def _unfinished(store: Store) -> list[tuple[InstanceRow, dict[str, Any]]]:
+    out = []
+    for inst in store.catalogue.instances():
+        with contextlib.suppress(OSError, ValueError):
+            mark = json.loads((Path(inst.dir) / MARK).read_text())
+            if isinstance(mark, dict):
+                out.append((inst, mark))
+    return out
+
+
+def _runs_here(inst: InstanceRow) -> bool:
+    """The arriving guest already runs here: the switchover happened (its source stopped it), or post-copy
+    started. Destroying it would lose the machine; it is kept, as this host's instance."""
+    dom = lookup_domain(inst.domain)
+    if dom is None:
+        return False
+    try:
+        state, _reason = dom.state()
+    except libvirt.libvirtError:
+        return False
+    return bool(state == libvirt.VIR_DOMAIN_RUNNING)
+
+
+def sweep(store: Store, session: str | None = None) -> list[str]:
+    """Remove the incoming moves that never finished: all of them (``session`` None: the agent starts, so no
+    stream of theirs is left), or those whose tunnel session ``session`` ended. The capsules' names. A move whose
+    guest already runs here (its source went away between the switchover and ``finish``) is never removed: it
+    is adopted as this host's instance, as ``finish`` would have."""
+    if session is None and not _unfinished(store):
+        return []
+    gone = []
+    with store.lock(timeout=None, purpose="removing unfinished live moves"):
+        for inst, mark in _unfinished(store):
+            if session is not None and mark.get("tunnel") != session:
+                continue
+            if _runs_here(inst):
+                (Path(inst.dir) / MARK).unlink(missing_ok=True)
+                log.warning("%s arrived and runs here although its move never finished: kept as this host's "
+                            "instance", inst.capsule)
+                continue
+            _remove(store, inst)
+            gone.append(inst.capsule)
+    return gone
+
+
+def sweep_quietly(store: Store, session: str | None = None) -> None:
+    """:func:`sweep` for the agent (at its start, as a tunnel session ends): a failure is logged, not raised."""
+    try:
+        gone = sweep(store, session)
+    except Error as exc:
+        log.warning("unfinished live moves could not be removed: %s", exc)
+        return
+    if gone:
+        log.warning("removed unfinished incoming live moves of %s", ", ".join(gone))

@@ -2,8 +2,9 @@
 
 Per object the sender calls ``begin`` once per part of the manifest (sent in parts so that planning
 one overlaps the upload of the next and of the blocks already asked for), ``accept`` per batch of
-blocks, and ``commit``. All state lives on disk under ``recv/``: the manifest (or its parts so far) and
-the object's shadow (its verified blocks). Open receivers are only a cache rebuilt from those files,
+blocks (``lacking`` when an upload's answer was lost: which of its blocks to send again), and
+``commit``. All state lives on disk under ``recv/``: the manifest (or its parts so far) and the
+object's shadow (its verified blocks). Open receivers are only a cache rebuilt from those files,
 so a receive interrupted anywhere (the sender gone, this process killed) resumes where it stopped."""
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hashcache.shadow import Shadow
 # a manifest part as uploaded: its header (at most 4 KiB) and at most MAX_PART_RECORDS records of at most 40 bytes
 MAX_MANIFEST_UPLOAD = 8 + 4096 + MAX_PART_RECORDS * RECORD_SIZE
 MAX_BLOCKS_UPLOAD = MAX_BATCH * 4096 + (1 << 20)
+MAX_LACKING_UPLOAD = MAX_BATCH * 10   # a batch's indices, each a varint of at most 10 bytes
 MAX_PARTS = 4096
 
 
@@ -128,6 +130,11 @@ class Inbox:
                 final.unlink(missing_ok=True)
                 for p in self._part_paths(kind, oid):
                     p.unlink()
+            elif self._has_part(kind, oid, part, parts, m, manifest_part):
+                # the same part again (its answer was lost and the sender tried again): already here
+                with open_shadow(self.store, kind, m, fresh=False) as shadow:
+                    cache = self.store.hash_cache() if hash else None
+                    return Receiver(m, shadow, self._name(kind, oid), cache, dedupe=hash).plan()
             elif len(self._part_paths(kind, oid)) != part:
                 raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
             target = final if parts == 1 else final.with_suffix(f".part{part}")
@@ -167,6 +174,18 @@ class Inbox:
             self.streams.take((kind, oid), stream, seq, len(indices), payload,
                               lambda blocks: incoming.receiver.accept(indices, blocks), codec)
         return len(indices)
+
+    def lacking(self, kind: str, oid: str, raw_indices: bytes) -> list[int]:
+        """Which of a batch's blocks (varint indices, as uploaded) this receive has not kept: asked by a
+        sender whose upload got no answer (this process was killed, the link broke), so that it sends
+        again only those. An object already installed lacks none."""
+        check_kind(kind)
+        check_object_id(oid)
+        if has_object(self.store, kind, oid):
+            return []
+        with self._lease(kind, oid) as incoming:
+            indices = decode_indices(raw_indices, incoming.receiver.manifest.block_count)
+            return incoming.shadow.missing(indices)
 
     def commit(self, kind: str, oid: str, role: str = "memory") -> bool:
         """Verify the complete object against its digest, install and record it. Returns False if it
@@ -235,6 +254,20 @@ class Inbox:
 
     def _expect_path(self, kind: str, oid: str) -> Path:
         return self.store.home / "recv" / f"{check_kind(kind)}-{check_object_id(oid)}.expect"
+
+    def _has_part(self, kind: str, oid: str, part: int, parts: int, m: Expectation, raw: bytes) -> bool:
+        """Whether part ``part`` (> 0) of this manifest arrived already with these very records: the last
+        part on disk, or, once the parts were folded into the whole manifest, its tail."""
+        on_disk = self._part_paths(kind, oid)
+        if on_disk:
+            return len(on_disk) == part + 1 and on_disk[-1].read_bytes() == raw
+        final = self._expect_path(kind, oid)
+        if part != parts - 1 or not final.exists():
+            return False
+        whole = Expectation.from_bytes(final.read_bytes(), oid)
+        n = len(m.keys)
+        return (n <= len(whole.keys) and whole.keys[len(whole.keys) - n:] == m.keys
+                and whole.hashes.endswith(m.hashes))
 
     def _part_paths(self, kind: str, oid: str) -> list[Path]:
         base = self._expect_path(kind, oid)

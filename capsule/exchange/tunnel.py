@@ -115,6 +115,7 @@ class Registry:
         self.libvirt_socket = Path(libvirt_socket or os.environ.get(LIBVIRT_ENV) or LIBVIRT_SOCKET)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self.on_end: list[Callable[[str], object]] = []   # called with a session's id once it ended (in a thread)
 
     def open_session(self, channels: Mapping[str, Path | Target], caller: str, ttl: float = DEFAULT_TTL,
                      directory: Path | None = None) -> Session:
@@ -237,13 +238,14 @@ class Registry:
         for sid in [sid for sid, s in self._sessions.items() if now > s.expires and not any(s.open.values())]:
             self._end(self._sessions.pop(sid))
 
-    @staticmethod
-    def _end(s: Session) -> None:
+    def _end(self, s: Session) -> None:
         for loop, scope in list(s.stops):
             with contextlib.suppress(RuntimeError):      # (a loop that has stopped: nothing left to end)
                 loop.call_soon_threadsafe(scope.cancel)
         if s.directory is not None:
             shutil.rmtree(s.directory, ignore_errors=True)
+        for hook in list(self.on_end):                   # (never under the registry's lock: a thread of its own)
+            threading.Thread(target=hook, args=(s.id,), name="tunnel-ended", daemon=True).start()
 
 
 def parse_open(req: Any) -> tuple[list[str], float]:

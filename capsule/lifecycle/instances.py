@@ -172,7 +172,7 @@ def _make_instance(store: Store, ref: str, *, boot: bool, prefetch: bool, networ
         _check_objects(store, version)
         memory = None if boot else version.memory
         if memory:  # refuse an image this host would not restore before anything is made
-            memimage.check(store, version.config, store.file_path(version.memory), name=domain, uuid=cap.uuid,
+            memimage.check(store, version.config, store.file_path(memory), name=domain, uuid=cap.uuid,
                            disks=len(version.chains), instance_dir=store.instance_dir(name))
         if version.config.get(podnet.CONFIG_KEY):
             say(f"joining the host's pod bridge {privsep.current().pod_bridge_up()}")
@@ -197,7 +197,7 @@ def _make_instance(store: Store, ref: str, *, boot: bool, prefetch: bool, networ
             if memory:
                 mode = "restore"
                 say(f"restoring {version.ref} from its memory image")
-                restored = memimage.restore(store, version.ref, version.config, store.file_path(version.memory),
+                restored = memimage.restore(store, version.ref, version.config, store.file_path(memory),
                                             name=domain, uuid=cap.uuid, disks=leaves, instance_dir=inst_dir,
                                             disk_servers=sockets, chains=version.chains)
                 accel, forked = restored.accel, restored.forked

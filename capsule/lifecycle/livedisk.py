@@ -83,11 +83,13 @@ def seal_disks_running(store: Store, name: str, note: str | Callable[[], str], *
 def targets_of(dom: libvirt.virDomain, leaves: list[str]) -> list[str]:
     """The guest's device name (vda …) of each leaf, in the instance's order."""
     root = ET.fromstring(dom.XMLDesc(0))
-    by_file = {}
+    by_file: dict[str, str] = {}
     for disk in root.findall("./devices/disk"):
         src, tgt = disk.find("source"), disk.find("target")
-        if src is not None and tgt is not None and src.get("file"):
-            by_file[src.get("file")] = tgt.get("dev")
+        file = src.get("file") if src is not None else None
+        dev = tgt.get("dev") if tgt is not None else None   # (libvirt's schema requires a target's dev)
+        if file and dev is not None:
+            by_file[file] = dev
     missing = [leaf for leaf in leaves if leaf not in by_file]
     if missing:
         raise Conflict(f"the running domain does not use the instance's leaves ({', '.join(missing)}); "

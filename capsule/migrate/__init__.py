@@ -17,6 +17,7 @@ and ``migrate.migrate(...)``.
 
 from capsule.migrate.move import (
     MAX_PAUSE,
+    MODES,
     MigrateResult,
     MigrationCancelled,
     MigrationFailed,
@@ -25,4 +26,5 @@ from capsule.migrate.move import (
     migrate,
 )
 
-__all__ = ["MAX_PAUSE", "MigrateResult", "MigrationCancelled", "MigrationFailed", "Reached", "Steps", "migrate"]
+__all__ = ["MAX_PAUSE", "MODES", "MigrateResult", "MigrationCancelled", "MigrationFailed", "Reached", "Steps",
+           "migrate"]

@@ -4,16 +4,20 @@ switchover (at most ``max_pause`` seconds, libvirt's max downtime).
 1. pre-check (:mod:`capsule.migrate.precheck`): every reason it would fail, before anything changes;
 2. T0: the disks are sealed into a version while the guest runs (``lifecycle.livedisk``), and that version
    is pushed with HCP: the bulk of the disks travels deduplicated (only blocks the other host lacks);
-3. the other host prepares an instance on that version (``POST /v1/live/prepare``) and answers the domain
-   XML to run it with there (built from its own template) and the route for the stream;
-4. libvirt migrates it (``migrateToURI3``, peer to peer): memory in pre-copy rounds while the guest runs,
-   and only the disks' writes since T0 (each disk's new top leaf, over NBD); it switches over when what
-   remains fits ``max_pause``. With ``postcopy`` (or when pre-copy does not converge and the other host
-   can receive it), post-copy is started instead: the guest runs there while its last pages follow —
-   if the other host dies then, the guest is lost there and its fallback is the T0 version;
+3. a tunnel set is opened to the other host's agent (:func:`capsule.migrate.tunnel.open_tunnels`: libvirtd to
+   libvirtd, QEMU's migration stream, the disks' NBD — each carried over the agents' own connection, with the
+   peer's token and pinned certificate; no other port between the hosts), and the other host prepares an
+   instance on that version (``POST /v1/live/prepare``, naming the tunnel session) and answers the domain XML
+   to run it with there (built from its own template);
+4. libvirt migrates it (``migrateToURI3``, peer to peer, through the tunnels): memory in pre-copy rounds while
+   the guest runs, and only the disks' writes since T0 (each disk's new top leaf, over NBD); it switches over
+   when what remains fits ``max_pause``. Only with ``postcopy`` (asked for) may it switch to post-copy when
+   pre-copy does not converge: the guest runs there while its last pages follow — if the link or the other host
+   fails then, the guest is lost there and restarts here from its disks at T0 (memory since T0 is lost);
 5. the other host adopts the guest as its instance (``finish``); here the instance ends (T0 stays, as
-   history). Cancelled (or failed) before the switchover: libvirt's job is aborted, the guest runs on
-   here, and the other host removes what it prepared (``abort``)."""
+   history), and the tunnels close. Cancelled (or failed, the link cut) before the switchover: libvirt's job is
+   aborted, the guest runs on here, and the other host removes what it prepared (``abort``; or by itself when
+   the tunnel session ends, or when its agent starts again)."""
 
 from __future__ import annotations
 
@@ -32,8 +36,10 @@ from capsule import transfer
 from capsule.agentclient import AgentClient
 from capsule.errors import Cancelled, Conflict, Error, RuntimeFailure
 from capsule.lifecycle import SealResult, livedisk
+from capsule.migrate import memrefs
 from capsule.migrate import precheck as checks
 from capsule.migrate.progress import LIVE_PHASES, CancelToken, Snapshot, Tracker, planned
+from capsule.migrate.tunnel import Tunnels, open_tunnels
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store, claims
 
@@ -41,23 +47,23 @@ NOTE = "live move: disks at T0"
 POLL = 0.5              # seconds between two looks at libvirt's job
 STALL_ROUNDS = 8        # pre-copy rounds without what remains shrinking: it does not converge
 MIN_ROUNDS_FOR_STALL = 3
+TUNNEL_TTL = 600.0      # seconds the other host admits the move's connections (libvirt opens them at the start)
 
 
 @dataclass(frozen=True)
 class Routes:
     """How this host's libvirt reaches the other host's for one move: its libvirtd, QEMU's migration stream,
-    the disks' NBD stream."""
+    the disks' NBD stream (the entrances of a tunnel set here)."""
 
     libvirt_uri: str
     migration_uri: str
     disks_uri: str
 
     @classmethod
-    def of(cls, answer: Any) -> Routes:
-        if not isinstance(answer, dict) or not all(isinstance(answer.get(k), str) for k in
-                                                   ("libvirt_uri", "migration_uri", "disks_uri")):
-            raise Conflict("the other host offers no route for the migration stream: move it with --offline")
-        return cls(answer["libvirt_uri"], answer["migration_uri"], answer["disks_uri"])
+    def of(cls, t: Tunnels) -> Routes:
+        if t.libvirt_uri is None or t.migration_uri is None or t.disks_uri is None:
+            raise Conflict("the tunnel to the other host lacks a channel for the migration's streams")
+        return cls(t.libvirt_uri, t.migration_uri, t.disks_uri)
 
 
 @dataclass
@@ -67,6 +73,7 @@ class LiveFigures:
     disk_bytes: int = 0                  # the disks' writes since T0, sent by libvirt
     rounds: int = 0                      # pre-copy iterations
     postcopy: bool = False               # post-copy was started
+    tunnel_bytes: int = 0                # bytes that crossed the tunnels, both ways (libvirt's streams on the link)
     seconds: float = 0.0                 # libvirt's part (from the prepare to the end)
     memory_refs: int = 0                 # pages sent as references to blocks the other host holds (the codec)
     memory_raw_pages: int = 0            # pages sent themselves, compressed
@@ -107,8 +114,7 @@ def refuse(name: str, refusals: list[checks.Refusal]) -> LiveRefused:
 
 
 def move(store: Store, name: str, to: str, token: str, *, max_pause: float, postcopy: bool, pin: str | None,
-         tracker: Tracker, cancel: CancelToken, say: Callable[[str], None],
-         routes: Routes | None = None) -> Moved:
+         tracker: Tracker, cancel: CancelToken, say: Callable[[str], None]) -> Moved:
     """The live move itself (see the module's text); raises :class:`LiveRefused`, or the failure with the
     guest still running here unless the other host may run it (see :func:`capsule.migrate.move.migrate`)."""
     tracker.enter("precheck", f"checking {name} here and at {to}")
@@ -118,6 +124,9 @@ def move(store: Store, name: str, to: str, token: str, *, max_pause: float, post
     if xml is not None:
         there, answer = checks.remote_refusals(name, xml, target)
         refusals += there
+        if postcopy and not there and answer.get("postcopy") is not True:
+            refusals.append(checks.Refusal("no_postcopy", f"the host at {to} cannot receive post-copy (its QEMU "
+                                                          "lacks userfaultfd): move it without --postcopy"))
     if refusals:
         raise refuse(name, refusals)
     cancel.check()
@@ -132,8 +141,8 @@ def move(store: Store, name: str, to: str, token: str, *, max_pause: float, post
         pushed = transfer.push(store, version.ref, to, token, progress=tracker, check=cancel.check, fingerprint=pin)
         cancel.check()
         result = SealResult(version, sealed.layers, None, 0.0, sealed.pause)
-        remote, figures = _migrate(store, name, to, token, pin, sealed.instance, version.chains, max_pause,
-                                   postcopy or bool(answer.get("postcopy")), postcopy, tracker, cancel, say, routes)
+        remote, figures = _migrate(store, name, target, sealed.instance, version, max_pause, postcopy,
+                                   tracker, cancel, say)
         _end_here(store, sealed.instance)
     return Moved(result, pushed, remote, figures)
 
@@ -143,43 +152,69 @@ def _disk_bytes(store: Store, chains: list[list[str]]) -> int:
     return sum(transfer.raw_size(store, "layer", lid) for lid in layers)
 
 
-def _migrate(store: Store, name: str, to: str, token: str, pin: str | None, inst: Any, chains: list[list[str]],
-             max_pause: float, postcopy_ok: bool, postcopy: bool, tracker: Tracker, cancel: CancelToken,
-             say: Callable[[str], None], routes: Routes | None) -> tuple[dict[str, Any], LiveFigures]:
+def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version: Any, max_pause: float,
+             postcopy: bool, tracker: Tracker, cancel: CancelToken,
+             say: Callable[[str], None]) -> tuple[dict[str, Any], LiveFigures]:
     dom = lookup_domain(inst.domain)
     if dom is None:
         raise Conflict(f"{name}'s domain {inst.domain} is gone: nothing to move")
     xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_MIGRATABLE)
     targets = livedisk.targets_of(dom, inst.leaves)
-    sizes = [store.catalogue.layer(chain[-1]).virtual_size for chain in chains]  # type: ignore[union-attr]
-    with AgentClient(to, token, timeout=120.0, fingerprint=pin) as client:
-        prep = client.post_json("/v1/live/prepare", {"capsule": name, "version": inst.version, "xml": xml,
-                                                     "disks": sizes})
-        mid = str(prep.get("id", ""))
-        try:
-            route = routes or Routes.of(prep.get("routes"))
-            figures = _run_job(dom, route, prep, targets, max_pause, postcopy_ok, postcopy, tracker, cancel, say)
-        except BaseException:
+    sizes = [store.catalogue.layer(chain[-1]).virtual_size for chain in version.chains]  # type: ignore[union-attr]
+    with AgentClient(target.url, target.token, timeout=120.0, fingerprint=target.fingerprint) as client:
+        say("opening the tunnel to the other host")
+        tunnels = open_tunnels(target, ttl=TUNNEL_TTL, dedup=memrefs.dedup_terms(store, version, client))
+    try:
+        with AgentClient(target.url, target.token, timeout=120.0, fingerprint=target.fingerprint) as client:
+            prep = client.post_json("/v1/live/prepare", {"capsule": name, "version": inst.version, "xml": xml,
+                                                         "disks": sizes, "tunnel": tunnels.session})
+            mid = str(prep.get("id", ""))
             try:
-                client.post_json(f"/v1/live/{mid}/abort", {})
-            except Error as exc:
-                say(f"the other host could not remove what it prepared: {exc}")
-            raise
-        remote = client.post_json(f"/v1/live/{mid}/finish", {})
+                link = lambda: tunnels.bytes_sent + tunnels.bytes_received  # noqa: E731
+                figures = _run_job(dom, Routes.of(tunnels), prep, targets, max_pause, postcopy, tracker, cancel,
+                                   say, link)
+            except BaseException as exc:
+                gone = None
+                try:
+                    client.post_json(f"/v1/live/{mid}/abort", {})
+                except Error as err:
+                    gone = err
+                    say(f"the other host could not remove what it prepared (it does when the tunnel ends or its "
+                        f"agent starts again): {err}")
+                if isinstance(exc, RuntimeFailure):     # libvirt only says that its stream ended
+                    broke = [e for t in tunnels.tunnels.values() for e in t.errors]
+                    if broke or gone is not None:
+                        why = broke[-1] if broke else f"its agent does not answer ({gone})"
+                        raise RuntimeFailure(f"{exc}; the link to the other host broke: {why}") from exc
+                raise
+            remote = client.post_json(f"/v1/live/{mid}/finish", {})
+        figures.tunnel_bytes = tunnels.bytes_sent + tunnels.bytes_received
+        figures.record_memory(tunnels)
+    finally:
+        tunnels.close()
+    job = remote.get("job") if isinstance(remote.get("job"), dict) else {}
+    for key, attr in (("memory_processed", "memory_bytes"), ("disk_processed", "disk_bytes"),
+                      ("memory_iteration", "rounds")):
+        if isinstance(job.get(key), int):       # the completed job's own figures (a short job is seen once or never)
+            setattr(figures, attr, max(getattr(figures, attr), job[key]))
     if isinstance(remote.get("downtime_ms"), int):
         figures.pause_ms = remote["downtime_ms"]
         tracker.pause(figures.pause_ms)
     return remote, figures
 
 
-def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,
-             postcopy_ok: bool, postcopy: bool, tracker: Tracker, cancel: CancelToken,
-             say: Callable[[str], None]) -> LiveFigures:
-    """libvirt's migration in a thread, its job watched: progress, cancel, switchover, post-copy."""
+def migrate_flags(postcopy: bool) -> int:
+    """libvirt's flags for a live move: VIR_MIGRATE_POSTCOPY only when post-copy was asked for."""
     flags = (libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER | libvirt.VIR_MIGRATE_NON_SHARED_INC
              | libvirt.VIR_MIGRATE_ABORT_ON_ERROR)
-    if postcopy_ok:
-        flags |= libvirt.VIR_MIGRATE_POSTCOPY
+    return flags | libvirt.VIR_MIGRATE_POSTCOPY if postcopy else flags
+
+
+def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,
+             postcopy: bool, tracker: Tracker, cancel: CancelToken, say: Callable[[str], None],
+             link: Callable[[], int]) -> LiveFigures:
+    """libvirt's migration in a thread, its job watched: progress, cancel, switchover, post-copy."""
+    flags = migrate_flags(postcopy)
     params = {libvirt.VIR_MIGRATE_PARAM_DEST_XML: str(prep["xml"]),
               libvirt.VIR_MIGRATE_PARAM_DEST_NAME: str(prep["domain"]),
               libvirt.VIR_MIGRATE_PARAM_MIGRATE_DISKS: targets,
@@ -198,7 +233,7 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
     t0 = time.monotonic()
     worker = threading.Thread(target=run, name="live-migrate", daemon=True)
     worker.start()
-    figures = _watch(dom, worker, postcopy_ok, postcopy, tracker, cancel, say, errors)
+    figures = _watch(dom, worker, postcopy, tracker, cancel, say, errors, link)
     figures.seconds = time.monotonic() - t0
     if errors:
         exc = errors[0]
@@ -209,8 +244,9 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
     return figures
 
 
-def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy_ok: bool, postcopy: bool, tracker: Tracker,
-           cancel: CancelToken, say: Callable[[str], None], errors: list[BaseException]) -> LiveFigures:
+def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy: bool, tracker: Tracker,
+           cancel: CancelToken, say: Callable[[str], None], errors: list[BaseException],
+           link: Callable[[], int]) -> LiveFigures:
     figures = LiveFigures()
     base = tracker.wire_bytes
     best: int | None = None
@@ -249,13 +285,13 @@ def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy_ok: bool, 
         rate = stats.get("memory_dirty_rate")
         tracker.job(iteration=it, round_bytes=processed - round_start, dirty_rate=None if rate is None else int(rate),
                     remaining=stats.get("memory_remaining"), disk_bytes=figures.disk_bytes,
-                    wire=base + int(stats.get("data_processed", processed + figures.disk_bytes)))
+                    wire=base + link())
         if state == libvirt.VIR_DOMAIN_PAUSED and not figures.postcopy and not aborted and _commit(cancel):
             tracker.no_return()
             tracker.enter("switchover", "the guest pauses here and resumes there")
-        if postcopy_ok and not figures.postcopy and not aborted and stalled >= STALL_ROUNDS \
+        if postcopy and not figures.postcopy and not aborted and stalled >= STALL_ROUNDS \
                 and state == libvirt.VIR_DOMAIN_RUNNING and _commit(cancel):
-            _start_postcopy(dom, postcopy, tracker, say)
+            _start_postcopy(dom, tracker, say)
             figures.postcopy = True
     if not aborted and not errors and _commit(cancel):
         tracker.no_return()
@@ -271,9 +307,9 @@ def _commit(cancel: CancelToken) -> bool:
     return True
 
 
-def _start_postcopy(dom: libvirt.virDomain, asked: bool, tracker: Tracker, say: Callable[[str], None]) -> None:
-    why = "post-copy, as asked" if asked else (
-        "pre-copy does not converge: post-copy (if the other host fails now, the guest's fallback is the T0 version)")
+def _start_postcopy(dom: libvirt.virDomain, tracker: Tracker, say: Callable[[str], None]) -> None:
+    why = ("pre-copy does not converge: post-copy, as asked (if the link or the other host fails now, the guest "
+           "restarts here from its disks at T0; memory since T0 is lost)")
     say(why)
     tracker.replan(LIVE_PHASES)
     tracker.no_return()

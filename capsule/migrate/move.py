@@ -79,7 +79,7 @@ class MigrationFailed(CapsuleError):
         super().__init__(message)
         self.version, self.step, self.restored, self.reached, self.cause = version, step, restored, reached, cause
         if cause is not None:
-            self.exit_code = cause.exit_code if isinstance(cause, Error) else RuntimeFailure.exit_code
+            self.exit_code = cause.exit_code if isinstance(cause, Error) else RuntimeFailure.exit_code  # type: ignore[misc]
 
 
 class MigrationCancelled(MigrationFailed):
@@ -139,7 +139,7 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
             on_event: Callable[[Snapshot], None] = lambda _s: None, cancel: CancelToken | None = None,
             to_name: str | None = None, steps: Steps | None = None, fingerprint: str | None = None,
             source_fingerprint: str | None = None, live: bool = False, max_pause: float = 1.0,
-            postcopy: bool = False, routes: Any = None) -> MigrateResult:
+            postcopy: bool = False) -> MigrateResult:
     """Move the running capsule ``name`` to the agent at ``to`` (over https its certificate pinned to
     ``fingerprint``, else to the known host's at ``to``; in demand mode the other host pins this one's
     ``source_fingerprint``, by default this store's own host key). ``on_event`` gets a :class:`Snapshot` as
@@ -147,12 +147,13 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
     the other host is asked to start it (:class:`MigrationCancelled`, the guest running here again).
 
     ``live``: the guest keeps running here while it moves and pauses at most ``max_pause`` seconds (see
-    :mod:`capsule.migrate.live`; ``postcopy``: switch to post-copy when pre-copy does not converge, ``routes``:
-    the stream's routes instead of those the other host offers); ``mode`` and ballooning do not apply."""
+    :mod:`capsule.migrate.live`; ``postcopy``: asked for, switch to post-copy when pre-copy does not converge —
+    if the link or the other host fails during post-copy, the guest restarts here from its disks at T0, its
+    memory since T0 lost); ``mode`` and ballooning do not apply (:mod:`capsule.migrate.choice` decides which
+    kind a request asks for)."""
     if live:
         return _migrate_live(store, name, to, token, max_pause=max_pause, postcopy=postcopy, say=say,
-                             on_event=on_event, cancel=cancel, to_name=to_name, fingerprint=fingerprint,
-                             routes=routes)
+                             on_event=on_event, cancel=cancel, to_name=to_name, fingerprint=fingerprint)
     if mode not in MODES:
         raise InvalidName(f"unknown migration mode {mode!r}: choose full or demand")
     if mode == "demand" and not (source_url and source_token):
@@ -224,7 +225,7 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
 
 def _migrate_live(store: Store, name: str, to: str, token: str, *, max_pause: float, postcopy: bool,
                   say: Callable[[str], None], on_event: Callable[[Snapshot], None], cancel: CancelToken | None,
-                  to_name: str | None, fingerprint: str | None, routes: Any) -> MigrateResult:
+                  to_name: str | None, fingerprint: str | None) -> MigrateResult:
     from capsule import bounds, hosts
     from capsule.migrate import live
 
@@ -235,7 +236,7 @@ def _migrate_live(store: Store, name: str, to: str, token: str, *, max_pause: fl
     t0 = time.monotonic()
     try:
         moved = live.move(store, name, to, token, max_pause=max_pause, postcopy=postcopy, pin=pin,
-                          tracker=tracker, cancel=cancel, say=say, routes=routes)
+                          tracker=tracker, cancel=cancel, say=say)
     except live.LiveRefused as exc:
         tracker.finish("failed", "source", str(exc))
         raise

@@ -4,7 +4,8 @@ Here: the capsule runs on this host, on local disks, not half-way through an upd
 nothing that cannot move (host devices, shared memory, a host directory, a CPU passed through from this
 host). There: the agent answers, receives live moves (``live-move`` and ``tunnel`` in its
 ``X-Capsule-Features``), and has no reason of its own to refuse (``POST /v1/live/check``: the capsule
-running there already, a CPU it lacks, no route for the migration stream)."""
+running there already, a CPU it lacks, being this machine's own libvirt — two agents on one machine, where a live
+move cannot happen: ``same_host``, found by libvirt's host UUID, which this side sends)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import libvirt
 from capsule.agentclient import AgentClient
 from capsule.errors import Error
 from capsule.lifecycle import USER_NETWORK, demand
-from capsule.runtime.connection import lookup_domain
+from capsule.runtime.connection import host_uuid, lookup_domain
 from capsule.store import Store
 
 FEATURE = "live-move"
@@ -96,11 +97,11 @@ def local_refusals(store: Store, name: str) -> tuple[list[Refusal], str | None]:
 
 
 def remote_refusals(name: str, xml: str, target: Target) -> tuple[list[Refusal], dict[str, Any]]:
-    """Reasons the destination gives (and its answer to the check: routes, post-copy)."""
+    """Reasons the destination gives (and its answer to the check: post-copy, its host UUID)."""
     root = ET.fromstring(xml)
     cpu = root.find("cpu")
     body = {"capsule": name, "type": root.get("type", ""),
-            "cpu": ET.tostring(cpu, encoding="unicode") if cpu is not None else ""}
+            "cpu": ET.tostring(cpu, encoding="unicode") if cpu is not None else "", "host": host_uuid() or ""}
     try:
         with AgentClient(target.url, target.token, timeout=TIMEOUT, fingerprint=target.fingerprint) as client:
             info = client.get_json("/v1/info")

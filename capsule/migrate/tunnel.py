@@ -67,9 +67,12 @@ ENTRANCE_DIR_MODE = 0o710
 
 
 class Endpoint(Protocol):
-    url: str
-    token: str
-    fingerprint: str | None
+    @property
+    def url(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def fingerprint(self) -> str | None: ...
 
 
 @dataclass

@@ -151,7 +151,7 @@ def restore_group(store: Store, ref: str, into: dict[str, str] | None = None) ->
         pod, exc = next(iter(failed.items()))
         raise PodFailed(f"group restore: {pod} could not be restored in {targets[pod]!r} ({exc}); none of "
                         f"the group runs, its image {group['id'][:12]} is kept") from exc
-    restored = [outcome[m["pod"]] for m in group["members"]]
+    restored = [r for r in (outcome[m["pod"]] for m in group["members"]) if not isinstance(r, Error)]  # (none failed)
     return {"group": group["id"], "members": [{"pod": r["name"], "capsule": r["capsule"], "ip": r["ip"],
                                                 "state": r["state"]} for r in restored],
             "seconds": round(time.monotonic() - t0, 3)}

@@ -12,7 +12,7 @@ import ipaddress
 import tarfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import zstandard
 
@@ -83,6 +83,7 @@ def _pod_json(archive: Path) -> tuple[str, str]:
         with archive.open("rb") as f:
             zstd = f.read(4) == ZSTD_MAGIC
             f.seek(0)
+            mode: Literal["r|", "r:"]
             if zstd:
                 reader = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)
                 src, mode = _Bounded(reader, deadline), "r|"
@@ -92,7 +93,7 @@ def _pod_json(archive: Path) -> tuple[str, str]:
                 for n, m in enumerate(tar):
                     if n >= POD_JSON_MEMBERS:
                         raise _Refused(f"more than {POD_JSON_MEMBERS} members")
-                    tar.members.clear()   # (tarfile keeps every header it read)
+                    tar.members.clear()  # type: ignore[attr-defined]  # (tarfile keeps every header it read)
                     if m.name.removeprefix("./") != "pod.json" or not m.isfile():
                         continue
                     if m.size > POD_JSON_MAX:

@@ -79,6 +79,7 @@ def drop_to(name: str, home: Path) -> None:
         home.mkdir(mode=0o700)
         os.chown(home, pw.pw_uid, pw.pw_gid)
     check_store_owned(home, pw)
+    _tunnel_dir(pw)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with theirs:
         _helper = subprocess.Popen([sys.executable, "-m", "capsule.privsep.helper", str(theirs.fileno()),
@@ -95,6 +96,23 @@ def drop_to(name: str, home: Path) -> None:
     os.environ.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name, CAPSULE_HOME=str(home))
     os.environ.setdefault("CAPSULE_LIBVIRT_URI", "qemu:///system")   # root's libvirt, not a session of USER's
     privsep.use(HelperClient(ours), invoked_by=0)
+
+
+def _tunnel_dir(pw: pwd.struct_passwd) -> None:
+    """The tunnel's directory (``/run/capsule/tunnel``, ``CAPSULE_TUNNEL_DIR``) made the user's while still root:
+    the agent makes each tunnel session's directory there (live moves), the user cannot make it under ``/run``."""
+    from capsule.exchange.tunnel import TUNNEL_DIR, TUNNEL_DIR_ENV
+
+    d = Path(os.environ.get(TUNNEL_DIR_ENV) or TUNNEL_DIR)
+    try:
+        d.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        d.mkdir(mode=0o711, exist_ok=True)
+        if d.is_symlink() or not d.is_dir():
+            raise EnvironmentProblem(f"the tunnel directory {d} is not a directory: remove it and start again")
+        os.chown(d, pw.pw_uid, pw.pw_gid, follow_symlinks=False)
+        os.chmod(d, 0o711)
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot make the tunnel directory {d} for {pw.pw_name}: {exc}") from exc
 
 
 def helper_pid() -> int | None:

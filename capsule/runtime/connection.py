@@ -51,3 +51,16 @@ def lookup_domain(name: str) -> libvirt.virDomain | None:
         if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
             return None
         raise
+
+
+def host_uuid() -> str | None:
+    """libvirt's host UUID here (``<host><uuid>`` of its capabilities: ``host_uuid`` in libvirtd.conf, else the
+    machine's SMBIOS UUID), lower case; None when libvirt does not answer or names none."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        caps = connect().getCapabilities()
+    except (libvirt.libvirtError, EnvironmentProblem):
+        return None
+    el = ET.fromstring(caps).find("host/uuid")
+    return el.text.strip().lower() if el is not None and el.text else None

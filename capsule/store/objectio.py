@@ -169,6 +169,7 @@ def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow
     (``Receiver.finish``), so a file object is not hashed a second time; a layer file,
     rebuilt here from the blocks, always is."""
     oid = manifest.digest
+    row: LayerRow | FileRow
     with store.lock(), translating_enospc(f"installing {kind} {oid[:12]}"):
         if kind == "layer":
             if manifest.parent and not has_object(store, "layer", manifest.parent):
@@ -191,8 +192,8 @@ def install_received(store: Store, kind: str, manifest: Manifest, shadow: Shadow
                 raise IntegrityError(f"layer {oid[:12]}: {exc}") from exc
             finally:
                 tmp.unlink(missing_ok=True)
-            row: LayerRow | FileRow = LayerRow(oid, manifest.parent, manifest.size, file_size,
-                                               manifest.stored_bytes, len(manifest), time.time())
+            row = LayerRow(oid, manifest.parent, manifest.size, file_size,
+                           manifest.stored_bytes, len(manifest), time.time())
             with store.catalogue.transaction():
                 store.catalogue.add_layer(row)
                 store.catalogue.add_pending(kind, oid)

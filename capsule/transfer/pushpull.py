@@ -9,8 +9,8 @@ against its digest before it is installed; the version is recorded last."""
 
 from __future__ import annotations
 
+import functools
 import secrets
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +29,7 @@ from capsule.store.objectio import BlockReader, has_object, install_received, ob
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline, run_batches
 from capsule.transfer.records import objects_of, record_version, validate, version_record
+from capsule.transfer.resend import send_batch, upload_body
 from hashcache import native
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError, ManifestMismatch
@@ -128,6 +129,11 @@ def _never() -> None:
 
 
 # -- pull -------------------------------------------------------------------------
+
+def _block_hash(expect: Expectation, index: int) -> bytes:
+    """A block's hash in the manifest's records (a block it has no record of: empty)."""
+    return (expect.record(index) or (False, b""))[1]
+
 
 def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) -> tuple[Expectation, dict]:
     """LOOKUP, then READ-HASH in chunks: what the object must turn out to be."""
@@ -339,17 +345,17 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     def send(item: tuple[list[int], int | None, bytes | None]) -> None:
         batch, seq, payload = item
         check()  # a cancel stops here; the pipeline then drops the batches still queued
-        idx = encode_indices(batch)
         params: dict[str, Any] = {"compress": str(opts.compress).lower()}
-        if payload is None:
-            payload = pack_blocks(reader.read(batch), level=opts.level, compress=opts.compress)
-        else:
-            params.update(stream=stream_id, seq=seq, codec=codec)
         with pacer.flight(len(batch)) as sent:   # a few seconds' worth of bytes in flight, no more
-            body = struct.pack("<I", len(idx)) + idx + payload
-            client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
-                           idempotent=True)  # verified blocks; a segment taken twice is taken once
-            sent.append(len(body))
+            if payload is None:   # a frame of its own: after a lost answer, only the blocks not kept again
+                sent.append(send_batch(client, kind, oid, batch, lambda b: pack_blocks(
+                    reader.read(b), level=opts.level, compress=opts.compress), params))
+            else:   # a segment of a stream: sent again whole (one taken twice is taken once)
+                params.update(stream=stream_id, seq=seq, codec=codec)
+                body = upload_body(batch, payload)
+                client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params=params,
+                               idempotent=True)
+                sent.append(len(body))
         stats.add(fetched_bytes=len(batch) * BLOCK_SIZE, requests=1)
         progress.advance(len(batch) * BLOCK_SIZE)
         progress.wire(client.wire_bytes)
@@ -361,7 +367,8 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
                 resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
                                       content=zstandard.ZstdCompressor(level=3).compress(part.to_bytes()),
-                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)})
+                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)},
+                                      idempotent=True)   # a part sent again is taken as the same part
                 if resp.headers.get("X-Capsule-Present"):
                     if k == 0:
                         progress.advance(raw_bytes)
@@ -495,7 +502,7 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
             say(f"manifest of layer {lid[:12]}")
             expect, _head = _fetch_expectation(client, "layer", lid, 32)
             try:
-                manifest = expect.manifest_from(lambda i, e=expect: (e.record(i) or (False, b""))[1])
+                manifest = expect.manifest_from(functools.partial(_block_hash, expect))
             except ManifestMismatch as exc:
                 raise TransferFailed(f"from {url}: {exc}") from exc
             demand.add_remote_layer(store, manifest, url, token, pin)

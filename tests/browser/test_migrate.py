@@ -65,7 +65,13 @@ def test_migrate_with_the_button(two_hosts, browser, tmp_path):  # noqa: F811
     dialog = page.locator("#migrate-dialog")
     expect(dialog).to_be_visible()
     page.select_option("#migrate-to", "home")
-    dialog.locator('input[name="mode"][value="full"]').check()
+    # both hosts are this machine's one libvirtd: the pre-check greys Live out, with its reason
+    live = dialog.locator('input[name="kind"][value="live"]')
+    expect(live).to_be_disabled(timeout=30_000)
+    expect(dialog.locator('[data-kind="live"]')).to_have_attribute("data-refused", "same_host")
+    expect(dialog.locator('[data-field="live-refused"]')).to_contain_text(
+        "the destination is this machine's own libvirt: a live move needs another host")
+    dialog.locator('input[name="kind"][value="full"]').check()
     dialog.locator('input[name="balloon"]').check()
     dialog.locator('[data-action="start-migration"]').click()
 
@@ -116,6 +122,7 @@ def test_cancel_from_the_page_keeps_it_running_here(two_hosts, browser):  # noqa
     row.locator('button[data-action="migrate"]').click()
     dialog = page.locator("#migrate-dialog")
     expect(dialog.locator("#migrate-to")).to_have_value("home")  # the only peer, chosen
+    dialog.locator('input[name="kind"][value="full"]').check()
     dialog.locator('input[name="balloon"]').check()   # ballooning takes seconds: time to cancel
     dialog.locator('[data-action="start-migration"]').click()
     cancel = dialog.locator('[data-action="cancel-migration"]')
@@ -196,7 +203,7 @@ def test_the_console_follows_the_capsule_and_shows_the_same_screen(two_hosts, br
     row.locator('button[data-action="migrate"]').click()
     dialog = page.locator("#migrate-dialog")
     page.select_option("#migrate-to", "home")
-    dialog.locator('input[name="mode"][value="full"]').check()
+    dialog.locator('input[name="kind"][value="full"]').check()
     dialog.locator('[data-action="start-migration"]').click()
     # the guest leaves this host: the connection here ends
     expect(state).not_to_have_attribute("data-state", "connected", timeout=120_000)

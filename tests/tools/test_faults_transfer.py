@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from capsule import transfer
 from testkit import faultkills, faultkit
 
 pytestmark = [pytest.mark.tools]
@@ -41,15 +40,16 @@ def test_a_push_retries_by_itself_through_a_short_reset(pair):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", ["agent", "cli"])
 def test_sigkill_at_random_points_of_a_push_leaves_the_receiver_sound_and_the_push_completes(pair, victim):
-    """Every kill asked lands mid-transfer; after a kill of the push the rerun sends at most one batch over
-    what was missing (the manifest again, TLS); after a kill of the agent the push's retries send again at
-    most the batches that were in flight (some of them had been kept: their answers were lost)."""
-    out = faultkills.kills(*pair, victim, times=4, size=SIZE, max_draws=40)   # a loopback push is quick: draws miss
+    """Every kill asked lands mid-transfer (the kill moments drawn over a calibrated push); after each, what
+    crosses to the receiver until the version is recorded exceeds what it lacked by at most one batch: the
+    manifest sent again, the framing, and no block it had kept (before, a kill of the agent could cost again
+    every batch in flight whose answer it took with it, and the first draw, which also sent the pair's own
+    layer, counted that layer as resent but not as missing)."""
+    out = faultkills.kills(*pair, victim, times=4, size=SIZE, max_draws=12)
     assert out.injected == out.survived == 4, out.detail
+    assert out.missed <= 8
     assert out.missing > 0
-    batch = faultkills.batch_bytes()
-    bound = batch if victim == "cli" else transfer.Options().inflight * batch
-    assert out.worst <= bound, (out.worst, bound)
+    assert out.worst <= faultkills.batch_bytes(), out.worst
 
 
 @pytest.mark.timeout(240)

@@ -18,45 +18,11 @@ import pytest
 
 from capsule.agent.launch import AgentProcess
 from capsule.migrate.tunnel import Tunnels, open_tunnels
+from tests.helpers.unixecho import TRAILER, Echo
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(180)]
 
-TRAILER = b"<the echo saw EOF>"
-
-
-class Echo:
-    """A unix-socket server standing in for a target: echoes every byte; once its client half-closes, it sends
-    :data:`TRAILER` and closes. Counts the connections it accepted."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.accepted = path, 0
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.bind(str(path))
-        self.sock.listen(32)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _one(conn: socket.socket) -> None:
-        with conn:
-            try:
-                while data := conn.recv(1 << 16):
-                    conn.sendall(data)
-                conn.sendall(TRAILER)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ EXPECTED = {
     ("WS", "/v1/objects/stream"): "host",
     ("POST", "/v1/recv/{kind}/{oid}/begin"): "host",
     ("POST", "/v1/recv/{kind}/{oid}/blocks"): "host",
+    ("POST", "/v1/recv/{kind}/{oid}/lacking"): "host",
     ("POST", "/v1/recv/{kind}/{oid}/commit"): "host",
     ("POST", "/v1/versions"): "host",
     ("POST", "/v1/fleet/pull"): "host",

@@ -51,6 +51,7 @@ EXPECTED = {
     ("WS", "/v1/objects/stream"): "hcp-read",
     ("POST", "/v1/recv/{kind}/{oid}/begin"): "receive",
     ("POST", "/v1/recv/{kind}/{oid}/blocks"): "receive",
+    ("POST", "/v1/recv/{kind}/{oid}/lacking"): "receive",
     ("POST", "/v1/recv/{kind}/{oid}/commit"): "receive",
     ("POST", "/v1/versions"): "receive",
     ("POST", "/v1/fleet/pull"): "staff",

@@ -4,6 +4,8 @@ call, the command line and the dashboard's API)."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +16,16 @@ from capsule import hosts
 from capsule import migrate as lib
 from capsule.agent.app import create_app
 from capsule.errors import InvalidName
+from capsule.exchange import incoming
 from capsule.migrate import precheck
 from capsule.migrate.progress import LIVE_PHASES, Tracker, planned
+from capsule.runtime.connection import host_uuid
 from capsule.runtime.domainxml import MachineSpec, build
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
 from tests.helpers.inprocess_agent import InProcessAgent
 from tests.unit.test_dashboard_api import PEER_TOKEN, SECRET, TOKEN, home, sign_in  # noqa: F401 - fixture
+from tests.wait import wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -72,8 +77,7 @@ def test_a_capsule_that_does_not_run_here_is_refused(home):  # noqa: F811
 
 
 @pytest.fixture
-def peer(tmp_path, monkeypatch):
-    monkeypatch.delenv("CAPSULE_LIBVIRT_TCP", raising=False)
+def peer(tmp_path):
     agent = InProcessAgent(tmp_path / "b", PEER_TOKEN)
     yield agent
     agent.stop()
@@ -89,11 +93,23 @@ def test_a_destination_that_does_not_receive_live_moves_is_refused(peer, monkeyp
     assert "upgrade it" in refusals[0].detail and "--offline" in refusals[0].detail
 
 
-def test_the_destinations_own_reasons_come_back_over_http(peer):
+def test_a_destination_on_this_machines_own_libvirt_is_refused_as_the_same_host(peer):
     target = precheck.Target(peer.url, PEER_TOKEN)
     refusals, answer = precheck.remote_refusals(SECRET, _xml(), target)
-    # the peer's libvirtd listens on no loopback port here: no route for the stream
-    assert [r.reason for r in refusals] == ["no_route"] and answer["routes"] is None
+    # both agents talk to this machine's one libvirtd: its host UUID is the same on both ends
+    assert [r.reason for r in refusals] == ["same_host"]
+    assert refusals[0].detail.startswith("the destination is this machine's own libvirt: a live move needs "
+                                         "another host")
+    assert answer["host"] == host_uuid() and "routes" not in answer
+
+
+def test_another_hosts_libvirt_is_not_the_same_host(peer):
+    client = TestClient(peer.app)
+    other = "00000000-0000-4000-8000-000000000001"
+    for source in (other, ""):          # another host's libvirt, or a source that names none
+        r = client.post("/v1/live/check", json={"capsule": SECRET, "type": "qemu", "cpu": "", "host": source},
+                        headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+        assert r.status_code == 200 and r.json()["refusals"] == [], r.text
 
 
 def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer):
@@ -104,14 +120,19 @@ def test_a_capsule_already_running_at_the_destination_is_refused(tmp_path, peer)
     finally:
         there.close()
     refusals, _ = precheck.remote_refusals(SECRET, _xml(), precheck.Target(peer.url, PEER_TOKEN))
-    assert [r.reason for r in refusals] == ["running_there", "no_route"]
+    assert [r.reason for r in refusals] == ["same_host", "running_there"]
 
 
-def test_the_destination_refuses_a_prepare_without_a_route_and_changes_nothing(tmp_path, peer):
+def test_the_destination_refuses_a_bad_prepare_and_changes_nothing(tmp_path, peer):
     client = TestClient(peer.app)
-    r = client.post("/v1/live/prepare", json={"capsule": SECRET, "version": 1, "xml": _xml(), "disks": [1]},
+    body = {"capsule": SECRET, "version": 1, "xml": _xml(), "disks": [1]}
+    r = client.post("/v1/live/prepare", json=body | {"tunnel": "../x"},
                     headers={"Authorization": f"Bearer {PEER_TOKEN}"})
-    assert r.status_code == 409 and "--offline" in r.json()["detail"]
+    assert r.status_code == 400 and "tunnel session" in r.json()["detail"]
+    r = client.post("/v1/live/prepare", json=body | {"tunnel": "a" * 32},
+                    headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+    assert r.status_code == 404 and "push it first" in r.json()["detail"]
+    assert not (tmp_path / "b" / "instances" / SECRET).exists()
     r = client.post("/v1/live/" + "0" * 32 + "/abort", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
     assert r.status_code == 404
     r = client.post("/v1/live/xyz/finish", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
@@ -184,3 +205,77 @@ def test_the_dashboard_checks_and_bounds_a_live_move(home, peer):  # noqa: F811
     r = client.post(f"/api/capsules/{SECRET}/migrate", content=b'{"to": "office", "max_pause": NaN}',
                     headers=h | {"Content-Type": "application/json"})
     assert r.status_code == 400
+
+
+def _half_moved(where: Path, tmp_path: Path, session: str) -> Path:
+    """An incoming move prepare left behind (its instance, a leaf, the mark naming its tunnel session)."""
+    store = Store.open(where)
+    try:
+        d = tmp_path / "incoming"
+        d.mkdir()
+        leaf = d / "leaf.qcow2"
+        leaf.write_bytes(b"")
+        (d / incoming.MARK).write_text(json.dumps({"id": "a" * 32, "version": 1, "tunnel": session}))
+        with store.catalogue.transaction():
+            store.catalogue.add_instance(InstanceRow(SECRET, 1, "capsule-nowhere-x", [str(leaf)], [[]], "tcg",
+                                                     str(d)))
+    finally:
+        store.close()
+    return d
+
+
+def test_an_incoming_move_is_removed_when_its_tunnel_session_ends(tmp_path, peer, monkeypatch):
+    monkeypatch.setenv("CAPSULE_TUNNEL_DIR", str(tmp_path / "tunnel"))
+    client = TestClient(peer.app)
+    auth = {"Authorization": f"Bearer {PEER_TOKEN}"}
+    other = client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=auth).json()["session"]
+    session = client.post("/v1/tunnel", json={"kinds": ["libvirt"]}, headers=auth).json()["session"]
+    d = _half_moved(tmp_path / "b", tmp_path, session)
+    assert client.delete(f"/v1/tunnel/{other}", headers=auth).status_code == 200
+    time.sleep(0.5)
+    assert d.exists()                                  # another session's end leaves it be
+    assert client.delete(f"/v1/tunnel/{session}", headers=auth).status_code == 200
+    wait_until(lambda: not d.exists(), 10, "the unfinished move to be removed")
+    there = Store.open(tmp_path / "b")
+    try:
+        assert there.catalogue.instance(SECRET) is None
+    finally:
+        there.close()
+
+
+def test_an_incoming_move_left_by_the_last_agent_is_removed_when_the_agent_starts(home, tmp_path):  # noqa: F811
+    d = _half_moved(home, tmp_path, "b" * 32)
+    create_app(home, TOKEN)
+    store = Store.open(home)
+    try:
+        assert store.catalogue.instance(SECRET) is None and not d.exists()
+    finally:
+        store.close()
+
+
+def test_a_guest_that_already_runs_here_is_adopted_never_destroyed(home, tmp_path, monkeypatch):  # noqa: F811
+    """The source went away between the switchover and finish: the guest runs only here now. The sweep at the
+    agent's start keeps it as this host's instance instead of destroying the one copy of the machine."""
+    import libvirt
+
+    destroyed: list[str] = []
+
+    class Running:
+        def state(self):
+            return libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_MIGRATED
+
+        def destroy(self):
+            destroyed.append("x")
+
+        def isActive(self):
+            return True
+
+    d = _half_moved(home, tmp_path, "c" * 32)
+    monkeypatch.setattr(incoming, "lookup_domain", lambda _name: Running())
+    create_app(home, TOKEN)
+    store = Store.open(home)
+    try:
+        assert store.catalogue.instance(SECRET) is not None and d.exists() and not destroyed
+        assert not (d / incoming.MARK).exists()            # no longer an unfinished move: this host's instance
+    finally:
+        store.close()

@@ -6,7 +6,6 @@ tunnel is refused with both releases named."""
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -27,30 +26,9 @@ from hashcache.errors import ProtocolMismatch
 from hashcache.transport import protocol
 from tests.helpers.grantworld import TOKEN, A, World, bearer, make_world
 from tests.helpers.inprocess_agent import free_port
+from tests.helpers.unixecho import Echo
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-
-class Target:
-    """A unix socket standing in for libvirtd: counts connections, echoes what it gets."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.accepted = path, 0
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            with conn:
-                while data := conn.recv(4096):
-                    conn.sendall(data)
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +39,11 @@ def world(tmp_path_factory) -> Iterator[World]:
 
 
 @pytest.fixture
-def target(world, tmp_path_factory) -> Iterator[Target]:
+def target(world, tmp_path_factory) -> Iterator[Echo]:
     import tempfile
 
     d = Path(tempfile.mkdtemp(prefix="tun-", dir="/tmp"))
-    t = Target(d / "libvirt.sock")
+    t = Echo(d / "libvirt.sock")
     registry: tunnel.Registry = world.app.state.tunnels
     registry.libvirt_socket, registry.tunnel_dir = t.path, d / "run"
     yield t

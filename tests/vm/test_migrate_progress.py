@@ -138,7 +138,7 @@ def test_ctrl_c_cancels_capsule_migrate_and_the_guest_runs_here_again(store, tmp
     token_file.write_text("t" * 32)
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-m", "capsule.cli.main", "--home", str(store.home), "migrate", "k",
-                             "--to", slow.url, "--token-file", str(token_file)], env=env,
+                             "--to", slow.url, "--token-file", str(token_file), "--offline"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: "POST /v1/objects/missing" in slow.calls or proc.poll() is not None, 120,

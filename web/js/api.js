@@ -77,6 +77,8 @@ export const peerConsoleTicket = (host, name, kind = "screen") =>
 // migrations (capsule/agent/migrations.py); progress streams from /api/migrations/{id}/events (EventSource)
 export const migrate = (name, body) => call("POST", `capsules/${encodeURIComponent(name)}/migrate`, body);
 export const migration = (id) => call("GET", `migrations/${encodeURIComponent(id)}`);
+export const migrateCheck = (name, host) =>
+  call("GET", `capsules/${encodeURIComponent(name)}/migrate/check?to=${encodeURIComponent(host)}`);
 export const cancelMigration = (id) => call("POST", `migrations/${encodeURIComponent(id)}/cancel`);
 
 // backups (capsule/agent/backupsapi.py)

@@ -1,7 +1,9 @@
-// The migrate dialog: pick the destination (one of this host's peers), full or demand, balloon on or off;
-// then the migration live, phase by phase (Server-Sent Events from /api/migrations/{id}/events): bytes on
-// the wire, bytes the destination found locally, an ETA, and Cancel. At the end it says where the capsule
-// runs now.
+// The migrate dialog: pick the destination (one of this host's peers), then how: Live (the default: it keeps
+// running and pauses under a second; greyed out with the reason when the destination's pre-check refuses it,
+// GET /api/capsules/{name}/migrate/check?to=HOST), Offline: full or Offline: demand-paged (balloon on or off,
+// offline only); then the migration, phase by phase (Server-Sent Events from /api/migrations/{id}/events):
+// bytes on the wire, bytes the destination found locally, an ETA, a live move's pre-copy rounds (bytes, dirty
+// rate) and its switchover's measured pause, and Cancel. At the end it says where the capsule runs now.
 //
 // The console follows the capsule. When it runs at the destination, this module calls
 //     window.capsuleConsole.openConsole(hostUrl, name)   when the page has set window.capsuleConsole, else
@@ -15,6 +17,10 @@ import { bytes, h } from "./format.js";
 
 const LABELS = {
   balloon: "Balloon", save: "Save memory here", memory: "Memory image", disk: "Disks", resume: "Resume there",
+};
+const LIVE_LABELS = {
+  precheck: "Pre-check", disks: "Disks at T0", memory: "Memory (it keeps running)", switchover: "Switchover",
+  postcopy: "Post-copy",
 };
 const OUTCOME = { done: "Done", cancelled: "Cancelled", failed: "Failed" };
 
@@ -66,13 +72,17 @@ function build() {
     h("h3", {}, "Migrate ", h("span", { "data-field": "name" })),
     h("label", { for: "migrate-to" }, "Destination host"),
     h("select", { id: "migrate-to", name: "to", required: true }),
-    h("label", {}, "Mode"),
-    h("label", { class: "check" }, h("input", { type: "radio", name: "mode", value: "full", checked: true }),
-      " Full: copy everything, then resume there"),
-    h("label", { class: "check" }, h("input", { type: "radio", name: "mode", value: "demand" }),
-      " Demand: copy the memory, resume there at once, disk blocks follow as the guest reads them"),
-    h("label", { class: "check" }, h("input", { type: "checkbox", name: "balloon" }),
-      " Balloon first (less memory to move)"),
+    h("label", {}, "How"),
+    h("label", { class: "check", "data-kind": "live" },
+      h("input", { type: "radio", name: "kind", value: "live", checked: true }),
+      " Live: it keeps running, pauses under a second"),
+    h("p", { class: "muted", "data-field": "live-refused", hidden: true }),
+    h("label", { class: "check" }, h("input", { type: "radio", name: "kind", value: "full" }),
+      " Offline: full — suspend, copy everything, then resume there"),
+    h("label", { class: "check" }, h("input", { type: "radio", name: "kind", value: "demand" }),
+      " Offline: demand-paged — suspend, copy the memory, resume there at once, disk blocks follow as read"),
+    h("label", { class: "check" }, h("input", { type: "checkbox", name: "balloon", disabled: true }),
+      " Balloon first (offline only: less memory to move)"),
     h("p", { class: "error", "data-field": "choose-error" }),
     h("menu", {},
       h("button", { value: "cancel", formnovalidate: true, class: "quiet" }, "Cancel"),
@@ -136,10 +146,19 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
   } else {
     select.value = usable[0].name;
   }
+  const kinds = form.querySelectorAll("input[name=kind]");
+  const balloon = form.querySelector("input[name=balloon]");
+  const kindChanged = () => { balloon.disabled = form.querySelector("input[name=kind]:checked").value === "live"; };
+  kinds.forEach((k) => { k.onchange = kindChanged; });
+  kindChanged();
+  select.onchange = () => checkLive(form, capsule.name, select.value);
+  if (usable.length) checkLive(form, capsule.name, select.value);
   dialog.addEventListener("close", async () => {
     if (dialog.returnValue !== "ok" || current) return;
     const data = new FormData(form);
-    const body = { to: String(data.get("to")), mode: String(data.get("mode")), balloon: data.get("balloon") === "on" };
+    const kind = String(data.get("kind"));
+    const body = kind === "live" ? { to: String(data.get("to")), live: true }
+      : { to: String(data.get("to")), live: false, mode: kind, balloon: data.get("balloon") === "on" };
     try {
       const m = await api.migrate(capsule.name, body);
       follow(m, onEnd);
@@ -150,6 +169,31 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
   }, { once: true });
   dialog.returnValue = "";
   dialog.showModal();
+}
+
+// Ask the destination's pre-check for a live move to host; refused: the Live choice is greyed out with the
+// reason (and an offline choice is picked instead). A later answer for another host is ignored.
+async function checkLive(form, name, host) {
+  const live = form.querySelector("input[name=kind][value=live]");
+  const why = form.querySelector("[data-field=live-refused]");
+  form.dataset.checking = host;
+  let refusals = [];
+  try {
+    const answer = await api.migrateCheck(name, host);
+    refusals = answer.refusals || [];
+  } catch (err) {
+    refusals = [{ reason: "unreachable", detail: err.message }];
+  }
+  if (form.dataset.checking !== host) return;
+  delete form.dataset.checking;
+  live.disabled = refusals.length > 0;
+  live.closest("label").dataset.refused = refusals.map((r) => r.reason).join(" ");
+  why.hidden = refusals.length === 0;
+  why.textContent = refusals.map((r) => `Live is not possible: ${r.detail}`).join(" ");
+  if (live.disabled && live.checked) {
+    form.querySelector("input[name=kind][value=full]").checked = true;
+    form.querySelector("input[name=balloon]").disabled = false;
+  }
 }
 
 function follow(m, onEnd) {
@@ -187,9 +231,17 @@ function show(m) {
     let state = "todo";
     if (i < p.index || (i === p.index && p.outcome === "done")) state = "done";
     else if (i === p.index) state = p.outcome ? p.outcome : "current";
-    const detail = i === p.index && p.phase_total ? ` · ${bytes(p.phase_done)} of ${bytes(p.phase_total)}` : "";
-    return h("li", { "data-phase": name, "data-state": state }, LABELS[name] || name, h("span", { class: "muted" },
-      detail));
+    const live = p.phases.includes("precheck");
+    let detail = i === p.index && p.phase_total ? ` · ${bytes(p.phase_done)} of ${bytes(p.phase_total)}` : "";
+    if (live && name === "memory" && p.round !== null && p.round !== undefined) {
+      const rate = p.dirty_rate === null ? "?" : `${p.dirty_rate} pages/s`;
+      detail = ` · round ${p.round}: ${bytes(p.round_bytes)}, dirtied ${rate}`;
+    }
+    if (live && name === "switchover" && p.pause_ms !== null && p.pause_ms !== undefined) {
+      detail = ` · paused ${p.pause_ms} ms`;
+    }
+    return h("li", { "data-phase": name, "data-state": state }, (live ? LIVE_LABELS : LABELS)[name] || name,
+      h("span", { class: "muted", "data-field": "phase-detail" }, detail));
   }));
   field("wire").textContent = bytes(p.wire_bytes);
   field("local").textContent = bytes(p.local_bytes);
