@@ -204,10 +204,13 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
 
 
 def migrate_flags(postcopy: bool) -> int:
-    """libvirt's flags for a live move: VIR_MIGRATE_POSTCOPY only when post-copy was asked for."""
+    """libvirt's flags for a live move: VIR_MIGRATE_POSTCOPY when post-copy was asked for (a guest that dirties
+    memory faster than the link carries switches to it); otherwise VIR_MIGRATE_AUTO_CONVERGE: such a guest's vCPUs
+    are throttled, more and more, until pre-copy converges (QEMU does so only when rounds stop shrinking: a guest
+    that converges by itself runs at full speed throughout)."""
     flags = (libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER | libvirt.VIR_MIGRATE_NON_SHARED_INC
              | libvirt.VIR_MIGRATE_ABORT_ON_ERROR)
-    return flags | libvirt.VIR_MIGRATE_POSTCOPY if postcopy else flags
+    return flags | (libvirt.VIR_MIGRATE_POSTCOPY if postcopy else libvirt.VIR_MIGRATE_AUTO_CONVERGE)
 
 
 def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,
