@@ -116,6 +116,8 @@ def main() -> None:
                           file=sys.stderr)
                     results.append(run_case(a, b, link, key, d, n))
                     r = results[-1]
+                    if "error" in r:
+                        print(f"[b2]   failed: {r['error'][-2000:]}", file=sys.stderr)
                     print(f"[b2]   {r.get('seconds', 'failed')} s, paused {r.get('paused_ms')} ms, "
                           f"{r.get('wire_bytes')} bytes on the link", file=sys.stderr)
     finally:

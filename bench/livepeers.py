@@ -78,8 +78,10 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     leaf = found.group(1)
     info = json.loads(a.sh(f"qemu-img info -U --output=json {leaf}"))
     b_leaf = leaf.replace(a.home, b.home)   # B's top layer precreated over B's own copy of the image's layer
-    b.sh(f"mkdir -p {b.home}/instances/{name} && cd {os.path.dirname(b_leaf)} && "
-         f"qemu-img create -q -f qcow2 -F qcow2 -b {info['backing-filename']} {b_leaf} {info['virtual-size']}")
+    # (the instance's directory as Capsule makes it: the agent's user, QEMU's group, 01770; the leaf QEMU's)
+    b.sh(f"install -d -o capsule -g libvirt-qemu -m 1770 {b.home}/instances/{name} && "
+         f"cd {os.path.dirname(b_leaf)} && qemu-img create -q -f qcow2 -F qcow2 -b {info['backing-filename']} "
+         f"{b_leaf} {info['virtual-size']} && chown capsule:libvirt-qemu {b_leaf} && chmod 660 {b_leaf}")
     flags = ["--live", "--copy-storage-inc", "--xml", f"/tmp/{name}.xml",
              "--migrateuri", f"tcp://127.0.0.1:{link.migration}", "--listen-address", link.far,
              "--disks-port", str(link.nbd)]

@@ -353,8 +353,8 @@ async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.Stre
         async with anyio.create_task_group() as tg:
             tg.start_soon(inward, tg.cancel_scope)
             tg.start_soon(outward, tg.cancel_scope)
-    except (OSError, WebSocketDisconnect, RuntimeError):
-        pass
+    except* (OSError, WebSocketDisconnect, RuntimeError):
+        pass        # either end went away (the task group raises them grouped): the connection ends
     finally:
         writer.close()
         if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
