@@ -72,16 +72,18 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     digest = prepare(a, name, dirty_mib)
     dom = a.domain(name)
     xml = a.sh(f"virsh -c qemu:///system dumpxml --migratable {dom}")
-    _write(a, f"/tmp/{name}.xml", xml.replace(a.home, b.home))
     found = re.search(r"<source file='([^']+)'", xml)
     assert found is not None, "the domain has no file disk"
     leaf = found.group(1)
     info = json.loads(a.sh(f"qemu-img info -U --output=json {leaf}"))
-    b_leaf = leaf.replace(a.home, b.home)   # B's top layer precreated over B's own copy of the image's layer
-    # (the instance's directory as Capsule makes it: the agent's user, QEMU's group, 01770; the leaf QEMU's)
-    b.sh(f"install -d -o capsule -g libvirt-qemu -m 1770 {b.home}/instances/{name} && "
-         f"cd {os.path.dirname(b_leaf)} && qemu-img create -q -f qcow2 -F qcow2 -b {info['backing-filename']} "
-         f"{b_leaf} {info['virtual-size']} && chown capsule:libvirt-qemu {b_leaf} && chmod 660 {b_leaf}")
+    # B's top layer precreated over B's own copy of the image's layer, in an instance directory made as Capsule
+    # makes one (the agent's user, QEMU's group, 01770), as Capsule's own incoming live move does
+    b_dir = f"{b.home}/instances/{name}"
+    b_leaf = f"{b_dir}/leaf.qcow2"
+    backing = os.path.join(os.path.dirname(leaf), info["backing-filename"]).replace(a.home, b.home)
+    _write(a, f"/tmp/{name}.xml", xml.replace(leaf, b_leaf).replace(a.home, b.home))
+    b.sh(f"install -d -o capsule -g libvirt-qemu -m 1770 {b_dir} && qemu-img create -q -f qcow2 -F qcow2 "
+         f"-b {backing} {b_leaf} {info['virtual-size']} && chown capsule:libvirt-qemu {b_leaf} && chmod 660 {b_leaf}")
     flags = ["--live", "--copy-storage-inc", "--xml", f"/tmp/{name}.xml",
              "--migrateuri", f"tcp://127.0.0.1:{link.migration}", "--listen-address", link.far,
              "--disks-port", str(link.nbd)]
@@ -99,7 +101,7 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     after_clock = b.domain_offset(dom)
     stats = parse_rawstats(b.sh(f"virsh -c qemu:///system domjobinfo --completed --rawstats {dom}"))
     moved = _by_domain(b, dom, CHECK).split()[0]
-    b.sh(f"virsh -c qemu:///system destroy {dom}; rm -rf {b_leaf} {b.home}/instances/{name}")
+    b.sh(f"virsh -c qemu:///system destroy {dom}; rm -rf {b_dir}")
     paused, error = guestclock.paused(before_clock, after_clock)
     return {"case": {"zstd": "virsh --live multifd+zstd", "postcopy": "virsh --postcopy-after-precopy"}[kind],
             "seconds": round(seconds, 2), "wire_bytes": wire, "content_intact": moved == digest,

@@ -4,8 +4,9 @@ references, the rest compressed; the destination rebuilds QEMU's stream byte for
 - :class:`Encoder` (source): QEMU's stream in (:mod:`ramstream` finds its pages), frames out. A page whose BLAKE3
   is :class:`Known` (in the manifests of objects both hosts hold) goes as a reference (its 32-byte hash); a page
   equal to one of the last :data:`WINDOW` pages of this connection goes as that page's number; every other byte
-  (raw runs, other pages) is zstd-compressed, one frame per call (a call never holds bytes back: QEMU's stream
-  has requests and answers, and must not stall in the codec).
+  (raw runs, other pages) is zstd-compressed as one stream over the connection, flushed at the end of each call
+  (a call never holds bytes back: QEMU's stream has requests and answers, and must not stall in the codec), so a
+  batch matches what earlier batches sent.
 - :class:`Decoder` (destination): frames in, QEMU's stream out. A reference is resolved through ``resolve``
   (:class:`StoreResolver`: this host's hash cache, then the blocks of the objects named) and its BLAKE3 checked
   before a byte goes on; a reference it cannot resolve, a page whose hash differs, or malformed framing raise
@@ -15,7 +16,8 @@ references, the rest compressed; the destination rebuilds QEMU's stream byte for
 Framing (big-endian): a batch per frame::
 
     u8 'B', be32 ops_len, be32 payload_len, be32 out_len, ops[ops_len], payload[payload_len]
-    payload: one zstd frame (its declared content size == out_len) of the raw runs and literal pages, in order
+    payload: the next part of the connection's one zstd stream (flushed to a block boundary): the raw runs and
+             literal pages, in order, out_len bytes once decompressed
     ops: 0x01 be32 n   n bytes of the payload (not a page)       0x02   a page: 4096 bytes of the payload
          0x03 hash32   a page by reference                       0x04 be32 seq   the page numbered seq
 
@@ -44,6 +46,7 @@ LEVEL = 3                          # zstd level: keeps up with a link of a few h
 MAX_OPS = 1 << 16                  # bytes of ops in one batch
 MAX_PAYLOAD = 4 << 20              # bytes of raw runs and literal pages in one batch (decompressed)
 MAX_OUT = 16 << 20                 # bytes one batch makes (payload + referenced pages)
+MAX_WINDOW = 8 << 20               # the zstd window the decoder accepts (level 3 uses 2 MiB, level 19 8 MiB)
 BATCH = b"B"
 _HEAD = struct.Struct(">cIII")
 OP_RAW, OP_PAGE, OP_REF, OP_RECENT = 1, 2, 3, 4
@@ -99,7 +102,7 @@ class Encoder:
         self.known = known if known is not None else Known()
         self.stats = Stats()
         self._parser = RamStream()
-        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        self._zstd = zstandard.ZstdCompressor(level=level).compressobj()
         self._window = window
         self._seq = 0
         self._recent: dict[bytes, int] = {}
@@ -155,11 +158,38 @@ class Encoder:
         return None
 
     def _batch(self, ops: bytearray, payload: bytearray) -> bytes:
-        packed = self._cctx.compress(bytes(payload)) if payload else b""
+        packed = (self._zstd.compress(bytes(payload)) + self._zstd.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+                  if payload else b"")
         return _HEAD.pack(BATCH, len(ops), len(packed), len(payload)) + bytes(ops) + packed
 
 
 Resolve = Callable[[bytes], bytes | None]
+
+
+class _Bounded:
+    """Where the decoder's zstd stream writes a batch's payload: refused as it passes the size the batch declared
+    (a small hostile frame cannot expand into memory)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._limit = 0
+
+    def start(self, limit: int) -> None:
+        self._buf, self._limit = bytearray(), limit
+
+    def write(self, data: bytes) -> int:
+        if len(self._buf) + len(data) > self._limit:
+            raise IntegrityError(f"the memory stream is corrupt: a payload beyond the {self._limit} bytes its "
+                                 "batch says")
+        self._buf += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        out, self._buf = bytes(self._buf), bytearray()
+        return out
 
 
 class Decoder:
@@ -169,7 +199,8 @@ class Decoder:
         self.resolve = resolve
         self.stats = Stats()
         self._buf = bytearray()
-        self._dctx = zstandard.ZstdDecompressor()
+        self._out = _Bounded()
+        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
         self._window = window
         self._ring: list[bytes] = []
         self._seq = 0
@@ -204,16 +235,16 @@ class Decoder:
             if size:
                 raise IntegrityError("the memory stream is corrupt: a batch without its payload")
             return b""
+        self._out.start(size)
         try:
-            declared = zstandard.frame_content_size(packed)
-            if declared != size:
-                raise IntegrityError(f"the memory stream is corrupt: a payload of {declared} bytes where the batch "
-                                     f"says {size}")
-            data = self._dctx.decompress(packed, max_output_size=size)
+            self._zstd.write(packed)
+            self._zstd.flush()
         except zstandard.ZstdError as exc:
             raise IntegrityError(f"the memory stream is corrupt: {exc}") from None
+        data = self._out.take()
         if len(data) != size:
-            raise IntegrityError("the memory stream is corrupt: a payload shorter than declared")
+            raise IntegrityError(f"the memory stream is corrupt: a payload of {len(data)} bytes where the batch "
+                                 f"says {size}")
         return data
 
     def _apply(self, ops: bytes, payload: bytes) -> bytes:

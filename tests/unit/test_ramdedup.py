@@ -73,6 +73,30 @@ def test_compressible_pages_are_compressed():
     assert out == data and enc.stats.wire_bytes < len(data) // 20
 
 
+def test_a_page_like_one_sent_in_an_earlier_call_costs_little_one_zstd_stream_spans_the_connection():
+    base = os.urandom(4096)
+    again = base[:4000] + os.urandom(96)               # not equal (no "recent" op), but nearly: zstd matches it
+    w = StreamWriter().config().ram_start().ram_part().page(base, offset=0)
+    cut = len(w.out)                                   # the first call ends after the first page
+    data = w.page(again, offset=4096).eos().bytes()
+    enc, dec = Encoder(), Decoder({}.get)
+    one, two = enc.encode(data[:cut]), enc.encode(data[cut:])
+    assert len(one) > 4096 and len(two) < 600, (len(one), len(two))
+    assert dec.decode(one) + dec.decode(two) == data
+
+
+def test_a_small_frame_that_expands_past_its_batch_is_refused_without_the_memory():
+    import zstandard
+
+    z = zstandard.ZstdCompressor().compressobj()
+    bomb = z.compress(bytes(64 << 20)) + z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)    # 64 MiB of zeros
+    head = ramdedup._HEAD.pack(ramdedup.BATCH, 1, len(bomb), 4096)
+    assert len(bomb) < 4096 + 64 + 1024          # within what the batch header may declare
+    with pytest.raises(IntegrityError, match="beyond the 4096 bytes its batch says"):
+        Decoder({}.get).decode(head + bytes([ramdedup.OP_PAGE]) + bomb)
+    assert peak_allocation(lambda: Decoder({}.get).decode(head + bytes([ramdedup.OP_PAGE]) + bomb)) < 8 << 20
+
+
 def test_a_reference_whose_bytes_fail_blake3_is_refused_naming_the_hash():
     held = [os.urandom(4096) for _ in range(3)]
     known, store = known_of(held)

@@ -245,3 +245,13 @@ def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_tunnel_connection_holds_little_unsent_so_qemu_sees_the_link_rate():
+    from capsule.migrate.tunnel import NOT_SENT, short_queue
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp, socket.socket(socket.AF_UNIX) as unix:
+        short_queue(tcp)
+        short_queue(unix)           # not TCP: left alone, no error
+        short_queue(None)
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == NOT_SENT
