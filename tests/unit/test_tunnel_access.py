@@ -6,6 +6,7 @@ tunnel is refused with both releases named."""
 from __future__ import annotations
 
 import shutil
+import socket
 import tempfile
 import threading
 import time
