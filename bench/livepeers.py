@@ -78,6 +78,9 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     info = json.loads(a.sh(f"qemu-img info -U --output=json {leaf}"))
     # B's top layer precreated over B's own copy of the image's layer, in an instance directory made as Capsule
     # makes one (the agent's user, QEMU's group, 01770), as Capsule's own incoming live move does
+    # the store's directories as Capsule's own first guest there leaves them (QEMU's group passes through)
+    b._exec(["/opt/capsule/.venv/bin/python", "-c", "import sys; from pathlib import Path; from capsule.runtime "
+             "import guestaccess; guestaccess.grant_store(Path(sys.argv[1]))", b.home])
     b_dir = f"{b.home}/instances/{name}"
     b_leaf = f"{b_dir}/leaf.qcow2"
     backing = os.path.join(os.path.dirname(leaf), info["backing-filename"]).replace(a.home, b.home)
