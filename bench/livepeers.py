@@ -28,8 +28,8 @@ WORKLOAD = ("dd if=/dev/urandom of=/tmp/random bs=1M count=16 2>/dev/null; seq 1
             "md5sum /tmp/random /tmp/text | md5sum")
 CHECK = "md5sum /tmp/random /tmp/text | md5sum"
 # N MiB of the guest's memory (a tmpfs file) rewritten with new random bytes, then a second's sleep, for ever
-DIRTIER = ("nohup sh -c 'while :; do dd if=/dev/urandom of=/tmp/dirty bs=1M count={mib} conv=notrunc "
-           "2>/dev/null; sleep 1; done' >/dev/null 2>&1 &")
+DIRTIER = ("(while :; do dd if=/dev/urandom of=/dev/shm/dirty bs=1M count={mib} conv=notrunc 2>/dev/null; "
+           "sleep 1; done) </dev/null >/dev/null 2>&1 &")
 
 
 @dataclass(frozen=True)
