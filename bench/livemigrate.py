@@ -1,46 +1,37 @@
-"""B2 over a real link: libvirt's own live migration against ``capsule migrate``,
-between two separate hosts (the compose hosts: a container each, with its own
-libvirtd and store at a different path), over the same shaped link.
+"""B2-live over a real link: libvirt's own live migration against ``capsule migrate`` (live by default, and
+``--offline``), between two separate hosts (the compose hosts: a container each, with its own libvirtd and store
+at a different path), over the same shaped link, in one run.
 
-The guest: the tiny image, 256 MiB, booted by Capsule on host A, with the same
-content written by the same workload (16 MiB of random bytes and ~30 MiB of
-compressible text in its tmpfs, 8 MiB of random bytes on its disk). Host B
-holds the image (the tiny image's layers, pushed before), not the guest.
+The guest: the tiny image, 256 MiB, booted by Capsule on host A, with the same content written by the same
+workload (16 MiB of random bytes and ~30 MiB of compressible text in its tmpfs, 8 MiB of random bytes on its disk);
+with ``--dirty 2,20`` also while a dirtier rewrites 2 (or 20) MiB of its memory every second. Host B holds the
+image (the tiny image's layers, pushed before), not the guest. The cases (bench/livepeers.py):
 
-- ``virsh migrate --live --copy-storage-inc``: memory pre-copy while the guest
-  runs, the disk's top layer over NBD (B's copy precreated on B's own copy of
-  the image's layer); ``zstd``: the same with ``--parallel`` (multifd, 2
-  connections) ``--compressed --comp-methods zstd``. Downtime and memory data
-  from ``virsh domjobinfo --completed --rawstats`` on B (NBD's disk bytes are
-  not in libvirt's job statistics: they show in the link's counters only).
-- ``capsule migrate --mode full`` (and ``--balloon``, policy ``cache``, virtio):
-  the library call the CLI makes, run on A: (balloon,) suspend, push, start on
-  B. Downtime: from the save phase's start (the guest pauses) to running on B.
+- ``virsh migrate --live --copy-storage-inc`` with multifd (2 connections) + zstd and auto-converge;
+- ``virsh migrate --live --postcopy --postcopy-after-precopy``;
+- ``capsule migrate`` (live: T0 disks by HCP, memory through the tunnel's codec, auto-converge);
+- ``capsule migrate --offline`` (suspend, HCP push of disks and memory image, start there).
 
-Each case checks that the guest's tmpfs content is intact on B (digests).
+Figures for each: total seconds (the command's wall time on A), the pause as the guest lived it (its uptime
+against the host's clock before and after: testkit/guestclock.py) and QEMU's own downtime where there is one,
+bytes on the link (its counters, both ways, headers included), and whether the content arrived intact. The
+post-copy peer's stall time (``postcopy-blocktime``) is not measured: libvirt does not report it.
 
-The link (bench/looplink.py): htb on ``lo`` for the proxies' ports only, the
-same rate each way, and testkit/delayproxy.py's delay; everything between the
-hosts crosses it (libvirt's connection to B, QEMU's migration stream and NBD,
-the agents' HTTP). Bytes on the wire are the link's counters.
+The link (bench/looplink.py): htb on ``lo`` for the proxies' ports only, the same rate each way, and
+testkit/delayproxy.py's delay; everything between the hosts crosses it (libvirt's connection to B, QEMU's
+migration stream and NBD, the agents' HTTP and so Capsule's tunnel).
 
-    .venv/bin/python -m bench.livemigrate   # as root (tc on lo, docker) [--rate-kbit 8000] [--rtt-ms 20]
+    .venv/bin/python -m bench.livemigrate   # as root [--rate-kbit 8000] [--rtt-ms 20] [--dirty 0,2,20]
 
-Brings its own compose project up (capsule-b2, agents on 7371/7372, libvirtd on
-127.0.0.1:16571/16572 without authentication, QEMU migration ports
-49380-49389/49390-49399) and takes it down (volumes too) at the end.
+Brings its own compose project up (capsule-b2, agents on 7371/7372, libvirtd on 127.0.0.1:16571/16572 without
+authentication, QEMU migration ports 49380-49389/49390-49399) and takes it down (volumes too) at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import table, temp_workdir, write_result  # noqa: E402
-from bench.jobstats import job_figures, parse_rawstats  # noqa: E402
+from bench.livepeers import CASES, Link  # noqa: E402
 from bench.looplink import LoopLink  # noqa: E402
 from scripts import composehosts as hc  # noqa: E402
 from testkit.images import IMAGE_HOME  # noqa: E402
@@ -63,94 +54,6 @@ B_AGENT = 7372
 MIGRATION_PORT, NBD_PORT = 49390, 49391   # B's QEMU listens on 127.0.0.2:PORT, the proxy on 127.0.0.1:PORT
 LINK_LIBVIRT, LINK_AGENT = 20572, 20372   # proxies for B's libvirtd and B's agent
 FAR = "127.0.0.2"
-
-WORKLOAD = ("dd if=/dev/urandom of=/tmp/random bs=1M count=16 2>/dev/null; seq 1 4000000 > /tmp/text; "
-            "dd if=/dev/urandom of=/dev/vda bs=1M count=8 seek=32 conv=fsync 2>/dev/null; sync; "
-            "md5sum /tmp/random /tmp/text | md5sum")
-CHECK = "md5sum /tmp/random /tmp/text | md5sum"
-VIRSH = ["virsh", "-q", "-c", "qemu:///system"]
-
-
-def _write(host: hc.Host, path: str, text: str) -> None:
-    subprocess.run([hc.DOCKER, "exec", "-i", host.container, "sh", "-c", f"cat > {path}"], input=text, text=True,
-                   check=True, env=PROJECT.env())
-
-
-def _guest_by_domain(host: hc.Host, domain: str, command: str, timeout: float = 60) -> str:
-    args = ["/opt/capsule/.venv/bin/python", "-c", hc._GUEST_SHELL, domain, command, str(timeout)]
-    return host._exec(args, timeout=timeout + 30).stdout.strip()
-
-
-def prepare(a: hc.Host, name: str) -> str:
-    """A new capsule on A, started, with the workload's content; the digest of that content."""
-    a.capsule("derive", "seed", name)
-    a.capsule("start", name)
-    return a.guest(name, WORKLOAD, timeout=300).split()[0]
-
-
-def virsh_move(a: hc.Host, b: hc.Host, link: LoopLink, name: str, zstd: bool) -> dict[str, Any]:
-    digest = prepare(a, name)
-    dom = a.domain(name)
-    a_home, b_home = a.home, b.home
-    xml = a.sh(f"virsh -c qemu:///system dumpxml --migratable {dom}")
-    _write(a, f"/tmp/{name}.xml", xml.replace(a_home, b_home))
-    # B: the disk's top layer precreated over B's own copy of the image's layer; the instance's directory
-    found = re.search(r"<source file='([^']+)'", xml)
-    assert found is not None, "the domain has no file disk"
-    leaf = found.group(1)
-    info = json.loads(a.sh(f"qemu-img info -U --output=json {leaf}"))
-    b_leaf = leaf.replace(a_home, b_home)
-    b.sh(f"mkdir -p {b_home}/instances/{name} && cd {os.path.dirname(b_leaf)} && "
-         f"qemu-img create -q -f qcow2 -F qcow2 -b {info['backing-filename']} {b_leaf} {info['virtual-size']}")
-    flags = ["--live", "--copy-storage-inc", "--xml", f"/tmp/{name}.xml",
-             "--migrateuri", f"tcp://127.0.0.1:{MIGRATION_PORT}", "--listen-address", FAR,
-             "--disks-port", str(NBD_PORT)]   # NBD: B listens on the listen address, A connects to the URI's host
-    if zstd:
-        flags += ["--parallel", "--parallel-connections", "2", "--compressed", "--comp-methods", "zstd"]
-    before = link.wire_bytes()
-    t = time.monotonic()
-    a.sh(" ".join([*VIRSH, "migrate", *flags, dom, f"qemu+tcp://127.0.0.1:{LINK_LIBVIRT}/system"]), timeout=1800)
-    seconds = time.monotonic() - t
-    wire = link.wire_bytes() - before
-    stats = parse_rawstats(b.sh(f"virsh -c qemu:///system domjobinfo --completed --rawstats {dom}"))
-    moved = _guest_by_domain(b, dom, CHECK).split()[0]
-    b.sh(f"virsh -c qemu:///system destroy {dom}; rm -rf {b_leaf} {b_home}/instances/{name}")
-    return {"case": "virsh migrate --live" + (" --parallel zstd" if zstd else ""), "seconds": round(seconds, 2),
-            "wire_bytes": wire, "content_intact": moved == digest, **job_figures(stats), "raw": stats}
-
-
-# Run on host A: what `capsule migrate` calls (capsule.migrate.migrate), with each phase's start time, so the
-# downtime is measured from the save (the guest pauses) to the resume there, not from the live balloon phase
-_CAPSULE_MIGRATE = """
-import json, os, sys
-from pathlib import Path
-from capsule import migrate
-from capsule.store import Store
-starts = {}
-r = migrate.migrate(Store.open(Path(os.environ["CAPSULE_HOME"])), sys.argv[1], sys.argv[2],
-                    os.environ["CAPSULE_TOKEN"], mode="full", balloon=sys.argv[3] or None,
-                    on_event=lambda s: starts.setdefault(s.phase, s.elapsed))
-print(json.dumps({"seconds": r.seconds, "phase_starts": starts, "push": r.push.as_dict() if r.push else None,
-                  "remote": r.remote}))
-"""
-
-
-def capsule_move(a: hc.Host, b: hc.Host, link: LoopLink, name: str, balloon: bool) -> dict[str, Any]:
-    digest = prepare(a, name)
-    before = link.wire_bytes()
-    t = time.monotonic()
-    out = a._exec(["/opt/capsule/.venv/bin/python", "-c", _CAPSULE_MIGRATE, name, f"http://127.0.0.1:{LINK_AGENT}",
-                   "cache" if balloon else ""], env={"CAPSULE_TOKEN": b.token}, timeout=1800).stdout
-    seconds = time.monotonic() - t
-    wire = link.wire_bytes() - before
-    r = json.loads(out.strip().splitlines()[-1])
-    moved = b.guest(name, CHECK).split()[0]
-    b.capsule("stop", name, "--force")
-    return {"case": "capsule migrate --mode full" + (" --balloon" if balloon else ""),
-            "seconds": round(seconds, 2), "wire_bytes": wire, "content_intact": moved == digest,
-            "downtime_ms": round((r["seconds"] - r["phase_starts"]["save"]) * 1000),
-            "hcp_wire_bytes": (r["push"] or {}).get("wire_bytes"), "raw": r}
-
 
 def seed(a: hc.Host, b: hc.Host) -> None:
     """Capsule `seed` (tiny image, 256 MiB) on both hosts, pushed from a store on this machine."""
@@ -168,12 +71,30 @@ def seed(a: hc.Host, b: hc.Host) -> None:
         local.close()
 
 
+def run_case(a: hc.Host, b: hc.Host, link: Link, key: str, dirty: int, n: int) -> dict[str, Any]:
+    run, kind = CASES[key]
+    name = f"{key.replace('-', '')}{dirty}m{n}"
+    try:
+        row = run(a, b, link, name, kind, dirty)
+    except hc.HostCommandFailed as e:   # recorded as it failed, never as a figure
+        with contextlib.suppress(hc.HostCommandFailed):
+            a.capsule("stop", name, "--force")
+        row = {"case": key, "error": str(e)}
+    return {"dirty_mib_s": dirty, **row}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate-kbit", type=int, default=8000)
     ap.add_argument("--rtt-ms", type=float, default=20.0)
+    ap.add_argument("--dirty", default="0,2,20", help="dirtier rates (MiB/s) to run every case at (0: none)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"which of {', '.join(CASES)}")
     ap.add_argument("--keep-hosts", action="store_true", help="leave the compose project up")
     args = ap.parse_args()
+    dirty = [int(x) for x in args.dirty.split(",")]
+    cases = args.cases.split(",")
+    if unknown := [c for c in cases if c not in CASES]:
+        sys.exit(f"unknown case(s) {unknown}: choose from {list(CASES)}")
     if why := hc.docker_ready():
         sys.exit(why)
     print("[b2] bringing up the compose hosts (project capsule-b2)", file=sys.stderr)
@@ -183,41 +104,78 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     try:
         seed(a, b)
-        with LoopLink(args.rate_kbit, args.rtt_ms) as link:
-            link.forward(LINK_LIBVIRT, "127.0.0.1", B_LIBVIRT)
-            link.forward(LINK_AGENT, "127.0.0.1", B_AGENT)
-            link.forward(MIGRATION_PORT, FAR, MIGRATION_PORT)
-            link.forward(NBD_PORT, FAR, NBD_PORT)
-            cases = [("virsh-plain", virsh_move, False), ("virsh-zstd", virsh_move, True),
-                     ("capsule", capsule_move, False), ("capsule-balloon", capsule_move, True)]
-            for name, run, opt in cases:
-                print(f"[b2] {name} over {args.rate_kbit} kbit/s, {args.rtt_ms:g} ms RTT", file=sys.stderr)
-                try:
-                    results.append(run(a, b, link, name, opt))
-                except hc.HostCommandFailed as e:   # recorded as it failed, never as a figure
-                    results.append({"case": name, "error": str(e)})
-                    print(f"[b2] {name} failed: {e}", file=sys.stderr)
-                    with contextlib.suppress(hc.HostCommandFailed):
-                        a.capsule("stop", name, "--force")
-                    continue
-                print(f"[b2] {name}: {results[-1]['seconds']} s, {results[-1]['wire_bytes']} bytes on the link",
-                      file=sys.stderr)
+        with LoopLink(args.rate_kbit, args.rtt_ms) as shaped:
+            shaped.forward(LINK_LIBVIRT, "127.0.0.1", B_LIBVIRT)
+            shaped.forward(LINK_AGENT, "127.0.0.1", B_AGENT)
+            shaped.forward(MIGRATION_PORT, FAR, MIGRATION_PORT)
+            shaped.forward(NBD_PORT, FAR, NBD_PORT)
+            link = Link(shaped, LINK_LIBVIRT, LINK_AGENT, MIGRATION_PORT, NBD_PORT, FAR)
+            for d in dirty:
+                for n, key in enumerate(cases):
+                    print(f"[b2] {key}, dirtier {d} MiB/s, over {args.rate_kbit} kbit/s, {args.rtt_ms:g} ms RTT",
+                          file=sys.stderr)
+                    results.append(run_case(a, b, link, key, d, n))
+                    r = results[-1]
+                    if "error" in r:
+                        print(f"[b2]   failed: {r['error'][-2000:]}", file=sys.stderr)
+                    print(f"[b2]   {r.get('seconds', 'failed')} s, paused {r.get('paused_ms')} ms, "
+                          f"{r.get('wire_bytes')} bytes on the link", file=sys.stderr)
     finally:
         if not args.keep_hosts:
             PROJECT.compose("down", "--volumes", "--timeout", "5")
-    path = write_result(f"livemigrate_b2_{args.rate_kbit}kbit", {
-        "rate_kbit": args.rate_kbit, "rtt_ms": args.rtt_ms, "guest": "tiny, 256 MiB", "workload": WORKLOAD,
-        "results": results,
-        "note": "measured on the link: seconds = the command's wall time on host A; wire = the link's byte "
-                "counters (both ways, headers included); virsh downtime from domjobinfo --completed on B"})
+    name = f"livemigrate_b2_{args.rate_kbit}kbit"
+    path = write_result(name, {
+        "rate_kbit": args.rate_kbit, "rtt_ms": args.rtt_ms, "guest": "tiny, 256 MiB", "results": results,
+        "ratios": ratios(results),
+        "note": "seconds = the command's wall time on host A; paused = the guest's uptime against the host's "
+                "clock (testkit/guestclock.py); downtime = QEMU's (libvirt's job statistics); wire = the link's "
+                "byte counters (both ways, headers included)"})
+    chart(results, path.with_suffix(".png"), args.rate_kbit)
     mib = 2**20
-    table(f"B2 live: {args.rate_kbit} kbit/s, {args.rtt_ms:g} ms RTT, tiny guest 256 MiB (s; MiB)",
-          ["peer", "total", "downtime", "on the link", "libvirt: memory processed", "content intact"],
-          [[r["case"], "failed", "", "", r["error"].splitlines()[-1][:80], ""] if "error" in r else
-           [r["case"], f"{r['seconds']:.1f}", f"{r['downtime_ms'] / 1000:.2f}", f"{r['wire_bytes'] / mib:.1f}",
-            f"{r['memory_processed_bytes'] / mib:.1f}" if "memory_processed_bytes" in r else "",
-            r["content_intact"]] for r in results])
+    table(f"B2-live: {args.rate_kbit} kbit/s, {args.rtt_ms:g} ms RTT, tiny guest 256 MiB (s; MiB)",
+          ["dirtier MiB/s", "peer", "total", "paused (guest)", "QEMU downtime", "on the link", "intact"],
+          [[r["dirty_mib_s"], r["case"], "failed", r["error"].splitlines()[-1][:60], "", "", ""] if "error" in r else
+           [r["dirty_mib_s"], r["case"], f"{r['seconds']:.1f}", f"{r['paused_ms'] / 1000:.2f} ± "
+            f"{r['paused_error_ms'] / 1000:.2f}", "" if r.get("downtime_ms") is None else
+            f"{r['downtime_ms'] / 1000:.2f}", f"{r['wire_bytes'] / mib:.1f}", r["content_intact"]] for r in results])
     print(f"→ {path}")
+
+
+def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Capsule's live move against libvirt's multifd + zstd, for each dirtier rate: bytes, total time, pause."""
+    out = []
+    for d in dict.fromkeys(r["dirty_mib_s"] for r in results):
+        mine = next((r for r in results if r["dirty_mib_s"] == d and r["case"] == "capsule migrate"), None)
+        peer = next((r for r in results if r["dirty_mib_s"] == d and r["case"].endswith("multifd+zstd")), None)
+        if mine and peer and "error" not in mine and "error" not in peer:
+            out.append({"dirty_mib_s": d, "bytes": round(mine["wire_bytes"] / peer["wire_bytes"], 3),
+                        "seconds": round(mine["seconds"] / peer["seconds"], 3),
+                        "paused": round(mine["paused_ms"] / max(peer["paused_ms"], 1), 3)})
+    return out
+
+
+def chart(results: list[dict[str, Any]], path: Path, rate_kbit: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if "error" not in r]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"{r['case']}\n{r['dirty_mib_s']} MiB/s dirtied" for r in rows]
+    colors = ["tab:green" if r["case"] == "capsule migrate" else "tab:gray" for r in rows]
+    axes[0].barh(labels, [r["paused_ms"] / 1000 for r in rows], color=colors)
+    axes[0].set_xlabel("paused, as the guest lived it (s)")
+    axes[1].barh(labels, [r["wire_bytes"] / 2**20 for r in rows], color=colors)
+    axes[1].set_xlabel("bytes on the link (MiB)")
+    for ax in axes:
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=7)
+    axes[1].set_yticklabels([])
+    fig.suptitle(f"B2-live: tiny guest, 256 MiB, over {rate_kbit} kbit/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

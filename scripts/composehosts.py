@@ -220,9 +220,13 @@ class Host:
 
     def guest_offset(self, name: str) -> Any:
         """testkit.guestclock's offset of a guest running on this host (the hosts share this machine's clock)."""
+        return self.domain_offset(self.domain(name))
+
+    def domain_offset(self, domain: str) -> Any:
+        """guest_offset() of a libvirt domain by its name (a guest this host's store does not know)."""
         from testkit.guestclock import Offset
 
-        args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_OFFSET, self.domain(name)]
+        args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_OFFSET, domain]
         seconds, error = json.loads(self._exec(args, timeout=120).stdout.strip().splitlines()[-1])
         return Offset(seconds, error)
 

@@ -108,6 +108,7 @@ from capsule.exchange.receiving import (
 )
 from capsule.exchange.serving import MAX_RECORDS, ObjectServer, capsule_list, missing, version_of
 from capsule.exchange.streams import CODECS, STREAMS_HEADER
+from capsule.migrate.memrefs import StoreResolver
 from capsule.names import check_object_id
 from capsule.pod import ops as pod_ops
 from capsule.store import Store
@@ -421,7 +422,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         return await act(request, pod_ops.restore, store, req["image"], req["into"])
 
     # the byte tunnel of live moves (capsule/exchange/tunnel.py): channels by kind, targets chosen here
-    app.state.tunnels = tunnel.Registry()
+    app.state.tunnels = tunnel.Registry(resolver=lambda objects: StoreResolver(store, objects))
     app.state.tunnels.on_end.append(lambda sid: incoming.sweep_quietly(store, sid))   # its move never finished
     incoming.sweep_quietly(store)    # moves whose streams ended with the agent that carried them
     app.include_router(tunnelapi.router(app.state.tunnels))

@@ -143,6 +143,7 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
         _write_stalled = 0
         _write_left: int | None = None
         _lost = False
+        _upgraded = False                   # the connection is a WebSocket's now
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -179,6 +180,8 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
             self._unsent_before = None
             self._body_bytes += len(data)
             super().data_received(data)
+            if self._upgraded:
+                return      # a WebSocket now (handle_websocket_upgrade ran inside): no HTTP timer for it
             if self.conn.their_state is h11.SEND_BODY and self._body_timer is None and limits.min_body_rate:
                 self._body_bytes = 0
                 self._body_timer = self.loop.call_later(limits.header_timeout, self._body_check)
@@ -272,8 +275,15 @@ def guarded_protocols(limits: Limits) -> tuple[type[asyncio.Protocol], type[asyn
                 super().timeout_keep_alive_handler()
 
         def handle_websocket_upgrade(self, event: h11.Request) -> None:
-            # the WebSocket protocol object takes the connection over, and its count with it
+            # the WebSocket protocol object takes the connection over, and its count with it. Every HTTP timer
+            # ends here: h11 still thinks the upgrade request's body is on its way (uvicorn hands over before
+            # its end), and a body check firing later wrote a 408 into the WebSocket's frames and closed it
+            self._upgraded = True
             self._disarm_header_timer()
+            for timer in (self._body_timer, self._write_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._body_timer = self._write_timer = None
             address, self._counted = self._counted, None
             super().handle_websocket_upgrade(event)
             if address is not None:

@@ -1,6 +1,7 @@
 """The agent's routes of the byte tunnel (what they do, who may call them, the frames: :mod:`capsule.exchange.tunnel`)::
 
-    POST   /v1/tunnel                      {"kinds": [KIND, ...], "ttl": S} → {"session", "expires_in", "channels"}
+    POST   /v1/tunnel                      {"kinds": [KIND, ...], "ttl": S, "dedup": ...} → {"session", "expires_in",
+                                           "channels", "dedup"}
     WS     /v1/tunnel/{session}/{channel}  one connection to the channel's unix socket here, bytes both ways
     DELETE /v1/tunnel/{session}            the session and its connections end"""
 
@@ -18,7 +19,7 @@ from starlette.websockets import WebSocketState
 
 from capsule.agent import authz
 from capsule.errors import Error, Forbidden, InvalidName
-from capsule.exchange.tunnel import Registry, connect_target, parse_open, pump
+from capsule.exchange.tunnel import Registry, connect_target, parse_dedup, parse_open, pump
 from hashcache import wirejson
 
 
@@ -46,7 +47,7 @@ def router(registry: Registry) -> APIRouter:
         except ValueError as exc:
             raise InvalidName(f"malformed tunnel request: {exc}") from exc
         kinds, ttl = parse_open(req)
-        s = await asyncio.to_thread(registry.open_kinds, kinds, _who(request), ttl)
+        s = await asyncio.to_thread(registry.open_kinds, kinds, _who(request), ttl, parse_dedup(req))
         return s.answer(time.monotonic())
 
     @api.delete("/{session}", summary="Close a tunnel session and its connections")
@@ -59,6 +60,7 @@ def router(registry: Registry) -> APIRouter:
         try:
             s = registry.get(session, _who(ws))
             with registry.connection(s, channel) as target:
+                decoder = registry.decoder(s, channel)
                 reader, writer = await connect_target(target)
                 stop = (asyncio.get_running_loop(), anyio.CancelScope())
                 s.stops.add(stop)
@@ -67,7 +69,7 @@ def router(registry: Registry) -> APIRouter:
                 try:
                     with stop[1]:
                         await ws.accept()
-                        await pump(ws, reader, writer)
+                        await pump(ws, reader, writer, decoder, s.errors)
                 finally:
                     s.stops.discard(stop)
                     writer.close()

@@ -5,8 +5,10 @@ source libvirtd to the destination libvirtd, the source QEMU to the destination 
 its NBD disk server. Each is carried over one WebSocket on this agent per connection (the routes are
 :mod:`capsule.agent.tunnelapi`, thin shells over :class:`Registry` and :func:`pump`)::
 
-    POST   /v1/tunnel                      {"kinds": ["libvirt", "qemu-migration", "qemu-disks"], "ttl": S}
-                                           → {"session": ID, "expires_in": S, "channels": {KIND: {"path": P}}}
+    POST   /v1/tunnel                      {"kinds": ["libvirt", "qemu-migration", "qemu-disks"], "ttl": S,
+                                            "dedup": {"objects": [[KIND, ID], ...]}}   (dedup: optional)
+                                           → {"session": ID, "expires_in": S, "channels": {KIND: {"path": P}},
+                                              "dedup": true|false}
     WS     /v1/tunnel/{session}/{channel}  binary frames both ways, to and from the channel's unix socket here
     DELETE /v1/tunnel/{session}            the session ends: its connections are closed, its directory removed
 
@@ -27,6 +29,13 @@ receiving a capsule here needs — and no grant; a session is then usable only b
 before a byte reaches a target. Bounds: :data:`SESSIONS_PER_CALLER`, :data:`SESSIONS` in all,
 :data:`CONNECTIONS_PER_CHANNEL`, a session's ``ttl`` within :data:`TTL` (after it no new connection is
 admitted; those open go on until the session is deleted or either end closes).
+
+``dedup`` (the memory codec, :mod:`capsule.migrate.ramdedup`): the source's bytes on the ``qemu-migration``
+channel are the codec's frames, decoded here before QEMU reads them (references resolved through this host's
+hash cache and the objects named, each page's BLAKE3 checked); the other direction and the other channels are
+untouched. The answer says whether this host applies it (``"dedup": false``: send raw). A stream the decoder
+refuses is cut (QEMU's incoming migration fails; the source's guest runs on) and the WebSocket closed with 1011
+and the reason.
 
 Frames: every binary message carries bytes as they came; an EMPTY binary message means "no more bytes this
 way" (a half-close: the receiving end shuts its writing side, the other direction goes on). A connection ends
@@ -51,8 +60,10 @@ import anyio
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from capsule import bounds
-from capsule.errors import EnvironmentProblem, Forbidden, InvalidName, NotFound, Overloaded, Unreachable
-from capsule.migrate.tunnel import CHUNK, DEFAULT_TTL, KINDS, QEMU_KINDS
+from capsule.errors import EnvironmentProblem, Error, Forbidden, InvalidName, NotFound, Overloaded, Unreachable
+from capsule.migrate.memrefs import parse_objects
+from capsule.migrate.ramdedup import Decoder, Objects, Resolve
+from capsule.migrate.tunnel import CHUNK, DEDUP_KIND, DEFAULT_TTL, KINDS, QEMU_KINDS
 from capsule.runtime import guestaccess, guestfiles
 
 LIBVIRT_SOCKET = "/run/libvirt/libvirt-sock"
@@ -85,16 +96,21 @@ class Session:
     directory: Path | None = None  # its own directory under the tunnel directory (removed with it)
     open: Counter[str] = field(default_factory=Counter)   # connections open per channel
     stops: set[tuple[asyncio.AbstractEventLoop, anyio.CancelScope]] = field(default_factory=set)  # its connections
+    dedup: Objects | None = None   # the memory codec on qemu-migration, references among these objects
+    errors: list[str] = field(default_factory=list)        # why a decoded stream was cut (the latest few)
 
     def answer(self, now: float) -> dict[str, Any]:
         return {"session": self.id, "expires_in": round(max(0.0, self.expires - now), 1),
-                "channels": {name: {"path": str(t.path) if t.guest else None} for name, t in self.channels.items()}}
+                "channels": {name: {"path": str(t.path) if t.guest else None} for name, t in self.channels.items()},
+                "dedup": self.dedup is not None}
 
 
 class Registry:
     """The tunnel sessions of one agent process (thread-safe: routes call it from the event loop and threads)."""
 
-    def __init__(self, tunnel_dir: Path | None = None, libvirt_socket: Path | None = None) -> None:
+    def __init__(self, tunnel_dir: Path | None = None, libvirt_socket: Path | None = None,
+                 resolver: Callable[[Objects], Resolve] | None = None) -> None:
+        self.resolver = resolver          # how the memory codec reads blocks here (None: it is never applied)
         self.tunnel_dir = Path(tunnel_dir or os.environ.get(TUNNEL_DIR_ENV) or TUNNEL_DIR)
         self.libvirt_socket = Path(libvirt_socket or os.environ.get(LIBVIRT_ENV) or LIBVIRT_SOCKET)
         self._sessions: dict[str, Session] = {}
@@ -119,8 +135,10 @@ class Registry:
             self._sessions[s.id] = s
         return s
 
-    def open_kinds(self, kinds: list[str], caller: str, ttl: float = DEFAULT_TTL) -> Session:
-        """``POST /v1/tunnel``: a session with a channel per kind, each to the target this host picks for it."""
+    def open_kinds(self, kinds: list[str], caller: str, ttl: float = DEFAULT_TTL,
+                   dedup: Objects | None = None) -> Session:
+        """``POST /v1/tunnel``: a session with a channel per kind, each to the target this host picks for it;
+        ``dedup``: the memory codec on its qemu-migration channel (applied if this host can resolve blocks)."""
         ttl = float(bounds.check(TTL, ttl, "ttl"))
         with self._lock:
             self._purge()
@@ -133,11 +151,20 @@ class Registry:
                 assert directory is not None
                 channels[kind] = Target(directory / f"{kind}.sock", guest=True)
         try:
-            return self.open_session(channels, caller, ttl, directory)
+            s = self.open_session(channels, caller, ttl, directory)
         except BaseException:
             if directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
             raise
+        if dedup is not None and self.resolver is not None and DEDUP_KIND in kinds:
+            s.dedup = dedup
+        return s
+
+    def decoder(self, s: Session, channel: str) -> Decoder | None:
+        """The memory codec's decoder for a new connection of ``channel``, or None (bytes as they came)."""
+        if s.dedup is None or channel != DEDUP_KIND or self.resolver is None:
+            return None
+        return Decoder(self.resolver(s.dedup))
 
     def _session_dir(self) -> Path:
         """A fresh directory QEMU may make its sockets in (a name of its own: the session id is not shown)."""
@@ -225,13 +252,26 @@ def parse_open(req: Any) -> tuple[list[str], float]:
     """``POST /v1/tunnel``'s body → (kinds, ttl); a path, an unknown kind or a repeated one → InvalidName."""
     usage = (f'give {{"kinds": [KIND, ...], "ttl": SECONDS}} with kinds from {", ".join(KINDS)}: this host '
              "chooses where each goes (a path cannot be given)")
-    if not isinstance(req, dict) or set(req) - {"kinds", "ttl"}:
+    if not isinstance(req, dict) or set(req) - {"kinds", "ttl", "dedup"}:
         raise InvalidName(f"malformed tunnel request: {usage}")
     kinds = req.get("kinds")
     if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) and k in KINDS for k in kinds) \
             or len(set(kinds)) != len(kinds):
         raise InvalidName(f"malformed tunnel request: {usage}")
     return kinds, float(bounds.check(TTL, req.get("ttl", DEFAULT_TTL), "ttl"))
+
+
+def parse_dedup(req: dict[str, Any]) -> Objects | None:
+    """``POST /v1/tunnel``'s ``dedup``: absent or false → None; true → no objects (the hash cache only);
+    ``{"objects": [[KIND, ID], ...]}`` → those."""
+    value = req.get("dedup", False)
+    if value is False or value is None:
+        return None
+    if value is True:
+        return []
+    if not isinstance(value, dict) or set(value) - {"objects"}:
+        raise InvalidName('malformed tunnel request: "dedup" is true, false or {"objects": [[KIND, ID], ...]}')
+    return parse_objects(value.get("objects", []))
 
 
 async def connect_target(t: Target, wait: float = TARGET_WAIT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -253,8 +293,11 @@ async def connect_target(t: Target, wait: float = TARGET_WAIT) -> tuple[asyncio.
             raise Unreachable(f"cannot connect to the tunnel's target here: {exc.strerror or exc}") from None
 
 
-async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Bytes both ways between the accepted ``ws`` and the target until both ways ended or either end closed."""
+async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+               decoder: Decoder | None = None, errors: list[str] | None = None) -> None:
+    """Bytes both ways between the accepted ``ws`` and the target until both ways ended or either end closed;
+    ``decoder``: what the source sends is the memory codec's frames (a stream it refuses is cut: its reason
+    goes to ``errors`` and the WebSocket is closed with 1011)."""
     ended = {"in": False, "out": False}
 
     async def inward(scope: anyio.CancelScope) -> None:      # the source's bytes → the target
@@ -269,15 +312,34 @@ async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.Stre
             if ended["in"]:
                 continue            # (nothing is sent after a half-close: ignored)
             if not data:
+                if decoder is not None and await _decoded(decoder.finish) is None:
+                    break
                 ended["in"] = True
                 with contextlib.suppress(OSError):
                     writer.write_eof()
                 if ended["out"]:
                     break
                 continue
+            if decoder is not None:
+                data = await _decoded(decoder.decode, data)
+                if data is None:
+                    break
             writer.write(data)
             await writer.drain()    # back-pressure: the next frame is read once the target took this one
         scope.cancel()
+
+    async def _decoded(step: Callable[..., bytes | None], *args: bytes) -> bytes | None:
+        """``step`` of the decoder off the event loop; None (and the stream cut) when it refuses the stream."""
+        try:
+            out = await asyncio.to_thread(step, *args)
+        except Error as exc:
+            if errors is not None:
+                errors[:] = [*errors[-7:], str(exc)]
+            writer.transport.abort()            # QEMU reads a cut stream: its incoming migration fails
+            with contextlib.suppress(RuntimeError, OSError):
+                await ws.close(1011, str(exc)[:120])
+            return None
+        return b"" if out is None else out
 
     async def outward(scope: anyio.CancelScope) -> None:     # the target's bytes → the source
         while data := await reader.read(CHUNK):
@@ -291,8 +353,8 @@ async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.Stre
         async with anyio.create_task_group() as tg:
             tg.start_soon(inward, tg.cancel_scope)
             tg.start_soon(outward, tg.cancel_scope)
-    except (OSError, WebSocketDisconnect, RuntimeError):
-        pass
+    except* (OSError, WebSocketDisconnect, RuntimeError):
+        pass        # either end went away (the task group raises them grouped): the connection ends
     finally:
         writer.close()
         if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:

@@ -22,6 +22,12 @@ One call opens a whole tunnel set to a peer and gives what ``virsh migrate --p2p
   runs in a thread with its own asyncio loop (its callers are synchronous). A connection the peer refuses or
   drops is closed here (its local end reads EOF); :attr:`Tunnel.errors` keeps why.
 
+- ``dedup`` (:func:`open_tunnels`): a :class:`Dedup` (the objects whose blocks the peer holds, and their
+  :class:`~capsule.migrate.ramdedup.Known` hashes) puts the memory codec on the ``qemu-migration`` channel:
+  what QEMU writes there is encoded (:class:`~capsule.migrate.ramdedup.Encoder`, one per connection) if the
+  peer answers that it decodes it (``Tunnels.dedup``); a peer that does not (an older release) gets the bytes
+  as they came. ``Tunnels.memory`` sums the codec's figures. The other direction is never touched.
+
 A peer without the tunnel (an older release) is refused with :class:`~hashcache.errors.ProtocolMismatch` naming
 both releases."""
 
@@ -31,6 +37,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -44,17 +51,32 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from capsule import __version__
 from capsule.agentclient import AgentClient
 from capsule.errors import EnvironmentProblem, Error, InvalidName, NotFound
+from capsule.migrate.ramdedup import Encoder, Known, Objects, Stats
 from capsule.runtime import guestaccess
 from hashcache.transport import plain, protocol, tls
 
 KINDS = ("libvirt", "qemu-migration", "qemu-disks")     # what a tunnel session's channels are (never paths)
 QEMU_KINDS = ("qemu-migration", "qemu-disks")           # those whose path the destination chooses and names
+DEDUP_KIND = "qemu-migration"                           # the channel the memory codec may be applied to
+DEDUP_FEATURE = "memory-dedup"                          # an agent that decodes it names this feature
 DEFAULT_TTL = 3600.0                                    # seconds a session admits new connections
 CHUNK = 1 << 16                                         # bytes of one frame at most (agents take up to 1 MiB)
 CONNECT_TIMEOUT = 30.0
 CLOSE_TIMEOUT = 10.0
+# bytes a tunnel connection's socket may hold unsent: the rest waits in QEMU, which then sees the link's own rate.
+# Without it the kernel queued megabytes (4 s at 8 Mbit/s): QEMU judged that what remained fitted the pause budget
+# when it was only in the queue, and the guest stayed paused while the queue drained
+NOT_SENT = 128 * 1024
 ENTRANCE_MODE = 0o660
 ENTRANCE_DIR_MODE = 0o710
+
+
+def short_queue(sock: socket.socket | None) -> None:
+    """At most :data:`NOT_SENT` bytes unsent in ``sock``'s kernel queue (TCP_NOTSENT_LOWAT; a socket that is not
+    TCP, or a kernel without it, is left as it is)."""
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOT_SENT)
 
 
 class Endpoint(Protocol):
@@ -74,16 +96,26 @@ class Counts:
     errors: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Dedup:
+    """The memory codec's terms for one move: ``objects`` (kind, id) the peer holds, ``known`` their hashes."""
+
+    objects: Objects
+    known: Known
+
+
 class Tunnel:
     """One entrance: connections to the unix socket ``path`` here are carried to ``channel`` of ``session`` on
     the agent at ``peer``. A context manager; :meth:`close` stops listening and ends every connection."""
 
     def __init__(self, peer: Endpoint, session: str, channel: str, path: Path, *,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, known: Known | None = None) -> None:
         plain.check(peer.url)
         self.peer, self.session, self.channel, self.path = peer, session, channel, Path(path)
         self.connect_timeout = connect_timeout
         self.counts = Counts()
+        self.known = known                       # not None: each connection's bytes go through an Encoder
+        self.encoders: list[Encoder] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._failed: BaseException | None = None
@@ -108,6 +140,14 @@ class Tunnel:
     @property
     def errors(self) -> list[str]:
         return list(self.counts.errors)
+
+    @property
+    def memory(self) -> Stats:
+        """The memory codec's figures over this entrance's connections (zero without the codec)."""
+        total = Stats()
+        for e in list(self.encoders):
+            total.add(e.stats)
+        return total
 
     def __enter__(self) -> Tunnel:
         return self
@@ -176,6 +216,7 @@ class Tunnel:
         try:
             ws = await self._open()
             if ws is not None:
+                short_queue(ws.transport.get_extra_info("socket"))
                 try:
                     await self._pump(ws, reader, writer)
                 finally:
@@ -208,10 +249,20 @@ class Tunnel:
     async def _pump(self, ws: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ended = {"out": False, "in": False}
 
+        encoder = None if self.known is None else Encoder(self.known)
+        if encoder is not None:
+            self.encoders.append(encoder)
+
+        async def send(data: bytes) -> None:
+            for at in range(0, len(data), CHUNK):   # (never an empty message: that is the half-close)
+                await ws.send(data[at:at + CHUNK])  # waits while the connection's buffer is full: back-pressure
+            self.counts.sent += len(data)
+
         async def outward() -> None:            # the local end's bytes → the peer
             while data := await reader.read(CHUNK):
-                await ws.send(data)             # waits while the connection's buffer is full: back-pressure
-                self.counts.sent += len(data)
+                await send(data if encoder is None else await asyncio.to_thread(encoder.encode, data))
+            if encoder is not None:
+                await send(encoder.finish())
             await ws.send(b"")                  # a half-close: no more bytes this way
             ended["out"] = True
 
@@ -243,6 +294,8 @@ class Tunnel:
                 exc = None if t.cancelled() else t.exception()
                 if isinstance(exc, Exception) and not isinstance(exc, ConnectionClosed | ConnectionError):
                     self.counts.errors.append(f"{type(exc).__name__}: {exc}")
+            if ws.close_code == 1011 and ws.close_reason:
+                self.counts.errors.append(f"the peer cut the stream: {ws.close_reason}")
 
 
 @dataclass
@@ -255,6 +308,13 @@ class Tunnels:
     remote_paths: dict[str, str]         # kind → the path the destination chose (qemu-* kinds)
     private_dir: Path | None = None      # where the libvirt entrance is (removed on close)
     made_dirs: list[Path] = field(default_factory=list)
+    dedup: bool = False                  # the peer decodes the memory codec on qemu-migration
+
+    @property
+    def memory(self) -> Stats:
+        """The memory codec's figures (all zero when it is not applied)."""
+        t = self.tunnels.get(DEDUP_KIND)
+        return t.memory if t is not None else Stats()
 
     def _path(self, kind: str) -> Path | None:
         return self.tunnels[kind].path if kind in self.tunnels else None
@@ -315,15 +375,25 @@ def _entrance_dir(d: Path) -> Path:
 
 
 def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float = DEFAULT_TTL,
-                 local_dir: Path | None = None) -> Tunnels:
+                 local_dir: Path | None = None, dedup: Dedup | None = None) -> Tunnels:
     """A tunnel session on ``peer`` with a channel per kind and an entrance here for each (see the module's
-    docstring). ``ttl``: how long the peer admits new connections. Raises ProtocolMismatch for a peer without
-    the tunnel, the peer's own errors (AuthFailed, Forbidden, ...) as they come."""
+    docstring). ``ttl``: how long the peer admits new connections; ``dedup``: the memory codec on
+    qemu-migration, if the peer takes it. Raises ProtocolMismatch for a peer without the tunnel, the peer's own
+    errors (AuthFailed, Forbidden, ...) as they come."""
     if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
         raise InvalidName(f"tunnel kinds {list(kinds)!r}: give some of {', '.join(KINDS)}, each once")
+    body: dict[str, Any] = {"kinds": list(kinds), "ttl": ttl}
+    if dedup is not None and DEDUP_KIND in kinds:
+        body["dedup"] = {"objects": [[k, o] for k, o in dedup.objects]}
     with _client(peer) as client:
         try:
-            answer = client.post_json("/v1/tunnel", {"kinds": list(kinds), "ttl": ttl})
+            try:
+                answer = client.post_json("/v1/tunnel", body)
+            except InvalidName:
+                if "dedup" not in body or DEDUP_FEATURE in client.features:
+                    raise
+                del body["dedup"]                       # a peer without the codec: the bytes as they came
+                answer = client.post_json("/v1/tunnel", body)
         except NotFound:
             protocol.require(client.peer, client.features, "tunnel", __version__, f"the agent at {peer.url}",
                              "a live move")
@@ -333,7 +403,7 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
         remote = {k: str(answer["channels"][k]["path"]) for k in kinds if k in QEMU_KINDS}
     except (KeyError, TypeError) as exc:
         raise InvalidName(f"the agent at {peer.url} answered the tunnel request without {exc}") from None
-    out = Tunnels(peer, session, {}, remote)
+    out = Tunnels(peer, session, {}, remote, dedup=dedup is not None and answer.get("dedup") is True)
     try:
         for kind in kinds:
             if kind == "libvirt":
@@ -349,7 +419,8 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
                 if not path.parent.exists():
                     out.made_dirs.append(path.parent)
                 _entrance_dir(path.parent)
-            out.tunnels[kind] = Tunnel(peer, session, kind, path)
+            out.tunnels[kind] = Tunnel(peer, session, kind, path,
+                                       known=dedup.known if out.dedup and kind == DEDUP_KIND and dedup else None)
     except BaseException:
         out.close()
         raise

@@ -229,3 +229,20 @@ def test_a_body_trickled_a_byte_at_a_time_is_cut_off_with_408(tmp_path):
         assert _read_reply(s, 5.0) == b""
         assert _info(agent).status_code == 200
 
+
+
+def test_a_websocket_outlives_the_header_and_body_timers_of_the_request_that_opened_it(tmp_path):
+    """The upgrade request's HTTP timers stay with HTTP: a WebSocket open for many header timeouts, quiet or
+    busy, is never answered 408 in the middle of its frames nor closed (a live move's tunnel was cut 20 s
+    after it opened, its stream corrupted by an HTTP reply)."""
+    with _agent(tmp_path, "--header-timeout", "0.5", "--min-body-rate", "64") as agent:
+        url = agent.url.replace("http", "ws", 1) + "/v1/objects/stream"
+        with ws_connect(url, additional_headers={"Authorization": f"Bearer {agent.token}"}) as ws:
+            until = time.monotonic() + 3.0          # six header timeouts
+            while time.monotonic() < until:
+                ws.send(b"\x01")                    # a malformed READ: answered with an error reply
+                assert ws.recv(timeout=10)
+                time.sleep(0.4)
+            time.sleep(1.5)                         # and quiet for three more
+            ws.send(b"\x01")
+            assert ws.recv(timeout=10)

@@ -279,3 +279,21 @@ def test_a_guest_that_already_runs_here_is_adopted_never_destroyed(home, tmp_pat
         assert not (d / incoming.MARK).exists()            # no longer an unfinished move: this host's instance
     finally:
         store.close()
+
+
+def test_a_live_move_throttles_a_guest_that_outruns_the_link_unless_post_copy_was_asked_for():
+    import libvirt
+
+    from capsule.migrate.live import migrate_flags
+
+    precopy, postcopy = migrate_flags(False), migrate_flags(True)
+    for flags in (precopy, postcopy):
+        assert flags & libvirt.VIR_MIGRATE_LIVE and flags & libvirt.VIR_MIGRATE_NON_SHARED_INC
+    assert precopy & libvirt.VIR_MIGRATE_AUTO_CONVERGE and not precopy & libvirt.VIR_MIGRATE_POSTCOPY
+    assert postcopy & libvirt.VIR_MIGRATE_POSTCOPY and not postcopy & libvirt.VIR_MIGRATE_AUTO_CONVERGE
+
+
+def test_qemu_gets_half_the_pause_budget_for_its_copy_the_rest_is_for_the_switchover_around_it():
+    from capsule.migrate.live import qemu_downtime_ms
+
+    assert qemu_downtime_ms(1.0) == 500 and qemu_downtime_ms(0.2) == 100 and qemu_downtime_ms(0.001) == 1

@@ -6,6 +6,8 @@ tunnel is refused with both releases named."""
 from __future__ import annotations
 
 import shutil
+import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -179,3 +181,78 @@ def test_a_peer_without_the_tunnel_is_refused_naming_both_releases():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_the_memory_codec_is_negotiated_for_qemu_migration_only(world, target):
+    oid = "ab" * 32
+    got = _open(world, kinds=["libvirt", "qemu-migration"], dedup={"objects": [["layer", oid]]})
+    assert got["dedup"] is True
+    s = world.app.state.tunnels.get(got["session"], tokens.resolve(world.store, world.t["operator"], TOKEN).who)
+    assert s.dedup == [("layer", oid)]
+    assert world.app.state.tunnels.decoder(s, "qemu-migration") is not None
+    assert world.app.state.tunnels.decoder(s, "libvirt") is None
+    assert _open(world, kinds=["libvirt"], dedup=True)["dedup"] is False      # no channel to apply it to
+    assert _open(world, kinds=["qemu-migration"])["dedup"] is False
+
+
+@pytest.mark.parametrize("dedup", [{"objects": [["layer", "../x"]]}, {"objects": [["disk", "ab" * 32]]},
+                                   {"objects": "all"}, {"paths": []}, 3])
+def test_a_malformed_dedup_is_refused_and_makes_nothing(world, target, dedup):
+    r = world.client.post("/v1/tunnel", json={"kinds": ["qemu-migration"], "dedup": dedup},
+                          headers=bearer(world.t["operator"]))
+    assert r.status_code == 400, r.text
+    assert "dedup" in r.json()["detail"] or "object" in r.json()["detail"]
+    assert not world.app.state.tunnels._sessions   # noqa: SLF001
+
+
+def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
+    from capsule.migrate.ramdedup import Known
+    from capsule.migrate.tunnel import Dedup
+
+    bodies: list[dict] = []
+
+    async def older(scope, receive, send):    # the tunnel, but a body with "dedup" is malformed there
+        import json
+
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        headers = {protocol.HEADER: protocol.answer(__version__), protocol.FEATURES: "tunnel,live-move"}
+        req = json.loads(body or b"{}")
+        bodies.append(req)
+        if scope["method"] == "POST" and "dedup" in req:
+            reply = JSONResponse({"error": "invalid_name", "detail": "malformed tunnel request"}, 400, headers)
+        else:
+            reply = JSONResponse({"session": "s" * 32, "expires_in": 60, "channels": {"libvirt": {"path": None},
+                                                                              "qemu-migration": {"path": "/x/q.sock"}}},
+                                 200, headers)
+        await reply(scope, receive, send)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(older, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        peer = SimpleNamespace(url=f"http://127.0.0.1:{port}", token="t" * 20, fingerprint=None)
+        with open_tunnels(peer, ("libvirt", "qemu-migration"), local_dir=Path(tempfile.mkdtemp(dir="/tmp")),
+                          dedup=Dedup([], Known([1]))) as t:
+            assert not t.dedup and t.tunnels["qemu-migration"].known is None
+        assert "dedup" in bodies[0] and "dedup" not in bodies[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_tunnel_connection_holds_little_unsent_so_qemu_sees_the_link_rate():
+    from capsule.migrate.tunnel import NOT_SENT, short_queue
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp, socket.socket(socket.AF_UNIX) as unix:
+        short_queue(tcp)
+        short_queue(unix)           # not TCP: left alone, no error
+        short_queue(None)
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == NOT_SENT

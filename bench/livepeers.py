@@ -1,0 +1,155 @@
+"""The cases of B2-live (bench/livemigrate.py), each one move of a fresh capsule from host A to host B over the
+shaped link: libvirt's own live migration (``virsh migrate``) and ``capsule migrate`` (live, or ``--offline``).
+
+Every case starts the same way (:func:`prepare`): a capsule derived from ``seed`` is started on A, the workload
+writes the same content, and a dirtier (if asked) keeps rewriting N MiB of its memory every second. Every case
+ends the same way: the guest's clock against the host's gives the pause as the guest lived it
+(testkit/guestclock.py), the content's digest is checked on B, and the guest is destroyed there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.jobstats import job_figures, parse_rawstats
+from bench.looplink import LoopLink
+from scripts import composehosts as hc
+from testkit import guestclock
+
+VIRSH = ["virsh", "-q", "-c", "qemu:///system"]
+WORKLOAD = ("dd if=/dev/urandom of=/tmp/random bs=1M count=16 2>/dev/null; seq 1 4000000 > /tmp/text; "
+            "dd if=/dev/urandom of=/dev/vda bs=1M count=8 seek=32 conv=fsync 2>/dev/null; sync; "
+            "md5sum /tmp/random /tmp/text | md5sum")
+CHECK = "md5sum /tmp/random /tmp/text | md5sum"
+# N MiB of the guest's memory (a tmpfs file) rewritten with new random bytes, then a second's sleep, for ever
+DIRTIER = ("(while :; do dd if=/dev/urandom of=/dev/shm/dirty bs=1M count={mib} conv=notrunc 2>/dev/null; "
+           "sleep 1; done) </dev/null >/dev/null 2>&1 &")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where B is reached across the shaped link, and the link's counters."""
+
+    link: LoopLink
+    libvirt: int           # port of the proxy in front of B's libvirtd
+    agent: int             # port of the proxy in front of B's agent
+    migration: int         # B's QEMU migration port (the proxy listens on 127.0.0.1, B's QEMU on FAR)
+    nbd: int
+    far: str
+
+
+def prepare(a: hc.Host, name: str, dirty_mib: int) -> str:
+    """A new capsule on A, started, with the workload's content (and the dirtier); the content's digest."""
+    a.capsule("derive", "seed", name)
+    a.capsule("start", name)
+    digest = a.guest(name, WORKLOAD, timeout=300).split()[0]
+    if dirty_mib:
+        a.guest(name, DIRTIER.format(mib=dirty_mib))
+        time.sleep(3)
+    return digest
+
+
+def _by_domain(host: hc.Host, domain: str, command: str, timeout: float = 60) -> str:
+    args = ["/opt/capsule/.venv/bin/python", "-c", hc._GUEST_SHELL, domain, command, str(timeout)]
+    return host._exec(args, timeout=timeout + 30).stdout.strip()
+
+
+def _write(host: hc.Host, path: str, text: str) -> None:
+    subprocess.run([hc.DOCKER, "exec", "-i", host.container, "sh", "-c", f"cat > {path}"], input=text, text=True,
+                   check=True, env=host.project.env())
+
+
+def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int) -> dict[str, Any]:
+    """``virsh migrate --live --copy-storage-inc`` with ``kind``: ``zstd`` (multifd, 2 connections, zstd, and
+    auto-converge as Capsule's live move has) or ``postcopy`` (``--postcopy-after-precopy``: one pre-copy pass,
+    then post-copy)."""
+    digest = prepare(a, name, dirty_mib)
+    dom = a.domain(name)
+    xml = a.sh(f"virsh -c qemu:///system dumpxml --migratable {dom}")
+    found = re.search(r"<source file='([^']+)'", xml)
+    assert found is not None, "the domain has no file disk"
+    leaf = found.group(1)
+    info = json.loads(a.sh(f"qemu-img info -U --output=json {leaf}"))
+    # B's top layer precreated over B's own copy of the image's layer, in an instance directory made as Capsule
+    # makes one (the agent's user, QEMU's group, 01770), as Capsule's own incoming live move does
+    # the store's directories as Capsule's own first guest there leaves them (QEMU's group passes through)
+    b._exec(["/opt/capsule/.venv/bin/python", "-c", "import sys; from pathlib import Path; from capsule.runtime "
+             "import guestaccess; guestaccess.grant_store(Path(sys.argv[1]))", b.home])
+    b_dir = f"{b.home}/instances/{name}"
+    b_leaf = f"{b_dir}/leaf.qcow2"
+    backing = os.path.join(os.path.dirname(leaf), info["backing-filename"]).replace(a.home, b.home)
+    _write(a, f"/tmp/{name}.xml", xml.replace(leaf, b_leaf).replace(a.home, b.home))
+    b.sh(f"install -d -o capsule -g libvirt-qemu -m 1770 {b_dir} && qemu-img create -q -f qcow2 -F qcow2 "
+         f"-b {backing} {b_leaf} {info['virtual-size']} && chown capsule:libvirt-qemu {b_leaf} && chmod 660 {b_leaf}")
+    flags = ["--live", "--copy-storage-inc", "--xml", f"/tmp/{name}.xml",
+             "--migrateuri", f"tcp://127.0.0.1:{link.migration}", "--listen-address", link.far,
+             "--disks-port", str(link.nbd)]
+    if kind == "zstd":
+        flags += ["--parallel", "--parallel-connections", "2", "--compressed", "--comp-methods", "zstd",
+                  "--auto-converge"]
+    elif kind == "postcopy":
+        flags += ["--postcopy", "--postcopy-after-precopy"]
+    before_clock = a.domain_offset(dom)
+    before = link.link.wire_bytes()
+    t = time.monotonic()
+    a.sh(" ".join([*VIRSH, "migrate", *flags, dom, f"qemu+tcp://127.0.0.1:{link.libvirt}/system"]), timeout=3600)
+    seconds = time.monotonic() - t
+    wire = link.link.wire_bytes() - before
+    after_clock = b.domain_offset(dom)
+    stats = parse_rawstats(b.sh(f"virsh -c qemu:///system domjobinfo --completed --rawstats {dom}"))
+    moved = _by_domain(b, dom, CHECK).split()[0]
+    b.sh(f"virsh -c qemu:///system destroy {dom}; rm -rf {b_dir}")
+    paused, error = guestclock.paused(before_clock, after_clock)
+    return {"case": {"zstd": "virsh --live multifd+zstd", "postcopy": "virsh --postcopy-after-precopy"}[kind],
+            "seconds": round(seconds, 2), "wire_bytes": wire, "content_intact": moved == digest,
+            "paused_ms": round(paused * 1000), "paused_error_ms": round(error * 1000),
+            **job_figures(stats), "raw": stats}
+
+
+# Run on host A: what `capsule migrate` calls (capsule.migrate.migrate): live, or offline (mode full)
+_CAPSULE_MIGRATE = """
+import json, os, sys
+from pathlib import Path
+from capsule import migrate
+from capsule.store import Store
+live = sys.argv[3] == "live"
+r = migrate.migrate(Store.open(Path(os.environ["CAPSULE_HOME"])), sys.argv[1], sys.argv[2],
+                    os.environ["CAPSULE_TOKEN"], mode="full", live=live)
+print(json.dumps({"seconds": r.seconds, "push": r.push.as_dict() if r.push else None,
+                  "live": r.live.as_dict() if r.live is not None else None}))
+"""
+
+
+def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int) -> dict[str, Any]:
+    """``capsule migrate`` (``kind`` live: the default; offline: ``--offline``)."""
+    digest = prepare(a, name, dirty_mib)
+    before_clock = a.guest_offset(name)
+    before = link.link.wire_bytes()
+    t = time.monotonic()
+    out = a._exec(["/opt/capsule/.venv/bin/python", "-c", _CAPSULE_MIGRATE, name,
+                   f"http://127.0.0.1:{link.agent}", kind], env={"CAPSULE_TOKEN": b.token}, timeout=3600).stdout
+    seconds = time.monotonic() - t
+    wire = link.link.wire_bytes() - before
+    after_clock = b.guest_offset(name)
+    r = json.loads(out.strip().splitlines()[-1])
+    moved = b.guest(name, CHECK).split()[0]
+    b.capsule("stop", name, "--force")
+    paused, error = guestclock.paused(before_clock, after_clock)
+    live = r.get("live") or {}
+    return {"case": "capsule migrate" + (" --offline" if kind == "offline" else ""),
+            "seconds": round(seconds, 2), "wire_bytes": wire, "content_intact": moved == digest,
+            "paused_ms": round(paused * 1000), "paused_error_ms": round(error * 1000),
+            "downtime_ms": live.get("pause_ms"), "memory_processed_bytes": live.get("memory_bytes"),
+            "memory_wire_bytes": live.get("memory_wire_bytes"), "memory_refs": live.get("memory_refs"),
+            "memory_iterations": live.get("rounds"), "postcopy": live.get("postcopy"),
+            "hcp_wire_bytes": (r["push"] or {}).get("wire_bytes"), "raw": r}
+
+
+CASES = {"virsh-zstd": (virsh_move, "zstd"), "virsh-postcopy": (virsh_move, "postcopy"),
+         "capsule": (capsule_move, "live"), "capsule-offline": (capsule_move, "offline")}

@@ -1,0 +1,316 @@
+"""The memory codec of a live move's ``qemu-migration`` channel: RAM pages the destination already holds travel as
+references, the rest compressed; the destination rebuilds QEMU's stream byte for byte.
+
+- :class:`Encoder` (source): QEMU's stream in (:mod:`ramstream` finds its pages), frames out. A page whose BLAKE3
+  is :class:`Known` (in the manifests of objects both hosts hold) goes as a reference (its 32-byte hash); a page
+  equal to one of the last :data:`WINDOW` pages of this connection goes as that page's number; every other byte
+  (raw runs, other pages) is zstd-compressed as one stream over the connection, flushed at the end of each call
+  (a call never holds bytes back: QEMU's stream has requests and answers, and must not stall in the codec), so a
+  batch matches what earlier batches sent.
+- :class:`Decoder` (destination): frames in, QEMU's stream out. A reference is resolved through ``resolve``
+  (:class:`StoreResolver`: this host's hash cache, then the blocks of the objects named) and its BLAKE3 checked
+  before a byte goes on; a reference it cannot resolve, a page whose hash differs, or malformed framing raise
+  :class:`~capsule.errors.IntegrityError` naming what is wrong: QEMU's incoming migration then fails, and the
+  guest, still in pre-copy, runs on at the source.
+
+Framing (big-endian): a batch per frame::
+
+    u8 'B', be32 ops_len, be32 payload_len, be32 out_len, ops[ops_len], payload[payload_len]
+    payload: the next part of the connection's one zstd stream (flushed to a block boundary): the raw runs and
+             literal pages, in order, out_len bytes once decompressed
+    ops: 0x01 be32 n   n bytes of the payload (not a page)       0x02   a page: 4096 bytes of the payload
+         0x03 hash32   a page by reference                       0x04 be32 seq   the page numbered seq
+
+Every page (literal or referenced) is numbered in order from 0; both ends keep the last :data:`WINDOW` of them.
+Bounds the decoder holds a peer to: ops ≤ :data:`MAX_OPS` bytes, out_len ≤ :data:`MAX_PAYLOAD`, a batch's
+output ≤ :data:`MAX_OUT`; its memory is the window (32 MiB) plus one batch."""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import zstandard
+
+from capsule.errors import IntegrityError
+from capsule.migrate.ramstream import PAGE, PAGE_SIZE, RamStream
+from hashcache.blocks import HASH_SIZE, hash_block
+from hashcache.manifest import Manifest
+
+WINDOW = 8192                      # pages both ends remember (the decoder: 32 MiB)
+LEVEL = 3                          # zstd level: keeps up with a link of a few hundred MB/s on one core
+MAX_OPS = 1 << 16                  # bytes of ops in one batch
+MAX_PAYLOAD = 4 << 20              # bytes of raw runs and literal pages in one batch (decompressed)
+MAX_OUT = 16 << 20                 # bytes one batch makes (payload + referenced pages)
+MAX_WINDOW = 8 << 20               # the zstd window the decoder accepts (level 3 uses 2 MiB, level 19 8 MiB)
+BATCH = b"B"
+_HEAD = struct.Struct(">cIII")
+OP_RAW, OP_PAGE, OP_REF, OP_RECENT = 1, 2, 3, 4
+_U32 = struct.Struct(">I")
+Objects = list[tuple[str, str]]    # (kind, id) of objects whose blocks a reference may name: "layer" or "file"
+
+
+class Known:
+    """The hashes of blocks the destination holds, as a sorted array of their first 8 bytes (8 bytes each; a
+    false positive, about n·m/2⁶⁴ over a move, costs a failed move, never a wrong page)."""
+
+    def __init__(self, prefixes: Iterable[int] = ()) -> None:
+        self._keys = array("Q", sorted(set(prefixes)))
+
+    @classmethod
+    def of_manifests(cls, manifests: Iterable[Manifest]) -> Known:
+        keys: set[int] = set()
+        for m in manifests:
+            keys.update(memoryview(m.record_bytes).cast("Q")[1::5])   # each record: u64 key, then the hash
+        keys.discard(0)                                                # zero blocks carry no hash
+        return cls(keys)
+
+    def __contains__(self, h: bytes) -> bool:
+        k = int.from_bytes(h[:8], sys.byteorder)
+        i = bisect_left(self._keys, k)
+        return i < len(self._keys) and self._keys[i] == k
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._keys) * self._keys.itemsize
+
+
+@dataclass
+class Stats:
+    stream_bytes: int = 0          # QEMU's stream (what would travel raw)
+    wire_bytes: int = 0            # frames
+    refs: int = 0                  # pages sent as references to what the destination holds
+    recent: int = 0                # pages sent as the number of an earlier page of this connection
+    raw_pages: int = 0             # pages sent themselves (compressed)
+
+    def add(self, other: Stats) -> None:
+        for k, v in other.__dict__.items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+class Encoder:
+    """The source side: :meth:`encode` each chunk QEMU wrote, :meth:`finish` at its end; :attr:`stats`."""
+
+    def __init__(self, known: Known | None = None, *, level: int = LEVEL, window: int = WINDOW) -> None:
+        self.known = known if known is not None else Known()
+        self.stats = Stats()
+        self._parser = RamStream()
+        self._zstd = zstandard.ZstdCompressor(level=level).compressobj()
+        self._window = window
+        self._seq = 0
+        self._recent: dict[bytes, int] = {}
+
+    def encode(self, data: bytes) -> bytes:
+        self.stats.stream_bytes += len(data)
+        return self._frames(self._parser.feed(data))
+
+    def finish(self) -> bytes:
+        return self._frames(self._parser.close())
+
+    def _frames(self, items: list[tuple[int, bytes]]) -> bytes:
+        out = bytearray()
+        ops, payload, made = bytearray(), bytearray(), 0
+        for kind, data in items:
+            if kind == PAGE:
+                op = self._page_op(data)
+                need, size = (0, PAGE_SIZE) if op is None else (len(op), PAGE_SIZE)
+            else:
+                need, size = 5, len(data)
+            if ops and (len(ops) + need + 1 > MAX_OPS or len(payload) + size > MAX_PAYLOAD or made + size > MAX_OUT):
+                out += self._batch(ops, payload)
+                ops, payload, made = bytearray(), bytearray(), 0
+            if kind == PAGE:
+                if op is None:
+                    ops.append(OP_PAGE)
+                    payload += data
+                else:
+                    ops += op
+            else:
+                ops += bytes([OP_RAW]) + _U32.pack(len(data))
+                payload += data
+            made += size
+        if ops:
+            out += self._batch(ops, payload)
+        self.stats.wire_bytes += len(out)
+        return bytes(out)
+
+    def _page_op(self, page: bytes) -> bytes | None:
+        h = hash_block(page)
+        seq, self._seq = self._seq, self._seq + 1
+        earlier = self._recent.get(h)
+        self._recent[h] = seq
+        if len(self._recent) > 4 * self._window:      # forget what left the window
+            self._recent = {k: v for k, v in self._recent.items() if v > seq - self._window}
+        if earlier is not None and earlier > seq - self._window:
+            self.stats.recent += 1
+            return bytes([OP_RECENT]) + _U32.pack(earlier)
+        if h in self.known:
+            self.stats.refs += 1
+            return bytes([OP_REF]) + h
+        self.stats.raw_pages += 1
+        return None
+
+    def _batch(self, ops: bytearray, payload: bytearray) -> bytes:
+        packed = (self._zstd.compress(bytes(payload)) + self._zstd.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+                  if payload else b"")
+        return _HEAD.pack(BATCH, len(ops), len(packed), len(payload)) + bytes(ops) + packed
+
+
+Resolve = Callable[[bytes], bytes | None]
+
+
+class _Bounded:
+    """Where the decoder's zstd stream writes a batch's payload: refused as it passes the size the batch declared
+    (a small hostile frame cannot expand into memory)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._limit = 0
+
+    def start(self, limit: int) -> None:
+        self._buf, self._limit = bytearray(), limit
+
+    def write(self, data: bytes) -> int:
+        if len(self._buf) + len(data) > self._limit:
+            raise IntegrityError(f"the memory stream is corrupt: a payload beyond the {self._limit} bytes its "
+                                 "batch says")
+        self._buf += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        out, self._buf = bytes(self._buf), bytearray()
+        return out
+
+
+class Decoder:
+    """The destination side: :meth:`decode` each chunk of frames, :meth:`finish` at their end."""
+
+    def __init__(self, resolve: Resolve, *, window: int = WINDOW) -> None:
+        self.resolve = resolve
+        self.stats = Stats()
+        self._buf = bytearray()
+        self._out = _Bounded()
+        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
+        self._window = window
+        self._ring: list[bytes] = []
+        self._seq = 0
+
+    def decode(self, data: bytes) -> bytes:
+        self._buf += data
+        self.stats.wire_bytes += len(data)
+        out = bytearray()
+        while len(self._buf) >= _HEAD.size:
+            tag, ops_len, packed_len, out_len = _HEAD.unpack_from(self._buf)
+            if tag != BATCH:
+                raise IntegrityError(f"the memory stream is corrupt: a frame of type {tag!r}")
+            if ops_len > MAX_OPS or out_len > MAX_PAYLOAD or packed_len > out_len + (out_len >> 6) + 1024:
+                raise IntegrityError("the memory stream is corrupt: a batch beyond the codec's bounds "
+                                     f"({ops_len} bytes of ops, {packed_len} bytes for {out_len} of payload)")
+            end = _HEAD.size + ops_len + packed_len
+            if len(self._buf) < end:
+                break
+            ops = bytes(self._buf[_HEAD.size:_HEAD.size + ops_len])
+            packed = bytes(self._buf[_HEAD.size + ops_len:end])
+            del self._buf[:end]
+            out += self._apply(ops, self._payload(packed, out_len))
+        self.stats.stream_bytes += len(out)
+        return bytes(out)
+
+    def finish(self) -> None:
+        if self._buf:
+            raise IntegrityError(f"the memory stream ended inside a frame ({len(self._buf)} bytes left over)")
+
+    def _payload(self, packed: bytes, size: int) -> bytes:
+        if not packed:
+            if size:
+                raise IntegrityError("the memory stream is corrupt: a batch without its payload")
+            return b""
+        self._out.start(size)
+        try:
+            self._zstd.write(packed)
+            self._zstd.flush()
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"the memory stream is corrupt: {exc}") from None
+        data = self._out.take()
+        if len(data) != size:
+            raise IntegrityError(f"the memory stream is corrupt: a payload of {len(data)} bytes where the batch "
+                                 f"says {size}")
+        return data
+
+    def _apply(self, ops: bytes, payload: bytes) -> bytes:
+        plan: list[tuple[int, int | bytes]] = []
+        made = at = pos = 0
+        while pos < len(ops):
+            op = ops[pos]
+            if op == OP_RAW and pos + 5 <= len(ops):
+                n = _U32.unpack_from(ops, pos + 1)[0]
+                plan.append((op, n))
+                at, pos = at + n, pos + 5
+                made += n
+            elif op == OP_PAGE:
+                plan.append((op, PAGE_SIZE))
+                at, pos, made = at + PAGE_SIZE, pos + 1, made + PAGE_SIZE
+            elif op == OP_REF and pos + 1 + HASH_SIZE <= len(ops):
+                plan.append((op, ops[pos + 1:pos + 1 + HASH_SIZE]))
+                pos, made = pos + 1 + HASH_SIZE, made + PAGE_SIZE
+            elif op == OP_RECENT and pos + 5 <= len(ops):
+                plan.append((op, _U32.unpack_from(ops, pos + 1)[0]))
+                pos, made = pos + 5, made + PAGE_SIZE
+            else:
+                raise IntegrityError(f"the memory stream is corrupt: an op {op:#x} the codec does not know, or cut")
+            if at > len(payload) or made > MAX_OUT:
+                raise IntegrityError("the memory stream is corrupt: a batch that asks for more than it carries")
+        if at != len(payload):
+            raise IntegrityError("the memory stream is corrupt: a batch whose payload is longer than its ops")
+        out, at = bytearray(), 0
+        for op, arg in plan:
+            if op == OP_RAW:
+                assert isinstance(arg, int)
+                out += payload[at:at + arg]
+                at += arg
+                continue
+            if op == OP_PAGE:
+                page = payload[at:at + PAGE_SIZE]
+                at += PAGE_SIZE
+                self.stats.raw_pages += 1
+            elif op == OP_REF:
+                assert isinstance(arg, bytes)
+                page = self._resolved(arg)
+                self.stats.refs += 1
+            else:
+                assert isinstance(arg, int)
+                if not self._seq - min(self._seq, self._window) <= arg < self._seq:
+                    raise IntegrityError(f"the memory stream refers to page {arg}, which this end does not hold "
+                                         f"(it holds pages {max(0, self._seq - self._window)}..{self._seq - 1})")
+                page = self._ring[arg % self._window]
+                self.stats.recent += 1
+            self._remember(page)
+            out += page
+        return bytes(out)
+
+    def _resolved(self, h: bytes) -> bytes:
+        page = self.resolve(h)
+        if page is None:
+            raise IntegrityError(f"the memory stream refers to block {h.hex()}, which this host does not hold: "
+                                 "the move fails and the guest runs on at the source")
+        if len(page) != PAGE_SIZE or hash_block(page) != h:
+            raise IntegrityError(f"block {h.hex()} read here does not have that hash: refused (the memory "
+                                 "stream is not rebuilt from it)")
+        return bytes(page)
+
+    def _remember(self, page: bytes) -> None:
+        if len(self._ring) < self._window:
+            self._ring.append(page)
+        else:
+            self._ring[self._seq % self._window] = page
+        self._seq += 1

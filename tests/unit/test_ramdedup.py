@@ -1,0 +1,170 @@
+"""The memory codec of a live move (capsule/migrate/ramdedup.py): encoder → decoder is byte-exact, pages the
+destination holds travel as references and are checked there, and hostile framing gives the typed error with
+bounded memory (a real guest's stream through it: tests/vm/test_live_dedup.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from capsule.errors import IntegrityError
+from capsule.migrate import ramdedup
+from capsule.migrate.ramdedup import Decoder, Encoder, Known
+from hashcache.blocks import hash_block
+from hashcache.manifest import manifest_of_file
+from tests.helpers.fuzzing import fuzz, hostile, peak_allocation
+from tests.helpers.migstream import StreamWriter
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+
+def stream(held: list[bytes], fresh: list[bytes], repeat: int = 0) -> bytes:
+    w = StreamWriter().config().ram_start().ram_part()
+    for i, p in enumerate(held + fresh):
+        w.page(p, offset=i * 4096).zero(offset=(5000 + i) * 4096)
+    w.eos().ram_part()
+    for i, p in enumerate(fresh[:repeat]):           # a later round resends pages (dirty again, same content)
+        w.page(p, offset=(9000 + i) * 4096)
+    w.eos().ram_part(end=True).eos()
+    return w.device(3, "cpu", os.urandom(500)).end().bytes()
+
+
+def through(data: bytes, known: Known, store: dict[bytes, bytes], chunk: int = 65536) -> tuple[bytes, Encoder,
+                                                                                             Decoder]:
+    enc, dec = Encoder(known), Decoder(store.get)
+    wire = [enc.encode(data[i:i + chunk]) for i in range(0, len(data), chunk)] + [enc.finish()]
+    out = b"".join(dec.decode(w) for w in wire)
+    dec.finish()
+    return out, enc, dec
+
+
+def known_of(pages: list[bytes]) -> tuple[Known, dict[bytes, bytes]]:
+    store = {hash_block(p): p for p in pages}
+    return Known(int.from_bytes(h[:8], "little") for h in store), store
+
+
+def test_pages_the_destination_holds_travel_as_references_and_the_stream_is_rebuilt_exactly():
+    held = [os.urandom(4096) for _ in range(40)]
+    fresh = [os.urandom(4096) for _ in range(20)]
+    data = stream(held, fresh, repeat=5)
+    known, store = known_of(held)
+    for chunk in (1, 4097, 65536, len(data)):
+        if chunk == 1:
+            data_ = data[:30000]                       # (byte by byte: a prefix, for time)
+            out, enc, dec = through(data_, known, store, chunk)
+            assert out == data_
+            continue
+        out, enc, dec = through(data, known, store, chunk)
+        assert out == data
+        assert (enc.stats.refs, enc.stats.recent, enc.stats.raw_pages) == (40, 5, 20)
+        assert (dec.stats.refs, dec.stats.recent, dec.stats.raw_pages) == (40, 5, 20)
+        # 40 held pages cost 33 bytes each, 20 random ones their size: far below the raw stream
+        assert enc.stats.wire_bytes < 20 * 4096 + 40 * 40 + 4000 < len(data) // 2
+        assert dec.stats.stream_bytes == len(data) == enc.stats.stream_bytes
+
+
+def test_compressible_pages_are_compressed():
+    fresh = [bytes([i]) * 4096 for i in range(1, 50)]
+    data = stream([], fresh)
+    out, enc, _ = through(data, Known(), {})
+    assert out == data and enc.stats.wire_bytes < len(data) // 20
+
+
+def test_a_page_like_one_sent_in_an_earlier_call_costs_little_one_zstd_stream_spans_the_connection():
+    base = os.urandom(4096)
+    again = base[:4000] + os.urandom(96)               # not equal (no "recent" op), but nearly: zstd matches it
+    w = StreamWriter().config().ram_start().ram_part().page(base, offset=0)
+    cut = len(w.out)                                   # the first call ends after the first page
+    data = w.page(again, offset=4096).eos().bytes()
+    enc, dec = Encoder(), Decoder({}.get)
+    one, two = enc.encode(data[:cut]), enc.encode(data[cut:])
+    assert len(one) > 4096 and len(two) < 600, (len(one), len(two))
+    assert dec.decode(one) + dec.decode(two) == data
+
+
+def test_a_small_frame_that_expands_past_its_batch_is_refused_without_the_memory():
+    import zstandard
+
+    z = zstandard.ZstdCompressor().compressobj()
+    bomb = z.compress(bytes(64 << 20)) + z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)    # 64 MiB of zeros
+    head = ramdedup._HEAD.pack(ramdedup.BATCH, 1, len(bomb), 4096)
+    assert len(bomb) < 4096 + 64 + 1024          # within what the batch header may declare
+    with pytest.raises(IntegrityError, match="beyond the 4096 bytes its batch says"):
+        Decoder({}.get).decode(head + bytes([ramdedup.OP_PAGE]) + bomb)
+    assert peak_allocation(lambda: Decoder({}.get).decode(head + bytes([ramdedup.OP_PAGE]) + bomb)) < 8 << 20
+
+
+def test_a_reference_whose_bytes_fail_blake3_is_refused_naming_the_hash():
+    held = [os.urandom(4096) for _ in range(3)]
+    known, store = known_of(held)
+    h = hash_block(held[1])
+    store[h] = os.urandom(4096)                        # what this host read for it is something else
+    with pytest.raises(IntegrityError, match=h.hex()):
+        through(stream(held, []), known, store)
+
+
+def test_a_reference_the_destination_cannot_resolve_fails_the_stream():
+    held = [os.urandom(4096) for _ in range(3)]
+    known, store = known_of(held)
+    del store[hash_block(held[2])]
+    with pytest.raises(IntegrityError, match=f"{hash_block(held[2]).hex()}.*does not hold"):
+        through(stream(held, []), known, store)
+
+
+def test_known_of_manifests_answers_the_blocks_of_the_objects(tmp_path):
+    blocks = [os.urandom(4096) for _ in range(10)]
+    f = tmp_path / "obj"
+    f.write_bytes(b"".join(blocks[:5]) + bytes(8192) + b"".join(blocks[5:]))
+    known = Known.of_manifests([manifest_of_file(f)])
+    assert len(known) == 10 and known.nbytes == 80
+    assert all(hash_block(b) in known for b in blocks)
+    assert hash_block(os.urandom(4096)) not in known and hash_block(bytes(4096)) not in known
+
+
+def _valid_wire() -> bytes:
+    held = [bytes([7]) * 4096, os.urandom(4096)]
+    known, _ = known_of(held[:1])
+    enc = Encoder(known)
+    return enc.encode(stream(held, [bytes([9]) * 4096], repeat=1)) + enc.finish()
+
+
+VALID = _valid_wire()
+
+
+@fuzz
+@given(hostile(st.just(VALID), max_size=4096), st.integers(1, 5000))
+def test_fuzz_hostile_framing_gives_the_typed_error(wire, chunk):
+    known = {hash_block(bytes([7]) * 4096): bytes([7]) * 4096}
+    dec = Decoder(known.get)
+    try:
+        for i in range(0, len(wire), chunk):
+            dec.decode(wire[i:i + chunk])
+        dec.finish()
+    except IntegrityError:
+        pass
+
+
+@pytest.mark.parametrize("head", [
+    ramdedup._HEAD.pack(b"B", 0xFFFF_FFFF, 0, 0),                  # huge ops
+    ramdedup._HEAD.pack(b"B", 0, 0xFFFF_FFFF, 0xFFFF_FFFF),        # a huge payload
+    ramdedup._HEAD.pack(b"B", 5, 0, 0) + bytes([1]) + (1 << 31).to_bytes(4, "big"),   # a raw run of 2 GiB
+    ramdedup._HEAD.pack(b"B", 1, 0, 0) + bytes([9]),               # an unknown op
+    ramdedup._HEAD.pack(b"B", 5, 0, 0) + bytes([4]) + (0).to_bytes(4, "big"),          # a page never sent
+    ramdedup._HEAD.pack(b"X", 0, 0, 0),
+])
+def test_huge_lengths_and_bad_ops_are_refused_without_buffering(head):
+    dec = Decoder({}.get)
+    peak = peak_allocation(lambda: dec.decode(head + bytes(1 << 16)))
+    with pytest.raises(IntegrityError):
+        Decoder({}.get).decode(head + bytes(1 << 16))
+    assert peak < 4 << 20
+
+
+def test_a_truncated_stream_is_an_error_at_its_end():
+    dec = Decoder({}.get)
+    dec.decode(VALID[:-10])
+    with pytest.raises(IntegrityError, match="ended inside a frame"):
+        dec.finish()
