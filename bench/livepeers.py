@@ -65,6 +65,20 @@ def _write(host: hc.Host, path: str, text: str) -> None:
                    check=True, env=host.project.env())
 
 
+# Run on B: its store passable by QEMU, the leaf lent read-write, the layers below it and the other files read-only
+_LEND = """
+import sys
+from pathlib import Path
+from capsule.runtime import guestaccess as g
+home, leaf, *files = map(Path, sys.argv[1:])
+g.grant_store(home)
+g.lend(leaf, writable=True)
+for f in [*g.backing_chain(leaf), *files]:
+    if f.is_file():
+        g.lend(f, writable=False)
+"""
+
+
 def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int) -> dict[str, Any]:
     """``virsh migrate --live --copy-storage-inc`` with ``kind``: ``zstd`` (multifd, 2 connections, zstd, and
     auto-converge as Capsule's live move has) or ``postcopy`` (``--postcopy-after-precopy``: one pre-copy pass,
@@ -78,15 +92,16 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     info = json.loads(a.sh(f"qemu-img info -U --output=json {leaf}"))
     # B's top layer precreated over B's own copy of the image's layer, in an instance directory made as Capsule
     # makes one (the agent's user, QEMU's group, 01770), as Capsule's own incoming live move does
-    # the store's directories as Capsule's own first guest there leaves them (QEMU's group passes through)
-    b._exec(["/opt/capsule/.venv/bin/python", "-c", "import sys; from pathlib import Path; from capsule.runtime "
-             "import guestaccess; guestaccess.grant_store(Path(sys.argv[1]))", b.home])
     b_dir = f"{b.home}/instances/{name}"
     b_leaf = f"{b_dir}/leaf.qcow2"
     backing = os.path.join(os.path.dirname(leaf), info["backing-filename"]).replace(a.home, b.home)
-    _write(a, f"/tmp/{name}.xml", xml.replace(leaf, b_leaf).replace(a.home, b.home))
+    b_xml = xml.replace(leaf, b_leaf).replace(a.home, b.home)
+    _write(a, f"/tmp/{name}.xml", b_xml)
     b.sh(f"install -d -o capsule -g libvirt-qemu -m 1770 {b_dir} && qemu-img create -q -f qcow2 -F qcow2 "
-         f"-b {backing} {b_leaf} {info['virtual-size']} && chown capsule:libvirt-qemu {b_leaf} && chmod 660 {b_leaf}")
+         f"-b {backing} {b_leaf} {info['virtual-size']}")
+    # what QEMU opens there made its, as Capsule does before it starts a guest (capsule.runtime.guestaccess)
+    opened = sorted(set(re.findall(rf"({re.escape(b.home)}/[^<'\"]+)", b_xml)) - {b_leaf})
+    b._exec(["/opt/capsule/.venv/bin/python", "-c", _LEND, b.home, b_leaf, *opened])
     flags = ["--live", "--copy-storage-inc", "--xml", f"/tmp/{name}.xml",
              "--migrateuri", f"tcp://127.0.0.1:{link.migration}", "--listen-address", link.far,
              "--disks-port", str(link.nbd)]
