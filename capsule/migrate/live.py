@@ -39,6 +39,7 @@ from capsule.lifecycle import SealResult, livedisk
 from capsule.migrate import memrefs
 from capsule.migrate import precheck as checks
 from capsule.migrate.progress import LIVE_PHASES, CancelToken, Snapshot, Tracker, planned
+from capsule.migrate.switchover import SwitchoverRate
 from capsule.migrate.tunnel import Tunnels, open_tunnels
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store, claims
@@ -79,6 +80,7 @@ class LiveFigures:
     memory_refs: int = 0                 # pages sent as references to blocks the other host holds (the codec)
     memory_raw_pages: int = 0            # pages sent themselves, compressed
     memory_wire_bytes: int = 0           # the migration stream's bytes on the link (0: the codec was not used)
+    switchover_rate: int | None = None   # bytes/s QEMU was last told it can send in the pause (switchover.py)
 
     def record_memory(self, tunnels: Any) -> None:
         """The memory codec's figures, from the :class:`~capsule.migrate.tunnel.Tunnels` the move used."""
@@ -173,7 +175,7 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
             try:
                 link = lambda: tunnels.bytes_sent + tunnels.bytes_received  # noqa: E731
                 figures = _run_job(dom, Routes.of(tunnels), prep, targets, max_pause, postcopy, tracker, cancel,
-                                   say, link)
+                                   say, link, SwitchoverRate(dom, _raw_memory(tunnels)))
             except BaseException as exc:
                 gone = None
                 try:
@@ -222,9 +224,17 @@ def migrate_flags(postcopy: bool) -> int:
     return flags | (libvirt.VIR_MIGRATE_POSTCOPY if postcopy else libvirt.VIR_MIGRATE_AUTO_CONVERGE)
 
 
+def _raw_memory(tunnels: Tunnels) -> Callable[[], int]:
+    """The bytes QEMU has written into the migration channel so far (before the memory codec)."""
+    t = tunnels.tunnels.get("qemu-migration")
+    if t is None:
+        return lambda: 0
+    return (lambda: t.memory.stream_bytes) if tunnels.dedup else (lambda: t.bytes_sent)
+
+
 def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,
              postcopy: bool, tracker: Tracker, cancel: CancelToken, say: Callable[[str], None],
-             link: Callable[[], int]) -> LiveFigures:
+             link: Callable[[], int], switchover: SwitchoverRate) -> LiveFigures:
     """libvirt's migration in a thread, its job watched: progress, cancel, switchover, post-copy."""
     flags = migrate_flags(postcopy)
     params = {libvirt.VIR_MIGRATE_PARAM_DEST_XML: str(prep["xml"]),
@@ -245,7 +255,7 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
     t0 = time.monotonic()
     worker = threading.Thread(target=run, name="live-migrate", daemon=True)
     worker.start()
-    figures = _watch(dom, worker, postcopy, tracker, cancel, say, errors, link)
+    figures = _watch(dom, worker, postcopy, tracker, cancel, say, errors, link, switchover)
     figures.seconds = time.monotonic() - t0
     if errors:
         exc = errors[0]
@@ -258,7 +268,7 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
 
 def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy: bool, tracker: Tracker,
            cancel: CancelToken, say: Callable[[str], None], errors: list[BaseException],
-           link: Callable[[], int]) -> LiveFigures:
+           link: Callable[[], int], switchover: SwitchoverRate) -> LiveFigures:
     figures = LiveFigures()
     base = tracker.wire_bytes
     best: int | None = None
@@ -291,6 +301,8 @@ def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy: bool, tra
                     best, stalled = remaining, 0
                 else:
                     stalled += 1
+        if state == libvirt.VIR_DOMAIN_RUNNING and not figures.postcopy and not aborted:
+            figures.switchover_rate = switchover.tick() or figures.switchover_rate
         figures.memory_bytes = max(figures.memory_bytes, processed)
         figures.disk_bytes = max(figures.disk_bytes, int(stats.get("disk_processed", 0)))
         figures.rounds = max(figures.rounds, int(it or 0))

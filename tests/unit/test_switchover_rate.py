@@ -1,0 +1,55 @@
+"""What a live move tells QEMU it can send in the pause (capsule/migrate/switchover.py): the raw bytes QEMU handed
+the tunnel per second over the last seconds, not a burst the tunnel's buffers took."""
+
+from __future__ import annotations
+
+import pytest
+
+from capsule.migrate.switchover import SwitchoverRate
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+class Flow:
+    def __init__(self) -> None:
+        self.t, self.raw, self.told = 0.0, 0, []
+
+    def rate(self, refuse: bool = False) -> SwitchoverRate:
+        def tell(r: int) -> bool:
+            self.told.append(r)
+            return not refuse
+        return SwitchoverRate(None, lambda: self.raw, clock=lambda: self.t, tell=tell)
+
+    def run(self, s: SwitchoverRate, seconds: float, per_second: int, step: float = 0.5) -> int | None:
+        out = None
+        for _ in range(int(seconds / step)):
+            self.t += step
+            self.raw += int(per_second * step)
+            out = s.tick()
+        return out
+
+
+def test_a_burst_into_the_buffers_is_not_the_rate_the_flow_after_it_is():
+    f = Flow()
+    s = f.rate()
+    assert s.tick() is None                       # nothing measured yet
+    f.raw += 3_000_000                            # the buffers take 3 MB at once
+    f.run(s, 10, 1_000_000)                       # then the link drains 1 MB/s
+    assert f.told and abs(f.told[-1] - 1_000_000) < 50_000
+    assert s.told == f.told[-1]
+
+
+def test_qemu_is_told_again_only_when_the_rate_moves_and_never_after_it_refused():
+    f = Flow()
+    s = f.rate()
+    f.run(s, 10, 1_000_000)
+    told = len(f.told)
+    f.run(s, 10, 1_030_000)                        # 3 %: not worth telling
+    assert len(f.told) == told
+    f.run(s, 10, 300_000)                          # the dirty pages compress worse now: told
+    assert abs(f.told[-1] - 300_000) < 20_000
+
+    g = Flow()
+    r = g.rate(refuse=True)                        # a QEMU without avail-switchover-bandwidth
+    g.run(r, 10, 1_000_000)
+    assert len(g.told) == 1 and r.told is None and r.refused
