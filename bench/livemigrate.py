@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--dirty", default="0,2,20", help="dirtier rates (MiB/s) to run every case at (0: none)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"which of {', '.join(CASES)}")
+    ap.add_argument("--tag", default="", help="a suffix for the result's file name (a run of some cases only)")
     ap.add_argument("--keep-hosts", action="store_true", help="leave the compose project up")
     args = ap.parse_args()
     dirty = [int(x) for x in args.dirty.split(",")]
@@ -123,7 +124,7 @@ def main() -> None:
     finally:
         if not args.keep_hosts:
             PROJECT.compose("down", "--volumes", "--timeout", "5")
-    name = f"livemigrate_b2_{args.rate_kbit}kbit"
+    name = f"livemigrate_b2_{args.rate_kbit}kbit" + (f"_{args.tag}" if args.tag else "")
     path = write_result(name, {
         "rate_kbit": args.rate_kbit, "rtt_ms": args.rtt_ms, "guest": "tiny, 256 MiB", "results": results,
         "ratios": ratios(results),

@@ -133,16 +133,16 @@ import json, os, sys
 from pathlib import Path
 from capsule import migrate
 from capsule.store import Store
-live = sys.argv[3] == "live"
+live = sys.argv[3] in ("live", "postcopy")
 r = migrate.migrate(Store.open(Path(os.environ["CAPSULE_HOME"])), sys.argv[1], sys.argv[2],
-                    os.environ["CAPSULE_TOKEN"], mode="full", live=live)
+                    os.environ["CAPSULE_TOKEN"], mode="full", live=live, postcopy=sys.argv[3] == "postcopy")
 print(json.dumps({"seconds": r.seconds, "push": r.push.as_dict() if r.push else None,
                   "live": r.live.as_dict() if r.live is not None else None}))
 """
 
 
 def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int) -> dict[str, Any]:
-    """``capsule migrate`` (``kind`` live: the default; offline: ``--offline``)."""
+    """``capsule migrate`` (``kind`` live: the default; postcopy: ``--postcopy``; offline: ``--offline``)."""
     digest = prepare(a, name, dirty_mib)
     before_clock = a.guest_offset(name)
     before = link.link.wire_bytes()
@@ -157,14 +157,16 @@ def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty
     b.capsule("stop", name, "--force")
     paused, error = guestclock.paused(before_clock, after_clock)
     live = r.get("live") or {}
-    return {"case": "capsule migrate" + (" --offline" if kind == "offline" else ""),
+    return {"case": "capsule migrate" + {"live": "", "offline": " --offline", "postcopy": " --postcopy"}[kind],
             "seconds": round(seconds, 2), "wire_bytes": wire, "content_intact": moved == digest,
             "paused_ms": round(paused * 1000), "paused_error_ms": round(error * 1000),
             "downtime_ms": live.get("pause_ms"), "memory_processed_bytes": live.get("memory_bytes"),
             "memory_wire_bytes": live.get("memory_wire_bytes"), "memory_refs": live.get("memory_refs"),
             "memory_iterations": live.get("rounds"), "postcopy": live.get("postcopy"),
+            "switchover_rate": live.get("switchover_rate"),
             "hcp_wire_bytes": (r["push"] or {}).get("wire_bytes"), "raw": r}
 
 
 CASES = {"virsh-zstd": (virsh_move, "zstd"), "virsh-postcopy": (virsh_move, "postcopy"),
-         "capsule": (capsule_move, "live"), "capsule-offline": (capsule_move, "offline")}
+         "capsule": (capsule_move, "live"), "capsule-postcopy": (capsule_move, "postcopy"),
+         "capsule-offline": (capsule_move, "offline")}
