@@ -65,7 +65,7 @@ def _write(host: hc.Host, path: str, text: str) -> None:
                    check=True, env=host.project.env())
 
 
-# Run on B: its store passable by QEMU, the leaf lent read-write, the layers below it and the other files read-only
+# Run on B: its store passable by QEMU, the leaf lent read-write, the layer below it and the other files read-only
 _LEND = """
 import sys
 from pathlib import Path
@@ -73,7 +73,7 @@ from capsule.runtime import guestaccess as g
 home, leaf, *files = map(Path, sys.argv[1:])
 g.grant_store(home)
 g.lend(leaf, writable=True)
-for f in [*g.backing_chain(leaf), *files]:
+for f in files:
     if f.is_file():
         g.lend(f, writable=False)
 """
@@ -100,7 +100,7 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     b.sh(f"install -d -o capsule -g libvirt-qemu -m 1770 {b_dir} && qemu-img create -q -f qcow2 -F qcow2 "
          f"-b {backing} {b_leaf} {info['virtual-size']}")
     # what QEMU opens there made its, as Capsule does before it starts a guest (capsule.runtime.guestaccess)
-    opened = sorted(set(re.findall(rf"({re.escape(b.home)}/[^<'\"]+)", b_xml)) - {b_leaf})
+    opened = sorted(set(re.findall(rf"({re.escape(b.home)}/[^<'\"]+)", b_xml)) - {b_leaf} | {backing})
     b._exec(["/opt/capsule/.venv/bin/python", "-c", _LEND, b.home, b_leaf, *opened])
     flags = ["--live", "--copy-storage-inc", "--xml", f"/tmp/{name}.xml",
              "--migrateuri", f"tcp://127.0.0.1:{link.migration}", "--listen-address", link.far,
