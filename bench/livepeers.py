@@ -67,13 +67,15 @@ def _write(host: hc.Host, path: str, text: str) -> None:
 
 # Run on B: its store passable by QEMU, the leaf lent read-write, the layer below it and the other files read-only
 _LEND = """
-import sys
+import json, subprocess, sys
 from pathlib import Path
 from capsule.runtime import guestaccess as g
 home, leaf, *files = map(Path, sys.argv[1:])
 g.grant_store(home)
 g.lend(leaf, writable=True)
-for f in files:
+chain = json.loads(subprocess.run(["qemu-img", "info", "-U", "--backing-chain", "--output=json", str(leaf)],
+                                  capture_output=True, text=True, check=True).stdout)
+for f in [*(Path(i["filename"]) for i in chain[1:]), *files]:
     if f.is_file():
         g.lend(f, writable=False)
 """
