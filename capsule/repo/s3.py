@@ -18,7 +18,7 @@ import os
 import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -70,8 +70,8 @@ def parse_url(url: str) -> Location:
 @dataclass(frozen=True)
 class Credentials:
     access_key: str
-    secret_key: str
-    session_token: str | None = None
+    secret_key: str = field(repr=False)                 # never in a log line or a traceback's locals
+    session_token: str | None = field(default=None, repr=False)
 
 
 def credentials_from_environment() -> Credentials:
