@@ -243,3 +243,10 @@ def test_a_long_push_keeps_its_lock_fresh(bucket, monkeypatch):
             session.add(bytes([i]) * 32, random.Random(i).randbytes(4096))
         session.flush()
     assert report.packs == 3 and sum(1 for k in writes if k == f"repo/{lock.name}") == 3
+
+
+def test_credentials_never_show_their_secret():
+    from capsule.repo.s3 import Credentials
+
+    shown = repr(Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI-secret", "session-token"))
+    assert "AKIDEXAMPLE" in shown and "secret" not in shown and "session-token" not in shown
