@@ -46,8 +46,8 @@ from capsule.store import Store, claims
 
 NOTE = "live move: disks at T0"
 POLL = 0.5              # seconds between two looks at libvirt's job
-STALL_ROUNDS = 8        # pre-copy rounds without what remains shrinking: it does not converge
-MIN_ROUNDS_FOR_STALL = 3
+STALL_ROUNDS = 1        # pre-copy rounds without what remains shrinking: it does not converge
+MIN_ROUNDS_FOR_STALL = 2
 QEMU_SHARE = 0.5        # of --max-pause, QEMU's downtime limit (qemu_downtime_ms)
 TUNNEL_TTL = 600.0      # seconds the other host admits the move's connections (libvirt opens them at the start)
 
