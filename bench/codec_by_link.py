@@ -26,6 +26,7 @@ from capsule.store import Store  # noqa: E402
 from testkit.fleetkit import new_version  # noqa: E402
 from testkit.images import image_store  # noqa: E402
 from testkit.netlink import SlowLink  # noqa: E402
+from testkit.payloads import text  # noqa: E402
 
 PUSH = """
 import json, sys
@@ -39,16 +40,6 @@ r = transfer.push(Store.open(Path(home)), "cap", url, token, opts, transport=Htt
 print(json.dumps({"how": how, "wire_bytes": r.wire_bytes, "seconds": round(r.seconds, 1),
                   "codecs": [o.codecs for o in r.objects]}))
 """
-
-
-def text(size: int, seed: int) -> bytes:
-    r = random.Random(seed)
-    vocab = [bytes(r.choice(b"abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(3000)]
-    lines = [b" ".join(r.choices(vocab, k=r.randint(4, 14))) + b"\n" for _ in range(4000)]
-    out = bytearray()
-    while len(out) < size:
-        out += b"".join(r.choices(lines, k=64))
-    return bytes(out[:size])
 
 
 def save(path: Path, row: dict) -> None:

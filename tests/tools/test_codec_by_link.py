@@ -6,7 +6,6 @@ agent in namespace B over a shaped link (testkit/netlink.py) whose ``tbf`` rate 
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from capsule.store import Store
 from capsule.store.objectio import has_object
 from testkit.fleetkit import new_version
 from testkit.netlink import SlowLink
+from testkit.payloads import text
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(180)]
 
@@ -46,17 +46,6 @@ store = Store.open(Path(home))
 r = transfer.push(store, "cap", url, token, progress=Pause(), transport=HttpTransport(url, token, fingerprint=pin))
 print(json.dumps(r.as_dict()))
 """
-
-
-def text(size: int, seed: int) -> bytes:
-    """Text-like blocks: random lines from a pool, so a stream's history and a slow codec pay off."""
-    r = random.Random(seed)
-    vocab = [bytes(r.choice(b"abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(3000)]
-    lines = [b" ".join(r.choices(vocab, k=r.randint(4, 14))) + b"\n" for _ in range(4000)]
-    out = bytearray()
-    while len(out) < size:
-        out += b"".join(r.choices(lines, k=64))
-    return bytes(out[:size])
 
 
 def test_objects_after_the_link_slows_down_travel_in_another_codec(tmp_path, tiny_images):

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -83,7 +84,7 @@ def _stream(pages: list[bytes]) -> bytes:
     return w.eos().ram_part(end=True).eos().device(3, "cpu", os.urandom(400)).end().bytes()
 
 
-def _send(dedup: Dedup, agent: AgentProcess, short: Path, data: bytes) -> tuple[object, Sink]:
+def _send(dedup: Dedup | None, agent: AgentProcess, short: Path, data: bytes) -> tuple[Any, Sink]:
     peer = SimpleNamespace(url=agent.url, token=agent.token, fingerprint=None)
     t = open_tunnels(peer, ("qemu-migration",), local_dir=short / "src", dedup=dedup)
     sink = Sink(Path(t.remote_paths["qemu-migration"]))
@@ -132,17 +133,8 @@ def test_a_block_the_destination_lacks_cuts_the_stream_naming_it(dest, tmp_path)
 def test_without_dedup_the_bytes_cross_as_they_came(dest, tmp_path):
     agent, short, _store = dest
     data = _stream([os.urandom(4096) for _ in range(20)])
-    peer = SimpleNamespace(url=agent.url, token=agent.token, fingerprint=None)
-    with open_tunnels(peer, ("qemu-migration",), local_dir=short / "src") as t:
-        assert not t.dedup
-        sink = Sink(Path(t.remote_paths["qemu-migration"]))
-        with socket.socket(socket.AF_UNIX) as c:
-            c.connect(str(t.tunnels["qemu-migration"].path))
-            c.sendall(data)
-            c.shutdown(socket.SHUT_WR)
-            c.settimeout(60)
-            while c.recv(1 << 16):
-                pass
-        assert sink.done.wait(60) and bytes(sink.data) == data
+    t, sink = _send(None, agent, short, data)
+    with t:
+        assert not t.dedup and bytes(sink.data) == data
         wait_until(lambda: t.bytes_sent == len(data), 10, "every byte sent as it came")
         assert t.memory.wire_bytes == 0

@@ -9,29 +9,26 @@ from __future__ import annotations
 
 import base64
 import re
-import socket
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from capsule import capsules
 from capsule.accounts import owners, tokens, users
 from capsule.agent.app import create_app
 from capsule.console import clipboard, guestx
 from capsule.store import Store
-from capsule.store.catalogue import InstanceRow
-from tests.helpers.fakeagent import reply, requests
-from tests.unit.test_dashboard_api import TOKEN, Clock, _fake_image, sign_in
+from tests.helpers.fakeagent import ExecAgent
+from tests.unit.test_console_api import home  # noqa: F401 - fixture: capsules desk, other (running) and off
+from tests.unit.test_dashboard_api import TOKEN, Clock, sign_in
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 LINE_LIMIT = 65536     # the guest agent's longest request line (guest-balloon/PROTOCOL.md)
 
 
-class FakeDesktop:
+class FakeDesktop(ExecAgent):
     """A guest agent whose ``exec`` plays the guest: ``sh -c '... cat >[>] FILE'`` writes its stdin to FILE,
     ``python3 - set FILE`` (the helper on stdin) makes FILE's base64 the clipboard, ``python3 - get MAX`` answers it in
     base64 (exit 3 beyond MAX)."""
@@ -40,30 +37,9 @@ class FakeDesktop:
         self.files: dict[str, str] = {}
         self.clipboard = b""
         self.screen = (1280, 800)
-        self.execs: list[list[str]] = []
-        self.longest = 0
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(path))
-        self.listener.listen(8)
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__(path, self.exec)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                for req, size in requests(conn):
-                    self.longest = max(self.longest, size)
-                    if req["cmd"] == "ping":
-                        reply(conn, req["id"], {})
-                    else:
-                        reply(conn, req["id"], self.exec(req["args"]))
-
-    def exec(self, args: dict[str, Any]) -> dict[str, Any]:
-        argv = args["argv"]
-        self.execs.append(argv)
+    def exec(self, argv: list[str], args: dict[str, Any]) -> dict[str, Any]:
         done = {"exit_code": 0, "stdout": "", "stderr": "", "timed_out": False}
         if argv[:2] == ["sh", "-c"]:
             m = re.fullmatch(r"(?:umask 077 && mkdir -p \S+ && )?cat (>>?) (/run/capsule-clipboard/[0-9a-f]+)", argv[2])
@@ -83,22 +59,7 @@ class FakeDesktop:
 
 
 @pytest.fixture
-def home(tmp_path):
-    store = Store.open(tmp_path / "a")
-    _fake_image(store)
-    for name in ("desk", "other", "off"):
-        capsules.create(store, name, "img", memory="256M")
-    for name in ("desk", "other"):
-        inst = tmp_path / "inst" / name
-        inst.mkdir(parents=True)
-        store.catalogue.add_instance(InstanceRow(capsule=name, version=1, domain=f"d-{name}", leaves=[],
-                                                 chains=[], accel="tcg", dir=str(inst)))
-    store.close()
-    return tmp_path
-
-
-@pytest.fixture
-def guests(home):
+def guests(home):  # noqa: F811
     g = {name: FakeDesktop(home / "inst" / name / "agent.sock") for name in ("desk", "other")}
     yield g
     for guest in g.values():
@@ -106,7 +67,7 @@ def guests(home):
 
 
 @pytest.fixture
-def client(home):
+def client(home):  # noqa: F811
     app = create_app(home / "a", TOKEN)
     app.state.sessions.clock = Clock()
     return TestClient(app)
@@ -133,7 +94,7 @@ def test_a_large_text_goes_in_pieces_within_the_agents_line_limit(client, guests
     r = client.put("/api/capsules/desk/clipboard", json={"text": text}, headers={"X-CSRF-Token": csrf})
     assert r.status_code == 200, r.text
     assert guests["desk"].clipboard == text.encode()
-    assert len([a for a in guests["desk"].execs if a[0] == "sh"]) > 10
+    assert len([a for a in guests["desk"].argvs if a[0] == "sh"]) > 10
     assert guests["desk"].longest < LINE_LIMIT
     assert client.get("/api/capsules/desk/clipboard").json()["text"] == text
 
@@ -145,7 +106,7 @@ def test_too_large_is_refused_both_ways_and_nothing_reaches_the_guest(client, gu
                    headers={"X-CSRF-Token": csrf})
     assert r.status_code == 413
     assert r.json()["error"] == "too_large" and "clipboard's limit of 512 KiB" in r.json()["detail"]
-    assert guests["desk"].execs == [] and guests["desk"].clipboard == b"before"
+    assert guests["desk"].argvs == [] and guests["desk"].clipboard == b"before"
     guests["desk"].clipboard = b"y" * (clipboard.MAX_BYTES + 1)     # copied in the guest
     r = client.get("/api/capsules/desk/clipboard")
     assert r.status_code == 413 and "capsule 'desk''s clipboard is larger" in r.json()["detail"]
@@ -160,17 +121,17 @@ def test_unknown_stopped_or_malformed_is_refused(client, guests):
     assert r.status_code == 409 and "not running" in r.json()["detail"]
     r = client.put("/api/capsules/desk/clipboard", json={"txt": "x"}, headers=h)
     assert r.status_code == 400 and "text" in r.json()["detail"]
-    assert guests["desk"].execs == []
+    assert guests["desk"].argvs == []
 
 
 def test_a_change_needs_the_sessions_csrf_token(client, guests):
     sign_in(client)
     r = client.put("/api/capsules/desk/clipboard", json={"text": "x"})
     assert r.status_code == 403
-    assert guests["desk"].execs == []
+    assert guests["desk"].argvs == []
 
 
-def test_an_owner_reaches_only_the_clipboard_of_its_own_capsules(client, home, guests):
+def test_an_owner_reaches_only_the_clipboard_of_its_own_capsules(client, home, guests):  # noqa: F811
     store = Store.open(home / "a")
     users.add(store, "root", "admin", "correct horse battery")
     users.add(store, "alice", "owner")
@@ -183,7 +144,7 @@ def test_an_owner_reaches_only_the_clipboard_of_its_own_capsules(client, home, g
     r = client.get("/api/capsules/other/clipboard", headers=alice)
     assert r.status_code == 403 and "not yours" in r.json()["detail"]
     r = client.put("/api/capsules/other/clipboard", json={"text": "x"}, headers=alice)
-    assert r.status_code == 403 and guests["other"].execs == [] and guests["other"].clipboard == b"root's secret"
+    assert r.status_code == 403 and guests["other"].argvs == [] and guests["other"].clipboard == b"root's secret"
     assert client.get("/api/capsules/desk/clipboard", headers=reader).status_code == 403   # a read-only token
     assert client.put("/api/capsules/desk/clipboard", json={"text": "mine"}, headers=alice).status_code == 200
     assert client.get("/api/capsules/desk/clipboard", headers=alice).json()["text"] == "mine"
@@ -200,7 +161,7 @@ def test_the_screen_size_is_brought_within_what_the_card_shows(client, guests):
     assert guests["other"].screen == (1280, 800)
 
 
-def test_a_screen_size_that_is_none_or_not_allowed_is_refused(client, home, guests):
+def test_a_screen_size_that_is_none_or_not_allowed_is_refused(client, home, guests):  # noqa: F811
     csrf = sign_in(client)
     h = {"X-CSRF-Token": csrf}
     for body in ({"width": 0, "height": 600}, {"width": 800, "height": -1}, {"width": 99999, "height": 600}):
@@ -218,4 +179,4 @@ def test_a_screen_size_that_is_none_or_not_allowed_is_refused(client, home, gues
     store.close()
     r = client.put("/api/capsules/other/screen-size", json={"width": 800, "height": 600}, headers=bob)
     assert r.status_code == 403
-    assert guests["desk"].execs == [] and guests["other"].execs == []
+    assert guests["desk"].argvs == [] and guests["other"].argvs == []

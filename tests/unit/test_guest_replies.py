@@ -26,45 +26,13 @@ from capsule.runtime.guestagent import AgentReplyInvalid, Reply, exec_result
 from capsule.runtime.hotdisk import HotDiskUnavailable
 from capsule.store import Store
 from capsule.store.catalogue import InstanceRow
-from tests.helpers.fakeagent import reply, requests
+from tests.helpers.fakeagent import ExecAgent, requests
 from tests.unit.test_dashboard_api import TOKEN, _fake_image
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 GOOD_PATH = "/var/lib/pods/out/web-20250101T120000-42.pod"
 CAP = replies.image_cap(256)   # the capsule below has 256 MiB of RAM
-
-
-class FakeGuest:
-    """A guest agent on ``path`` that answers ``exec`` with ``answer(argv, args)`` (an exec result) and records
-    every argv it was asked to run."""
-
-    def __init__(self, path: Path, answer: Callable[[list[str], dict[str, Any]], Any]) -> None:
-        self.argvs: list[list[str]] = []
-        self.answer = answer
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(path))
-        self.listener.listen(8)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                for req, _n in requests(conn):
-                    if req["cmd"] == "ping":
-                        reply(conn, req["id"], {})
-                        continue
-                    self.argvs.append(req["args"].get("argv"))
-                    conn.sendall(json.dumps({"id": req["id"], "ok": True,
-                                             "result": self.answer(req["args"]["argv"], req["args"])}).encode()
-                                 + b"\n")
-
-    def ran(self, word: str) -> list[list[str]]:
-        return [a for a in self.argvs if any(word in part for part in a)]
 
 
 def pods_says(result: Any, ok: Any = True) -> dict[str, Any]:
@@ -94,8 +62,8 @@ def store(tmp_path):
     s.close()
 
 
-def guest(store: Store, answer: Callable[[list[str], dict[str, Any]], Any]) -> FakeGuest:
-    return FakeGuest(store.instance_dir("deb") / "agent.sock", answer)
+def guest(store: Store, answer: Callable[[list[str], dict[str, Any]], Any]) -> ExecAgent:
+    return ExecAgent(store.instance_dir("deb") / "agent.sock", answer)
 
 
 def made_files(store: Store) -> list[str]:
