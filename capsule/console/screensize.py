@@ -34,5 +34,7 @@ def set_size(store: Store, name: str, width: int, height: int) -> tuple[int, int
     try:
         got_w, got_h = (int(v) for v in r["stdout"].split())
     except ValueError:
-        raise guestx.failed(name, WHAT, r | {"stderr": f"the helper answered {r['stdout'][:80]!r}"}) from None
+        got_w = got_h = -1
+    if not (0 < got_w <= MAX_SIZE[0] and 0 < got_h <= MAX_SIZE[1]):     # the guest's word: a size it may show
+        raise guestx.failed(name, WHAT, r | {"stderr": f"the helper answered {r['stdout'][:80]!r}"})
     return got_w, got_h

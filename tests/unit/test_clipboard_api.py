@@ -161,6 +161,20 @@ def test_the_screen_size_is_brought_within_what_the_card_shows(client, guests):
     assert guests["other"].screen == (1280, 800)
 
 
+def test_a_size_the_guest_answers_beyond_what_the_card_shows_is_refused(client, guests):
+    csrf = sign_in(client)
+    plays = guests["desk"].exec
+
+    def boasts(argv, args):
+        out = plays(argv, args)
+        return out | {"stdout": "99999999 1\n"} if argv[2:3] == ["size"] else out
+
+    guests["desk"].answer = boasts
+    r = client.put("/api/capsules/desk/screen-size", json={"width": 1024, "height": 768},
+                   headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 409 and "99999999 1" in r.json()["detail"], r.text
+
+
 def test_a_screen_size_that_is_none_or_not_allowed_is_refused(client, home, guests):  # noqa: F811
     csrf = sign_in(client)
     h = {"X-CSRF-Token": csrf}
