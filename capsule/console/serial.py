@@ -133,8 +133,10 @@ class ConsoleSession:
         """Run ``command`` in the guest shell and return its output."""
         tag = secrets.token_hex(4)
         self.drain(0.05)
-        # The echoed command line holds B''EGIN and E''ND; only the output holds the joined markers.
-        self.send(f"echo __CAPS_B''EGIN_{tag}__\n{command}\necho __CAPS_E''ND_{tag}_$?__\n")
+        # The echoed command line holds B''EGIN and E''ND; only the output holds the joined markers. One
+        # compound command: the shell runs nothing before it has read (and so echoed) every line, so no echo
+        # of a later line can land between the markers, as it could when the lines ran one by one.
+        self.send(f"{{ echo __CAPS_B''EGIN_{tag}__\n{command}\necho __CAPS_E''ND_{tag}_$?__; }}\n")
         begin = f"__CAPS_BEGIN_{tag}__".encode()
         pattern = re.compile(rb"__CAPS_END_" + tag.encode() + rb"_(\d+)__")
         deadline = time.monotonic() + timeout
