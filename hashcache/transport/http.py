@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,18 @@ from hashcache.transport.base import Call, Reply, TokenSource
 STALLED = (httpx.TimeoutException, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
+# a TLS handshake the peer cut short: someone listens (a refused connection never reaches the handshake)
+_TLS_CUT = ("eof occurred in violation of protocol", "unexpected_eof_while_reading")
+
+
 def _reset(exc: BaseException) -> bool:
-    """A connection reset while it opened (a link or middlebox failing, not nobody listening)."""
+    """A connection reset, or its TLS handshake cut short, while it opened (a link, a middlebox or a busy
+    agent failing it, not nobody listening)."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, ConnectionResetError) or "connection reset" in str(seen).lower():
+        text = str(seen).lower()
+        if isinstance(seen, (ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroReturnError)) \
+                or "connection reset" in text or any(t in text for t in _TLS_CUT):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

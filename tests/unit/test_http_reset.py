@@ -1,4 +1,5 @@
-"""A connection reset while it opens is a stalled link (tried again), not a refused one."""
+"""A connection reset, or a TLS handshake cut short, while it opens is a stalled link (tried again), not a
+refused one."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def _transport(exc: Exception) -> HttpTransport:
     (httpx.ConnectError("[Errno 104] Connection reset by peer"), False),
     (httpx.ConnectError("[Errno 111] Connection refused"), True),
     (httpx.ReadError("[Errno 104] Connection reset by peer"), False),
+    # a TLS handshake the agent closed (busy, restarting): someone listens, so it is tried again
+    (httpx.ConnectError("[SSL: UNEXPECTED_EOF_WHILE_READING] EOF occurred in violation of protocol (_ssl.c:992)"),
+     False),
 ])
 def test_a_reset_while_connecting_is_retried_and_a_refused_connection_is_not(exc, refused):
     from hashcache.errors import Unreachable
