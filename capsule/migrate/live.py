@@ -185,7 +185,7 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
                     say(f"the other host could not remove what it prepared (it does when the tunnel ends or its "
                         f"agent starts again): {err}")
                 if isinstance(exc, RuntimeFailure):     # libvirt only says that its stream ended
-                    broke = [e for t in tunnels.tunnels.values() for e in t.errors]
+                    broke = _tunnel_errors(tunnels)
                     if broke or gone is not None:
                         why = broke[-1] if broke else f"its agent does not answer ({gone})"
                         raise RuntimeFailure(f"{exc}; the link to the other host broke: {why}") from exc
@@ -204,6 +204,20 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
         figures.pause_ms = remote["downtime_ms"]
         tracker.pause(figures.pause_ms)
     return remote, figures
+
+
+ERRORS_SETTLE = 2.0   # seconds a failed move waits for the tunnel's threads to record why its link broke
+
+
+def _tunnel_errors(tunnels: Tunnels, settle: float = ERRORS_SETTLE) -> list[str]:
+    """Why the tunnel's connections broke. libvirt can report its ended stream before the tunnel's thread has
+    recorded the cause, so an empty answer is asked again for up to ``settle`` seconds."""
+    deadline = time.monotonic() + settle
+    while True:
+        broke = [e for t in tunnels.tunnels.values() for e in t.errors]
+        if broke or time.monotonic() >= deadline:
+            return broke
+        time.sleep(0.1)
 
 
 def qemu_downtime_ms(max_pause: float) -> int:

@@ -17,7 +17,7 @@ from capsule import migrate as lib
 from capsule.agent.app import create_app
 from capsule.errors import InvalidName
 from capsule.exchange import incoming
-from capsule.migrate import precheck
+from capsule.migrate import live, precheck
 from capsule.migrate.progress import LIVE_PHASES, Tracker, planned
 from capsule.runtime.connection import host_uuid
 from capsule.runtime.domainxml import MachineSpec, build
@@ -297,3 +297,16 @@ def test_qemu_gets_half_the_pause_budget_for_its_copy_the_rest_is_for_the_switch
     from capsule.migrate.live import qemu_downtime_ms
 
     assert qemu_downtime_ms(1.0) == 500 and qemu_downtime_ms(0.2) == 100 and qemu_downtime_ms(0.001) == 1
+
+
+def test_a_broken_links_cause_recorded_after_libvirt_gave_up_still_reaches_the_message():
+    """libvirt can report its ended stream before the tunnel's thread has recorded why the link broke: the
+    failure waits a moment for the cause instead of saying nothing of the link."""
+    import threading
+    from types import SimpleNamespace
+
+    errors: list[str] = []
+    tunnels = SimpleNamespace(tunnels={"memory": SimpleNamespace(errors=errors)})
+    threading.Timer(0.3, lambda: errors.append("the peer cut the stream: destination disk full")).start()
+    assert live._tunnel_errors(tunnels, settle=5.0) == ["the peer cut the stream: destination disk full"]
+    assert live._tunnel_errors(SimpleNamespace(tunnels={}), settle=0.2) == []
