@@ -27,7 +27,8 @@ Figures per snapshot (bytes; times taken on a shared, loaded machine and only in
 - the time each store took (restic's excludes flattening the disk, which is shown apart; Capsule's block
   hashes are made when the snapshot is sealed, which ``snapshot_seconds`` holds);
 - ``blob_overhead_bytes`` (Capsule): what its new 4 KiB blocks cost beside their compressed bytes (seal,
-  codec byte, pack-header and index entries), to read the first, full snapshot's figure by.
+  codec byte, pack-header and index entries), to read the first, full snapshot's figure by; ``by_folder``
+  (both repositories): the bucket's bytes after the snapshot by the folder below the prefix.
 
 Table columns: ``+MB`` bucket (or backup host) growth, ``up``/``added``/``wire`` the uploaded figures above,
 ``s`` seconds; the last row: the buckets' bytes after the last snapshot and the sums of the rest.
@@ -84,11 +85,18 @@ COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; don
 
 def bucket_bytes(client: S3Client, prefix: str) -> tuple[int, int]:
     """(bytes, objects) under ``prefix/`` in the client's bucket: the sum of the listed object sizes."""
-    total = count = 0
-    for _key, size in client.list(prefix.rstrip("/") + "/"):
-        total += size
-        count += 1
-    return total, count
+    folders = bucket_folders(client, prefix)
+    return sum(folders.values()), sum(1 for _ in client.list(prefix.rstrip("/") + "/"))
+
+
+def bucket_folders(client: S3Client, prefix: str) -> dict[str, int]:
+    """Bytes under ``prefix/`` by the folder below it (packs, index, manifests, versions, keys, data …)."""
+    out: dict[str, int] = {}
+    cut = len(prefix.rstrip("/")) + 1
+    for key, size in client.list(prefix.rstrip("/") + "/"):
+        folder = key[cut:].split("/", 1)[0]
+        out[folder] = out.get(folder, 0) + size
+    return out
 
 
 class Restic:
@@ -185,7 +193,8 @@ def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) ->
             row["capsule_repo"] = {"uploaded_bytes": rep.uploaded_bytes, "bucket_growth_bytes": after - before,
                                    "bucket_bytes": after, "bucket_objects": objects, "blocks_new": rep.blocks_new,
                                    "blocks_known": rep.blocks_known, "packs": rep.packs, "seconds": rep.seconds,
-                                   "blob_overhead_bytes": rep.blocks_new * BLOB_OVERHEAD}
+                                   "blob_overhead_bytes": rep.blocks_new * BLOB_OVERHEAD,
+                                   "new_raw_bytes": rep.new_bytes, "by_folder": bucket_folders(client, "capsule")}
             # restic, the same disk (flattened) and memory image
             t1 = time.monotonic()
             for k, chain in enumerate(v.chains):
@@ -201,6 +210,7 @@ def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) ->
             res = restic.backup(src)
             after, objects = bucket_bytes(client, "restic")
             row["restic"] = {**res, "bucket_growth_bytes": after - before, "bucket_bytes": after,
+                             "by_folder": bucket_folders(client, "restic"),
                              "bucket_objects": objects, "flatten_seconds": round(flatten, 2)}
             # HCP to the backup host
             hcp = transfer.push(a, v.ref, agent.url, agent.token)
