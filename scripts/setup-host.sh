@@ -72,6 +72,8 @@ install_packages() {
     command -v npm >/dev/null || missing_base+=(nodejs npm)
     # borg: a peer in bench/backup_series.py (B4)
     pkg_ok borgbackup || missing_base+=(borgbackup)
+    # restic: the peer of Capsule's S3 repository in bench/repo_vs_restic.py (B5)
+    pkg_ok restic || missing_base+=(restic)
     # ostree (static deltas) and casync (content-defined chunks): peers in bench/update_bytes.py (B1)
     pkg_ok ostree || missing_base+=(ostree)
     pkg_ok casync || missing_base+=(casync)
