@@ -1,0 +1,77 @@
+"""The dashboard's accessibility in a real browser, on two hosts of this machine: axe-core (the npm package
+in web/, injected into the page) finds no serious or critical violation on the sign-in form, the capsule lists, a
+capsule's console and the migrate dialog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from capsule import capsules, hosts, lifecycle
+from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(400)]
+
+AXE = Path(__file__).resolve().parents[2] / "web" / "node_modules" / "axe-core" / "axe.min.js"
+
+# axe-core's serious and critical violations on the page as it is: "rule: node, node, …"
+AXE_RUN = """async () => {
+  const r = await axe.run(document, { resultTypes: ["violations"] });
+  return r.violations.filter((v) => v.impact === "serious" || v.impact === "critical")
+    .map((v) => `${v.id} (${v.impact}): ${v.nodes.slice(0, 6).map((n) => n.target.join(" ")).join(", ")}`);
+}"""
+
+
+@pytest.fixture
+def dashboard(two_hosts):
+    """Host A with a running capsule ("desk") and a stopped one ("idle"), host B as its peer "home"."""
+    a, b, agent_a, agent_b = two_hosts
+    capsules.create(a, "desk", "tiny", memory="256M")
+    capsules.create(a, "idle", "tiny", memory="256M")
+    capsules.create(b, "far", "tiny", memory="256M")
+    lifecycle.start(a, "desk")
+    hosts.add(a, "home", agent_b.url, agent_b.token)
+    return agent_a
+
+
+def _axe(page) -> list[str]:
+    if not AXE.exists():
+        pytest.fail(f"{AXE} is missing: install the page's npm packages (`make web`)")
+    if not page.evaluate("() => typeof axe !== 'undefined'"):
+        page.evaluate(AXE.read_text())
+    return page.evaluate(AXE_RUN)
+
+
+def _listed(page) -> None:
+    from playwright.sync_api import expect
+
+    expect(page.locator('tr[data-capsule="desk"] .badge')).to_have_attribute("data-state", "running")
+    expect(page.locator('section[data-host="home"] tr[data-capsule="far"]')).to_be_visible()
+
+
+def _sign_in(page, agent) -> None:
+    page.fill("#token", agent.token)
+    page.click("#sign-in-form button[type=submit]")
+    _listed(page)
+
+
+def test_axe_finds_no_serious_violation(dashboard, browser, tmp_path):  # noqa: F811
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(dashboard.url)
+    expect(page.locator("#sign-in")).to_be_visible()
+    found = {"sign-in": _axe(page)}
+    _sign_in(page, dashboard)
+    page.locator("#tree-view svg").wait_for()
+    found["capsule lists"] = _axe(page)
+    page.locator('tr[data-capsule="desk"] button[data-action="console"]').click()
+    expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+    found["console"] = _axe(page)
+    page.locator('tr[data-capsule="desk"] button[data-action="migrate"]').click()
+    expect(page.locator("#migrate-dialog")).to_be_visible()
+    expect(page.locator("#migrate-to option")).not_to_have_count(0)
+    found["migrate dialog"] = _axe(page)
+    _shot(page, tmp_path, "dashboard-a11y")
+    assert {view: v for view, v in found.items() if v} == {}
