@@ -1,6 +1,7 @@
-"""The dashboard's accessibility in a real browser, on two hosts of this machine: axe-core (the npm package
-in web/, injected into the page) finds no serious or critical violation on the sign-in form, the capsule lists, a
-capsule's console and the migrate dialog."""
+"""The dashboard's accessibility and layout in a real browser, on two hosts of this machine: axe-core (the npm
+package in web/, injected into the page) finds no serious or critical violation on the sign-in form, the capsule
+lists, a capsule's console and the migrate dialog; and at 1024, 1280 and 1920 px wide no control sticks out of its
+card."""
 
 from __future__ import annotations
 
@@ -20,6 +21,25 @@ AXE_RUN = """async () => {
   const r = await axe.run(document, { resultTypes: ["violations"] });
   return r.violations.filter((v) => v.impact === "serious" || v.impact === "critical")
     .map((v) => `${v.id} (${v.impact}): ${v.nodes.slice(0, 6).map((n) => n.target.join(" ")).join(", ")}`);
+}"""
+
+
+# every visible control that sticks out of its card (or dialog) by more than a pixel, with by how much
+OVERFLOW = """() => {
+  const out = [];
+  for (const el of document.querySelectorAll("button, input, select, textarea, a, summary")) {
+    const box = el.closest(".card, dialog");
+    if (!box || !el.getClientRects().length) continue;
+    const r = el.getBoundingClientRect(), b = box.getBoundingClientRect();
+    if (r.width === 0 && r.height === 0) continue;
+    const over = Math.max(b.left - r.left, r.right - b.right, b.top - r.top, r.bottom - b.bottom);
+    if (over > 1) out.push(`${el.tagName.toLowerCase()}${el.id ? "#" + el.id : ""}[${el.textContent.trim()
+      || el.getAttribute("data-action") || ""}] in ${box.id || box.className}: ${Math.round(over)} px`);
+  }
+  if (document.documentElement.scrollWidth > window.innerWidth + 1) {
+    out.push(`the page scrolls sideways: ${document.documentElement.scrollWidth} > ${window.innerWidth}`);
+  }
+  return out;
 }"""
 
 
@@ -75,3 +95,22 @@ def test_axe_finds_no_serious_violation(dashboard, browser, tmp_path):  # noqa: 
     found["migrate dialog"] = _axe(page)
     _shot(page, tmp_path, "dashboard-a11y")
     assert {view: v for view, v in found.items() if v} == {}
+
+
+@pytest.mark.parametrize("width", [1024, 1280, 1920])
+def test_no_control_overflows_its_card(dashboard, browser, tmp_path, width):  # noqa: F811
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    page.goto(dashboard.url)
+    expect(page.locator("#sign-in")).to_be_visible()
+    assert page.evaluate(OVERFLOW) == []
+    _sign_in(page, dashboard)
+    page.locator('tr[data-capsule="desk"] details summary').click()     # a version list unfolded
+    page.locator('tr[data-capsule="desk"] button[data-action="console"]').click()
+    expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+    _shot(page, tmp_path, f"dashboard-{width}")
+    assert page.evaluate(OVERFLOW) == []
+    page.locator('tr[data-capsule="desk"] button[data-action="migrate"]').click()
+    expect(page.locator("#migrate-dialog")).to_be_visible()
+    assert page.evaluate(OVERFLOW) == []
