@@ -1,7 +1,8 @@
 """The dashboard's accessibility and layout in a real browser, on two hosts of this machine: axe-core (the npm
 package in web/, injected into the page) finds no serious or critical violation on the sign-in form, the capsule
-lists, a capsule's console and the migrate dialog; and at 1024, 1280 and 1920 px wide no control sticks out of its
-card."""
+lists, a capsule's console and the migrate dialog; at 1024, 1280 and 1920 px wide no control sticks out of its
+card; and the page works from the keyboard alone: Tab reaches sign-in and a capsule's Start, Console and
+Migrate…, each shows where the focus is, and the list's refresh every few seconds keeps the focus where it was."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ AXE_RUN = """async () => {
     .map((v) => `${v.id} (${v.impact}): ${v.nodes.slice(0, 6).map((n) => n.target.join(" ")).join(", ")}`);
 }"""
 
-
 # every visible control that sticks out of its card (or dialog) by more than a pixel, with by how much
 OVERFLOW = """() => {
   const out = [];
@@ -40,6 +40,20 @@ OVERFLOW = """() => {
     out.push(`the page scrolls sideways: ${document.documentElement.scrollWidth} > ${window.innerWidth}`);
   }
   return out;
+}"""
+
+# the focused element ("tag#id[data-action]@capsule") and whether it shows a focus indicator: an outline or a
+# box-shadow of at least 2 px
+FOCUSED = """() => {
+  const el = document.activeElement;
+  if (!el || el === document.body) return null;
+  const s = getComputedStyle(el);
+  const outline = s.outlineStyle !== "none" && parseFloat(s.outlineWidth) >= 2;
+  const shadow = s.boxShadow && s.boxShadow !== "none";
+  const row = el.closest("tr[data-capsule]");
+  return { what: `${el.tagName.toLowerCase()}${el.id ? "#" + el.id : ""}`
+      + `${el.dataset.action ? "[" + el.dataset.action + "]" : ""}${row ? "@" + row.dataset.capsule : ""}`,
+    visible: outline || Boolean(shadow) };
 }"""
 
 
@@ -114,3 +128,43 @@ def test_no_control_overflows_its_card(dashboard, browser, tmp_path, width):  # 
     page.locator('tr[data-capsule="desk"] button[data-action="migrate"]').click()
     expect(page.locator("#migrate-dialog")).to_be_visible()
     assert page.evaluate(OVERFLOW) == []
+
+
+def _tab_to(page, want: str, limit: int = 150) -> list[str]:
+    """Tab until ``want`` has the focus; every stop on the way (each must show its focus)."""
+    seen = []
+    for _ in range(limit):
+        page.keyboard.press("Tab")
+        f = page.evaluate(FOCUSED)
+        if f is None:
+            continue
+        assert f["visible"], f"{f['what']} has the focus and does not show it"
+        seen.append(f["what"])
+        if f["what"] == want:
+            return seen
+    raise AssertionError(f"Tab never reached {want}: {seen}")
+
+
+def test_keyboard_alone(dashboard, browser):  # noqa: F811
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(dashboard.url)
+    expect(page.locator("#sign-in")).to_be_visible()
+    _tab_to(page, "input#token")
+    page.keyboard.type(dashboard.token)
+    _tab_to(page, "button")                                   # the form's Sign in
+    page.keyboard.press("Enter")
+    _listed(page)
+
+    for target in ("button[console]@desk", "button[migrate]@desk", "button[start]@idle"):
+        _tab_to(page, target)
+        # the lists are redrawn every 3 s: the focus stays on the same button, and shows
+        stamp = page.locator("#refreshed").text_content()
+        expect(page.locator("#refreshed")).not_to_have_text(stamp or "", timeout=10_000)
+        assert page.evaluate(FOCUSED) == {"what": target, "visible": True}
+        if target == "button[migrate]@desk":
+            page.keyboard.press("Enter")                      # Migrate… from the keyboard
+            expect(page.locator("#migrate-dialog")).to_be_visible()
+            page.keyboard.press("Escape")
+            expect(page.locator("#migrate-dialog")).to_be_hidden()
