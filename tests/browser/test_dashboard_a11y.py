@@ -1,8 +1,9 @@
 """The dashboard's accessibility and layout in a real browser, on two hosts of this machine: axe-core (the npm
 package in web/, injected into the page) finds no serious or critical violation on the sign-in form, the capsule
-lists, a capsule's console and the migrate dialog; at 1024, 1280 and 1920 px wide no control sticks out of its
-card; and the page works from the keyboard alone: Tab reaches sign-in and a capsule's Start, Console and
-Migrate…, each shows where the focus is, and the list's refresh every few seconds keeps the focus where it was."""
+lists, a capsule's screen and serial console, the backups panel and the migrate, derive, remove and restore
+dialogs; at 1024, 1280 and 1920 px wide no control sticks out of its card; and the page works from the keyboard
+alone: Tab reaches sign-in and a capsule's Start, Console and Migrate…, each shows where the focus is, and the
+list's refresh every few seconds keeps the focus where it was."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from capsule import capsules, hosts, lifecycle
+from capsule.backup import jobs
+from capsule.backup.retention import Policy
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(400)]
@@ -59,13 +62,15 @@ FOCUSED = """() => {
 
 @pytest.fixture
 def dashboard(two_hosts):
-    """Host A with a running capsule ("desk") and a stopped one ("idle"), host B as its peer "home"."""
+    """Host A with a running capsule ("desk") and a stopped one ("idle"), a backup schedule for desk, host B as its
+    peer "home"."""
     a, b, agent_a, agent_b = two_hosts
     capsules.create(a, "desk", "tiny", memory="256M")
     capsules.create(a, "idle", "tiny", memory="256M")
     capsules.create(b, "far", "tiny", memory="256M")
     lifecycle.start(a, "desk")
     hosts.add(a, "home", agent_b.url, agent_b.token)
+    jobs.schedule(a, "desk", "mon..fri 21:00", Policy(daily=7), mode="disk-only")
     return agent_a
 
 
@@ -108,6 +113,24 @@ def test_axe_finds_no_serious_violation(dashboard, browser, tmp_path):  # noqa: 
     expect(page.locator("#migrate-to option")).not_to_have_count(0)
     found["migrate dialog"] = _axe(page)
     _shot(page, tmp_path, "dashboard-a11y")
+    page.keyboard.press("Escape")
+    for action, dialog in (("derive", "#derive-dialog"), ("rm", "#rm-dialog")):
+        page.locator(f'tr[data-capsule="idle"] button[data-action="{action}"]').click()
+        expect(page.locator(dialog)).to_be_visible()
+        found[f"{action} dialog"] = _axe(page)
+        page.keyboard.press("Escape")
+        expect(page.locator(dialog)).to_be_hidden()
+    row = page.locator('#backups tr[data-job="desk"]')            # a backup, then the restore dialog
+    row.locator('[data-action="backup-now"]').click()
+    expect(row.locator('[data-result="ok"]')).to_be_visible(timeout=120_000)
+    row.locator("summary").click()
+    row.locator('[data-action="restore"]').first.click()
+    expect(page.locator("#restore-dialog")).to_be_visible()
+    found["backups, restore dialog"] = _axe(page)
+    page.keyboard.press("Escape")
+    page.locator("#console-kind-serial").click()
+    expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+    found["serial console"] = _axe(page)
     assert {view: v for view, v in found.items() if v} == {}
 
 
