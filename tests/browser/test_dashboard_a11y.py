@@ -2,8 +2,8 @@
 package in web/, injected into the page) finds no serious or critical violation on the sign-in form, the capsule
 lists, a capsule's screen and serial console, the backups panel and the migrate, derive, remove and restore
 dialogs; at 1024, 1280 and 1920 px wide no control sticks out of its card; and the page works from the keyboard
-alone: Tab reaches sign-in and a capsule's Start, Console and Migrate…, each shows where the focus is, and the
-list's refresh every few seconds keeps the focus where it was."""
+alone: Tab reaches sign-in and a capsule's Start, Console and Migrate…, each shows where the focus is, the
+list's refresh every few seconds keeps the focus where it was, and an opened console's screen takes the keys."""
 
 from __future__ import annotations
 
@@ -57,6 +57,15 @@ FOCUSED = """() => {
   return { what: `${el.tagName.toLowerCase()}${el.id ? "#" + el.id : ""}`
       + `${el.dataset.action ? "[" + el.dataset.action + "]" : ""}${row ? "@" + row.dataset.capsule : ""}`,
     visible: outline || Boolean(shadow) };
+}"""
+
+
+# whether the console's screen (noVNC's canvas) has the focus, and the ring its panel shows then
+SCREEN_FOCUSED = """() => {
+  const screen = document.querySelector("#console-screen");
+  const s = getComputedStyle(screen);
+  return { canvas: document.activeElement === screen.querySelector("canvas"),
+    ring: s.outlineStyle === "none" ? "none" : s.outlineWidth };
 }"""
 
 
@@ -153,11 +162,11 @@ def test_no_control_overflows_its_card(dashboard, browser, tmp_path, width):  # 
     assert page.evaluate(OVERFLOW) == []
 
 
-def _tab_to(page, want: str, limit: int = 150) -> list[str]:
-    """Tab until ``want`` has the focus; every stop on the way (each must show its focus)."""
+def _tab_to(page, want: str, limit: int = 150, key: str = "Tab") -> list[str]:
+    """Tab (or ``key``) until ``want`` has the focus; every stop on the way (each must show its focus)."""
     seen = []
     for _ in range(limit):
-        page.keyboard.press("Tab")
+        page.keyboard.press(key)
         f = page.evaluate(FOCUSED)
         if f is None:
             continue
@@ -191,3 +200,9 @@ def test_keyboard_alone(dashboard, browser):  # noqa: F811
             expect(page.locator("#migrate-dialog")).to_be_visible()
             page.keyboard.press("Escape")
             expect(page.locator("#migrate-dialog")).to_be_hidden()
+
+    # back to Console: Enter opens the screen, which takes the keys (and shows it)
+    _tab_to(page, "button[console]@desk", key="Shift+Tab")
+    page.keyboard.press("Enter")
+    expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+    assert page.evaluate(SCREEN_FOCUSED) == {"canvas": True, "ring": "3px"}
