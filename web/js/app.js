@@ -230,10 +230,26 @@ async function askRemove(capsule) {
 // -- rendering ----------------------------------------------------------------------------------------
 function render() {
   const root = $("hosts");
+  const focused = focusedControl(root);
   root.replaceChildren(
     hostSection({ key: "local", title: "This host", subtitle: view.session && `store ${view.session.store_id}`,
       capsules: view.local, actions: true }),
     ...peerSections());
+  const again = focused && root.querySelector(focused);
+  if (again) again.focus({ preventScroll: true });
+}
+
+// The lists are drawn anew on every refresh: the control that has the keyboard's focus there, as a selector
+// (its host, its capsule, its action) that finds its successor, so the focus stays put.
+function focusedControl(root) {
+  const el = document.activeElement;
+  if (!el || el === root || !root.contains(el)) return null;
+  const section = el.closest("section[data-host]");
+  const row = el.closest("tr[data-capsule]");
+  if (!section) return null;
+  return `section[data-host="${CSS.escape(section.dataset.host)}"] `
+    + (row ? `tr[data-capsule="${CSS.escape(row.dataset.capsule)}"] ` : "")
+    + (el.dataset.action ? `[data-action="${CSS.escape(el.dataset.action)}"]` : el.tagName.toLowerCase());
 }
 
 function peerSections() {

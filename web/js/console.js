@@ -117,6 +117,7 @@ function connectScreen(url, live, lost) {
   rfb.addEventListener("connect", () => {
     if (!live()) return;
     setState("connected", "connected");
+    rfb.focus({ preventScroll: true });   // keys go to the guest at once, as on the serial console
     if (!current.host) current.unfit = fitScreen(current.name, $("console-screen"));
   });
   rfb.addEventListener("disconnect", (ev) => {

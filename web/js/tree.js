@@ -153,7 +153,7 @@ export function renderTree(g) {
   }
   const width = columns * COL + 2 * PAD;
   const height = levels * ROW - (ROW - BOX.h) + 2 * PAD;
-  const svg = s("svg", { xmlns: SVG, width, height, viewBox: `0 0 ${width} ${height}`, role: "img",
+  const svg = s("svg", { xmlns: SVG, width, height, viewBox: `0 0 ${width} ${height}`, role: "group",
     "aria-label": `hierarchy of store ${g.store_id}`, "data-store": g.store_id,
     onclick: () => selectVersion(null) },
   s("g", { class: "edges" }, edges),
@@ -177,7 +177,10 @@ export function selectVersion(ref) {
   }
   if (svg) {
     svg.dataset.selected = v ? v.ref : "";
-    for (const el of svg.querySelectorAll("[data-node]")) el.dataset.selected = on.has(el.dataset.node) ? "yes" : "no";
+    for (const el of svg.querySelectorAll("[data-node]")) {
+      el.dataset.selected = on.has(el.dataset.node) ? "yes" : "no";
+      if (el.getAttribute("role") === "button") el.setAttribute("aria-pressed", String(el.dataset.node === `version:${ref}`));
+    }
     for (const el of svg.querySelectorAll("[data-from]")) {
       const yes = on.has(el.dataset.from) && on.has(el.dataset.to)
         && (el.dataset.kind !== "top" || el.dataset.to === `version:${ref}`);
