@@ -6,9 +6,11 @@ CRIU's dump in the guest, the image's copy out (on a lent disk from 16 MiB, else
 in base64 chunks of 3 MiB), the whole checkpoint; the copy in (on a lent disk from 2 MiB, else 45 KiB
 chunks: the agent's request lines are at most 64 KiB) and CRIU's restore; the image's size. The peer:
 ``capsule snapshot`` of the same capsule (memory image + disk layer, sealed), its time and the memory
-image's allocated bytes. Ratios: pod / capsule.
+image's allocated bytes. Ratios: pod / capsule. Where the guest's time went, per step, as the pod layer
+reports it (``checkpoint_steps``: criu check, CRIU's dump, stopping the pod, packing the image;
+``restore_steps``: unpacking, CRIU's restore, the network's unlock and announcement), where it does.
 
-    .venv/bin/python bench/pods_bench.py [--sizes 10,50] [--memory 768M]
+    .venv/bin/python bench/pods_bench.py [--sizes 10,50] [--memory 768M] [--result pods]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--memory", default="768M", help="the capsule's memory")
     ap.add_argument("--images", default=str(IMAGE_HOME),
                     help="a store holding the debian image")
+    ap.add_argument("--result", default="pods", help="the result's name: bench/results/NAME.json")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     with temp_workdir("pods-bench-") as tmp:
@@ -66,7 +69,8 @@ def main() -> None:
                      "copy_in_calls": back["copy_calls"], "restore_s": back["seconds"],
                      "criu_restore_s": round(back["seconds"] - back["copy_seconds"], 3),
                      "out_mib_s": round(ck.size / 2**20 / ck.copy_seconds, 2),
-                     "in_mib_s": round(ck.size / 2**20 / back["copy_seconds"], 2)}
+                     "in_mib_s": round(ck.size / 2**20 / back["copy_seconds"], 2),
+                     "checkpoint_steps": ck.guest_steps, "restore_steps": back.get("steps", {})}
                 out.append(r)
                 rows.append([mib, f"{ck.size / 2**20:.1f}", r["dump_s"], r["checkpoint_s"], r["copy_out_s"],
                              r["copy_in_s"], r["criu_restore_s"], r["restore_s"]])
@@ -83,7 +87,7 @@ def main() -> None:
               f"memory image {mem / 2**20:.0f} MiB allocated",
               ["MiB", "image MiB", "dump s", "checkpoint s", "copy out s", "copy in s", "CRIU restore s",
                "restore s"], rows)
-        path = write_result("pods", {"accel": started.accel, "capsule_memory": args.memory, "pods": out,
+        path = write_result(args.result, {"accel": started.accel, "capsule_memory": args.memory, "pods": out,
                                      "snapshot_s": round(snap_s, 3), "memory_image_allocated": mem})
         print(f"wrote {path}")
 

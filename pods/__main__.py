@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> Any:
         case "version":
             return {"version": VERSION}
         case "create":
-            return pod.create(args.name, _cmd(args), args.ip)
+            made = pod.create(args.name, _cmd(args), args.ip)
+            ckpt.check_soon()  # the first checkpoint finds criu's verdict ready
+            return made
         case "exec":
             return pod.exec_in(args.name, _cmd(args), args.timeout)
         case "ls":

@@ -28,7 +28,10 @@ def hw_address(s: socket.socket, iface: str) -> bytes:
     return fcntl.ioctl(s.fileno(), SIOCGIFHWADDR, struct.pack("256s", iface.encode()[:15]))[18:24]
 
 
-def announce(iface: str, address: str, count: int = 3, interval: float = 0.05) -> str:
+COUNT, INTERVAL = 3, 0.05
+
+
+def announce(iface: str, address: str, count: int = COUNT, interval: float = INTERVAL) -> str:
     with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
         s.bind((iface, ETH_P_ARP))
         mac = hw_address(s, iface)

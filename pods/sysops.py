@@ -1,4 +1,4 @@
-"""The system calls Python 3.11's os module lacks (unshare, mount, sethostname, prctl), via ctypes."""
+"""The system calls Python 3.11's os module lacks (unshare, setns, mount, sethostname, prctl), via ctypes."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def _check(rc: int, what: str) -> None:
 
 def unshare(flags: int) -> None:
     _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
 
 
 def mount(source: str, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from capsule.errors import Error
@@ -121,6 +121,7 @@ class CheckpointResult:
     copy_seconds: float      # guest → store
     copy_calls: int
     seconds: float
+    guest_steps: dict[str, float] = field(default_factory=dict)   # the guest's seconds per step
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,7 +181,8 @@ def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_runnin
             relay.call("restore", dumped.path, timeout=180)  # the pod runs on where it was
         relay.sh(f"rm -f {shlex.quote(dumped.path)}")
     return CheckpointResult(capsule, pod, row.id, row.size, dumped.ip, leave_running, dumped.dump_seconds,
-                            dumped.seconds, round(copy_seconds, 3), calls, round(time.monotonic() - t0, 3))
+                            dumped.seconds, round(copy_seconds, 3), calls, round(time.monotonic() - t0, 3),
+                            dumped.steps)
 
 
 def resolve_image(store: Store, ref: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,26 @@ class Dumped:
     ip: str
     dump_seconds: float
     seconds: float
+    steps: dict[str, float] = field(default_factory=dict)
+
+
+STEP = re.compile(r"[a-z][a-z_]{0,15}")
+MAX_STEPS = 16
+
+
+def steps(r: Reply) -> dict[str, float]:
+    """The guest's seconds per step (``steps``: where a checkpoint's or restore's time went), if it sent
+    them: at most MAX_STEPS short names, each a number of seconds."""
+    raw = r.value.get("steps", {})
+    if not isinstance(raw, dict) or len(raw) > MAX_STEPS:
+        raise r.invalid("steps", f"an object of at most {MAX_STEPS} steps")
+    out = {}
+    for name, took in raw.items():
+        if not STEP.fullmatch(name) or isinstance(took, bool) or not isinstance(took, int | float) \
+                or not 0 <= took <= MAX_SECONDS:
+            raise r.invalid("steps", "step names (a-z, _) with their seconds")
+        out[name] = float(took)
+    return out
 
 
 def image_path(result: object, capsule: str, pod: str) -> str:
@@ -77,7 +97,7 @@ def dumped(result: object, capsule: str, pod: str, cap: int) -> Dumped:
     """``pods checkpoint POD``'s result, its size at most ``cap`` bytes."""
     r = Reply(result, f"capsule {capsule!r}: pods checkpoint")
     return Dumped(image_path(result, capsule, pod), r.integer("size", 0, cap), _address(r),
-                  r.number("dump_seconds", hi=MAX_SECONDS), r.number("seconds", hi=MAX_SECONDS))
+                  r.number("dump_seconds", hi=MAX_SECONDS), r.number("seconds", hi=MAX_SECONDS), steps(r))
 
 
 def described(result: object, capsule: str, verb: str) -> dict[str, Any]:
@@ -102,7 +122,10 @@ def listed(result: object, capsule: str) -> list[dict[str, Any]]:
 def restored(result: object, capsule: str) -> dict[str, Any]:
     """``pods restore``'s result: the pod :func:`described`, and the seconds it took."""
     out = described(result, capsule, "restore")
-    Reply(out, f"capsule {capsule!r}: pods restore").number("seconds", hi=MAX_SECONDS)
+    r = Reply(out, f"capsule {capsule!r}: pods restore")
+    r.number("seconds", hi=MAX_SECONDS)
+    if "steps" in out:
+        out["steps"] = steps(r)
     return out
 
 

@@ -26,6 +26,9 @@ from capsule.runtime import guestaccess
 
 ATTACH_TIMEOUT = 20.0
 DETACH_TIMEOUT = 30.0
+# the guest is asked for the device at 10, 20, 40 … ms, then every 200 ms: a TCG guest shows it ~0.05–0.1 s
+# after the attach, where a flat 200 ms poll made every copy wait a fifth of a second more than it needed
+FIRST_POLL, LAST_POLL = 0.01, 0.2
 SECTOR = 512
 
 
@@ -74,12 +77,14 @@ class HotDisk:
                                      f"{exc.get_error_message()}") from exc
         self._attached = True
         deadline = time.monotonic() + ATTACH_TIMEOUT
+        pause = FIRST_POLL
         while not self._guest_has(self.guest_device):
             if time.monotonic() > deadline:
                 self._detach()
                 raise HotDiskUnavailable(f"the guest did not see a hot-plugged disk within {ATTACH_TIMEOUT:.0f} s "
                                          "(no ACPI PCI hot-plug in its kernel?)")
-            time.sleep(0.2)
+            time.sleep(pause)
+            pause = min(2 * pause, LAST_POLL)
         return self
 
     def __exit__(self, *exc: object) -> None:

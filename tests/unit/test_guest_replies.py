@@ -230,3 +230,26 @@ def test_the_reply_reader():
         with pytest.raises(AgentReplyInvalid, match="test"):
             call()
     assert exec_result({}) == {"exit_code": None, "signal": None, "timed_out": False, "stdout": "", "stderr": ""}
+
+
+def test_the_guests_steps_come_through_checked():
+    """Where a checkpoint's time went in the guest (``steps``) reaches the host's result as numbers."""
+    steps = {"check": 0.0, "dump": 0.7, "stop": 0.07, "pack": 0.33, "clean": 0.04}
+    got = replies.dumped(checkpoint_result(steps=steps), "deb", "web", CAP)
+    assert got.steps == steps
+    assert replies.dumped(checkpoint_result(), "deb", "web", CAP).steps == {}   # an older pod layer sends none
+    back = replies.restored({"name": "web", "ip": "10.77.0.5/24", "state": "running", "seconds": 1.0,
+                             "steps": {"unpack": 0.4, "criu": 0.8}}, "deb")
+    assert back["steps"] == {"unpack": 0.4, "criu": 0.8}
+
+
+@pytest.mark.parametrize("steps", [[1, 2], {"dump": "fast"}, {"dump": -1}, {"dump": True}, {"Dump; rm": 1.0},
+                                   {f"s{i}": 0.1 for i in range(17)}, {"dump": 1e9}],
+                         ids=["list", "text", "negative", "bool", "name", "too-many", "too-long"])
+def test_malformed_steps_are_refused_before_any_copy(store, monkeypatch, steps):
+    monkeypatch.setattr(Relay, "_lend", lambda self, path, writable: pytest.fail("nothing is lent"))
+    fake = guest(store, checkpointing(checkpoint_result(steps=steps)))
+    with pytest.raises(AgentReplyInvalid, match="'steps' should be"):
+        ops.checkpoint(store, "deb/web")
+    assert made_files(store) == [] and fake.ran("dd ") == []
+    assert ["python3", "-m", "pods", "restore", GOOD_PATH] in fake.argvs   # the pod runs on where it was

@@ -131,3 +131,37 @@ def test_member_names_that_leave_the_directory_and_links_are_refused(tmp_path, m
         podimage.unpack(tmp_path / "bad", tmp_path / "sub" / "into")
     assert not (tmp_path / "x").exists() and not (tmp_path / "sub" / "x").exists()
     assert not (tmp_path / "sub" / "into" / "ln").exists()
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "sendfile"])
+def test_file_data_is_copied_in_the_kernel_both_ways(tmp_path, monkeypatch, kernel):
+    """CRIU's page images are not read through Python: pack and unpack move file data with
+    copy_file_range, or sendfile where it is refused (another file system); the archive is the same."""
+    files = criu_like(tmp_path / "dump")
+    podimage.pack(tmp_path / "dump", tmp_path / "first.pod", META)
+    moved: dict[str, int] = {"copy_file_range": 0, "sendfile": 0}
+    real_cfr, real_sendfile = os.copy_file_range, os.sendfile
+
+    def cfr(*args, **kw):
+        if kernel == "sendfile":
+            raise OSError(18, "Invalid cross-device link")  # EXDEV
+        n = real_cfr(*args, **kw)
+        moved["copy_file_range"] += n
+        return n
+
+    def sendfile(*args, **kw):
+        n = real_sendfile(*args, **kw)
+        moved["sendfile"] += n
+        return n
+
+    monkeypatch.setattr(podimage.os, "copy_file_range", cfr)
+    monkeypatch.setattr(podimage.os, "sendfile", sendfile)
+    podimage.pack(tmp_path / "dump", tmp_path / "pod.pod", META)
+    data = sum(len(v) for v in files.values())
+    assert moved[kernel] == data
+    meta = podimage.unpack(tmp_path / "pod.pod", tmp_path / "back")
+    assert moved[kernel] == 2 * data + (tmp_path / "back" / "pod.json").stat().st_size
+    assert meta["files"] == {k: len(v) for k, v in files.items()}
+    for name, body in files.items():
+        assert (tmp_path / "back" / name).read_bytes() == body
+    assert (tmp_path / "pod.pod").read_bytes() == (tmp_path / "first.pod").read_bytes()

@@ -175,3 +175,86 @@ def test_a_lent_disk_is_tried_by_size_and_a_guest_without_one_falls_back_unless_
     assert tried == [False] and bytes(got) == b"s" * 1000  # too small to lend a disk for
     with pytest.raises(HotDiskUnavailable):
         relay.upload(small, "/var/lib/pods/in/small", lend=True)  # asked for: no silent fallback
+
+
+class _LentDisk:
+    """A lent disk the fake guest reaches as ``guest_device``: the host's file itself."""
+
+    def __init__(self, path: Path, lent: list[tuple[Path, bool]], writable: bool) -> None:
+        self.path, self.guest_device = path, f"/dev/disk/by-id/virtio-{path.name}"
+        lent.append((path, writable))
+
+    def __enter__(self) -> _LentDisk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _lending(tmp_path: Path, guest: Callable[[str, Path], str]) -> tuple[Relay, list[str]]:
+    """A relay whose guest takes lent disks: ``guest(script, disk)`` plays the guest's shell."""
+    scripts: list[str] = []
+    lent: list[tuple[Path, bool]] = []
+
+    def answer(args):
+        script = args["argv"][-1]
+        scripts.append(script)
+        return _exec(guest(script, lent[-1][0]) if lent else "")
+
+    relay = _fake(tmp_path, answer, [])
+    relay._lend = lambda path, writable: _LentDisk(path, lent, writable)  # type: ignore[method-assign]
+    return relay, scripts
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_copy_out_on_a_lent_disk_is_written_direct_and_checked_by_md5(tmp_path, damaged):
+    """The guest writes the image onto the lent disk with direct I/O and answers its md5 (sha256 costs a
+    TCG guest ~1 s per 60 MiB); bytes that arrive other than the guest sent them are refused."""
+    data = os.urandom(3 << 20) + b"tail"
+
+    def guest(script: str, disk: Path) -> str:
+        if not script.startswith("dd "):
+            return ""
+        with disk.open("r+b") as f:
+            f.write(data if not damaged else data[:100] + b"X" + data[101:])
+        return hashlib.md5(data).hexdigest() + "  /x\n"
+
+    relay, scripts = _lending(tmp_path, guest)
+    dest = tmp_path / "out"
+    if damaged:
+        with pytest.raises(perr.PodFailed, match="damaged"):
+            relay.download("/x", len(data), dest, lend=True)
+        assert not dest.exists()
+    else:
+        assert relay.download("/x", len(data), dest, lend=True) == 1
+        assert dest.read_bytes() == data
+    copy = next(s for s in scripts if s.startswith("dd "))
+    assert "oflag=direct" in copy and "md5sum /x" in copy and "sha256sum" not in copy
+    assert not list(tmp_path.glob("lent-*"))  # the scratch file goes either way
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_copy_in_on_a_lent_disk_is_read_direct_cut_to_size_and_checked_by_md5(tmp_path, damaged):
+    src = tmp_path / "image"
+    src.write_bytes(os.urandom((2 << 20) + 77))
+    landed = bytearray()
+
+    def guest(script: str, disk: Path) -> str:
+        if "dd if=" not in script:
+            return ""
+        assert "iflag=direct" in script and f"truncate -s {src.stat().st_size} " in script
+        landed[:] = disk.read_bytes()
+        got = bytes(landed) if not damaged else b"other"
+        return hashlib.md5(got).hexdigest() + "  x.part\n"
+
+    relay, scripts = _lending(tmp_path, guest)
+    if damaged:
+        with pytest.raises(perr.PodFailed, match="damaged"):
+            relay.upload(src, "/var/lib/pods/in/x.pod", lend=True)
+        assert scripts[-1].startswith("rm -f ") and not any(s.startswith("mv ") for s in scripts)
+    else:
+        assert relay.upload(src, "/var/lib/pods/in/x.pod", lend=True) == 1
+        assert bytes(landed) == src.read_bytes() and scripts[-1].startswith("mv ")
+    assert not any("sha256sum" in s for s in scripts)
