@@ -19,14 +19,14 @@ import shutil
 import subprocess
 import tarfile
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 ALIGN = 4096
 BLOCK = tarfile.BLOCKSIZE
 PAD = ".pad"
 META = "pod.json"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_FMT = tarfile.PAX_FORMAT
+_FMT: Literal[2] = tarfile.PAX_FORMAT
 
 
 class ImageInvalid(Exception):
