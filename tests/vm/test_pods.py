@@ -141,6 +141,9 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
 
     # a checkpoint that leaves it running, restored into a second capsule on this host
     lifecycle.start(store, "pb", timeout=300)
+    # no pod call yet in pb: the pod layer was compiled when the image was built, not at its first call
+    compiled = Relay(store, "pb").sh("ls /usr/lib/python3/dist-packages/pods/__pycache__").split()
+    assert {"ckpt.cpython-311.pyc", "podimage.cpython-311.pyc", "__main__.cpython-311.pyc"} <= set(compiled)
     _install(store, "pb")
     moving = ops.checkpoint(store, "pa/ctr", leave_running=True)
     assert moving.left_running
