@@ -34,7 +34,8 @@ const PAGE = 4096;   // bytes per guest page: libvirt's dirty rate is in pages p
 
 let dialog = null;
 let current = null;   // {id, stream, onEnd}
-let rounds = new Map();  // a live move's pre-copy rounds seen so far: round → {bytes, rate}
+let rounds = new Map();  // a live move's pre-copy rounds seen so far: round → {bytes, wireFrom, wireTo, rate}
+let rateMeasured = false;  // libvirt reports 0 pages/s until QEMU has measured the dirty rate once
 
 // -- the console hook ------------------------------------------------------------------------------------
 export async function consoleFollows(hostUrl, name) {
@@ -105,11 +106,14 @@ function build() {
       h("dt", {}, "Found locally"), h("dd", { "data-field": "local" }, "–"),
       h("dt", {}, "Progress"), h("dd", { "data-field": "done" }, "–"),
       h("dt", {}, "Time left"), h("dd", { "data-field": "eta" }, "–"),
-      h("dt", { "data-live": "" }, "Memory still to send"), h("dd", { "data-live": "", "data-field": "remaining" }, "–"),
-      h("dt", { "data-live": "" }, "Disk writes since T0"), h("dd", { "data-live": "", "data-field": "disk" }, "–")),
+      h("dt", { "data-live": "" }, "Memory still to send"),
+      h("dd", { "data-live": "", "data-field": "remaining" }, "–"),
+      h("dt", { "data-live": "" }, "Disk writes since T0"),
+      h("dd", { "data-live": "", "data-field": "disk" }, "–")),
     h("table", { class: "rounds", "data-field": "rounds", hidden: true },
       h("caption", {}, "Pre-copy rounds (the guest runs here meanwhile)"),
-      h("thead", {}, h("tr", {}, h("th", {}, "Round"), h("th", {}, "Sent"), h("th", {}, "Guest dirtied"))),
+      h("thead", {}, h("tr", {}, h("th", {}, "Round"), h("th", {}, "Memory sent"), h("th", {}, "On the wire"),
+        h("th", {}, "Dirty rate"))),
       h("tbody", {})),
     h("p", { class: "migrate-message", role: "status", "aria-live": "polite", "data-field": "message" }),
     h("menu", {},
@@ -120,6 +124,7 @@ function build() {
   const d = h("dialog", { id: "migrate-dialog", class: "migrate", "aria-labelledby": "migrate-title" }, choose,
     progress);
   progress.querySelector("h3").id = "migrate-title";
+  progress.querySelector("h3").tabIndex = -1;   // focusable by the script, not a tab stop
   d.addEventListener("cancel", (ev) => {  // Escape: never hides a migration that is still running
     if (current) ev.preventDefault();
   });
@@ -193,13 +198,17 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
 
 // The progress: the dialog shown without being modal, in the page's flow under the console panel (or at the
 // top of the page when there is none), so that nothing else is blocked or covered while the capsule moves.
+// Focus goes to its title (Tab from there reaches Cancel): never onto Cancel itself, where a key meant for
+// something else would cancel the move.
 function dock() {
   const anchor = document.getElementById("console");
+  const main = document.querySelector("main");
   if (anchor && anchor.nextElementSibling !== dialog) anchor.after(dialog);
-  else if (!anchor && dialog.parentElement === document.body) (document.querySelector("main") || document.body).prepend(dialog);
+  else if (!anchor && main && dialog.parentElement !== main) main.prepend(dialog);
   if (dialog.open && !dialog.classList.contains("docked")) dialog.close();
   dialog.classList.add("docked");
   if (!dialog.open) dialog.show();
+  dialog.querySelector("#migrate-title").focus({ preventScroll: true });
   dialog.scrollIntoView({ block: "nearest" });
 }
 
@@ -238,6 +247,7 @@ function follow(m, onEnd) {
   dialog.querySelector("[data-action=cancel-migration]").disabled = false;
   dialog.querySelector("[data-action=close-migration]").hidden = true;
   rounds = new Map();
+  rateMeasured = false;
   const table = dialog.querySelector("[data-field=rounds]");
   table.querySelector("tbody").replaceChildren();
   table.hidden = true;
@@ -272,7 +282,7 @@ function show(m) {
     const live = p.phases.includes("precheck");
     let detail = i === p.index && p.phase_total ? ` · ${bytes(p.phase_done)} of ${bytes(p.phase_total)}` : "";
     if (live && name === "memory" && p.round !== null && p.round !== undefined) {
-      detail = ` · round ${p.round}: ${bytes(p.round_bytes)} sent, dirtied ${dirtyRate(p.dirty_rate)}`;
+      detail = ` · round ${p.round}: ${bytes(p.round_bytes)} sent; dirty rate ${dirtyRate(p.dirty_rate)}`;
     }
     if (live && name === "switchover" && p.pause_ms !== null && p.pause_ms !== undefined) {
       detail = ` · paused ${p.pause_ms} ms`;
@@ -297,28 +307,39 @@ function show(m) {
   if (p.outcome) end(m);
 }
 
-// "1,234 pages/s (4.8 MiB/s)": libvirt's dirty rate, in pages per second, and what that is in bytes
+// "1,234 pages/s (4.8 MiB/s)": the rate the guest dirties memory at (libvirt's, in pages per second), and what
+// that is in bytes
 function dirtyRate(rate) {
-  if (rate === null || rate === undefined) return "at a rate not known yet";
+  if (rate === null || rate === undefined || (rate === 0 && !rateMeasured)) return "not measured yet";
   return `${rate.toLocaleString("en")} pages/s (${bytes(rate * PAGE)}/s)`;
 }
 
-// A live move's figures: what remains, the disks' writes since T0, and one row per pre-copy round (a round's
-// bytes grow until the next round begins; its dirty rate is the last one measured during it).
+// A live move's figures: what remains, the disks' writes since T0, and one row per pre-copy round: the memory
+// libvirt sent in it (counted from the first look at the round: a round shorter than that look shows little),
+// what this host put on the wire from its start to the next round's (the memory codec's output, the disks'
+// writes), and the rate the guest dirtied memory at, as last measured during it.
 function showLive(p) {
-  field("remaining").textContent = p.remaining_bytes === null || p.remaining_bytes === undefined ? "–"
-    : bytes(p.remaining_bytes);
+  const pending = p.phase === "memory" || p.phase === "postcopy" ? p.remaining_bytes : null;
+  field("remaining").textContent = pending === null || pending === undefined ? "–" : bytes(pending);
   field("disk").textContent = bytes(p.disk_bytes || 0);
   if (p.round === null || p.round === undefined) return;
-  const seen = rounds.get(p.round) || { bytes: 0, rate: null };
-  rounds.set(p.round, { bytes: Math.max(seen.bytes, p.round_bytes || 0),
-    rate: p.dirty_rate === null || p.dirty_rate === undefined ? seen.rate : p.dirty_rate });
+  if (p.dirty_rate) rateMeasured = true;
+  const unknown = p.dirty_rate === null || p.dirty_rate === undefined || (p.dirty_rate === 0 && !rateMeasured);
+  for (const [n, r] of rounds) if (n < p.round && r.open) Object.assign(r, { open: false, wireTo: p.wire_bytes });
+  const seen = rounds.get(p.round) || { bytes: 0, wireFrom: p.wire_bytes, wireTo: p.wire_bytes, rate: null,
+    open: true };
+  rounds.set(p.round, { ...seen, bytes: Math.max(seen.bytes, p.round_bytes || 0),
+    wireTo: seen.open ? Math.max(seen.wireTo, p.wire_bytes) : seen.wireTo,
+    rate: unknown ? seen.rate : p.dirty_rate });
   const table = dialog.querySelector("[data-field=rounds]");
   table.hidden = false;
-  table.querySelector("tbody").replaceChildren(...[...rounds.entries()].map(([n, r]) =>
+  // libvirt's round 0 is the setup: a row only if it sent anything
+  const shown = [...rounds.entries()].filter(([n, r]) => n > 0 || r.bytes > 0 || r.wireTo > r.wireFrom);
+  table.querySelector("tbody").replaceChildren(...shown.map(([n, r]) =>
     h("tr", { "data-round": n, "data-current": n === p.round && !p.outcome && p.phase === "memory" ? "" : null },
       h("td", { class: "num" }, n), h("td", { class: "num" }, bytes(r.bytes)),
-      h("td", { class: "num" }, `dirtied ${dirtyRate(r.rate)}`))));
+      h("td", { class: "num" }, bytes(r.wireTo - r.wireFrom)),
+      h("td", { class: "num" }, dirtyRate(r.rate)))));
 }
 
 async function cancel() {
