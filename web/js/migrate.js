@@ -5,6 +5,13 @@
 // bytes on the wire, bytes the destination found locally, an ETA, a live move's pre-copy rounds (bytes, dirty
 // rate) and its switchover's measured pause, and Cancel. At the end it says where the capsule runs now.
 //
+// The choice is a modal dialog; the migration's progress is not: the same <dialog> is shown with show() as a
+// panel in the page's flow, right under the console panel (#console), so it covers nothing and the console
+// stays usable while the capsule moves (during a live move's pre-copy the guest runs here, and takes keys).
+// Its buttons are in the page's tab order. A live move's rounds are listed as they go (the bytes each round
+// sent, the rate the guest dirtied memory at), with the memory still to send, the disks' writes since T0, the
+// switchover's measured pause, and during post-copy the memory still at the source.
+//
 // The console follows the capsule. When it runs at the destination, this module calls
 //     window.capsuleConsole.openConsole(hostUrl, name)   when the page has set window.capsuleConsole, else
 //     openConsole(hostUrl, name) exported by ./console.js (loaded with import() on first use), if it exists;
@@ -23,9 +30,12 @@ const LIVE_LABELS = {
   postcopy: "Post-copy",
 };
 const OUTCOME = { done: "Done", cancelled: "Cancelled", failed: "Failed" };
+const PAGE = 4096;   // bytes per guest page: libvirt's dirty rate is in pages per second
 
 let dialog = null;
 let current = null;   // {id, stream, onEnd}
+let rounds = new Map();  // a live move's pre-copy rounds seen so far: round → {bytes, wireFrom, wireTo, rate}
+let rateMeasured = false;  // libvirt reports 0 pages/s until QEMU has measured the dirty rate once
 
 // -- the console hook ------------------------------------------------------------------------------------
 export async function consoleFollows(hostUrl, name) {
@@ -95,14 +105,26 @@ function build() {
       h("dt", {}, "On the wire"), h("dd", { "data-field": "wire" }, "–"),
       h("dt", {}, "Found locally"), h("dd", { "data-field": "local" }, "–"),
       h("dt", {}, "Progress"), h("dd", { "data-field": "done" }, "–"),
-      h("dt", {}, "Time left"), h("dd", { "data-field": "eta" }, "–")),
-    h("p", { class: "migrate-message", role: "status", "data-field": "message" }),
+      h("dt", {}, "Time left"), h("dd", { "data-field": "eta" }, "–"),
+      h("dt", { "data-live": "" }, "Memory still to send"),
+      h("dd", { "data-live": "", "data-field": "remaining" }, "–"),
+      h("dt", { "data-live": "" }, "Disk writes since T0"),
+      h("dd", { "data-live": "", "data-field": "disk" }, "–")),
+    h("table", { class: "rounds", "data-field": "rounds", hidden: true },
+      h("caption", {}, "Pre-copy rounds (the guest runs here meanwhile)"),
+      h("thead", {}, h("tr", {}, h("th", {}, "Round"), h("th", {}, "Memory sent"), h("th", {}, "On the wire"),
+        h("th", {}, "Dirty rate"))),
+      h("tbody", {})),
+    h("p", { class: "migrate-message", role: "status", "aria-live": "polite", "data-field": "message" }),
     h("menu", {},
       h("button", { type: "button", class: "danger", "data-action": "cancel-migration", onclick: cancel },
         "Cancel migration"),
       h("button", { type: "button", "data-action": "close-migration", hidden: true, onclick: () => dialog.close() },
         "Close")));
-  const d = h("dialog", { id: "migrate-dialog", class: "migrate" }, choose, progress);
+  const d = h("dialog", { id: "migrate-dialog", class: "migrate", "aria-labelledby": "migrate-title" }, choose,
+    progress);
+  progress.querySelector("h3").id = "migrate-title";
+  progress.querySelector("h3").tabIndex = -1;   // focusable by the script, not a tab stop
   d.addEventListener("cancel", (ev) => {  // Escape: never hides a migration that is still running
     if (current) ev.preventDefault();
   });
@@ -118,7 +140,7 @@ const field = (name) => dialog.querySelector(`.migrate-progress [data-field=${na
 export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
   dialog = dialog || build();
   if (current) {  // one at a time: show the running one
-    dialog.showModal();
+    dock();
     return;
   }
   if (!peers) {
@@ -153,8 +175,9 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
   kindChanged();
   select.onchange = () => checkLive(form, capsule.name, select.value);
   if (usable.length) checkLive(form, capsule.name, select.value);
-  dialog.addEventListener("close", async () => {
-    if (dialog.returnValue !== "ok" || current) return;
+  // the form's submit (it closes the modal dialog: method=dialog) starts the move; one handler at a time
+  form.onsubmit = async (ev) => {
+    if (!ev.submitter || ev.submitter.value !== "ok" || current) return;
     const data = new FormData(form);
     const kind = String(data.get("kind"));
     const body = kind === "live" ? { to: String(data.get("to")), live: true }
@@ -166,9 +189,27 @@ export async function openMigrate(capsule, peers, { onEnd = () => {} } = {}) {
       openMigrate(capsule, peers, { onEnd });
       form.querySelector("[data-field=choose-error]").textContent = err.message;
     }
-  }, { once: true });
+  };
   dialog.returnValue = "";
+  if (dialog.open) dialog.close();
+  dialog.classList.remove("docked");
   dialog.showModal();
+}
+
+// The progress: the dialog shown without being modal, in the page's flow under the console panel (or at the
+// top of the page when there is none), so that nothing else is blocked or covered while the capsule moves.
+// Focus goes to its title (Tab from there reaches Cancel): never onto Cancel itself, where a key meant for
+// something else would cancel the move.
+function dock() {
+  const anchor = document.getElementById("console");
+  const main = document.querySelector("main");
+  if (anchor && anchor.nextElementSibling !== dialog) anchor.after(dialog);
+  else if (!anchor && main && dialog.parentElement !== main) main.prepend(dialog);
+  if (dialog.open && !dialog.classList.contains("docked")) dialog.close();
+  dialog.classList.add("docked");
+  if (!dialog.open) dialog.show();
+  dialog.querySelector("#migrate-title").focus({ preventScroll: true });
+  dialog.scrollIntoView({ block: "nearest" });
 }
 
 // Ask the destination's pre-check for a live move to host; refused: the Live choice is greyed out with the
@@ -205,8 +246,15 @@ function follow(m, onEnd) {
   dialog.querySelector("[data-action=cancel-migration]").hidden = false;
   dialog.querySelector("[data-action=cancel-migration]").disabled = false;
   dialog.querySelector("[data-action=close-migration]").hidden = true;
+  rounds = new Map();
+  rateMeasured = false;
+  const table = dialog.querySelector("[data-field=rounds]");
+  table.querySelector("tbody").replaceChildren();
+  table.hidden = true;
+  const live = m.progress.phases.includes("precheck");
+  dialog.querySelectorAll(".migrate-progress [data-live]").forEach((el) => { el.hidden = !live; });
   show(m);
-  dialog.showModal();
+  dock();
   const stream = new EventSource(`/api/migrations/${encodeURIComponent(m.id)}/events`);
   current.stream = stream;
   stream.addEventListener("progress", (ev) => show(JSON.parse(ev.data)));
@@ -234,11 +282,14 @@ function show(m) {
     const live = p.phases.includes("precheck");
     let detail = i === p.index && p.phase_total ? ` · ${bytes(p.phase_done)} of ${bytes(p.phase_total)}` : "";
     if (live && name === "memory" && p.round !== null && p.round !== undefined) {
-      const rate = p.dirty_rate === null ? "?" : `${p.dirty_rate} pages/s`;
-      detail = ` · round ${p.round}: ${bytes(p.round_bytes)}, dirtied ${rate}`;
+      detail = ` · round ${p.round}: ${bytes(p.round_bytes)} sent; dirty rate ${dirtyRate(p.dirty_rate)}`;
     }
     if (live && name === "switchover" && p.pause_ms !== null && p.pause_ms !== undefined) {
       detail = ` · paused ${p.pause_ms} ms`;
+    }
+    if (live && name === "postcopy" && i === p.index && p.remaining_bytes !== null
+        && p.remaining_bytes !== undefined) {
+      detail = ` · ${bytes(p.remaining_bytes)} of memory still at the source (fetched as the guest touches it)`;
     }
     return h("li", { "data-phase": name, "data-state": state }, (live ? LIVE_LABELS : LABELS)[name] || name,
       h("span", { class: "muted", "data-field": "phase-detail" }, detail));
@@ -252,7 +303,43 @@ function show(m) {
   dialog.querySelector(".bar").dataset.outcome = p.outcome || "";
   dialog.querySelector("[data-action=cancel-migration]").disabled = !p.cancellable;
   field("message").textContent = p.outcome ? "" : p.message;
+  if (p.phases.includes("precheck")) showLive(p);
   if (p.outcome) end(m);
+}
+
+// "1,234 pages/s (4.8 MiB/s)": the rate the guest dirties memory at (libvirt's, in pages per second), and what
+// that is in bytes
+function dirtyRate(rate) {
+  if (rate === null || rate === undefined || (rate === 0 && !rateMeasured)) return "not measured yet";
+  return `${rate.toLocaleString("en")} pages/s (${bytes(rate * PAGE)}/s)`;
+}
+
+// A live move's figures: what remains, the disks' writes since T0, and one row per pre-copy round: the memory
+// libvirt sent in it (counted from the first look at the round: a round shorter than that look shows little),
+// what this host put on the wire from its start to the next round's (the memory codec's output, the disks'
+// writes), and the rate the guest dirtied memory at, as last measured during it.
+function showLive(p) {
+  const pending = p.phase === "memory" || p.phase === "postcopy" ? p.remaining_bytes : null;
+  field("remaining").textContent = pending === null || pending === undefined ? "–" : bytes(pending);
+  field("disk").textContent = bytes(p.disk_bytes || 0);
+  if (p.round === null || p.round === undefined) return;
+  if (p.dirty_rate) rateMeasured = true;
+  const unknown = p.dirty_rate === null || p.dirty_rate === undefined || (p.dirty_rate === 0 && !rateMeasured);
+  for (const [n, r] of rounds) if (n < p.round && r.open) Object.assign(r, { open: false, wireTo: p.wire_bytes });
+  const seen = rounds.get(p.round) || { bytes: 0, wireFrom: p.wire_bytes, wireTo: p.wire_bytes, rate: null,
+    open: true };
+  rounds.set(p.round, { ...seen, bytes: Math.max(seen.bytes, p.round_bytes || 0),
+    wireTo: seen.open ? Math.max(seen.wireTo, p.wire_bytes) : seen.wireTo,
+    rate: unknown ? seen.rate : p.dirty_rate });
+  const table = dialog.querySelector("[data-field=rounds]");
+  table.hidden = false;
+  // libvirt's round 0 is the setup: a row only if it sent anything
+  const shown = [...rounds.entries()].filter(([n, r]) => n > 0 || r.bytes > 0 || r.wireTo > r.wireFrom);
+  table.querySelector("tbody").replaceChildren(...shown.map(([n, r]) =>
+    h("tr", { "data-round": n, "data-current": n === p.round && !p.outcome && p.phase === "memory" ? "" : null },
+      h("td", { class: "num" }, n), h("td", { class: "num" }, bytes(r.bytes)),
+      h("td", { class: "num" }, bytes(r.wireTo - r.wireFrom)),
+      h("td", { class: "num" }, dirtyRate(r.rate)))));
 }
 
 async function cancel() {
