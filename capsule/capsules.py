@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from capsule import qemuimg
@@ -132,7 +133,7 @@ def derive(store: Store, parent_ref: str, child: str, *, memory: bool = True, no
 @dataclass
 class CapsuleState:
     name: str
-    state: str             # running | suspended | stopped | crashed
+    state: str             # running | arriving | suspended | stopped | crashed
     latest: VersionRow
     instance: InstanceRow | None
 
@@ -141,7 +142,12 @@ def state_of(store: Store, name: str) -> CapsuleState:
     latest = resolve(store, name)
     inst = store.catalogue.instance(name)
     if inst is not None:
-        state = "running" if lookup_domain(inst.domain) is not None else "crashed"
+        from capsule.exchange.incoming import MARK  # (the exchange builds on this module)
+
+        if (Path(inst.dir) / MARK).exists():
+            state = "arriving"     # a live move's destination: its guest is not running here yet
+        else:
+            state = "running" if lookup_domain(inst.domain) is not None else "crashed"
     else:
         state = "suspended" if latest.active else "stopped"
     return CapsuleState(name, state, latest, inst)

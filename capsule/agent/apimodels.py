@@ -81,7 +81,7 @@ class VersionDetail(VersionOut):
 
 class CapsuleOut(BaseModel):
     name: str
-    state: Literal["running", "suspended", "stopped", "crashed"]
+    state: Literal["running", "arriving", "suspended", "stopped", "crashed"]
     latest: int
     active: bool
     domain: str | None
@@ -188,7 +188,7 @@ class TreeImage(BaseModel):
 
 class TreeCapsule(BaseModel):
     name: str
-    state: Literal["running", "suspended", "stopped", "crashed", "empty"]
+    state: Literal["running", "arriving", "suspended", "stopped", "crashed", "empty"]
     parent: str | None = Field(description="The version it was derived from.")
     image: str | None
 

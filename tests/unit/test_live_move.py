@@ -310,3 +310,22 @@ def test_a_broken_links_cause_recorded_after_libvirt_gave_up_still_reaches_the_m
     threading.Timer(0.3, lambda: errors.append("the peer cut the stream: destination disk full")).start()
     assert live._tunnel_errors(tunnels, settle=5.0) == ["the peer cut the stream: destination disk full"]
     assert live._tunnel_errors(SimpleNamespace(tunnels={}), settle=0.2) == []
+
+
+def test_a_capsule_a_live_move_is_bringing_here_is_arriving_not_crashed(home, tmp_path, monkeypatch):  # noqa: F811
+    """The destination of a live move holds the instance prepare made before libvirt's incoming domain exists:
+    its lists say the capsule is arriving, not that it crashed; once the mark is gone, a missing domain is a
+    crash again."""
+    from capsule import capsules
+
+    monkeypatch.setattr(capsules, "lookup_domain", lambda name: None)
+    client = TestClient(create_app(home, TOKEN))     # (at its start an agent removes unfinished moves)
+    sign_in(client)
+    d = _half_moved(home, tmp_path, "b" * 32)
+
+    def state() -> str:
+        return {c["name"]: c["state"] for c in client.get("/api/capsules").json()}[SECRET]
+
+    assert state() == "arriving"
+    (d / incoming.MARK).unlink()
+    assert state() == "crashed"
