@@ -41,11 +41,11 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.websockets import WebSocketState
 
+from capsule import privsep
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agent.workers import workers_of
 from capsule.console import clipboard, screen, screensize
 from capsule.errors import Error
-from capsule.runtime import guestfiles
 from capsule.store import Store
 
 TICKET_LIFETIME = 30.0
@@ -183,7 +183,9 @@ def router(store: Store, sessions: Sessions, tickets: Tickets) -> APIRouter:
             return
         try:
             console = await asyncio.to_thread(screen.serial_console, store, name)
-            reader, writer, close = await open_pty(console.pty)
+            # through the root helper when this agent is not root: QEMU's user owns the pty (mode 0620)
+            fd = await asyncio.to_thread(privsep.current().open_serial, store.domain_name(name), console.pty)
+            reader, writer, close = await open_pty(fd)
         except Error as exc:
             await deny(ws, exc.http_status, str(exc))
             return
@@ -266,11 +268,10 @@ def log_tail(log: Path, size: int) -> bytes:
     return data[cut + 1:] if len(data) == size and cut >= 0 else data
 
 
-async def open_pty(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Callable[[], None]]:
-    """asyncio streams on the guest's pty (raw mode; opened as ``guestfiles.open_pty`` checks it), and a function
-    that closes both."""
+async def open_pty(fd: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Callable[[], None]]:
+    """asyncio streams on the guest's pty ``fd`` (put in raw mode; opened as ``guestfiles.open_pty`` checks it), and
+    a function that closes both. The descriptor is theirs."""
     loop = asyncio.get_running_loop()
-    fd = guestfiles.open_pty(path)
     try:
         tty.setraw(fd)
         wfd = os.dup(fd)

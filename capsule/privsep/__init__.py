@@ -7,7 +7,8 @@
   first runs a fixed command set for it, each path checked to lie in the store's ``tmp/``.
 
 The command set (:mod:`capsule.privsep.ops`): take ownership of a memory image libvirtd wrote, bring up the pod
-bridge, hand a private copy to the sandbox user and run ``e2fsck``/``debugfs`` as that user."""
+bridge, hand a private copy to the sandbox user and run ``e2fsck``/``debugfs`` as that user, and open a running
+capsule's serial console pty (QEMU's user owns it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from capsule.privsep import ops
+from capsule.runtime import guestfiles
 
 
 class Privileged(Protocol):
@@ -30,6 +32,11 @@ class Privileged(Protocol):
 
     def run_sandboxed(self, argv: list[str], cwd: Path, stdout_fd: int, *, timeout: float) -> tuple[int, bytes]:
         """``argv`` as the sandbox user in ``cwd``, its output into ``stdout_fd``: (exit status, stderr)."""
+
+    def open_serial(self, domain: str, pty: Path) -> int:
+        """A descriptor (read-write, non-blocking) on the serial console pty of ``domain``, one of this store's
+        running libvirt domains, at ``pty`` as libvirt named it to the caller (the root helper asks libvirt
+        itself, and opens only the pty it names)."""
 
 
 def _open_nofollow(path: Path, flags: int) -> int:
@@ -70,6 +77,9 @@ class Direct:
             return ops.run_sandboxed(argv, dfd, stdout_fd, timeout=timeout)
         finally:
             os.close(dfd)
+
+    def open_serial(self, domain: str, pty: Path) -> int:
+        return guestfiles.open_pty(pty)
 
 
 _current: Privileged = Direct()

@@ -12,6 +12,8 @@ else is run):
 - ``sandbox-hand-over PATH``: a private copy in a sandbox work directory in ``tmp/`` goes to the sandbox user.
 - ``run-sandboxed TOOL ARGS CWD`` (TOOL: ``e2fsck`` or ``debugfs``), its standard output into the attached
   descriptor: the tool runs as the sandbox user with no capabilities (:mod:`capsule.sandbox`).
+- ``open-serial DOMAIN``: the serial console pty of one of this store's running domains (``capsule-ID-NAME``,
+  ID this store's), opened and its descriptor attached to the answer: QEMU's user owns the pty (mode 0620).
 
 A path must be absolute, without ``..``, and lie in the store's ``tmp/``; it is opened one component at a
 time relative to the store, never following a symbolic link, so neither a link nor a later swap leads out of
@@ -30,18 +32,21 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from capsule.errors import EnvironmentProblem, Error, InvalidInput, NotFound, RuntimeFailure
+from capsule.errors import Conflict, EnvironmentProblem, Error, InvalidInput, NotFound, RuntimeFailure
+from capsule.names import check_name
 from capsule.privsep import ops
+from capsule.runtime.guestfiles import GuestFileRefused
 
 MAX_REQUEST = 64 * 1024
 MAX_REPLY = 4 << 20
 MAX_FDS = 1                  # besides the answer's socket
+FDS = "_fds"                 # (an operation's answer) descriptors sent with it, then closed here
 MAX_CONCURRENT = 8
 SANDBOX_TOOLS = frozenset({"e2fsck", "debugfs"})
 MAX_ARGS = 16
 MAX_TIMEOUT = 3600.0
 _ERRORS: dict[str, type[Error]] = {c.code: c for c in (InvalidInput, NotFound, EnvironmentProblem,
-                                                               RuntimeFailure)}
+                                                               RuntimeFailure, Conflict, GuestFileRefused)}
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -154,8 +159,24 @@ class Helper:
             os.close(dfd)
         return {"status": status, "stderr": stderr.decode("utf-8", "surrogateescape")}
 
+    def open_serial(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        domain = req.get("domain")
+        try:
+            store_id = json.loads((self.home / "store.json").read_text())["id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise NotFound(f"{self.home} holds no readable store.json") from None
+        prefix = f"capsule-{store_id}-"
+        try:
+            ours = isinstance(domain, str) and domain.startswith(prefix) and bool(check_name(domain[len(prefix):]))
+        except Error:
+            ours = False
+        if not ours:
+            raise InvalidInput(f"{str(domain)[:80]!r} is not a domain of this store ({prefix}NAME): the helper "
+                               "opens this store's consoles only")
+        return {FDS: [ops.open_serial(str(domain))]}
+
     COMMANDS = {"adopt-memory-image": adopt_memory_image, "pod-bridge-up": pod_bridge_up,
-                "sandbox-hand-over": sandbox_hand_over, "run-sandboxed": run_sandboxed}
+                "sandbox-hand-over": sandbox_hand_over, "run-sandboxed": run_sandboxed, "open-serial": open_serial}
 
     def handle(self, message: bytes, fds: list[int], truncated: bool = False) -> dict[str, Any]:
         """One request (its bytes and attached descriptors) → its answer; never raises."""
@@ -184,13 +205,18 @@ class Helper:
 
 def _answer(helper: Helper, reply: socket.socket, message: bytes, fds: list[int], truncated: bool,
             slots: threading.BoundedSemaphore) -> None:
+    out: list[int] = []
     try:
-        data = json.dumps(helper.handle(message, fds, truncated)).encode()
+        answer = helper.handle(message, fds, truncated)
+        out = answer.pop(FDS, [])
+        data = json.dumps(answer).encode()
         if len(data) > MAX_REPLY:
             data = json.dumps({"ok": False, "code": RuntimeFailure.code, "error": "the answer is too large"}).encode()
         with contextlib.suppress(OSError):
-            reply.send(data)
+            socket.send_fds(reply, [data], out)
     finally:
+        for fd in out:
+            os.close(fd)
         reply.close()
         slots.release()
 
@@ -244,14 +270,19 @@ class HelperClient:
             try:
                 with theirs, self._lock:
                     socket.send_fds(self.sock, [data], [theirs.fileno(), *(fds or [])])
-                reply = mine.recv(MAX_REPLY)
+                reply, got, _, _ = socket.recv_fds(mine, MAX_REPLY, 1)
             except OSError as exc:
                 raise EnvironmentProblem(f"the root helper is gone ({exc}): restart the agent") from None
         if not reply:
+            for fd in got:
+                os.close(fd)
             raise EnvironmentProblem("the root helper is gone: restart the agent")
         answer = json.loads(reply)
         if not answer.get("ok"):
+            for fd in got:
+                os.close(fd)
             raise _ERRORS.get(answer.get("code"), RuntimeFailure)(f"root helper, {op}: {answer.get('error')}")
+        answer[FDS] = list(got)
         return answer
 
     def adopt_memory_image(self, path: Path) -> None:
@@ -266,6 +297,14 @@ class HelperClient:
     def run_sandboxed(self, argv: list[str], cwd: Path, stdout_fd: int, *, timeout: float) -> tuple[int, bytes]:
         r = self.call("run-sandboxed", [stdout_fd], argv=argv, cwd=_real(cwd), timeout=timeout)
         return int(r["status"]), str(r["stderr"]).encode("utf-8", "surrogateescape")
+
+    def open_serial(self, domain: str, pty: Path) -> int:
+        got = self.call("open-serial", domain=domain)[FDS]
+        if len(got) != 1:
+            for fd in got:
+                os.close(fd)
+            raise RuntimeFailure("root helper, open-serial: the answer brought no descriptor")
+        return int(got[0])
 
 
 def main(argv: list[str]) -> None:

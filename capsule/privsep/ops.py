@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
+from pathlib import Path
 
 from capsule import sandbox
-from capsule.runtime import podnet
+from capsule.errors import Conflict
+from capsule.runtime import guestfiles, podnet
+from capsule.runtime.connection import lookup_domain
 
 MEMORY_IMAGE_MODE = 0o600
 SANDBOX_DIR_MODE = 0o710     # the sandbox user may enter its work directory, not change or list it
@@ -56,3 +60,15 @@ def run_sandboxed(argv: list[str], cwd_fd: int, stdout_fd: int, *, timeout: floa
                           stdin=subprocess.DEVNULL, stdout=stdout_fd, stderr=subprocess.PIPE, timeout=timeout,
                           check=False)
     return proc.returncode, proc.stderr[-MAX_STDERR:]
+
+
+def open_serial(domain: str) -> int:
+    """A descriptor on the serial console of the running libvirt domain ``domain``: the pty QEMU made for it, as
+    libvirt names it, opened as :func:`capsule.runtime.guestfiles.open_pty` checks it (QEMU's user owns it, mode
+    0620: only root or that user may open it)."""
+    dom = lookup_domain(domain)
+    src = None if dom is None else ET.fromstring(dom.XMLDesc(0)).find("./devices/serial/source")
+    path = None if src is None else src.get("path")
+    if not path:
+        raise Conflict(f"the domain {domain} has no serial console pty (it is gone or has none)")
+    return guestfiles.open_pty(Path(path))

@@ -164,3 +164,32 @@ def test_a_slow_request_does_not_hold_up_the_others(store, client, monkeypatch):
     # a request with no socket to answer on is dropped; the helper goes on
     socket.send_fds(client.sock, [b'{"op": "pod-bridge-up"}'], [])
     assert client.pod_bridge_up() == podnet.BRIDGE
+
+
+def test_open_serial_hands_back_the_pty_libvirt_names_for_this_stores_domain_only(store, client, monkeypatch):
+    """An unprivileged agent cannot open QEMU's pty (QEMU's user owns it, mode 0620): the helper opens the serial
+    console of one of this store's domains, at the pty libvirt names for it, and sends the descriptor back."""
+    (store / "store.json").write_text(json.dumps({"id": "ab12cd34"}))
+    master, slave = os.openpty()
+    asked: list[str] = []
+
+    def open_serial(domain: str) -> int:
+        asked.append(domain)
+        return os.dup(slave)
+
+    monkeypatch.setattr(ops, "open_serial", open_serial)
+    try:
+        fd = client.open_serial("capsule-ab12cd34-desk", Path("/dev/pts/whatever-the-agent-says"))
+        try:
+            os.write(fd, b"typed\n")
+            assert os.read(master, 100).startswith(b"typed")      # the descriptor is the pty's, working
+        finally:
+            os.close(fd)
+        assert asked == ["capsule-ab12cd34-desk"]                   # the helper looked the domain up itself
+        for domain in ("capsule-ffff0000-desk", "capsule-ab12cd34-../x", "capsule-ab12cd34-", "qemu-1", None):
+            answer = raw(client, json.dumps({"op": "open-serial", "domain": domain}).encode())
+            assert not answer["ok"] and "not a domain of this store" in answer["error"], domain
+        assert asked == ["capsule-ab12cd34-desk"]
+    finally:
+        os.close(master)
+        os.close(slave)
