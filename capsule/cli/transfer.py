@@ -238,7 +238,8 @@ def serve(
         "--user", metavar="USER",
         help="Started as root, run as USER (e.g. capsule: in groups libvirt and libvirt-qemu; `make setup` makes "
              "it) with no capabilities; a root helper keeps only a fixed set of operations (memory images, the "
-             "pod bridge, the file sandbox, serial consoles). The store must be USER's (`chown -R USER: STORE`).")] = None,
+             "pod bridge, the file sandbox, serial consoles). The store must be USER's "
+             "(`chown -R USER: STORE`).")] = None,
 ) -> None:
     """Run this host's agent: HCP, management calls and the dashboard over TLS, bearer-token protected.
 
