@@ -13,6 +13,7 @@ from capsule.console import clipboard
 from capsule.console.screen import screenshot
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
 from tests.conftest import Agent
+from tests.helpers.dashboard import open_console, sign_in
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -46,13 +47,8 @@ def test_clipboard_box_and_scale_to_fit_on_the_desktop(desktop_store, browser, t
     agent = Agent(store.home, tmp_path / "t.token")
     try:
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.goto(agent.url)
-        page.fill("#token", agent.token)
-        page.click("#sign-in-form button[type=submit]")
-        row = page.locator('section[data-host="local"] tr[data-capsule="desk"]')
-        expect(row.locator(".badge")).to_have_attribute("data-state", "running")
-        row.locator('button[data-action="console"]').click()
-        expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+        sign_in(page, agent.url, agent.token)
+        open_console(page, "desk")
         expect(page.locator("#console-clip")).to_be_visible()
         expect(page.locator("#console-fullscreen")).to_be_visible()
 

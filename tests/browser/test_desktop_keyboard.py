@@ -15,6 +15,7 @@ from capsule import capsules, lifecycle
 from capsule.console import guestx
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
 from tests.conftest import Agent
+from tests.helpers.dashboard import open_console, sign_in
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -62,7 +63,6 @@ def _press(cdp, key: str, code: str, vk: int, held: tuple[str, str, int] | None)
 
 
 def test_german_keys_reach_the_german_guest_as_typed(desktop_store, browser, tmp_path):  # noqa: F811
-    from playwright.sync_api import expect
 
     store = desktop_store
     capsules.create(store, "desk", "desktop", memory="1G")
@@ -75,13 +75,8 @@ def test_german_keys_reach_the_german_guest_as_typed(desktop_store, browser, tmp
                    interval=1)
 
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.goto(agent.url)
-        page.fill("#token", agent.token)
-        page.click("#sign-in-form button[type=submit]")
-        row = page.locator('section[data-host="local"] tr[data-capsule="desk"]')
-        expect(row.locator(".badge")).to_have_attribute("data-state", "running")
-        row.locator('button[data-action="console"]').click()
-        expect(page.locator("#console-state")).to_have_attribute("data-state", "connected", timeout=30_000)
+        sign_in(page, agent.url, agent.token)
+        open_console(page, "desk")
         page.locator("#console-screen canvas").click()     # the console's focus; the pointer on the terminal
         page.wait_for_timeout(1000)
 
