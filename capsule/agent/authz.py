@@ -146,6 +146,12 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/migrations/{mid}"): MIGRATION_LOOK,
     ("GET", "/api/migrations/{mid}/events"): MIGRATION_LOOK,
     ("POST", "/api/migrations/{mid}/cancel"): MIGRATION_ACT,
+    # Bring here (bringapi.py): this agent acts on the peer with its own token for it, so staff only (as the relay)
+    ("GET", "/api/hosts/{host}/capsules/{name}/bring/check"): Rule(frozenset({"capsules"}), STAFF),
+    ("POST", "/api/hosts/{host}/capsules/{name}/bring"): ACT_STAFF,
+    ("GET", "/api/hosts/{host}/migrations/{mid}"): LOOK_STAFF,
+    ("GET", "/api/hosts/{host}/migrations/{mid}/events"): LOOK_STAFF,
+    ("POST", "/api/hosts/{host}/migrations/{mid}/cancel"): ACT_STAFF,
     # -- backups (backupsapi.py) --
     ("GET", "/api/backups"): LOOK,
     ("POST", "/api/backups/verify"): ACT_STAFF,

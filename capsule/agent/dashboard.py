@@ -21,6 +21,7 @@ logic of its own.
     POST   /api/capsules/{name}/rm          {version, promote}
     POST   /api/capsules/{name}/console-ticket, WS /api/console/{name}: the live console (``capsule/console/routes.py``)
     POST   /api/capsules/{name}/migrate     {to, mode, balloon} → a migration; /api/migrations/… (migrations.py)
+    POST   /api/hosts/{host}/capsules/{name}/bring   a peer's capsule migrated here; its progress (bringapi.py)
     GET    /api/backups, POST /api/backups/{name}/run|restore, /api/backups/verify (backupsapi.py)
 
 Installed into the agent by :func:`install` (one call in ``create_app``). New ``/api`` routes go into
@@ -39,7 +40,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
-from capsule.agent import authz, backupsapi, migrations, signin
+from capsule.agent import authz, backupsapi, bringapi, migrations, signin
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -88,6 +89,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     app.state.migrations = migrations.Migrations()      # authz finds a migration's capsule here
     app.include_router(migrations.router(store, sessions, token, app.state.migrations))  # before api_router's catch-all
     app.include_router(backupsapi.router(store, sessions))          # (also)
+    app.include_router(bringapi.router(store, sessions))            # (also): Bring here, a peer's capsule
     app.include_router(api_router(store, sessions, app.state.sign_in_attempts, app.state.sign_in_pool,
                                   app.state.workers))
 
