@@ -4,6 +4,7 @@
 import * as api from "./api.js";
 import { bytes, h, when } from "./format.js";
 import { openMigrate } from "./migrate.js";
+import { bringButton } from "./bring.js";
 import { renderBackups } from "./backups.js";
 import { renderTree } from "./tree.js";
 
@@ -311,10 +312,13 @@ function capsuleRow(hostKey, c, actions) {
       disabled: Boolean(busy),
       onclick: () => act(c, a),
     }, a.label))));
-  } else {   // a peer's capsule: its console, relayed through this host's agent
+  } else {   // a peer's capsule: its console, relayed through this host's agent; Bring here (bring.js)
+    const staff = view.session && view.session.role !== "owner";
     cells.push(h("td", { class: "actions" }, running(c) && h("button", {
       type: "button", "data-action": "console", onclick: () => showConsole(c.name, hostKey),
-    }, "Console")));
+    }, "Console"), ...(running(c) && staff ? bringButton(hostKey, c, {
+      onEnd: () => { view.loading = false; refresh(); }, onChange: render,
+    }) : [])));
   }
   return h("tr", { "data-capsule": c.name }, cells);
 }
