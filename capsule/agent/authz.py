@@ -120,6 +120,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/capsules"): LOOK_OR_HOST,        # also a peer's dashboard asking with this host's token
     ("GET", "/api/hosts"): LOOK,
     ("GET", "/api/tree"): LOOK_STAFF,
+    ("GET", "/api/hosts/{host}/tree"): LOOK_STAFF,     # asked of the peer with this host's token for it
     ("POST", "/api/capsules/{name}/start"): ACT,
     ("POST", "/api/capsules/{name}/suspend"): ACT,
     ("POST", "/api/capsules/{name}/snapshot"): ACT,

@@ -13,6 +13,7 @@ logic of its own.
     GET    /api/capsules                    this host's capsules: state, versions, sizes, depends-on
     GET    /api/hosts                       the peers, each with its capsules or why it is unreachable
     GET    /api/tree                        the hierarchy: layers, images, versions, memory images, instances
+    GET    /api/hosts/{host}/tree           a peer's hierarchy, asked of it with this host's token for it
     POST   /api/capsules/{name}/start       {version, wait, timeout}
     POST   /api/capsules/{name}/suspend     {balloon, balloon_policy, balloon_method}
     POST   /api/capsules/{name}/snapshot    same
@@ -185,6 +186,12 @@ def api_router(store: Store, sessions: Sessions, attempts: Attempts, pool: signi
         """Layers with their parents, images, capsules, versions with their chains, memory images and running
         instances: what `capsule tree --json` prints."""
         return await asyncio.to_thread(views.tree_dict, store)
+
+    @router.get("/hosts/{host}/tree", response_model=TreeOut, summary="A peer's hierarchy, asked through this host")
+    async def peer_tree(host: str) -> dict[str, Any]:
+        """What the peer's ``GET /api/tree`` answers (so a user sees which versions exist where); an unknown
+        host is 404, a peer that does not answer within a few seconds 502 with the reason."""
+        return await asyncio.to_thread(hosts.ask_one, store, host, "/api/tree", timeout=PEER_TIMEOUT)
 
     # -- actions: one library call each ----------------------------------------------------------------
     @router.post("/capsules/{name}/start", response_model=StartOut, summary="Boot or restore a capsule")

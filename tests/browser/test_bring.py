@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from capsule import hosts
+from capsule import capsules, hosts
 from capsule.runtime.connection import lookup_domain
 from tests.browser.test_dashboard import browser  # noqa: F401 - fixture
 from tests.browser.test_migrate import RECORDER, _running, _signed_in
@@ -62,3 +62,30 @@ def test_bring_it_here(two_hosts, browser):  # noqa: F811
     assert lookup_domain(b.domain_name("desk")) is None and lookup_domain(a.domain_name("desk")) is not None
     after = count(a, "desk")
     assert before <= after and wait_count_above(a, "desk", after) > after
+
+
+def test_a_peers_hierarchy_on_this_hosts_page(two_hosts, browser):  # noqa: F811
+    """Which versions exist where: the tree card shows a peer's hierarchy too, picked by its name."""
+    from playwright.sync_api import expect
+
+    a, b, agent_a, agent_b = two_hosts
+    capsules.create(b, "desk", "tiny", memory="256M")
+    capsules.derive(b, "desk", "kid")
+    capsules.create(a, "here", "tiny", memory="256M")
+    hosts.add(a, "office", agent_b.url, agent_b.token)
+    page = _signed_in(browser, agent_a)
+    view = page.locator("#tree-view")
+    expect(view.locator('[data-node="version:here@1"]')).to_have_count(1, timeout=30_000)
+    picker = page.locator("#tree-host")
+    expect(picker.locator('option[value="office"]')).to_have_count(1, timeout=30_000)
+    picker.select_option("office")
+    expect(page.locator("#tree h2")).to_have_text("Hierarchy on office")
+    expect(view.locator('[data-node="version:desk@1"]')).to_have_count(1, timeout=30_000)
+    expect(view.locator('[data-node="version:kid@1"]')).to_have_count(1)
+    expect(view.locator('[data-node="version:here@1"]')).to_have_count(0)
+    page.wait_for_timeout(4000)        # a refresh later it still shows the peer's
+    expect(view.locator('[data-node="version:desk@1"]')).to_have_count(1)
+    picker.select_option("")
+    expect(page.locator("#tree h2")).to_have_text("Hierarchy on this host")
+    expect(view.locator('[data-node="version:here@1"]')).to_have_count(1, timeout=30_000)
+    expect(view.locator('[data-node="version:desk@1"]')).to_have_count(0)

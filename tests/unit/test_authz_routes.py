@@ -81,6 +81,7 @@ EXPECTED = {
     ("GET", "/api/capsules"): "look-or-host",
     ("GET", "/api/hosts"): "look",
     ("GET", "/api/tree"): "look-staff",
+    ("GET", "/api/hosts/{host}/tree"): "look-staff",
     **{("POST", f"/api/capsules/{{name}}/{verb}"): "act"
        for verb in ("start", "suspend", "snapshot", "stop", "derive", "rm", "console-ticket", "migrate")},
     **{(m, "/api/{rest:path}"): "signed-in" for m in ("GET", "POST", "PUT", "PATCH", "DELETE")},

@@ -152,3 +152,23 @@ def test_a_host_token_for_the_peer_cannot_start_a_move_there(world, tmp_path):
     r = client.post(BRING, json={"live": False, "mode": "full"}, headers=h)
     assert r.status_code == 403 and "scope" in r.json()["detail"], r.text
     assert stand_in.calls == []
+
+
+def test_a_peers_hierarchy_through_this_host(world, home):  # noqa: F811
+    """Which versions exist where: a peer's tree, asked of it through this host (staff only, as the relay)."""
+    client, _h, _stand_in, _a, _know_a = world
+    r = client.get("/api/hosts/office/tree")
+    assert r.status_code == 200, r.text
+    tree = r.json()
+    assert [c["name"] for c in tree["capsules"]] == ["desk"]
+    assert {v["ref"] for v in tree["versions"]} == {"desk@1"}
+    assert tree["store_id"] != client.get("/api/tree").json()["store_id"]
+    r = client.get("/api/hosts/nowhere/tree")
+    assert r.status_code == 404 and "no host named 'nowhere'" in r.json()["detail"]
+    a = Store.open(home)
+    try:
+        users.add(a, "alice", "owner")
+        _t, secret = tokens.create(a, "alice", ["read", "capsules"])
+    finally:
+        a.close()
+    assert client.get("/api/hosts/office/tree", headers={"Authorization": f"Bearer {secret}"}).status_code == 403

@@ -67,6 +67,7 @@ export async function signOut() {
 export const capsules = () => call("GET", "capsules");
 export const peers = () => call("GET", "hosts");
 export const tree = () => call("GET", "tree");
+export const peerTree = (host) => call("GET", `hosts/${encodeURIComponent(host)}/tree`);
 export const action = (name, verb, body = {}) => call("POST", `capsules/${encodeURIComponent(name)}/${verb}`, body);
 export const consoleTicket = (name, kind = "screen") =>
   call("POST", `capsules/${encodeURIComponent(name)}/console-ticket?kind=${encodeURIComponent(kind)}`, {});
