@@ -210,6 +210,16 @@ def name_for_url(known: list[Peer]) -> Callable[[str], str | None]:
     return lookup
 
 
+def ask_one(store: Store, name: str, path: str, *, timeout: float = ASK_TIMEOUT) -> Any:
+    """GET ``path`` from the known host ``name`` (its answer), within ``timeout`` seconds: :class:`NotFound` for an
+    unknown host; a peer that refuses or does not answer raises :class:`TransferFailed` naming it and why."""
+    peer = get(store, name)
+    (status,) = ask_all(store, path, timeout=timeout, only=[peer.name])
+    if not status.reachable:
+        raise TransferFailed(f"host {peer.name}: {status.error}")
+    return status.answer
+
+
 def ask_all(store: Store, path: str = "/v1/info", *, timeout: float = ASK_TIMEOUT,
             only: Collection[str] | None = None) -> list[PeerStatus]:
     """GET ``path`` from every peer (or those named in ``only``) at once, all within ``timeout`` seconds.

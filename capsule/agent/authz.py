@@ -120,6 +120,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/capsules"): LOOK_OR_HOST,        # also a peer's dashboard asking with this host's token
     ("GET", "/api/hosts"): LOOK,
     ("GET", "/api/tree"): LOOK_STAFF,
+    ("GET", "/api/hosts/{host}/tree"): LOOK_STAFF,     # asked of the peer with this host's token for it
     ("POST", "/api/capsules/{name}/start"): ACT,
     ("POST", "/api/capsules/{name}/suspend"): ACT,
     ("POST", "/api/capsules/{name}/snapshot"): ACT,
@@ -146,6 +147,12 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/migrations/{mid}"): MIGRATION_LOOK,
     ("GET", "/api/migrations/{mid}/events"): MIGRATION_LOOK,
     ("POST", "/api/migrations/{mid}/cancel"): MIGRATION_ACT,
+    # Bring here (bringapi.py): this agent acts on the peer with its own token for it, so staff only (as the relay)
+    ("GET", "/api/hosts/{host}/capsules/{name}/bring/check"): Rule(frozenset({"capsules"}), STAFF),
+    ("POST", "/api/hosts/{host}/capsules/{name}/bring"): ACT_STAFF,
+    ("GET", "/api/hosts/{host}/migrations/{mid}"): LOOK_STAFF,
+    ("GET", "/api/hosts/{host}/migrations/{mid}/events"): LOOK_STAFF,
+    ("POST", "/api/hosts/{host}/migrations/{mid}/cancel"): ACT_STAFF,
     # -- backups (backupsapi.py) --
     ("GET", "/api/backups"): LOOK,
     ("POST", "/api/backups/verify"): ACT_STAFF,

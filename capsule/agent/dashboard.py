@@ -13,6 +13,7 @@ logic of its own.
     GET    /api/capsules                    this host's capsules: state, versions, sizes, depends-on
     GET    /api/hosts                       the peers, each with its capsules or why it is unreachable
     GET    /api/tree                        the hierarchy: layers, images, versions, memory images, instances
+    GET    /api/hosts/{host}/tree           a peer's hierarchy, asked of it with this host's token for it
     POST   /api/capsules/{name}/start       {version, wait, timeout}
     POST   /api/capsules/{name}/suspend     {balloon, balloon_policy, balloon_method}
     POST   /api/capsules/{name}/snapshot    same
@@ -21,6 +22,7 @@ logic of its own.
     POST   /api/capsules/{name}/rm          {version, promote}
     POST   /api/capsules/{name}/console-ticket, WS /api/console/{name}: the live console (``capsule/console/routes.py``)
     POST   /api/capsules/{name}/migrate     {to, mode, balloon} → a migration; /api/migrations/… (migrations.py)
+    POST   /api/hosts/{host}/capsules/{name}/bring   a peer's capsule migrated here; its progress (bringapi.py)
     GET    /api/backups, POST /api/backups/{name}/run|restore, /api/backups/verify (backupsapi.py)
 
 Installed into the agent by :func:`install` (one call in ``create_app``). New ``/api`` routes go into
@@ -39,7 +41,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from capsule import capsules, hierarchy, hosts, lifecycle, views
-from capsule.agent import authz, backupsapi, migrations, signin
+from capsule.agent import authz, backupsapi, bringapi, migrations, signin
 from capsule.agent.apimodels import (
     CapsuleOut,
     DeriveIn,
@@ -88,6 +90,7 @@ def install(app: FastAPI, store: Store, token: str) -> None:
     app.state.migrations = migrations.Migrations()      # authz finds a migration's capsule here
     app.include_router(migrations.router(store, sessions, token, app.state.migrations))  # before api_router's catch-all
     app.include_router(backupsapi.router(store, sessions))          # (also)
+    app.include_router(bringapi.router(store, sessions))            # (also): Bring here, a peer's capsule
     app.include_router(api_router(store, sessions, app.state.sign_in_attempts, app.state.sign_in_pool,
                                   app.state.workers))
 
@@ -183,6 +186,12 @@ def api_router(store: Store, sessions: Sessions, attempts: Attempts, pool: signi
         """Layers with their parents, images, capsules, versions with their chains, memory images and running
         instances: what `capsule tree --json` prints."""
         return await asyncio.to_thread(views.tree_dict, store)
+
+    @router.get("/hosts/{host}/tree", response_model=TreeOut, summary="A peer's hierarchy, asked through this host")
+    async def peer_tree(host: str) -> dict[str, Any]:
+        """What the peer's ``GET /api/tree`` answers (so a user sees which versions exist where); an unknown
+        host is 404, a peer that does not answer within a few seconds 502 with the reason."""
+        return await asyncio.to_thread(hosts.ask_one, store, host, "/api/tree", timeout=PEER_TIMEOUT)
 
     # -- actions: one library call each ----------------------------------------------------------------
     @router.post("/capsules/{name}/start", response_model=StartOut, summary="Boot or restore a capsule")

@@ -67,6 +67,7 @@ export async function signOut() {
 export const capsules = () => call("GET", "capsules");
 export const peers = () => call("GET", "hosts");
 export const tree = () => call("GET", "tree");
+export const peerTree = (host) => call("GET", `hosts/${encodeURIComponent(host)}/tree`);
 export const action = (name, verb, body = {}) => call("POST", `capsules/${encodeURIComponent(name)}/${verb}`, body);
 export const consoleTicket = (name, kind = "screen") =>
   call("POST", `capsules/${encodeURIComponent(name)}/console-ticket?kind=${encodeURIComponent(kind)}`, {});
@@ -86,6 +87,14 @@ export const migration = (id) => call("GET", `migrations/${encodeURIComponent(id
 export const migrateCheck = (name, host) =>
   call("GET", `capsules/${encodeURIComponent(name)}/migrate/check?to=${encodeURIComponent(host)}`);
 export const cancelMigration = (id) => call("POST", `migrations/${encodeURIComponent(id)}/cancel`);
+// Bring here (capsule/agent/bringapi.py): a peer's capsule migrated to this host, followed through this agent
+const peerPath = (host) => `hosts/${encodeURIComponent(host)}`;
+export const bringCheck = (host, name) => call("GET", `${peerPath(host)}/capsules/${encodeURIComponent(name)}/bring/check`);
+export const bring = (host, name, body) =>
+  call("POST", `${peerPath(host)}/capsules/${encodeURIComponent(name)}/bring`, body);
+export const peerMigration = (host, id) => call("GET", `${peerPath(host)}/migrations/${encodeURIComponent(id)}`);
+export const cancelPeerMigration = (host, id) =>
+  call("POST", `${peerPath(host)}/migrations/${encodeURIComponent(id)}/cancel`);
 
 // backups (capsule/agent/backupsapi.py)
 export const backups = () => call("GET", "backups");

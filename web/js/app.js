@@ -4,6 +4,7 @@
 import * as api from "./api.js";
 import { bytes, h, when } from "./format.js";
 import { openMigrate } from "./migrate.js";
+import { bringButton } from "./bring.js";
 import { renderBackups } from "./backups.js";
 import { renderTree } from "./tree.js";
 
@@ -19,6 +20,7 @@ const view = {
   open: new Set(),     // "host/capsule" whose version list is unfolded
   timer: null,
   loading: false,
+  treeHost: null,      // whose hierarchy the tree card shows: null = this host, else a peer's name
 };
 
 const running = (c) => c.state === "running";
@@ -141,9 +143,12 @@ async function refresh() {
       (err) => { if (err.status === 401) throw err; view.peersError = err.message; });
     // the whole hierarchy is for operators and admins: an owner sees only its capsules
     const owner = view.session && view.session.role === "owner";
-    const tree = owner ? Promise.resolve() : api.tree().then(renderTree, (err) => {
+    const whose = view.treeHost;
+    const tree = owner ? Promise.resolve() : (whose ? api.peerTree(whose) : api.tree()).then((g) => {
+      if (view.treeHost === whose) renderTree(g);
+    }, (err) => {
       if (err.status === 401) throw err;
-      $("tree-selection").textContent = `The hierarchy failed: ${err.message}`;
+      $("tree-selection").textContent = `The hierarchy${whose ? ` of ${whose}` : ""} failed: ${err.message}`;
     });
     const backups = api.backups().then((data) => renderBackups(data, backupHooks), (err) => {
       if (err.status === 401) throw err;
@@ -154,6 +159,7 @@ async function refresh() {
     await tree;
     await backups;
     await peers;
+    if (!owner) treePicker();
     $("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}`;
     render();
   } catch (err) {
@@ -161,6 +167,32 @@ async function refresh() {
     else showError(err.message);
   } finally {
     view.loading = false;
+  }
+}
+
+// The tree card's host picker: this host's hierarchy or a reachable peer's (asked through this host), so a user
+// sees which versions exist where. #tree-host: <select> of "" (this host) and the peers' names.
+function treePicker() {
+  let select = $("tree-host");
+  if (!select) {
+    select = h("select", { id: "tree-host", "aria-label": "Whose hierarchy" });
+    select.addEventListener("change", () => {
+      view.treeHost = select.value || null;
+      $("tree").querySelector("h2").textContent = `Hierarchy on ${view.treeHost || "this host"}`;
+      $("tree-selection").textContent = "";
+      view.loading = false;
+      refresh();
+    });
+    $("tree").querySelector("header h2").after(select);
+  }
+  const names = (view.peers || []).filter((p) => p.reachable).map((p) => p.name);
+  const want = ["", ...names].join("\n");
+  if (select.dataset.options !== want) {
+    select.dataset.options = want;
+    select.replaceChildren(h("option", { value: "" }, "this host"), ...names.map((n) => h("option", { value: n }, n)));
+    if (view.treeHost && !names.includes(view.treeHost)) view.treeHost = null;   // gone or unreachable
+    select.value = view.treeHost || "";
+    $("tree").querySelector("h2").textContent = `Hierarchy on ${view.treeHost || "this host"}`;
   }
 }
 
@@ -311,10 +343,13 @@ function capsuleRow(hostKey, c, actions) {
       disabled: Boolean(busy),
       onclick: () => act(c, a),
     }, a.label))));
-  } else {   // a peer's capsule: its console, relayed through this host's agent
+  } else {   // a peer's capsule: its console, relayed through this host's agent; Bring here (bring.js)
+    const staff = view.session && view.session.role !== "owner";
     cells.push(h("td", { class: "actions" }, running(c) && h("button", {
       type: "button", "data-action": "console", onclick: () => showConsole(c.name, hostKey),
-    }, "Console")));
+    }, "Console"), ...(running(c) && staff ? bringButton(hostKey, c, {
+      onEnd: () => { view.loading = false; refresh(); }, onChange: render,
+    }) : [])));
   }
   return h("tr", { "data-capsule": c.name }, cells);
 }

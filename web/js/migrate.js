@@ -237,12 +237,26 @@ async function checkLive(form, name, host) {
   }
 }
 
-function follow(m, onEnd) {
-  current = { id: m.id, stream: null, onEnd };
+// Follow a peer's migration of its capsule to this host (Bring here: bring.js): the same progress, phases and
+// Cancel, asked of the peer through this agent (/api/hosts/HOST/migrations/…); when it is done the console
+// opens on the capsule here. m: the answer of POST /api/hosts/HOST/capsules/NAME/bring (m.host: the peer).
+export function followBring(m, { onEnd = () => {} } = {}) {
+  dialog = dialog || build();
+  follow(m, onEnd, m.host);
+}
+
+const migrationApi = (via) => (via ? {
+  path: `/api/hosts/${encodeURIComponent(via)}/migrations/`,
+  get: (id) => api.peerMigration(via, id), cancel: (id) => api.cancelPeerMigration(via, id),
+} : { path: "/api/migrations/", get: api.migration, cancel: api.cancelMigration });
+
+function follow(m, onEnd, via = null) {
+  current = { id: m.id, stream: null, onEnd, via };
   import("./console.js").then((mod) => mod.consoleMoving(m.capsule, m.to), () => {});
   dialog.querySelector("form").hidden = true;
   dialog.querySelector(".migrate-progress").hidden = false;
-  field("to").textContent = m.to;
+  dialog.querySelector(".migrate-progress h3").replaceChildren(...(via ? ["Bringing ", m.capsule, " here from ", via]
+    : ["Migrating ", h("span", { "data-field": "name" }, m.capsule), " to ", h("span", { "data-field": "to" }, m.to)]));
   dialog.querySelector("[data-action=cancel-migration]").hidden = false;
   dialog.querySelector("[data-action=cancel-migration]").disabled = false;
   dialog.querySelector("[data-action=close-migration]").hidden = true;
@@ -255,13 +269,13 @@ function follow(m, onEnd) {
   dialog.querySelectorAll(".migrate-progress [data-live]").forEach((el) => { el.hidden = !live; });
   show(m);
   dock();
-  const stream = new EventSource(`/api/migrations/${encodeURIComponent(m.id)}/events`);
+  const stream = new EventSource(`${migrationApi(via).path}${encodeURIComponent(m.id)}/events`);
   current.stream = stream;
   stream.addEventListener("progress", (ev) => show(JSON.parse(ev.data)));
   stream.addEventListener("error", async () => {
     // the stream broke (the browser retries by itself); make sure a session that ended is noticed
     try {
-      show(await api.migration(m.id));
+      show(await migrationApi(via).get(m.id));
     } catch (err) {
       if (err.status === 401) end(null, "Your session ended: sign in again.");
     }
@@ -347,8 +361,9 @@ async function cancel() {
   const button = dialog.querySelector("[data-action=cancel-migration]");
   button.disabled = true;
   try {
-    show(await api.cancelMigration(current.id));
-    field("message").textContent = "Cancelling: the capsule will run here again…";
+    show(await migrationApi(current.via).cancel(current.id));
+    field("message").textContent = current && current.via ? `Cancelling: the capsule will run on ${current.via} again…`
+      : "Cancelling: the capsule will run here again…";
   } catch (err) {
     field("message").textContent = err.message;
   }
@@ -356,7 +371,7 @@ async function cancel() {
 
 async function end(m, why = "") {
   if (!current) return;
-  const { stream, onEnd } = current;
+  const { stream, onEnd, via } = current;
   current = null;
   lastSeq = -1;
   if (stream) stream.close();
@@ -366,6 +381,8 @@ async function end(m, why = "") {
   out.dataset.outcome = m ? m.progress.outcome : "failed";
   if (!m) {
     out.textContent = why;
+  } else if (via) {
+    endBring(m, out, via);
   } else if (m.progress.outcome === "done") {
     out.textContent = `${OUTCOME.done}: ${m.capsule} now runs on ${m.to} (${m.to_url}).`;
     if (await consoleFollows(m.to_url, m.capsule)) out.textContent += " The console follows it there.";
@@ -377,4 +394,14 @@ async function end(m, why = "") {
     if (back && await consoleReturns(m.capsule)) out.textContent += " The console is back on it here.";
   }
   onEnd(m);
+}
+
+async function endBring(m, out, via) {
+  if (m.progress.outcome === "done") {
+    out.textContent = `${OUTCOME.done}: ${m.capsule} now runs here (it came from ${via}).`;
+    if (await consoleFollows(null, m.capsule)) out.textContent += " The console follows it here.";
+    return;
+  }
+  const where = m.progress.where === "source" ? `It runs on ${via} again.` : "Check where it runs before retrying.";
+  out.textContent = `${OUTCOME[m.progress.outcome]}: ${where} ${(m.error ? m.error.detail : m.progress.message) || ""}`;
 }
