@@ -50,8 +50,7 @@ def router(store: Store, sessions: Sessions) -> APIRouter:
     @r.post("/{host}/capsules/{name}/bring", response_model=BringOut, status_code=202,
             summary="Have a peer migrate its capsule here")
     async def bring(host: str, name: str, body: BringIn) -> dict[str, Any]:
-        body = body.chosen()      # a 400 naming the conflict before anything
-        wanted = body.model_dump(exclude={"to"})
+        wanted = body.chosen().model_dump(exclude={"to"})      # a 400 naming the conflict before anything
         return await asyncio.to_thread(lib.bring, store, host, name, wanted)
 
     @r.get("/{host}/migrations/{mid}", response_model=BringOut, summary="A peer's migration and its progress")
