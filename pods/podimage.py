@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import mmap
 import os
@@ -208,54 +207,45 @@ def pack_to(device: str | Path, images: Path, meta: dict[str, Any]) -> tuple[int
     return w.offset, w.md5.hexdigest()
 
 
-class _Counted(io.RawIOBase):
-    """The first ``size`` bytes of ``fd``, hashed (MD5) as they are read."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.left, self.read_bytes = fd, size, 0
-        self.md5 = hashlib.md5(usedforsecurity=False)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")[:self.left]
-        n = os.readv(self.fd, [view]) if view else 0
-        self.md5.update(view[:n])
-        self.left -= n
-        self.read_bytes += n
-        return n
+def _md5_of(fd: int, size: int) -> tuple[int, str]:
+    """The MD5 of the first ``size`` bytes of ``fd`` and how many there were (fewer where it ends first),
+    read in whole chunks into one buffer: the pages stay in the cache for the unpack that follows."""
+    md5 = hashlib.md5(usedforsecurity=False)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[:min(CHUNK, size - done)]], done)
+        if n == 0:
+            break
+        md5.update(view[:n])
+        done += n
+    return done, md5.hexdigest()
 
 
 def unpack_from(device: str | Path, size: int, md5: str, into: Path) -> dict[str, Any]:
     """Unpack the format-2 archive of ``size`` bytes at the start of ``device`` into the new directory
-    ``into`` in one pass, checking its MD5 on the way; its meta. An archive shorter than ``size`` (the
-    device ends first, or the archive's own end comes early and the bytes after it do not match), a
-    wrong MD5 or any of :func:`unpack`'s refusals raise :class:`ImageInvalid` and leave no ``into``."""
+    ``into``; its meta. Its MD5 is checked first (one read; the unpack then copies from the cache in the
+    kernel), so a device that ends before ``size``, a wrong MD5 (or size), or any of :func:`unpack`'s
+    refusals raise :class:`ImageInvalid` and leave no ``into``."""
     if size <= 0 or size % BLOCK:
         raise ImageInvalid(f"an archive's size is a positive multiple of {BLOCK}, not {size}")
-    into.mkdir(parents=True)
-    try:
-        fd = os.open(device, os.O_RDONLY)
+    with open(device, "rb") as f:
+        got, theirs = _md5_of(f.fileno(), size)
+        if got != size:
+            raise ImageInvalid(f"the device ended at {got} of the archive's {size} bytes")
+        if theirs != md5.lower():
+            raise ImageInvalid(f"its MD5 is {theirs}, not {md5} (damaged on the way, or a wrong size)")
+        into.mkdir(parents=True)
         try:
-            src = _Counted(fd, size)
-            with io.BufferedReader(src, CHUNK) as buffered, tarfile.open(fileobj=buffered, mode="r|") as tar:
-                got = _extract(tar, into)
-                while buffered.read(1 << 20):  # the archive's end blocks, to its size: all hashed
-                    pass
-        finally:
-            os.close(fd)
-        if src.read_bytes != size:
-            raise ImageInvalid(f"the device ended at {src.read_bytes} of the archive's {size} bytes")
-        if src.md5.hexdigest() != md5.lower():
-            raise ImageInvalid(f"its MD5 is {src.md5.hexdigest()}, not {md5} (damaged on the way, or a wrong size)")
-        return _read_meta(into, got)
-    except (tarfile.TarError, EOFError) as e:
-        shutil.rmtree(into, ignore_errors=True)
-        raise ImageInvalid(f"a malformed or truncated archive ({e})") from None
-    except BaseException:
-        shutil.rmtree(into, ignore_errors=True)
-        raise
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                return _read_meta(into, _extract(tar, into, f.fileno()))
+        except (tarfile.TarError, EOFError) as e:
+            shutil.rmtree(into, ignore_errors=True)
+            raise ImageInvalid(f"a malformed or truncated archive ({e})") from None
+        except BaseException:
+            shutil.rmtree(into, ignore_errors=True)
+            raise
 
 
 def _safe_name(name: str) -> str | None:

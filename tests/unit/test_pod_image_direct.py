@@ -1,6 +1,6 @@
 """A pod image straight on a block device (the disk the host lends): ``pack_to`` writes the format-2
 archive from the device's start — byte for byte what ``pack`` writes to a file — and answers its size and
-MD5; ``unpack_from`` unpacks the first SIZE bytes in one pass, checking the MD5, and refuses a wrong MD5,
+MD5; ``unpack_from`` checks the MD5 of the first SIZE bytes, then unpacks them, and refuses a wrong MD5,
 a size cut short or a device that ends early with nothing left behind. A regular file stands in for the
 device here."""
 
