@@ -126,7 +126,7 @@ def dump_id(result: object, capsule: str, pod: str) -> str:
 def placed(result: object, capsule: str, pod: str, cap: int) -> Placed:
     """``pods checkpoint POD --to DEVICE``'s result, its size at most ``cap`` bytes."""
     r = Reply(result, f"capsule {capsule!r}: pods checkpoint")
-    return Placed(dump_id(result, capsule, pod), r.integer("size", 1, cap), r.text("md5", 32, MD5), _address(r),
+    return Placed(dump_id(result, capsule, pod), int(r.integer("size", 1, cap)), r.text("md5", 32, MD5), _address(r),
                   r.number("dump_seconds", hi=MAX_SECONDS), r.number("seconds", hi=MAX_SECONDS), steps(r))
 
 
