@@ -70,7 +70,8 @@ def main() -> None:
                      "criu_restore_s": round(back["seconds"] - back["copy_seconds"], 3),
                      "out_mib_s": round(ck.size / 2**20 / ck.copy_seconds, 2),
                      "in_mib_s": round(ck.size / 2**20 / back["copy_seconds"], 2),
-                     "checkpoint_steps": ck.guest_steps, "restore_steps": back.get("steps", {})}
+                     "checkpoint_steps": ck.guest_steps, "restore_steps": back.get("steps", {}),
+                     "copy_out_route": ck.copy_route, "copy_in_route": back.get("copy_route", "file")}
                 out.append(r)
                 rows.append([mib, f"{ck.size / 2**20:.1f}", r["dump_s"], r["checkpoint_s"], r["copy_out_s"],
                              r["copy_in_s"], r["criu_restore_s"], r["restore_s"]])

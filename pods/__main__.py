@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from pods import VERSION, ckpt, pod
+from pods import FEATURES, VERSION, ckpt, pod
 from pods.names import PodError
 
 
@@ -30,8 +30,14 @@ def parser() -> argparse.ArgumentParser:
     k = sub.add_parser("checkpoint")
     k.add_argument("name")
     k.add_argument("--leave-running", action="store_true")
+    k.add_argument("--to", metavar="DEVICE", help="write the image onto this block device (a disk the host "
+                   "lent) and keep the dump until `drop` or `restore-dump`; answers its size and md5")
     r = sub.add_parser("restore")
-    r.add_argument("archive")
+    r.add_argument("archive", help="a .pod file, or with --size and --md5 a block device holding one")
+    r.add_argument("--size", type=int, help="the image's size in bytes on the device")
+    r.add_argument("--md5", help="the image's MD5, checked while it is unpacked")
+    sub.add_parser("drop").add_argument("dump")
+    sub.add_parser("restore-dump").add_argument("dump")
     return p
 
 
@@ -42,7 +48,7 @@ def _cmd(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> Any:
     match args.command:
         case "version":
-            return {"version": VERSION}
+            return {"version": VERSION, "features": list(FEATURES)}
         case "create":
             made = pod.create(args.name, _cmd(args), args.ip)
             ckpt.check_soon()  # the first checkpoint finds criu's verdict ready
@@ -58,9 +64,15 @@ def run(args: argparse.Namespace) -> Any:
         case "kill":
             return pod.kill(args.name)
         case "checkpoint":
-            return ckpt.checkpoint(args.name, args.leave_running)
+            return ckpt.checkpoint(args.name, args.leave_running, to=args.to)
         case "restore":
-            return ckpt.restore(args.archive)
+            if (args.size is None) != (args.md5 is None):
+                raise PodError("restore from a device takes both --size and --md5", "invalid_name")
+            return ckpt.restore(args.archive, size=args.size, md5=args.md5)
+        case "drop":
+            return ckpt.drop(args.dump)
+        case "restore-dump":
+            return ckpt.restore_dump(args.dump)
     raise PodError(f"unknown command {args.command}")
 
 

@@ -6,7 +6,9 @@ uncompressed with every file's data 4 KiB-aligned so it dedups in the host's sto
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -22,6 +24,7 @@ WORK = Path("/var/lib/pods")
 CRIU_COMMON = ["--tcp-established", "--network-lock", "nftables", "--file-locks", "--manage-cgroups=soft",
                "-v2"]
 IMAGE_FORMAT = 2
+DUMP_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,30}-[0-9]{8}T[0-9]{6}-[0-9]{1,10}")
 READS_FORMATS = (1, 2)  # format 1: tar | zstd -3, before the images dedup
 
 
@@ -112,23 +115,33 @@ def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool
         raise PodError(f"criu {what} failed (exit {r.returncode}): {tail or r.stderr.strip()}", "criu_failed")
 
 
-def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -> dict[str, Any]:
+def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0, to: str | None = None
+               ) -> dict[str, Any]:
     """Dump the pod into one archive (aligned, uncompressed: HCP compresses and dedups it). Without
     ``leave_running`` the pod is left stopped after the dump with its network still locked, its veth is
     deleted, and only then are its processes killed, so no peer sees a reset: its TCP connections wait
     for the restore. (Were the processes killed first, the namespace's teardown would drop the lock's
     nftables hooks before its eth0, and a peer's retransmission in between would draw a RST.) Should
-    the archive fail, the pod is restored in place from the dump."""
+    the archive fail, the pod is restored in place from the dump.
+
+    With ``to`` (the block device of a disk the host lent) the archive goes straight onto it from the
+    start, with its MD5 taken on the way: no file of it in this capsule. The dump directory is then kept
+    (its id is ``dump`` in the answer) until the host has the image: ``pods drop DUMP`` removes it,
+    ``pods restore-dump DUMP`` restarts the pod from it should the host's copy fail."""
     steps = Steps()
     rec = pod.running(name)
     if pod.frozen(name):
         raise PodError(f"pod {name!r} is suspended; resume it before a checkpoint", "conflict")
+    if to is not None and not Path(to).is_block_device():
+        raise PodError(f"{to} is not a block device; --to names the disk the host lent for the image",
+                       "pod_failed")
     criu_ready()
     steps.lap("check")
     stamp = time.strftime("%Y%m%dT%H%M%S")
     images = WORK / "dump" / f"{name}-{stamp}-{os.getpid()}"
     images.mkdir(parents=True)
     t0 = time.monotonic()
+    keep = False
     try:
         args = ["dump", "-t", str(rec["init_pid"]), "-D", str(images), *CRIU_COMMON]
         args.append("--leave-running" if leave_running else "--leave-stopped")
@@ -142,30 +155,76 @@ def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0) -
             steps.lap("stop")
         meta = {"format": IMAGE_FORMAT, "name": name, "ip": rec["ip"], "cmd": rec["cmd"],
                 "created": rec["created"], "checkpointed": time.time()}
-        out = WORK / "out" / f"{images.name}.pod"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        part = out.with_name(out.name + ".part")
-        try:
-            podimage.pack(images, part, meta)
-        except OSError:
-            part.unlink(missing_ok=True)
-            if not leave_running:
-                _restore_from(images, meta, timeout)
-            raise PodError(f"could not write the image of pod {name!r} (disk full?); it runs on",
-                           "pod_failed") from None
-        os.replace(part, out)
-        steps.lap("pack")
+        if to is not None:
+            try:
+                size, md5 = podimage.pack_to(to, images, meta)
+            except OSError as exc:
+                if not leave_running:
+                    _restore_from(images, meta, timeout)
+                raise PodError(f"could not write the image of pod {name!r} onto {to} ({exc}); it runs on",
+                               "pod_failed") from None
+            (images / podimage.META).write_text(json.dumps(meta))
+            keep = True
+            steps.lap("pack")
+            placed: dict[str, Any] = {"dump": images.name, "size": size, "md5": md5}
+        else:
+            out = WORK / "out" / f"{images.name}.pod"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            part = out.with_name(out.name + ".part")
+            try:
+                podimage.pack(images, part, meta)
+            except OSError:
+                part.unlink(missing_ok=True)
+                if not leave_running:
+                    _restore_from(images, meta, timeout)
+                raise PodError(f"could not write the image of pod {name!r} (disk full?); it runs on",
+                               "pod_failed") from None
+            os.replace(part, out)
+            steps.lap("pack")
+            placed = {"path": str(out), "size": out.stat().st_size}
     finally:
-        shutil.rmtree(images, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(images, ignore_errors=True)
     steps.lap("clean")
-    return {"name": name, "path": str(out), "size": out.stat().st_size, "dump_seconds": round(dumped, 3),
+    return {"name": name, **placed, "dump_seconds": round(dumped, 3),
             "seconds": round(time.monotonic() - t0, 3), "left_running": leave_running, "ip": rec["ip"],
             "steps": steps.done()}
 
 
-def _unpack(archive: Path, into: Path) -> dict[str, Any]:
+def _kept(dump: str) -> Path:
+    """The dump directory a ``checkpoint --to`` kept, by its id (a name, never a path)."""
+    if not DUMP_ID.fullmatch(dump):
+        raise PodError(f"{dump!r} is not a dump's id (POD-YYYYMMDDTHHMMSS-PID)", "invalid_name")
+    images = WORK / "dump" / dump
+    if not (images / podimage.META).is_file():
+        raise PodError(f"no kept dump {dump!r} in this capsule", "not_found")
+    return images
+
+
+def drop(dump: str) -> dict[str, Any]:
+    """Remove a dump kept by ``checkpoint --to`` (the host has the image)."""
+    images = _kept(dump)
+    shutil.rmtree(images)
+    return {"dump": dump, "dropped": True}
+
+
+def restore_dump(dump: str, timeout: float = 120.0) -> dict[str, Any]:
+    """Restart the pod from a dump kept by ``checkpoint --to`` (the host's copy failed), then remove it."""
+    images = _kept(dump)
     try:
-        meta = podimage.unpack(archive, into)
+        meta = json.loads((images / podimage.META).read_text())
+        rec = _restore_from(images, meta, timeout)
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
+    return pod.describe(rec)
+
+
+def _unpack(archive: Path, into: Path, size: int | None = None, md5: str | None = None) -> dict[str, Any]:
+    try:
+        if size is not None and md5 is not None:
+            meta = podimage.unpack_from(archive, size, md5, into)
+        else:
+            meta = podimage.unpack(archive, into)
     except podimage.ImageInvalid as e:
         raise PodError(f"{archive.name} is not a usable pod image: {e}", "integrity") from None
     if meta.get("format") not in READS_FORMATS:
@@ -173,8 +232,11 @@ def _unpack(archive: Path, into: Path) -> dict[str, Any]:
     return meta
 
 
-def restore(archive: str, timeout: float = 120.0) -> dict[str, Any]:
-    """Restart a pod from its image in this capsule, with its PIDs, address and connections."""
+def restore(archive: str, timeout: float = 120.0, size: int | None = None, md5: str | None = None
+            ) -> dict[str, Any]:
+    """Restart a pod from its image in this capsule, with its PIDs, address and connections. With ``size``
+    and ``md5``, ``archive`` is the block device of a disk the host lent holding the image from its start:
+    it is checked and unpacked straight from there, never copied to a file first."""
     steps = Steps()
     src = Path(archive)
     criu_ready()
@@ -182,7 +244,7 @@ def restore(archive: str, timeout: float = 120.0) -> dict[str, Any]:
     images = WORK / "restore" / f"{src.name}-{os.getpid()}"
     t0 = time.monotonic()
     try:
-        meta = _unpack(src, images)
+        meta = _unpack(src, images, size, md5)
         steps.lap("unpack")
         rec = _restore_from(images, meta, timeout, steps)
     finally:

@@ -13,7 +13,9 @@ match what was unpacked is refused with :class:`ImageInvalid`."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -108,8 +110,7 @@ class _Writer:
 
 def pack(images: Path, out: Path, meta: dict[str, Any]) -> None:
     """Write ``images``' files (flat: CRIU's image directory) and ``meta`` as ``pod.json`` into ``out``."""
-    files = sorted(p for p in images.iterdir() if p.is_file() and p.name != META)
-    meta = {**meta, "files": {p.name: p.stat().st_size for p in files}}
+    files, meta = _members(images, meta)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         w = _Writer(fd)
@@ -119,6 +120,132 @@ def pack(images: Path, out: Path, meta: dict[str, Any]) -> None:
         w.finish()
     finally:
         os.close(fd)
+
+
+CHUNK = 4 << 20   # a direct write's size: whole sectors, from a page-aligned buffer
+
+
+class _DeviceWriter(_Writer):
+    """A format-2 archive written to a block device (the host's lent disk) through a page-aligned buffer
+    in whole chunks, so the device can be opened ``O_DIRECT`` (no page cache to fill and flush), with the
+    archive's MD5 taken on the way: the data is read once, hashed and written, with no second pass. The
+    archive's length is a whole tar record (a multiple of 512), so its last write is whole sectors too."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
+        self.md5 = hashlib.md5(usedforsecurity=False)
+        self.buf = mmap.mmap(-1, CHUNK)
+        self.view = memoryview(self.buf)
+        self.fill = 0
+
+    def _flush(self) -> None:
+        done = 0
+        while done < self.fill:
+            done += os.write(self.fd, self.view[done:self.fill])
+        self.fill = 0
+
+    def _write(self, data: bytes) -> None:
+        src = memoryview(data)
+        self.md5.update(src)
+        self.offset += len(src)
+        while src:
+            n = min(len(src), CHUNK - self.fill)
+            self.view[self.fill:self.fill + n] = src[:n]
+            self.fill += n
+            src = src[n:]
+            if self.fill == CHUNK:
+                self._flush()
+
+    def add_file(self, path: Path) -> None:
+        st = path.stat()
+        self._header(_info(path.name, st.st_size, st.st_mtime))
+        copied = 0
+        with path.open("rb", buffering=0) as f:
+            while n := f.readinto(self.view[self.fill:]):
+                self.md5.update(self.view[self.fill:self.fill + n])
+                self.fill += n
+                copied += n
+                if self.fill == CHUNK:
+                    self._flush()
+        if copied != st.st_size:
+            raise OSError(f"{path.name} changed size while it was archived")
+        self.offset += copied
+        self._end_member(copied)
+
+    def finish(self) -> None:
+        super().finish()
+        self._flush()
+        self.view.release()
+        self.buf.close()
+
+
+def _members(images: Path, meta: dict[str, Any]) -> tuple[list[Path], dict[str, Any]]:
+    files = sorted(p for p in images.iterdir() if p.is_file() and p.name != META)
+    return files, {**meta, "files": {p.name: p.stat().st_size for p in files}}
+
+
+def pack_to(device: str | Path, images: Path, meta: dict[str, Any]) -> tuple[int, str]:
+    """Write the archive of ``images`` and ``meta`` (as :func:`pack`) from the start of ``device`` (a block
+    device, or a file standing in for one), flushed to it; its size and MD5. The device is opened
+    ``O_DIRECT`` where it allows (a file system that does not — tmpfs — gets plain writes and fsync)."""
+    files, meta = _members(images, meta)
+    try:
+        fd = os.open(device, os.O_WRONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        fd = os.open(device, os.O_WRONLY)
+    try:
+        w = _DeviceWriter(fd)
+        for p in files:
+            w.add_file(p)
+        w.add_bytes(META, json.dumps(meta).encode())
+        w.finish()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return w.offset, w.md5.hexdigest()
+
+
+def _md5_of(fd: int, size: int) -> tuple[int, str]:
+    """The MD5 of the first ``size`` bytes of ``fd`` and how many there were (fewer where it ends first),
+    read in whole chunks into one buffer: the pages stay in the cache for the unpack that follows."""
+    md5 = hashlib.md5(usedforsecurity=False)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[:min(CHUNK, size - done)]], done)
+        if n == 0:
+            break
+        md5.update(view[:n])
+        done += n
+    return done, md5.hexdigest()
+
+
+def unpack_from(device: str | Path, size: int, md5: str, into: Path) -> dict[str, Any]:
+    """Unpack the format-2 archive of ``size`` bytes at the start of ``device`` into the new directory
+    ``into``; its meta. Its MD5 is checked first (one read; the unpack then copies from the cache in the
+    kernel), so a device that ends before ``size``, a wrong MD5 (or size), or any of :func:`unpack`'s
+    refusals raise :class:`ImageInvalid` and leave no ``into``."""
+    if size <= 0 or size % BLOCK:
+        raise ImageInvalid(f"an archive's size is a positive multiple of {BLOCK}, not {size}")
+    with open(device, "rb") as f:
+        got, theirs = _md5_of(f.fileno(), size)
+        if got != size:
+            raise ImageInvalid(f"the device ended at {got} of the archive's {size} bytes")
+        if theirs != md5.lower():
+            raise ImageInvalid(f"its MD5 is {theirs}, not {md5} (damaged on the way, or a wrong size)")
+        into.mkdir(parents=True)
+        try:
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                return _read_meta(into, _extract(tar, into, f.fileno()))
+        except (tarfile.TarError, EOFError) as e:
+            shutil.rmtree(into, ignore_errors=True)
+            raise ImageInvalid(f"a malformed or truncated archive ({e})") from None
+        except BaseException:
+            shutil.rmtree(into, ignore_errors=True)
+            raise
 
 
 def _safe_name(name: str) -> str | None:

@@ -48,6 +48,13 @@ class PodLayerMissing(EnvironmentProblem):
     code = "pod_layer_missing"
 
 
+class PodLayerOutdated(PodLayerMissing):
+    """The capsule's pod layer predates what was asked of it (its command line refused a verb or an option):
+    the host falls back to what that layer offers."""
+
+    code = "pod_layer_outdated"
+
+
 class PodFailed(RuntimeFailure):
     """The pod layer in the guest failed (namespaces, veth, cgroup)."""
 

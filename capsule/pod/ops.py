@@ -12,10 +12,19 @@ from typing import Any
 
 from capsule.errors import Error
 from capsule.names import check_name as validate_capsule_name
-from capsule.pod import POD_IMAGE_ROLE, replies
+from capsule.pod import POD_IMAGE_ROLE, direct, replies
 from capsule.pod import network as podnet
-from capsule.pod.errors import BY_KIND, PodAddressClash, PodExists, PodLayerMissing, PodNameInvalid, PodNotFound
-from capsule.pod.relay import Progress, Relay
+from capsule.pod.errors import (
+    BY_KIND,
+    PodAddressClash,
+    PodExists,
+    PodLayerMissing,
+    PodLayerOutdated,
+    PodNameInvalid,
+    PodNotFound,
+)
+from capsule.pod.relay import LEND_FROM_IN, Progress, Relay
+from capsule.runtime.hotdisk import HotDiskUnavailable
 from capsule.store import Store
 from pods.names import PodError, check_name, parse_ip
 
@@ -122,6 +131,7 @@ class CheckpointResult:
     copy_calls: int
     seconds: float
     guest_steps: dict[str, float] = field(default_factory=dict)   # the guest's seconds per step
+    copy_route: str = "file"   # "direct": packed straight onto a lent disk; "file": a file in the guest, copied
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,6 +163,17 @@ def image_cap(store: Store, capsule: str) -> int:
 def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_running: bool, progress: Progress,
                 t0: float) -> CheckpointResult:
     cap = image_cap(store, capsule)
+    lend: bool | None = None
+    try:
+        d = direct.checkpoint(store, relay, capsule, pod, leave_running, cap, progress)
+    except PodLayerOutdated:
+        pass   # a pod layer before "direct": the image goes through a file in the guest
+    except HotDiskUnavailable:
+        lend = False   # a guest that takes no lent disk: through a file and the agent's channel
+    else:
+        p = d.placed
+        return CheckpointResult(capsule, pod, d.row.id, d.row.size, p.ip, leave_running, p.dump_seconds,
+                                p.seconds, d.copy_seconds, 1, round(time.monotonic() - t0, 3), p.steps, "direct")
     result = relay.call("checkpoint", pod, *(["--leave-running"] if leave_running else []), timeout=180)
     path = replies.image_path(result, capsule, pod)   # a path it did not ask about: nothing of it is touched
     try:
@@ -168,7 +189,7 @@ def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_runnin
     done = False
     try:
         t1 = time.monotonic()
-        calls = relay.download(dumped.path, dumped.size, tmp, progress)
+        calls = relay.download(dumped.path, dumped.size, tmp, progress, lend=lend)
         copy_seconds = time.monotonic() - t1
         row = store.seal_file(tmp, ROLE)
         with store.catalogue.transaction():
@@ -211,18 +232,31 @@ def restore(store: Store, image: str, into: str, progress: Progress = None, *, l
     guest_path = f"{GUEST_INBOX}/{file_id}.pod"
     if progress:
         progress("copying the image in")
+    image_path = store.file_path(file_id)
+    lend: bool | None = None
+    route = "file"
     with relay.session():
-        calls = relay.upload(store.file_path(file_id), guest_path, progress)
-        copy_seconds = time.monotonic() - t0
-        if progress:
-            progress("restoring")
-        try:
-            result = replies.restored(relay.call("restore", guest_path, timeout=180), into)
-        finally:
-            relay.sh(f"rm -f {guest_path}")
+        result = None
+        if image_path.stat().st_size >= LEND_FROM_IN and direct.can_restore(image_path):
+            try:
+                got, copy_seconds = direct.restore(relay, image_path, progress)
+                result, calls, route = replies.restored(got, into), 1, "direct"
+            except PodLayerOutdated:
+                pass   # a pod layer before "direct": through a file in the guest
+            except HotDiskUnavailable:
+                lend = False   # a guest that takes no lent disk: through the agent's channel
+        if result is None:
+            calls = relay.upload(image_path, guest_path, progress, lend=lend)
+            copy_seconds = time.monotonic() - t0
+            if progress:
+                progress("restoring")
+            try:
+                result = replies.restored(relay.call("restore", guest_path, timeout=180), into)
+            finally:
+                relay.sh(f"rm -f {guest_path}")
     result = {k: v for k, v in result.items() if k not in ("capsule", "image")}
     return {"capsule": into, "image": file_id, **result, "copy_seconds": round(copy_seconds, 3),
-            "copy_calls": calls, "seconds": round(time.monotonic() - t0, 3)}
+            "copy_calls": calls, "copy_route": route, "seconds": round(time.monotonic() - t0, 3)}
 
 
 def source_pod(store: Store, ref: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from capsule.errors import Conflict, NotFound
-from capsule.pod.errors import BY_KIND, PodFailed, PodLayerMissing
+from capsule.pod.errors import BY_KIND, PodFailed, PodLayerMissing, PodLayerOutdated
 from capsule.runtime.connection import lookup_domain
 from capsule.runtime.guestagent import AgentError, AgentReplyInvalid, GuestAgent, exec_result
 from capsule.runtime.hotdisk import HotDisk, HotDiskUnavailable, scratch_file
@@ -104,6 +104,9 @@ class Relay:
                 raise ValueError("not a JSON object")
         except (ValueError, IndexError):
             err = r["stderr"].strip()
+            if r.get("exit_code") == 2 and ("unrecognized arguments" in err or "invalid choice" in err):
+                raise PodLayerOutdated(f"capsule {self.capsule!r}: its pod layer does not offer pods "
+                                       f"{' '.join(argv[:1])} as asked: {err.splitlines()[-1][-300:]}") from None
             if "No module named pods" in err or "No such file" in err:
                 raise PodLayerMissing(f"capsule {self.capsule!r} has no pod layer (its image lacks pods/); "
                                       f"pods need a guest with python3 and pods/, such as the debian image") from None
@@ -135,6 +138,13 @@ class Relay:
         if domain is None:
             raise HotDiskUnavailable(f"capsule {self.capsule!r}: its domain {self.domain} is gone")
         return HotDisk(domain, path, self._has_device, writable=writable)
+
+    @contextlib.contextmanager
+    def lent(self, path: Path, *, writable: bool) -> Iterator[str]:
+        """``path`` lent to the guest as a disk for the block: its device's path in the guest."""
+        lent = self._lend(path, writable)
+        with self.session(), lent as disk:
+            yield disk.guest_device
 
     def download(self, guest_path: str, size: int, dest: Path, progress: Progress = None, *,
                  lend: bool | None = None) -> int:

@@ -100,6 +100,36 @@ def dumped(result: object, capsule: str, pod: str, cap: int) -> Dumped:
                   r.number("dump_seconds", hi=MAX_SECONDS), r.number("seconds", hi=MAX_SECONDS), steps(r))
 
 
+MD5 = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A checkpoint's image written onto the disk the host lent (``pods checkpoint POD --to DEVICE``): its
+    size and MD5 there, and the id of the dump the guest keeps until the host has the image."""
+
+    dump: str
+    size: int
+    md5: str
+    ip: str
+    dump_seconds: float
+    seconds: float
+    steps: dict[str, float] = field(default_factory=dict)
+
+
+def dump_id(result: object, capsule: str, pod: str) -> str:
+    """The id of the dump ``pods checkpoint POD --to`` kept: only one of POD's (``POD-<stamp>-<pid>``)."""
+    rx = re.compile(re.escape(f"{pod}-") + r"[0-9]{8}T[0-9]{6}-[0-9]{1,10}")
+    return Reply(result, f"capsule {capsule!r}: pods checkpoint").text("dump", 64, rx)
+
+
+def placed(result: object, capsule: str, pod: str, cap: int) -> Placed:
+    """``pods checkpoint POD --to DEVICE``'s result, its size at most ``cap`` bytes."""
+    r = Reply(result, f"capsule {capsule!r}: pods checkpoint")
+    return Placed(dump_id(result, capsule, pod), int(r.integer("size", 1, cap)), r.text("md5", 32, MD5), _address(r),
+                  r.number("dump_seconds", hi=MAX_SECONDS), r.number("seconds", hi=MAX_SECONDS), steps(r))
+
+
 def described(result: object, capsule: str, verb: str) -> dict[str, Any]:
     """A pod as the pod layer describes it (``ls``'s items, ``restore``'s result): a name, an address and a
     state, checked; the other fields are passed on as they are."""

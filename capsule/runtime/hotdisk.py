@@ -59,7 +59,8 @@ class HotDisk:
         self.guest_device = f"/dev/disk/by-id/virtio-{self.serial}"
         self._guest_has = guest_has
         self._writable = writable
-        self._xml = (f"<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+        # a write error (the host's file system full) is the guest's I/O error, never a paused guest
+        self._xml = (f"<disk type='file' device='disk'><driver name='qemu' type='raw' error_policy='report'/>"
                      f"<source file={quoteattr(str(self.path))}/>"
                      f"<target dev='{_free_target(domain.XMLDesc(0))}' bus='virtio'/>"
                      f"{'' if writable else '<readonly/>'}<serial>{self.serial}</serial></disk>")

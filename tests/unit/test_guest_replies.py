@@ -72,8 +72,15 @@ def made_files(store: Store) -> list[str]:
         sorted(p.name for p in store.instance_dir("deb").glob("lent-*"))
 
 
+OLD_LAYER_REFUSES = {"exit_code": 2, "stdout": "", "timed_out": False,
+                     "stderr": "usage: python3 -m pods [-h] ...\npython3 -m pods: error: unrecognized arguments: --to"}
+
+
 def checkpointing(result: dict[str, Any]) -> Callable[[list[str], dict[str, Any]], Any]:
+    """A pod layer before "direct" (0.1.0): its command line refuses ``--to``, its images go through a file."""
     def answer(argv: list[str], _args: dict[str, Any]) -> Any:
+        if "--to" in argv:
+            return OLD_LAYER_REFUSES
         if argv[:4] == ["python3", "-m", "pods", "checkpoint"]:
             return pods_says(result)
         if argv[:4] == ["python3", "-m", "pods", "restore"]:
@@ -82,14 +89,28 @@ def checkpointing(result: dict[str, Any]) -> Callable[[list[str], dict[str, Any]
     return answer
 
 
+class Lent:
+    """A lent disk the guest takes (its size recorded), its device the host's file itself."""
+
+    def __init__(self, path: Path, sizes: list[int]) -> None:
+        self.guest_device = str(path)
+        sizes.append(path.stat().st_size)
+
+    def __enter__(self) -> Lent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 @pytest.mark.parametrize("size", [CAP + 1, 1 << 62, 10 ** 30])
 def test_a_checkpoint_claiming_more_than_the_cap_is_refused_before_any_file_or_copy(store, size, monkeypatch):
-    lent: list[Path] = []
-    monkeypatch.setattr(Relay, "_lend", lambda self, path, writable: lent.append(path))
+    lent: list[int] = []
+    monkeypatch.setattr(Relay, "_lend", lambda self, path, writable: Lent(path, lent))
     fake = guest(store, checkpointing(checkpoint_result(size=size)))
     with pytest.raises(AgentReplyInvalid, match=f"'size' should be a whole number from 0 to {CAP}"):
         ops.checkpoint(store, "deb/web")
-    assert made_files(store) == [] and lent == []
+    assert made_files(store) == [] and lent == [CAP]   # only the disk the old pod layer would not write on
     assert fake.ran("dd ") == [] and fake.ran("base64") == []
     # the pod is put back where it was, from its image, and the image goes
     assert ["python3", "-m", "pods", "restore", GOOD_PATH] in fake.argvs
@@ -111,7 +132,9 @@ def test_a_lent_disk_is_the_size_claimed_under_the_cap_and_a_chunk_longer_than_a
     size = LEND_FROM_OUT + 5000   # a lent disk is tried first
     lent: list[int] = []
 
-    def no_disk(self: Relay, path: Path, writable: bool) -> None:
+    def no_disk(self: Relay, path: Path, writable: bool) -> Lent:
+        if path.stat().st_size == CAP:   # the disk for a direct checkpoint: taken, the old pod layer refuses it
+            return Lent(path, lent)
         lent.append(path.stat().st_size)
         raise HotDiskUnavailable("no hot-plug in this guest")
 
@@ -125,7 +148,7 @@ def test_a_lent_disk_is_the_size_claimed_under_the_cap_and_a_chunk_longer_than_a
     fake = guest(store, answer)
     with pytest.raises(AgentReplyInvalid, match="bytes where .* were asked for"):
         ops.checkpoint(store, "deb/web")
-    assert lent == [-(-size // 512) * 512] and lent[0] <= CAP
+    assert lent == [CAP, -(-size // 512) * 512] and lent[1] <= CAP
     assert made_files(store) == []
     assert ["python3", "-m", "pods", "restore", GOOD_PATH] in fake.argvs   # the copy failed: the pod runs on
 
@@ -247,9 +270,11 @@ def test_the_guests_steps_come_through_checked():
                                    {f"s{i}": 0.1 for i in range(17)}, {"dump": 1e9}],
                          ids=["list", "text", "negative", "bool", "name", "too-many", "too-long"])
 def test_malformed_steps_are_refused_before_any_copy(store, monkeypatch, steps):
-    monkeypatch.setattr(Relay, "_lend", lambda self, path, writable: pytest.fail("nothing is lent"))
+    lent: list[int] = []
+    monkeypatch.setattr(Relay, "_lend", lambda self, path, writable: Lent(path, lent))
     fake = guest(store, checkpointing(checkpoint_result(steps=steps)))
     with pytest.raises(AgentReplyInvalid, match="'steps' should be"):
         ops.checkpoint(store, "deb/web")
     assert made_files(store) == [] and fake.ran("dd ") == []
+    assert lent == [CAP]   # only the disk the old pod layer would not write on
     assert ["python3", "-m", "pods", "restore", GOOD_PATH] in fake.argvs   # the pod runs on where it was

@@ -13,7 +13,7 @@ from capsule import capsules, lifecycle
 from capsule.errors import Conflict
 from capsule.pod import ops
 from capsule.pod.errors import PodAddressClash, PodExists, PodLayerMissing, PodNotFound, PodStateConflict
-from capsule.pod.relay import Relay
+from capsule.pod.relay import LEND_FROM_IN, Relay
 from tests.vm.podkit import NUMBERING_CLIENT, NUMBERING_SERVER
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -116,6 +116,9 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     before = _count(store, "pa/ctr")
     ck = ops.checkpoint(store, "pa/ctr")
     assert not ck.left_running and ck.size > 0
+    assert ck.copy_route == "direct"   # packed straight onto a lent disk: no archive file in the guest
+    assert Relay(store, "pa").sh("ls -A /var/lib/pods/out /var/lib/pods/dump 2>/dev/null | grep -v :$ || true"
+                                 ).strip() == ""   # nor a dump left behind
     row = store.catalogue.file(ck.image)
     assert row is not None and row.role == "pod-image" and store.file_path(ck.image).stat().st_size == ck.size
     assert [p["name"] for p in ops.ls(store, "pa")] == []
@@ -124,6 +127,7 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
 
     # restore in the same capsule: same PIDs, the count goes on from where it was (not from 0)
     back = ops.restore(store, ck.image[:12], "pa")
+    assert back["copy_route"] == ("direct" if ck.size >= LEND_FROM_IN else "file")
     assert back["name"] == "ctr" and back["ip"] == "198.18.0.7/24" and back["state"] == "running"
     again = _count(store, "pa/ctr")
     assert again >= before, f"restored at {again}, checkpointed at ≥ {before}"
