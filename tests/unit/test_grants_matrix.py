@@ -88,6 +88,13 @@ EXPECTED = {
     ("POST", "/api/hosts/{host}/capsules/{name}/console-ticket"): "staff",
     ("WS", "/api/hosts/{host}/console/{name}"): "staff",
     ("WS", "/api/hosts/{host}/console/{name}/serial"): "staff",
+    # Bring here and a peer's hierarchy: asked of the peer with this host's own token, so staff only
+    ("GET", "/api/hosts/{host}/tree"): "staff",
+    ("GET", "/api/hosts/{host}/capsules/{name}/bring/check"): "staff",
+    ("POST", "/api/hosts/{host}/capsules/{name}/bring"): "staff",
+    ("GET", "/api/hosts/{host}/migrations/{mid}"): "staff",
+    ("GET", "/api/hosts/{host}/migrations/{mid}/events"): "staff",
+    ("POST", "/api/hosts/{host}/migrations/{mid}/cancel"): "staff",
     ("GET", "/api/migrations"): "users",
     ("GET", "/api/migrations/{mid}"): "look-own",
     ("GET", "/api/migrations/{mid}/events"): "look-own",
