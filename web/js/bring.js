@@ -14,7 +14,7 @@
 
 import * as api from "./api.js";
 import { h } from "./format.js";
-import { followBring } from "./migrate.js";
+import { followBring, kindChoices } from "./migrate.js";
 
 const CHECK_MS = 30000;
 const checks = new Map();   // "host/name" -> {at, answer, asking}
@@ -63,17 +63,7 @@ export function bringButton(host, capsule, { onEnd = () => {}, onChange = () => 
 function build() {
   const form = h("form", { method: "dialog", class: "bring-choose" },
     h("h3", {}, "Bring ", h("span", { "data-field": "name" }), " here from ", h("span", { "data-field": "host" })),
-    h("label", {}, "How"),
-    h("label", { class: "check", "data-kind": "live" },
-      h("input", { type: "radio", name: "kind", value: "live", checked: true }),
-      " Live: it keeps running, pauses under a second"),
-    h("p", { class: "muted", "data-field": "live-refused", hidden: true }),
-    h("label", { class: "check" }, h("input", { type: "radio", name: "kind", value: "full" }),
-      " Offline: full — suspend there, copy everything, then resume here"),
-    h("label", { class: "check" }, h("input", { type: "radio", name: "kind", value: "demand" }),
-      " Offline: demand-paged — resume here at once, disk blocks follow as read"),
-    h("label", { class: "check" }, h("input", { type: "checkbox", name: "balloon", disabled: true }),
-      " Balloon first (offline only: less memory to move)"),
+    ...kindChoices("here"),
     h("p", { class: "error", "data-field": "bring-error" }),
     h("menu", {},
       h("button", { value: "cancel", formnovalidate: true, class: "quiet" }, "Cancel"),

@@ -77,22 +77,30 @@ export async function consoleReturns(name) {
 }
 
 // -- the dialog ------------------------------------------------------------------------------------------
-function build() {
-  const choose = h("form", { method: "dialog", class: "migrate-choose" },
-    h("h3", {}, "Migrate ", h("span", { "data-field": "name" })),
-    h("label", { for: "migrate-to" }, "Destination host"),
-    h("select", { id: "migrate-to", name: "to", required: true }),
+// The "How" of a move, for Migrate and Bring here: live, or offline (full or demand-paged, ballooned or not);
+// the capsule resumes ``where`` ("there", "here").
+export function kindChoices(where) {
+  return [
     h("label", {}, "How"),
     h("label", { class: "check", "data-kind": "live" },
       h("input", { type: "radio", name: "kind", value: "live", checked: true }),
       " Live: it keeps running, pauses under a second"),
     h("p", { class: "muted", "data-field": "live-refused", hidden: true }),
     h("label", { class: "check" }, h("input", { type: "radio", name: "kind", value: "full" }),
-      " Offline: full — suspend, copy everything, then resume there"),
+      ` Offline: full — suspend, copy everything, then resume ${where}`),
     h("label", { class: "check" }, h("input", { type: "radio", name: "kind", value: "demand" }),
-      " Offline: demand-paged — suspend, copy the memory, resume there at once, disk blocks follow as read"),
+      ` Offline: demand-paged — suspend, copy the memory, resume ${where} at once, disk blocks follow as read`),
     h("label", { class: "check" }, h("input", { type: "checkbox", name: "balloon", disabled: true }),
       " Balloon first (offline only: less memory to move)"),
+  ];
+}
+
+function build() {
+  const choose = h("form", { method: "dialog", class: "migrate-choose" },
+    h("h3", {}, "Migrate ", h("span", { "data-field": "name" })),
+    h("label", { for: "migrate-to" }, "Destination host"),
+    h("select", { id: "migrate-to", name: "to", required: true }),
+    ...kindChoices("there"),
     h("p", { class: "error", "data-field": "choose-error" }),
     h("menu", {},
       h("button", { value: "cancel", formnovalidate: true, class: "quiet" }, "Cancel"),
