@@ -22,7 +22,7 @@ from capsule.errors import AuthFailed, Conflict, NotFound, TransferFailed, Unrea
 from capsule.names import check_name
 from capsule.store import Store
 from hashcache.errors import from_wire
-from hashcache.transport import tls
+from hashcache.transport import plain, tls
 
 ASK_TIMEOUT = 10.0          # seconds for a call to the peer (its /api/hosts asks its own peers: 3 s each)
 STREAM_IDLE = 60.0          # seconds without a byte on the peer's event stream (it sends a comment every 15 s)
@@ -104,6 +104,7 @@ async def events(store: Store, host: str, mid: str) -> AsyncIterator[bytes]:
     """The peer's event stream of a migration (Server-Sent Events), as the peer sends it; the peer's refusal
     (e.g. no such migration) is raised before the first byte."""
     peer = hosts.get(store, host)
+    plain.check(peer.url)       # this host's token for the peer never crosses a network in clear
     verify: Any = tls.client_context(peer.fingerprint) if peer.url.startswith("https://") else True
     client = httpx.AsyncClient(verify=verify, timeout=httpx.Timeout(ASK_TIMEOUT, read=STREAM_IDLE))
     try:
@@ -122,7 +123,10 @@ async def events(store: Store, host: str, mid: str) -> AsyncIterator[bytes]:
             wire: Any = httpx.Response(reply.status_code, content=body).json()
         except ValueError:
             wire = {"detail": body[:200].decode(errors="replace")}
-        raise from_wire(wire, reply.status_code, f"host {peer.name}: ")
+        refusal = from_wire(wire, reply.status_code, f"host {peer.name}: ")
+        if isinstance(refusal, AuthFailed):     # this host's token, not the page's sign-in (as in _client)
+            raise TransferFailed(f"host {peer.name} refuses this host's token for it ({refusal})") from refusal
+        raise refusal
 
     async def relay() -> AsyncIterator[bytes]:
         try:

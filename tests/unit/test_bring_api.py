@@ -172,3 +172,21 @@ def test_a_peers_hierarchy_through_this_host(world, home):  # noqa: F811
     finally:
         a.close()
     assert client.get("/api/hosts/office/tree", headers={"Authorization": f"Bearer {secret}"}).status_code == 403
+
+
+def test_a_peers_event_stream_is_not_asked_for_in_clear_across_a_network(home):  # noqa: F811
+    """The event relay opens its own connection to the peer: like every other call, it refuses to send this
+    host's token for the peer over plain HTTP to another machine, before connecting."""
+    import asyncio
+
+    from capsule.migrate import bring
+    from hashcache.errors import InsecureTransport
+
+    a = Store.open(home)
+    try:
+        a.catalogue.query("INSERT INTO peers(name, url, token, store_id, added, fingerprint) VALUES(?,?,?,?,?,?)",
+                          ("far", "http://far.example:7070", PEER_TOKEN, "f00dfeed", 0.0, None))
+        with pytest.raises(InsecureTransport):
+            asyncio.run(bring.events(a, "far", "abc123"))
+    finally:
+        a.close()
