@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capsule.pod import POD_IMAGE_ROLE, replies
+from capsule.pod import POD_IMAGE_ROLE, keep_sealed, replies
 from capsule.pod.errors import PodFailed
 from capsule.pod.relay import DISK_CHECK, Progress, Relay, _file_digest
 from capsule.runtime.hotdisk import scratch_file
@@ -63,10 +63,7 @@ def checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_running
                 raise PodFailed(f"capsule {capsule!r}: pod {pod!r}'s image came out damaged on the lent disk")
             scratch.replace(tmp)
             copy_seconds = lend_seconds + time.monotonic() - t1
-            row = store.seal_file(tmp, POD_IMAGE_ROLE)
-            with store.catalogue.transaction():
-                if store.catalogue.file(row.id) is None:
-                    store.catalogue.add_file(row)
+            row = keep_sealed(store, tmp, POD_IMAGE_ROLE)
             done = True
         finally:
             if not done and not leave_running:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from capsule.errors import Error
 from capsule.names import check_name as validate_capsule_name
-from capsule.pod import POD_GROUP_ROLE, ops
+from capsule.pod import POD_GROUP_ROLE, keep_sealed, ops
 from capsule.pod.errors import PodFailed, PodNameInvalid, PodNotFound
 from capsule.pod.relay import Relay
 from capsule.store import Store
@@ -98,10 +98,7 @@ def checkpoint_group(store: Store, refs: list[str]) -> dict[str, Any]:
     tmp = store.temp_path(".pod-group.json")
     try:
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-        row = store.seal_file(tmp, GROUP_ROLE)
-        with store.catalogue.transaction():
-            if store.catalogue.file(row.id) is None:
-                store.catalogue.add_file(row)
+        row = keep_sealed(store, tmp, GROUP_ROLE)
     finally:
         tmp.unlink(missing_ok=True)
     return {"group": row.id, "members": record["members"], "lock_seconds": round(lock_seconds, 3),

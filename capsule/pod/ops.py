@@ -12,7 +12,7 @@ from typing import Any
 
 from capsule.errors import Error
 from capsule.names import check_name as validate_capsule_name
-from capsule.pod import POD_IMAGE_ROLE, direct, replies
+from capsule.pod import POD_IMAGE_ROLE, direct, keep_sealed, replies
 from capsule.pod import network as podnet
 from capsule.pod.errors import (
     BY_KIND,
@@ -191,10 +191,7 @@ def _checkpoint(store: Store, relay: Relay, capsule: str, pod: str, leave_runnin
         t1 = time.monotonic()
         calls = relay.download(dumped.path, dumped.size, tmp, progress, lend=lend)
         copy_seconds = time.monotonic() - t1
-        row = store.seal_file(tmp, ROLE)
-        with store.catalogue.transaction():
-            if store.catalogue.file(row.id) is None:
-                store.catalogue.add_file(row)
+        row = keep_sealed(store, tmp, ROLE)
         done = True
     finally:
         tmp.unlink(missing_ok=True)
