@@ -14,7 +14,7 @@
 
 import * as api from "./api.js";
 import { h } from "./format.js";
-import { followBring, kindChoices } from "./migrate.js";
+import { followBring, kindChoices, showLiveRefusals } from "./migrate.js";
 
 const CHECK_MS = 30000;
 const checks = new Map();   // "host/name" -> {at, answer, asking}
@@ -105,17 +105,7 @@ export async function openBring(host, capsule, { onEnd = () => {} } = {}) {
   const answer = await ask(host, capsule.name);     // asked again: the list's answer may be 30 s old
   checks.set(`${host}/${capsule.name}`, { at: Date.now(), answer, asking: false });
   delete form.dataset.checking;
-  const refusals = answer.live_refusals || [];
-  const live = form.querySelector("input[name=kind][value=live]");
-  const why = form.querySelector("[data-field=live-refused]");
-  live.disabled = refusals.length > 0;
-  live.closest("label").dataset.refused = refusals.map((r) => r.reason).join(" ");
-  why.hidden = refusals.length === 0;
-  why.textContent = refusals.map((r) => `Live is not possible: ${r.detail}`).join(" ");
-  if (live.disabled && live.checked) {
-    form.querySelector("input[name=kind][value=full]").checked = true;
-    kindChanged();
-  }
+  showLiveRefusals(form, answer.live_refusals || []);
   go.disabled = Boolean(answer.refused);
   if (answer.refused) error.textContent = answer.refused.detail;
 }

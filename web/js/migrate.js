@@ -223,8 +223,6 @@ function dock() {
 // Ask the destination's pre-check for a live move to host; refused: the Live choice is greyed out with the
 // reason (and an offline choice is picked instead). A later answer for another host is ignored.
 async function checkLive(form, name, host) {
-  const live = form.querySelector("input[name=kind][value=live]");
-  const why = form.querySelector("[data-field=live-refused]");
   form.dataset.checking = host;
   let refusals = [];
   try {
@@ -235,6 +233,14 @@ async function checkLive(form, name, host) {
   }
   if (form.dataset.checking !== host) return;
   delete form.dataset.checking;
+  showLiveRefusals(form, refusals);
+}
+
+// A move form's Live choice greyed out with the pre-check's reasons (none: offered), and the full offline move
+// picked instead where Live was, with its balloon choice; for Migrate and Bring here.
+export function showLiveRefusals(form, refusals) {
+  const live = form.querySelector("input[name=kind][value=live]");
+  const why = form.querySelector("[data-field=live-refused]");
   live.disabled = refusals.length > 0;
   live.closest("label").dataset.refused = refusals.map((r) => r.reason).join(" ");
   why.hidden = refusals.length === 0;
