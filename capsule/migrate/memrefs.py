@@ -1,10 +1,11 @@
 """What a live move's memory codec (:mod:`ramdedup`) may send as references, and how the destination reads them.
 
 - :func:`shared_objects` (source): the objects both hosts hold once the T0 version is pushed — every layer of its
-  disks' chains (T0's own and the image's below them) and the memory images of this capsule's older versions
-  that the destination says it has (``POST /v1/objects/missing``). A page of the guest's page cache equals a
-  block of the file it caches, so the layers alone catch much of memory; yesterday's memory image catches the
-  rest of what did not change (the commute).
+  disks' chains (T0's own and the image's below them), its kernel and initrd, and the memory images of this
+  capsule's older versions that the destination says it has (``POST /v1/objects/missing``). A page of the
+  guest's page cache equals a block of the file it caches, so the layers alone catch much of memory; the kernel
+  file stays in the guest's memory as QEMU loaded it, page-aligned (B2-live's tiny guest: 3,496 pages, 14 MB
+  that do not compress); yesterday's memory image catches the rest of what did not change (the commute).
 - :func:`known_of` (source): the :class:`~ramdedup.Known` hashes of those objects' manifests (8 bytes a block).
 - :class:`StoreResolver` (destination): a hash → its 4 KiB, through this host's hash cache (every hit verified),
   then through the blocks of the objects the source named (an index built on the first miss). Objects this
@@ -27,9 +28,10 @@ MAX_OBJECTS = 256                    # objects one move may name (a version's la
 
 
 def shared_objects(store: Store, version: Any, held_files: set[str] | None = None) -> Objects:
-    """The objects of ``version``'s chains, and the memory images of its capsule's other versions among
-    ``held_files`` (what the destination holds; None: ask nothing, layers only)."""
+    """The objects of ``version``'s chains, its boot files, and the memory images of its capsule's other versions
+    among ``held_files`` (what the destination holds; None: ask nothing, layers and boot files only)."""
     out: Objects = [("layer", lid) for lid in dict.fromkeys(lid for chain in version.chains for lid in chain)]
+    out += [("file", fid) for fid in dict.fromkeys(version.config.get(k) for k in ("kernel", "initrd")) if fid]
     if held_files:
         for v in store.catalogue.versions(version.capsule):
             if v.memory and v.memory in held_files and v.number != version.number:

@@ -1,7 +1,7 @@
 """A real QEMU migration stream through the memory codec (capsule/migrate/ramstream.py, ramdedup.py, memrefs.py):
 a running tiny guest migrates to this process, its stream goes encoder → decoder → a file, and the guest restored
-from that file has its memory intact; pages also on its disk (its page cache, a tmpfs copy of disk blocks)
-travel as references."""
+from that file has its memory intact; pages also on its disk (its page cache, a tmpfs copy of disk blocks) and
+in its kernel file (QEMU's copy of it stays in the guest's memory) travel as references."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def test_a_guest_restored_from_the_decoded_stream_has_its_memory_and_disk_pages_
     objects = memrefs.shared_objects(store, version)          # the layers of T0's disk, the image's below them
     known = memrefs.known_of(store, objects)
     resolver = memrefs.StoreResolver(store, objects)
+    assert {("file", version.config["kernel"]), ("file", version.config["initrd"])} <= set(objects)
+    layers = Encoder(memrefs.known_of(store, [o for o in objects if o[0] == "layer"]))   # without the boot files
     encoder, plain, decoder = Encoder(known), Encoder(Known()), Decoder(resolver)
     parser = RamStream()
     out = tmp_path / "stream.bin"
@@ -48,6 +50,7 @@ def test_a_guest_restored_from_the_decoded_stream_has_its_memory_and_disk_pages_
             digest.update(chunk)
             parser.feed(chunk)
             plain.encode(chunk)
+            layers.encode(chunk)
             f.write(decoder.decode(encoder.encode(chunk)))
 
         dom = lookup_domain(store.domain_name("m"))
@@ -55,6 +58,7 @@ def test_a_guest_restored_from_the_decoded_stream_has_its_memory_and_disk_pages_
         qemustream.stream_out(dom, Path(inst.dir), sink)
         f.write(decoder.decode(encoder.finish()))
         plain.finish()
+        layers.finish()
         decoder.finish()
     resolver.close()
     assert out.stat().st_size == raw[0]
@@ -64,8 +68,9 @@ def test_a_guest_restored_from_the_decoded_stream_has_its_memory_and_disk_pages_
     d = encoder.stats
     print(f"\nstream {raw[0]} bytes, {parser.counts.pages} pages; zstd {plain.stats.wire_bytes}; "
           f"dedup+zstd {d.wire_bytes} (refs {d.refs}, recent {d.recent}, raw pages {d.raw_pages}); "
-          f"known {len(known)} hashes, {known.nbytes} bytes")
+          f"known {len(known)} hashes, {known.nbytes} bytes; refs to layers alone {layers.stats.refs}")
     assert d.refs >= copy_size // 4096                          # at least the tmpfs copy of disk blocks
+    assert d.refs - layers.stats.refs >= 1000                   # the kernel file's pages (~3,500 of them)
     assert d.wire_bytes < plain.stats.wire_bytes - (copy_size // 2)
 
     qemustream.restore_stream(dom, xml, out, tmp_path)
