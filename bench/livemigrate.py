@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import table, temp_workdir, write_result  # noqa: E402
-from bench.livepeers import CASES, Link  # noqa: E402
+from bench.livepeers import CASES, COMMUTE, Link  # noqa: E402
 from bench.looplink import LoopLink  # noqa: E402
 from scripts import composehosts as hc  # noqa: E402
 from testkit.images import IMAGE_HOME  # noqa: E402
@@ -72,10 +72,10 @@ def seed(a: hc.Host, b: hc.Host) -> None:
 
 
 def run_case(a: hc.Host, b: hc.Host, link: Link, key: str, dirty: int, n: int) -> dict[str, Any]:
-    run, kind = CASES[key]
+    run, kind = (CASES | COMMUTE)[key]
     name = f"{key.replace('-', '')}{dirty}m{n}"
     try:
-        row = run(a, b, link, name, kind, dirty)
+        row = run(a, b, link, name, kind, dirty, commute=key in COMMUTE)
     except hc.HostCommandFailed as e:   # recorded as it failed, never as a figure
         with contextlib.suppress(hc.HostCommandFailed):
             a.capsule("stop", name, "--force")
@@ -88,14 +88,15 @@ def main() -> None:
     ap.add_argument("--rate-kbit", type=int, default=8000)
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--dirty", default="0,2,20", help="dirtier rates (MiB/s) to run every case at (0: none)")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"which of {', '.join(CASES)}")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"which of {', '.join(CASES)}; or of the commute case, {', '.join(COMMUTE)}")
     ap.add_argument("--tag", default="", help="a suffix for the result's file name (a run of some cases only)")
     ap.add_argument("--keep-hosts", action="store_true", help="leave the compose project up")
     args = ap.parse_args()
     dirty = [int(x) for x in args.dirty.split(",")]
     cases = args.cases.split(",")
-    if unknown := [c for c in cases if c not in CASES]:
-        sys.exit(f"unknown case(s) {unknown}: choose from {list(CASES)}")
+    if unknown := [c for c in cases if c not in CASES | COMMUTE]:
+        sys.exit(f"unknown case(s) {unknown}: choose from {list(CASES | COMMUTE)}")
     if why := hc.docker_ready():
         sys.exit(why)
     print("[b2] bringing up the compose hosts (project capsule-b2)", file=sys.stderr)

@@ -27,6 +27,8 @@ WORKLOAD = ("dd if=/dev/urandom of=/tmp/random bs=1M count=16 2>/dev/null; seq 1
             "dd if=/dev/urandom of=/dev/vda bs=1M count=8 seek=32 conv=fsync 2>/dev/null; sync; "
             "md5sum /tmp/random /tmp/text | md5sum")
 CHECK = "md5sum /tmp/random /tmp/text | md5sum"
+TODAY = ("dd if=/dev/urandom bs=1M count=4 2>/dev/null >> /tmp/random; seq 4000001 4400000 >> /tmp/text; "
+         "md5sum /tmp/random /tmp/text | md5sum")
 # N MiB of the guest's memory (a tmpfs file) rewritten with new random bytes, then a second's sleep, for ever
 DIRTIER = ("(while :; do dd if=/dev/urandom of=/dev/shm/dirty bs=1M count={mib} conv=notrunc 2>/dev/null; "
            "sleep 1; done) </dev/null >/dev/null 2>&1 &")
@@ -44,11 +46,20 @@ class Link:
     far: str
 
 
-def prepare(a: hc.Host, name: str, dirty_mib: int) -> str:
-    """A new capsule on A, started, with the workload's content (and the dirtier); the content's digest."""
+def prepare(a: hc.Host, name: str, dirty_mib: int, commute: Link | None = None, b: hc.Host | None = None) -> str:
+    """A new capsule on A, started, with the workload's content (and the dirtier); the content's digest.
+
+    ``commute``: the commute case. The capsule is suspended after the workload and that version pushed to B
+    across ``commute``'s link before the move is measured (yesterday's version, which B holds), then resumed on
+    A, where today's work (:data:`TODAY`) adds 4 MiB of new random bytes and 400,000 lines of text."""
     a.capsule("derive", "seed", name)
     a.capsule("start", name)
     digest = a.guest(name, WORKLOAD, timeout=300).split()[0]
+    if commute is not None and b is not None:
+        a.capsule("suspend", name, timeout=600)
+        a.capsule("push", name, "--to", f"http://127.0.0.1:{commute.agent}", token=b.token, timeout=1800)
+        a.capsule("start", name, timeout=600)
+        digest = a.guest(name, TODAY, timeout=300).split()[0]
     if dirty_mib:
         a.guest(name, DIRTIER.format(mib=dirty_mib))
         time.sleep(3)
@@ -81,11 +92,12 @@ for f in [*(Path(i["filename"]) for i in chain[1:]), *files]:
 """
 
 
-def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int) -> dict[str, Any]:
+def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int,
+               commute: bool = False) -> dict[str, Any]:
     """``virsh migrate --live --copy-storage-inc`` with ``kind``: ``zstd`` (multifd, 2 connections, zstd, and
     auto-converge as Capsule's live move has) or ``postcopy`` (``--postcopy-after-precopy``: one pre-copy pass,
-    then post-copy)."""
-    digest = prepare(a, name, dirty_mib)
+    then post-copy). ``commute``: B holds yesterday's version (libvirt cannot use it)."""
+    digest = prepare(a, name, dirty_mib, link if commute else None, b)
     dom = a.domain(name)
     xml = a.sh(f"virsh -c qemu:///system dumpxml --migratable {dom}")
     found = re.search(r"<source file='([^']+)'", xml)
@@ -123,7 +135,8 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     moved = _by_domain(b, dom, CHECK).split()[0]
     b.sh(f"virsh -c qemu:///system destroy {dom}; rm -rf {b_dir}")
     paused, error = guestclock.paused(before_clock, after_clock)
-    return {"case": {"zstd": "virsh --live multifd+zstd", "postcopy": "virsh --postcopy-after-precopy"}[kind],
+    return {"case": {"zstd": "virsh --live multifd+zstd", "postcopy": "virsh --postcopy-after-precopy"}[kind]
+            + (", commute" if commute else ""),
             "seconds": round(seconds, 2), "wire_bytes": wire, "content_intact": moved == digest,
             "paused_ms": round(paused * 1000), "paused_error_ms": round(error * 1000),
             **job_figures(stats), "raw": stats}
@@ -143,9 +156,11 @@ print(json.dumps({"seconds": r.seconds, "push": r.push.as_dict() if r.push else 
 """
 
 
-def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int) -> dict[str, Any]:
-    """``capsule migrate`` (``kind`` live: the default; postcopy: ``--postcopy``; offline: ``--offline``)."""
-    digest = prepare(a, name, dirty_mib)
+def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_mib: int,
+                 commute: bool = False) -> dict[str, Any]:
+    """``capsule migrate`` (``kind`` live: the default; postcopy: ``--postcopy``; offline: ``--offline``).
+    ``commute``: B holds yesterday's version of the capsule."""
+    digest = prepare(a, name, dirty_mib, link if commute else None, b)
     before_clock = a.guest_offset(name)
     before = link.link.wire_bytes()
     t = time.monotonic()
@@ -159,7 +174,8 @@ def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty
     b.capsule("stop", name, "--force")
     paused, error = guestclock.paused(before_clock, after_clock)
     live = r.get("live") or {}
-    return {"case": "capsule migrate" + {"live": "", "offline": " --offline", "postcopy": " --postcopy"}[kind],
+    return {"case": "capsule migrate" + {"live": "", "offline": " --offline", "postcopy": " --postcopy"}[kind]
+            + (", commute" if commute else ""),
             "seconds": round(seconds, 2), "wire_bytes": wire, "content_intact": moved == digest,
             "paused_ms": round(paused * 1000), "paused_error_ms": round(error * 1000),
             "downtime_ms": live.get("pause_ms"), "memory_processed_bytes": live.get("memory_bytes"),
@@ -172,3 +188,6 @@ def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty
 CASES = {"virsh-zstd": (virsh_move, "zstd"), "virsh-postcopy": (virsh_move, "postcopy"),
          "capsule": (capsule_move, "live"), "capsule-postcopy": (capsule_move, "postcopy"),
          "capsule-offline": (capsule_move, "offline")}
+# the commute case: B holds yesterday's version of the capsule (prepare's ``commute``)
+COMMUTE = {"virsh-zstd-commute": (virsh_move, "zstd"), "capsule-commute": (capsule_move, "live"),
+           "capsule-offline-commute": (capsule_move, "offline")}
