@@ -146,11 +146,14 @@ def main() -> None:
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Capsule's live move against libvirt's multifd + zstd, for each dirtier rate: bytes, total time, pause."""
     out = []
-    for d in dict.fromkeys(r["dirty_mib_s"] for r in results):
-        mine = next((r for r in results if r["dirty_mib_s"] == d and r["case"] == "capsule migrate"), None)
-        peer = next((r for r in results if r["dirty_mib_s"] == d and r["case"].endswith("multifd+zstd")), None)
+    for d, tail in dict.fromkeys((r["dirty_mib_s"], ", commute" if r["case"].endswith(", commute") else "")
+                                 for r in results):
+        mine = next((r for r in results if r["dirty_mib_s"] == d and r["case"] == "capsule migrate" + tail), None)
+        peer = next((r for r in results if r["dirty_mib_s"] == d and r["case"] == "virsh --live multifd+zstd" + tail),
+                    None)
         if mine and peer and "error" not in mine and "error" not in peer:
-            out.append({"dirty_mib_s": d, "bytes": round(mine["wire_bytes"] / peer["wire_bytes"], 3),
+            out.append({"dirty_mib_s": d, "commute": bool(tail),
+                        "bytes": round(mine["wire_bytes"] / peer["wire_bytes"], 3),
                         "seconds": round(mine["seconds"] / peer["seconds"], 3),
                         "paused": round(mine["paused_ms"] / max(peer["paused_ms"], 1), 3)})
     return out
@@ -166,7 +169,8 @@ def chart(results: list[dict[str, Any]], path: Path, rate_kbit: int) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"{r['case']}\n{r['dirty_mib_s']} MiB/s dirtied" for r in rows]
-    colors = ["tab:green" if r["case"] == "capsule migrate" else "tab:gray" for r in rows]
+    colors = ["tab:green" if r["case"].startswith("capsule migrate") and "--" not in r["case"] else "tab:gray"
+              for r in rows]
     axes[0].barh(labels, [r["paused_ms"] / 1000 for r in rows], color=colors)
     axes[0].set_xlabel("paused, as the guest lived it (s)")
     axes[1].barh(labels, [r["wire_bytes"] / 2**20 for r in rows], color=colors)

@@ -46,18 +46,18 @@ class Link:
     far: str
 
 
-def prepare(a: hc.Host, name: str, dirty_mib: int, commute: Link | None = None, b: hc.Host | None = None) -> str:
+def prepare(a: hc.Host, name: str, dirty_mib: int, commute: bool = False, b: hc.Host | None = None) -> str:
     """A new capsule on A, started, with the workload's content (and the dirtier); the content's digest.
 
     ``commute``: the commute case. The capsule is suspended after the workload and that version pushed to B
-    across ``commute``'s link before the move is measured (yesterday's version, which B holds), then resumed on
+    (beside the shaped link: yesterday's version, which B holds before the move is measured), then resumed on
     A, where today's work (:data:`TODAY`) adds 4 MiB of new random bytes and 400,000 lines of text."""
     a.capsule("derive", "seed", name)
     a.capsule("start", name)
     digest = a.guest(name, WORKLOAD, timeout=300).split()[0]
-    if commute is not None and b is not None:
+    if commute and b is not None:
         a.capsule("suspend", name, timeout=600)
-        a.capsule("push", name, "--to", f"http://127.0.0.1:{commute.agent}", token=b.token, timeout=1800)
+        a.capsule("push", name, "--to", b.url, token=b.token, timeout=1800)   # beside the link: not the move
         a.capsule("start", name, timeout=600)
         digest = a.guest(name, TODAY, timeout=300).split()[0]
     if dirty_mib:
@@ -97,7 +97,7 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     """``virsh migrate --live --copy-storage-inc`` with ``kind``: ``zstd`` (multifd, 2 connections, zstd, and
     auto-converge as Capsule's live move has) or ``postcopy`` (``--postcopy-after-precopy``: one pre-copy pass,
     then post-copy). ``commute``: B holds yesterday's version (libvirt cannot use it)."""
-    digest = prepare(a, name, dirty_mib, link if commute else None, b)
+    digest = prepare(a, name, dirty_mib, commute, b)
     dom = a.domain(name)
     xml = a.sh(f"virsh -c qemu:///system dumpxml --migratable {dom}")
     found = re.search(r"<source file='([^']+)'", xml)
@@ -160,7 +160,7 @@ def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty
                  commute: bool = False) -> dict[str, Any]:
     """``capsule migrate`` (``kind`` live: the default; postcopy: ``--postcopy``; offline: ``--offline``).
     ``commute``: B holds yesterday's version of the capsule."""
-    digest = prepare(a, name, dirty_mib, link if commute else None, b)
+    digest = prepare(a, name, dirty_mib, commute, b)
     before_clock = a.guest_offset(name)
     before = link.link.wire_bytes()
     t = time.monotonic()
