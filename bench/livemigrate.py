@@ -2,10 +2,13 @@
 ``--offline``), between two separate hosts (the compose hosts: a container each, with its own libvirtd and store
 at a different path), over the same shaped link, in one run.
 
-The guest: the tiny image, 256 MiB, booted by Capsule on host A, with the same content written by the same
-workload (16 MiB of random bytes and ~30 MiB of compressible text in its tmpfs, 8 MiB of random bytes on its disk);
-with ``--dirty 2,20`` also while a dirtier rewrites 2 (or 20) MiB of its memory every second. Host B holds the
-image (the tiny image's layers, pushed before), not the guest. The cases (bench/livepeers.py):
+The guest (``--guest tiny``, the default): the tiny image, 256 MiB, booted by Capsule on host A, with the same
+content written by the same workload (16 MiB of random bytes and ~30 MiB of compressible text in its tmpfs, 8 MiB
+of random bytes on its disk); with ``--dirty 2,20`` also while a dirtier rewrites 2 (or 20) MiB of its memory every
+second. ``--guest desktop``: the desktop image with 1 GiB, the same content (the disk's in a file), and B4's office
+day (bench/office_workload.py) running from 30 s before the move on. Host B holds the image (its layers, pushed
+before), not the guest. The commute cases (``--cases capsule-commute,virsh-zstd-commute``): B also holds
+yesterday's version of the capsule. The cases (bench/livepeers.py):
 
 - ``virsh migrate --live --copy-storage-inc`` with multifd (2 connections) + zstd and auto-converge;
 - ``virsh migrate --live --postcopy --postcopy-after-precopy``;
@@ -38,6 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import livepeers  # noqa: E402
 from bench.common import table, temp_workdir, write_result  # noqa: E402
 from bench.livepeers import CASES, COMMUTE, Link  # noqa: E402
 from bench.looplink import LoopLink  # noqa: E402
@@ -55,17 +59,18 @@ MIGRATION_PORT, NBD_PORT = 49390, 49391   # B's QEMU listens on 127.0.0.2:PORT, 
 LINK_LIBVIRT, LINK_AGENT = 20572, 20372   # proxies for B's libvirtd and B's agent
 FAR = "127.0.0.2"
 
-def seed(a: hc.Host, b: hc.Host) -> None:
-    """Capsule `seed` (tiny image, 256 MiB) on both hosts, pushed from a store on this machine."""
+def seed(a: hc.Host, b: hc.Host, guest: livepeers.Guest) -> None:
+    """Capsule `seed` (the guest's image and memory) on both hosts, pushed from a store on this machine."""
     from capsule import capsules, images, transfer
     from capsule.store import Store
+    from testkit.images import ensure_image
 
     src = Store.open(IMAGE_HOME)
-    images.build(src, "tiny", "tiny")
+    ensure_image(src, guest.image)
     with temp_workdir("capsule-b2-") as tmp:
         local = Store.open(Path(tmp) / "store")
-        images.import_image(src, local, "tiny")
-        capsules.create(local, "seed", "tiny", memory="256M")
+        images.import_image(src, local, guest.image)
+        capsules.create(local, "seed", guest.image, memory=guest.memory)
         for h in (a, b):
             transfer.push(local, "seed", h.url, h.token)
         local.close()
@@ -91,8 +96,12 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"which of {', '.join(CASES)}; or of the commute case, {', '.join(COMMUTE)}")
     ap.add_argument("--tag", default="", help="a suffix for the result's file name (a run of some cases only)")
+    ap.add_argument("--guest", choices=sorted(livepeers.GUESTS), default="tiny",
+                    help="tiny (256 MiB, the default) or desktop (the desktop image, 1 GiB, running B4's office day "
+                         "during the move)")
     ap.add_argument("--keep-hosts", action="store_true", help="leave the compose project up")
     args = ap.parse_args()
+    guest = livepeers.use_guest(args.guest)
     dirty = [int(x) for x in args.dirty.split(",")]
     cases = args.cases.split(",")
     if unknown := [c for c in cases if c not in CASES | COMMUTE]:
@@ -105,7 +114,7 @@ def main() -> None:
     a, b = PROJECT.host("host-a"), PROJECT.host("host-b")
     results: list[dict[str, Any]] = []
     try:
-        seed(a, b)
+        seed(a, b, guest)
         with LoopLink(args.rate_kbit, args.rtt_ms) as shaped:
             shaped.forward(LINK_LIBVIRT, "127.0.0.1", B_LIBVIRT)
             shaped.forward(LINK_AGENT, "127.0.0.1", B_AGENT)
@@ -125,16 +134,20 @@ def main() -> None:
     finally:
         if not args.keep_hosts:
             PROJECT.compose("down", "--volumes", "--timeout", "5")
-    name = f"livemigrate_b2_{args.rate_kbit}kbit" + (f"_{args.tag}" if args.tag else "")
+    name = (f"livemigrate_b2_{args.rate_kbit}kbit" + ("" if args.guest == "tiny" else f"_{args.guest}")
+            + (f"_{args.tag}" if args.tag else ""))
+    described = f"{guest.image}, {guest.memory.replace('M', ' MiB').replace('G', ' GiB')}"
     path = write_result(name, {
-        "rate_kbit": args.rate_kbit, "rtt_ms": args.rtt_ms, "guest": "tiny, 256 MiB", "results": results,
+        "rate_kbit": args.rate_kbit, "rtt_ms": args.rtt_ms,
+        "guest": described + (", office day running" if guest.office else ""),
+        "results": results,
         "ratios": ratios(results),
         "note": "seconds = the command's wall time on host A; paused = the guest's uptime against the host's "
                 "clock (testkit/guestclock.py); downtime = QEMU's (libvirt's job statistics); wire = the link's "
                 "byte counters (both ways, headers included)"})
-    chart(results, path.with_suffix(".png"), args.rate_kbit)
+    chart(results, path.with_suffix(".png"), args.rate_kbit, described)
     mib = 2**20
-    table(f"B2-live: {args.rate_kbit} kbit/s, {args.rtt_ms:g} ms RTT, tiny guest 256 MiB (s; MiB)",
+    table(f"B2-live: {args.rate_kbit} kbit/s, {args.rtt_ms:g} ms RTT, {described} (s; MiB)",
           ["dirtier MiB/s", "peer", "total", "paused (guest)", "QEMU downtime", "on the link", "intact"],
           [[r["dirty_mib_s"], r["case"], "failed", r["error"].splitlines()[-1][:60], "", "", ""] if "error" in r else
            [r["dirty_mib_s"], r["case"], f"{r['seconds']:.1f}", f"{r['paused_ms'] / 1000:.2f} ± "
@@ -159,7 +172,7 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def chart(results: list[dict[str, Any]], path: Path, rate_kbit: int) -> None:
+def chart(results: list[dict[str, Any]], path: Path, rate_kbit: int, guest: str = "tiny guest, 256 MiB") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -179,7 +192,7 @@ def chart(results: list[dict[str, Any]], path: Path, rate_kbit: int) -> None:
         ax.invert_yaxis()
         ax.tick_params(axis="y", labelsize=7)
     axes[1].set_yticklabels([])
-    fig.suptitle(f"B2-live: tiny guest, 256 MiB, over {rate_kbit} kbit/s")
+    fig.suptitle(f"B2-live: {guest}, over {rate_kbit} kbit/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -9,12 +9,15 @@ ends the same way: the guest's clock against the host's gives the pause as the g
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import os
 import re
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.jobstats import job_figures, parse_rawstats
@@ -29,7 +32,43 @@ WORKLOAD = ("dd if=/dev/urandom of=/tmp/random bs=1M count=16 2>/dev/null; seq 1
 CHECK = "md5sum /tmp/random /tmp/text | md5sum"
 TODAY = ("dd if=/dev/urandom bs=1M count=4 2>/dev/null >> /tmp/random; seq 4000001 4400000 >> /tmp/text; "
          "md5sum /tmp/random /tmp/text | md5sum")
-# N MiB of the guest's memory (a tmpfs file) rewritten with new random bytes, then a second's sleep, for ever
+# the desktop's root file system is its disk: the same content in its tmpfs and in a file
+DESKTOP_WORKLOAD = ("dd if=/dev/urandom of=/dev/shm/random bs=1M count=16 2>/dev/null; seq 1 4000000 > /dev/shm/text; "
+                    "dd if=/dev/urandom of=/root/disk.bin bs=1M count=8 conv=fsync 2>/dev/null; sync; "
+                    "md5sum /dev/shm/random /dev/shm/text /root/disk.bin | md5sum")
+DESKTOP_CHECK = "md5sum /dev/shm/random /dev/shm/text /root/disk.bin | md5sum"
+DESKTOP_TODAY = ("dd if=/dev/urandom bs=1M count=4 2>/dev/null >> /dev/shm/random; "
+                 "seq 4000001 4400000 >> /dev/shm/text; md5sum /dev/shm/random /dev/shm/text /root/disk.bin | md5sum")
+OFFICE = Path(__file__).resolve().parent / "office_workload.py"
+OFFICE_WARMUP_S = 30       # seconds the office day runs before the move
+
+
+@dataclass(frozen=True)
+class Guest:
+    """The guest every case moves: its image and memory, the content written before the move and checked after,
+    today's work of the commute case, and whether B4's office day runs in it during the move."""
+
+    image: str
+    memory: str
+    workload: str
+    check: str
+    today: str
+    office: bool = False
+    start_timeout: float = 300
+
+
+GUESTS = {"tiny": Guest("tiny", "256M", WORKLOAD, CHECK, TODAY),
+          "desktop": Guest("desktop", "1G", DESKTOP_WORKLOAD, DESKTOP_CHECK, DESKTOP_TODAY, office=True,
+                           start_timeout=900)}
+GUEST = GUESTS["tiny"]     # the run's (bench/livemigrate.py --guest)
+
+
+def use_guest(key: str) -> Guest:
+    global GUEST
+    GUEST = GUESTS[key]
+    return GUEST
+
+
 DIRTIER = ("(while :; do dd if=/dev/urandom of=/dev/shm/dirty bs=1M count={mib} conv=notrunc 2>/dev/null; "
            "sleep 1; done) </dev/null >/dev/null 2>&1 &")
 
@@ -53,17 +92,31 @@ def prepare(a: hc.Host, name: str, dirty_mib: int, commute: bool = False, b: hc.
     (beside the shaped link: yesterday's version, which B holds before the move is measured), then resumed on
     A, where today's work (:data:`TODAY`) adds 4 MiB of new random bytes and 400,000 lines of text."""
     a.capsule("derive", "seed", name)
-    a.capsule("start", name)
-    digest = a.guest(name, WORKLOAD, timeout=300).split()[0]
+    a.capsule("start", name, timeout=GUEST.start_timeout)
+    digest = a.guest(name, GUEST.workload, timeout=300).split()[0]
     if commute and b is not None:
-        a.capsule("suspend", name, timeout=600)
+        a.capsule("suspend", name, timeout=900)
         a.capsule("push", name, "--to", b.url, token=b.token, timeout=1800)   # beside the link: not the move
-        a.capsule("start", name, timeout=600)
-        digest = a.guest(name, TODAY, timeout=300).split()[0]
+        a.capsule("start", name, timeout=900)
+        digest = a.guest(name, GUEST.today, timeout=300).split()[0]
+    if GUEST.office:
+        _office(a, name)
     if dirty_mib:
         a.guest(name, DIRTIER.format(mib=dirty_mib))
         time.sleep(3)
     return digest
+
+
+def _office(a: hc.Host, name: str) -> None:
+    """B4's office day started in the guest (sent through its serial console in lines a tty takes), left to run
+    for :data:`OFFICE_WARMUP_S` seconds: it goes on during the move."""
+    text = base64.b64encode(gzip.compress(OFFICE.read_bytes())).decode()
+    a.guest(name, "rm -f /root/office.b64")
+    for at in range(0, len(text), 1500):
+        a.guest(name, f"printf %s {text[at:at + 1500]} >> /root/office.b64")
+    a.guest(name, "base64 -d /root/office.b64 | gunzip > /root/office_workload.py && "
+                  "(nohup setsid python3 /root/office_workload.py > /root/office.log 2>&1 < /dev/null &)")
+    time.sleep(OFFICE_WARMUP_S)
 
 
 def _by_domain(host: hc.Host, domain: str, command: str, timeout: float = 60) -> str:
@@ -132,7 +185,7 @@ def virsh_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty_m
     wire = link.link.wire_bytes() - before
     after_clock = b.domain_offset(dom)
     stats = parse_rawstats(b.sh(f"virsh -c qemu:///system domjobinfo --completed --rawstats {dom}"))
-    moved = _by_domain(b, dom, CHECK).split()[0]
+    moved = _by_domain(b, dom, GUEST.check).split()[0]
     b.sh(f"virsh -c qemu:///system destroy {dom}; rm -rf {b_dir}")
     paused, error = guestclock.paused(before_clock, after_clock)
     return {"case": {"zstd": "virsh --live multifd+zstd", "postcopy": "virsh --postcopy-after-precopy"}[kind]
@@ -170,7 +223,7 @@ def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty
     wire = link.link.wire_bytes() - before
     after_clock = b.guest_offset(name)
     r = json.loads(out.strip().splitlines()[-1])
-    moved = b.guest(name, CHECK).split()[0]
+    moved = b.guest(name, GUEST.check).split()[0]
     b.capsule("stop", name, "--force")
     paused, error = guestclock.paused(before_clock, after_clock)
     live = r.get("live") or {}
