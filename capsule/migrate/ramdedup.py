@@ -94,6 +94,12 @@ class Stats:
         for k, v in other.__dict__.items():
             setattr(self, k, getattr(self, k) + v)
 
+    @property
+    def literal_bytes(self) -> int:
+        """The stream's bytes less its pages that went as references or as earlier pages: what travelled itself,
+        compressed — the share of the stream the link's rate bounds."""
+        return self.stream_bytes - (self.refs + self.recent) * PAGE_SIZE
+
 
 class Encoder:
     """The source side: :meth:`encode` each chunk QEMU wrote, :meth:`finish` at its end; :attr:`stats`."""

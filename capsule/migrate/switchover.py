@@ -7,8 +7,9 @@ then believes it can send several times more than it can in the pause: B2-live a
 2 MiB/s was paused 2.5 s against a budget of 1 s.
 
 :class:`SwitchoverRate` measures instead the raw bytes QEMU handed the tunnel per second over the last
-:data:`WINDOW` seconds — in steady flow, the link's rate times how well what QEMU sends now compresses (the codec's
-references and zstd) — and sets it as QEMU's ``avail-switchover-bandwidth``, which QEMU uses in place of its own
+:data:`WINDOW` seconds, less the pages the codec sent as references — in steady flow, the link's rate times how
+well pages that travel themselves compress: what remains at the switchover is pages just written, which the other
+host does not hold — and sets it as QEMU's ``avail-switchover-bandwidth``, which QEMU uses in place of its own
 measurement to decide the switchover (QEMU ≥ 8.2). A QEMU that refuses the parameter keeps its own measure."""
 
 from __future__ import annotations

@@ -64,6 +64,8 @@ def test_pages_the_destination_holds_travel_as_references_and_the_stream_is_rebu
         # 40 held pages cost 33 bytes each, 20 random ones their size: far below the raw stream
         assert enc.stats.wire_bytes < 20 * 4096 + 40 * 40 + 4000 < len(data) // 2
         assert dec.stats.stream_bytes == len(data) == enc.stats.stream_bytes
+        # what the switchover can count on: the stream less its 45 pages that went as references
+        assert enc.stats.literal_bytes == len(data) - 45 * 4096
 
 
 def test_compressible_pages_are_compressed():
