@@ -155,7 +155,7 @@ def test_the_screen_size_is_brought_within_what_the_card_shows(client, guests):
     h = {"X-CSRF-Token": csrf}
     r = client.put("/api/capsules/desk/screen-size", json={"width": 1501, "height": 900}, headers=h)
     assert r.status_code == 200, r.text
-    assert r.json() == {"width": 1496, "height": 900} and guests["desk"].screen == (1496, 900)
+    assert r.json() == {"width": 1488, "height": 900} and guests["desk"].screen == (1488, 900)
     r = client.put("/api/capsules/desk/screen-size", json={"width": 5000, "height": 100}, headers=h)
     assert r.json() == {"width": 2560, "height": 400} and guests["desk"].screen == (2560, 400)
     assert guests["other"].screen == (1280, 800)
