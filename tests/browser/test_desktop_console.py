@@ -4,8 +4,8 @@ and sends nothing then; the guest's resolution follows the console panel's size 
 changes (set through the guest agent: QEMU's standard VGA refuses a client's SetDesktopSize), the canvas showing
 all of it within the panel; the pointer lands where the browser's is, on a screen shown 1:1 and on one scaled
 to fit, as the guest's X server says (read through the guest agent); and the desktop moves to another host from
-the page, its terminal taking what is typed before and after, and the clipboard there. The tests share one
-desktop guest (the move comes last: it takes the guest away)."""
+the page, its terminal taking what is typed before and after, and the clipboard box of the console that followed
+it reaching the guest there. The tests share one desktop guest (the move comes last: it takes the guest away)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ OVERFLOW = """() => {
   return [...document.querySelectorAll('#console *')].filter((e) => e.getBoundingClientRect().right > card.right + 1)
     .map((e) => `${e.tagName}#${e.id}`);
 }"""
+
 
 @dataclass
 class Desk:
@@ -297,7 +298,7 @@ def test_the_desktop_moves_from_the_page_and_its_terminal_goes_on(desk, home, br
     state = page.locator("#console-state")
     expect(state).to_have_attribute("data-state", "connected", timeout=30_000)
     expect(page.locator("#console")).to_have_attribute("data-peer", "home")
-    assert capsules.state_of(b, "desk").state == "running"
+    assert capsules.state_of(b, "desk").state == "running" and capsules.state_of(a, "desk").state != "running"
     _into_terminal(page, b)
     _type_line(page, b, LINES[1], LINES[:2])
 
