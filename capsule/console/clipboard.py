@@ -28,7 +28,8 @@ CHUNK = 48 * 1024                    # base64 characters an exec carries (the ag
 WHAT = "clipboard"
 
 
-def _too_large(size: int | None, where: str) -> RequestTooLarge:
+def too_large(size: int | None, where: str) -> RequestTooLarge:
+    """The error of a text (``where``: whose) over :data:`MAX_BYTES`, with its size if known."""
     got = "" if size is None else f" ({size} bytes)"
     return RequestTooLarge(f"{where}{got} is larger than the clipboard's limit of {MAX_BYTES // 1024} KiB: "
                            "copy a smaller part")
@@ -41,7 +42,7 @@ def get(store: Store, name: str) -> str:
     with guestx.agent(store, name, WHAT) as agent:
         r = guestx.helper(agent, name, WHAT, "get", str(MAX_BYTES), max_output=4 * (MAX_BYTES // 3 + 1) + 64)
     if r["exit_code"] == guestx.TOO_LARGE:
-        raise _too_large(None, f"capsule {name!r}'s clipboard")
+        raise too_large(None, f"capsule {name!r}'s clipboard")
     if r["exit_code"] != 0:
         raise guestx.failed(name, WHAT, r)
     try:
@@ -49,7 +50,7 @@ def get(store: Store, name: str) -> str:
     except (binascii.Error, ValueError) as exc:
         raise Conflict(f"capsule {name!r}: the clipboard helper answered something other than base64") from exc
     if len(data) > MAX_BYTES:
-        raise _too_large(len(data), f"capsule {name!r}'s clipboard")
+        raise too_large(len(data), f"capsule {name!r}'s clipboard")
     return data.decode("utf-8", errors="replace")
 
 
@@ -59,7 +60,7 @@ def set(store: Store, name: str, text: str) -> int:
     :data:`MAX_BYTES` is refused before anything reaches the guest."""
     data = text.encode("utf-8", errors="replace")
     if len(data) > MAX_BYTES:
-        raise _too_large(len(data), "the text")
+        raise too_large(len(data), "the text")
     encoded = base64.b64encode(data).decode()
     inbox = f"{INBOX}/{secrets.token_hex(8)}"
     with guestx.agent(store, name, WHAT) as agent:

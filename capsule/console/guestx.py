@@ -1,7 +1,7 @@
 """A running capsule's X session, reached through Capsule's own guest agent (the virtio-serial channel every
 capsule has): the X helper (``xsession.py``) is run in the guest by ``python3 -``, its source on stdin, through the
 agent's ``exec``. Nothing is installed in the guest and nothing is added to the machine. Used by the clipboard
-(``clipboard.py``) and the screen's size (``screensize.py``)."""
+(``clipboard.py``), the screen's size (``screensize.py``) and the pointer (``pointer.py``)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ moved to another host (the migrate dialog's "the console follows it").
     POST /api/hosts/{host}/capsules/{name}/console-ticket[?kind=serial]   a ticket of this agent for that
                                                                           console (session + CSRF)
     WS   /api/hosts/{host}/console/{name}[/serial]?ticket=T               that console, relayed
+    GET  /api/hosts/{host}/capsules/{name}/clipboard                      its clipboard, asked of the peer
+    PUT  /api/hosts/{host}/capsules/{name}/clipboard {text}               set there (``peerclip.py``)
 
 The WebSocket is checked here as any console's (session, origin, this agent's ticket for ``host/name``); then this
 agent asks the peer for a ticket with the peer's token (``capsule host add`` keeps it), opens the peer's console
@@ -25,7 +27,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from capsule import hosts
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agentclient import AgentClient
-from capsule.console.routes import Kind, TicketOut, Tickets, admit, deny
+from capsule.console import peerclip
+from capsule.console.routes import ClipboardIn, ClipboardOut, ClipboardSet, Kind, TicketOut, Tickets, admit, deny
 from capsule.errors import Error
 from capsule.names import check_name
 from capsule.store import Store
@@ -46,6 +49,16 @@ def router(store: Store, sessions: Sessions, tickets: Tickets, caller: Callable[
         ticket = tickets.issue(f"{host}/{name}", None if c.session is None else c.session.sid, kind)
         path = f"/api/hosts/{host}/console/{name}" + ("/serial" if kind == "serial" else "")
         return TicketOut(ticket=ticket, expires_in=tickets.lifetime, url=f"{path}?ticket={ticket}")
+
+    @api.get("/{host}/capsules/{name}/clipboard", response_model=ClipboardOut, dependencies=[Depends(caller)],
+             summary="A peer's capsule's clipboard text, asked of the peer through this agent")
+    async def peer_clipboard(host: str, name: str) -> dict:
+        return await asyncio.to_thread(peerclip.get, store, host, name)
+
+    @api.put("/{host}/capsules/{name}/clipboard", response_model=ClipboardSet, dependencies=[Depends(caller)],
+             summary="Make a text a peer's capsule's clipboard, through this agent")
+    async def peer_clipboard_set(host: str, name: str, body: ClipboardIn) -> dict:
+        return await asyncio.to_thread(peerclip.set, store, host, name, body.text)
 
     async def relayed(ws: WebSocket, host: str, name: str, ticket: str, kind: Kind) -> None:
         if not await admit(sessions, tickets, ws, f"{host}/{name}", ticket, kind):

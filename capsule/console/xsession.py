@@ -11,7 +11,8 @@ with that user's X cookie::
                        background process owns them until another program takes both
     pointer            where the X pointer is: "X Y" on the screen (what `xdotool getmouselocation` says)
     size W H           the screen's resolution becomes W x H (within what the X server allows; a mode made for
-                       it where the output has none), as `xrandr --output O --mode WxH` does: "W H" set
+                       it where the output has none), as `xrandr --output O --mode WxH` does: "W H" set; a
+                       mode the X server refuses leaves the screen as it was (exit 5)
 
 ``get`` reads CLIPBOARD, or PRIMARY where that is newer: when nothing owns CLIPBOARD, or when this helper
 owns it and another program has taken PRIMARY since (text selected in a terminal). Exit codes: 0 done,
@@ -257,6 +258,13 @@ class OutputInfo(ctypes.Structure):
                 ("npreferred", ctypes.c_int), ("modes", ctypes.POINTER(ulong))]
 
 
+class CrtcInfo(ctypes.Structure):
+    _fields_ = [("timestamp", ulong), ("x", ctypes.c_int), ("y", ctypes.c_int), ("width", ctypes.c_uint),
+                ("height", ctypes.c_uint), ("mode", ulong), ("rotation", ctypes.c_ushort), ("noutput", ctypes.c_int),
+                ("outputs", ctypes.POINTER(ulong)), ("rotations", ctypes.c_ushort), ("npossible", ctypes.c_int),
+                ("possible", ctypes.POINTER(ulong))]
+
+
 def size(width: int, height: int) -> None:
     x = X()
     rr = ctypes.CDLL("libXrandr.so.2")
@@ -273,6 +281,11 @@ def size(width: int, height: int) -> None:
     rr.XRRSetCrtcConfig.argtypes = [ctypes.c_void_p, ctypes.POINTER(Resources), ulong, ulong, ctypes.c_int,
                                     ctypes.c_int, ulong, ctypes.c_ushort, ctypes.POINTER(ulong), ctypes.c_int]
     rr.XRRFreeOutputInfo.argtypes = [ctypes.POINTER(OutputInfo)]
+    rr.XRRGetCrtcInfo.restype = ctypes.POINTER(CrtcInfo)
+    rr.XRRGetCrtcInfo.argtypes = [ctypes.c_void_p, ctypes.POINTER(Resources), ulong]
+    rr.XRRFreeCrtcInfo.argtypes = [ctypes.POINTER(CrtcInfo)]
+    for f in ("XDisplayWidth", "XDisplayHeight", "XDisplayWidthMM", "XDisplayHeightMM"):
+        getattr(x.lib, f).argtypes = [ctypes.c_void_p, ctypes.c_int]
     rr.XRRFreeScreenResources.argtypes = [ctypes.POINTER(Resources)]
     x.lib.XSync.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lo_w, lo_h, hi_w, hi_h = (ctypes.c_int() for _ in range(4))
@@ -303,15 +316,25 @@ def size(width: int, height: int) -> None:
         x.lib.XSync(x.dpy, 0)
         rr.XRRFreeScreenResources(res)
         res = rr.XRRGetScreenResourcesCurrent(x.dpy, root)
+    # what the screen shows now: put back if the new mode is refused (else the output stays off, the screen dark)
+    was = rr.XRRGetCrtcInfo(x.dpy, res, crtc)
+    old_mode, old_rotation = was.contents.mode, was.contents.rotation
+    rr.XRRFreeCrtcInfo(was)
+    old_size = [getattr(x.lib, f)(x.dpy, 0) for f in ("XDisplayWidth", "XDisplayHeight", "XDisplayWidthMM",
+                                                       "XDisplayHeightMM")]
     # as xrandr does: the CRTC off, the screen to its new size, the CRTC on in the new mode (96 dpi)
     rr.XRRSetCrtcConfig(x.dpy, res, crtc, 0, 0, 0, 0, 1, None, 0)
     rr.XRRSetScreenSize(x.dpy, root, width, height, width * 254 // 960, height * 254 // 960)
     outputs = (ulong * 1)(output)
     status = rr.XRRSetCrtcConfig(x.dpy, res, crtc, 0, 0, 0, mode, 1, outputs, 1)
+    if status != 0:
+        rr.XRRSetScreenSize(x.dpy, root, *old_size)
+        rr.XRRSetCrtcConfig(x.dpy, res, crtc, 0, 0, 0, old_mode, old_rotation, outputs, 1)
     x.lib.XSync(x.dpy, 0)
     rr.XRRFreeScreenResources(res)
     if status != 0:
-        fail(NO_ANSWER, f"the X server refused the mode {width}x{height} (status {status})")
+        fail(NO_ANSWER, f"the X server refused the mode {width}x{height} (status {status}): the screen keeps its "
+                        f"{old_size[0]}x{old_size[1]}")
     sys.stdout.write(f"{width} {height}\n")
 
 

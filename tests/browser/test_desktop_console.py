@@ -1,19 +1,29 @@
 """The desktop image's console in a real browser: the clipboard box sends a text to the guest's clipboard and
 gets the guest's back (read and set through the guest agent on the other side), says when a text is too large
-and sends nothing then; and the guest's resolution follows the console panel's size as the browser's viewport
+and sends nothing then; the guest's resolution follows the console panel's size as the browser's viewport
 changes (set through the guest agent: QEMU's standard VGA refuses a client's SetDesktopSize), the canvas showing
-all of it within the panel."""
+all of it within the panel; the pointer lands where the browser's is, on a screen shown 1:1 and on one scaled
+to fit, as the guest's X server says (read through the guest agent); and the desktop moves to another host from
+the page, its terminal taking what is typed before and after, and the clipboard box of the console that followed
+it reaching the guest there. The tests share one desktop guest (the move comes last: it takes the guest away)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 
-from capsule import capsules, lifecycle
-from capsule.console import clipboard
+from capsule import capsules, hosts, lifecycle
+from capsule.console import clipboard, guestx, pointer, screensize
 from capsule.console.screen import screenshot
+from capsule.store import Store
+from testkit.images import destroy_domains, make_store
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
 from tests.conftest import Agent
 from tests.helpers.dashboard import open_console, sign_in
+from tests.vm.test_desktop_clipboard import terminal_top_left
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -38,64 +48,273 @@ OVERFLOW = """() => {
 }"""
 
 
-def test_clipboard_box_and_scale_to_fit_on_the_desktop(desktop_store, browser, tmp_path):  # noqa: F811
+@dataclass
+class Desk:
+    store: Store
+    agent: Agent
+
+
+@pytest.fixture(scope="module")
+def desk(desktop_images, tmp_path_factory) -> Iterator[Desk]:
+    """A store with the desktop image, the capsule "desk" running in it (1 GiB) and its agent: booted once for
+    the module's tests."""
+    root = tmp_path_factory.mktemp("desk")
+    store = make_store(root / "store", desktop_images, "desktop")
+    agent = None
+    try:
+        capsules.create(store, "desk", "desktop", memory="1G")
+        lifecycle.start(store, "desk", timeout=600)
+        agent = Agent(store.home, root / "t.token")
+        yield Desk(store, agent)
+    finally:
+        if agent is not None:
+            agent.stop()
+        destroy_domains(store)
+        store.close()
+
+
+def test_clipboard_box_and_scale_to_fit_on_the_desktop(desk, browser, tmp_path):  # noqa: F811
     from playwright.sync_api import expect
 
-    store = desktop_store
-    capsules.create(store, "desk", "desktop", memory="1G")
-    lifecycle.start(store, "desk", timeout=600)
-    agent = Agent(store.home, tmp_path / "t.token")
+    store, agent = desk.store, desk.agent
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    sign_in(page, agent.url, agent.token)
+    open_console(page, "desk")
+    expect(page.locator("#console-clip")).to_be_visible()
+    expect(page.locator("#console-fullscreen")).to_be_visible()
+
+    # browser → guest
+    text = "aus dem Browser: Grüße, ß 🙂"
+    page.fill("#console-clip-text", text)
+    page.click("#console-clip-send")
+    state = page.locator("#console-clip-state")
+    expect(state).to_have_attribute("data-state", "sent", timeout=30_000)
+    expect(state).to_contain_text(f"sent {len(text.encode())} B")
+    assert clipboard.get(store, "desk") == text
+
+    # guest → browser
+    clipboard.set(store, "desk", "from the guest\nsecond line")
+    page.click("#console-clip-get")
+    expect(state).to_have_attribute("data-state", "received", timeout=30_000)
+    expect(page.locator("#console-clip-text")).to_have_value("from the guest\nsecond line")
+
+    # too large: said at once, nothing sent
+    page.fill("#console-clip-text", "x" * (clipboard.MAX_BYTES + 1))
+    page.click("#console-clip-send")
+    expect(state).to_have_attribute("data-state", "too-large")
+    expect(state).to_contain_text("512 KiB")
+    assert clipboard.get(store, "desk") == "from the guest\nsecond line"
+    _shot(page, tmp_path, "desktop-clipboard")
+    assert page.evaluate(OVERFLOW) == []
+
+    # the guest's resolution follows the panel (its width a multiple of 16), and the canvas shows it all
+    expect(page.locator("#console")).to_have_attribute("data-fit", "guest", timeout=30_000)
+    for viewport in ({"width": 1600, "height": 1000}, {"width": 1024, "height": 768}):
+        page.set_viewport_size(viewport)
+        panel = page.evaluate(CANVAS)
+        want = (min(panel["cw"], 2560) // 16 * 16, max(400, min(panel["ch"], 1600)))
+
+        def guest_size() -> tuple[int, int]:
+            shot = screenshot(store, "desk")
+            return shot.width, shot.height
+
+        wait_until(lambda want=want: guest_size() == want, 30,
+                   lambda want=want: f"the guest's screen at {want}: {guest_size()}", interval=0.5)
+        page.wait_for_function(f"() => {{ const c = document.querySelector('#console-screen canvas');"
+                               f" return c && c.width === {want[0]} && c.height === {want[1]}; }}")
+        shown = page.evaluate(CANVAS)
+        assert shown["w"] <= shown["pw"] + 1 and shown["h"] <= shown["ph"] + 1, shown
+        assert shown["w"] >= want[0] - 2 or shown["h"] >= want[1] - 2, shown     # shown at (about) 1:1
+    # the console card's controls stay inside it (the clipboard box wraps)
+    assert page.evaluate(OVERFLOW) == []
+    _shot(page, tmp_path, "desktop-1024")
+
+
+# a point of the canvas given as fractions of its CSS box: where that is on the page (whole CSS pixels, inside the
+# box), and the guest's pixel there, from the canvas's framebuffer size over its CSS box (noVNC scales the guest's
+# screen to fit the panel)
+AIM = """([fx, fy]) => {
+  const c = document.querySelector('#console-screen canvas');
+  const r = c.getBoundingClientRect();
+  const at = (lo, size, f) => Math.min(Math.max(Math.round(lo + f * (size - 1)), Math.ceil(lo)),
+                                      Math.floor(lo + size) - 1);
+  const x = at(r.left, r.width, fx), y = at(r.top, r.height, fy);
+  return {x, y, gx: Math.min(c.width - 1, Math.floor((x - r.left) * c.width / r.width)),
+          gy: Math.min(c.height - 1, Math.floor((y - r.top) * c.height / r.height)), fbw: c.width, fbh: c.height,
+          scale: r.width / c.width};
+}"""
+# the corners, the middle and two points between
+POINTS = [(0, 0), (1, 0), (0, 1), (1, 1), (0.5, 0.5), (0.25, 0.8), (0.9, 0.3)]
+NEAR = 2      # guest pixels the pointer may be off by
+
+
+def _canvas_at(page, width: int, height: int) -> None:
+    page.wait_for_function(f"() => {{ const c = document.querySelector('#console-screen canvas');"
+                           f" return c && c.width === {width} && c.height === {height}; }}", timeout=30_000)
+
+
+def _points_land(page, store: Store) -> list[tuple[dict, tuple[int, int]]]:
+    """Point at each of POINTS in the browser; each time the guest's pointer (read through the guest agent) is
+    within NEAR pixels of the guest pixel under the browser's. What was aimed at and where it landed."""
+    landed = []
+    for fx, fy in POINTS:
+        aim = page.evaluate(AIM, [fx, fy])
+        # from a few pixels towards the middle, as a hand moves: the guest's kernel passes on an absolute position
+        # only when it changed, and the tablet's first one is 0,0
+        page.mouse.move(aim["x"] + (4 if fx < 0.5 else -4), aim["y"] + (4 if fy < 0.5 else -4))
+        page.mouse.move(aim["x"], aim["y"], steps=2)
+        want = (aim["gx"], aim["gy"])
+
+        def near(want=want) -> tuple[int, int] | None:
+            got = pointer.position(store, "desk")
+            return got if max(abs(got[0] - want[0]), abs(got[1] - want[1])) <= NEAR else None
+
+        got = wait_until(near, 10, lambda aim=aim: f"the guest's pointer near {aim}: it is at "
+                         f"{pointer.position(store, 'desk')}", interval=0.2)
+        landed.append((aim, got))
+    return landed
+
+
+def test_the_pointer_lands_where_the_browsers_is(desk, browser, tmp_path):  # noqa: F811
+    """On the screen shown 1:1 (its resolution follows the panel), scaled down (a screen larger than the panel)
+    and scaled up (a smaller one): wherever the browser's pointer is on the canvas, corners included, the guest's
+    X server has its pointer on the same pixel, within 2."""
+    from playwright.sync_api import expect
+
+    store, agent = desk.store, desk.agent
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    sign_in(page, agent.url, agent.token)
+    open_console(page, "desk")
+    expect(page.locator("#console")).to_have_attribute("data-fit", "guest", timeout=30_000)
+    panel = page.evaluate(CANVAS)
+    # the guest's screen as wide as the panel, give or take the columns the width is rounded to
+    page.wait_for_function(f"() => {{ const c = document.querySelector('#console-screen canvas');"
+                           f" return c && c.width > {panel['cw'] - 16} && c.width <= {panel['cw']}"
+                           f" && c.height === {max(400, min(panel['ch'], 1600))}; }}", timeout=30_000)
+    one = _points_land(page, store)
+    assert all(abs(aim["scale"] - 1) < 0.01 for aim, _ in one), one
+    # the guest's screen made larger and smaller than the panel (as another console, or the guest itself, may):
+    # the page scales it to fit and the pointer still lands where it points
+    for size, scaled in (((1600, 1000), lambda s: s < 0.8), ((640, 400), lambda s: s > 1.2)):
+        assert screensize.set_size(store, "desk", *size) == size
+        _canvas_at(page, *size)
+        landed = _points_land(page, store)
+        assert all(scaled(aim["scale"]) for aim, _ in landed), landed
+        _shot(page, tmp_path, f"desktop-pointer-{size[0]}x{size[1]}")
+    print(f"\n1:1 {one}\nscaled {landed}")
+
+
+@dataclass
+class Home:
+    store: Store
+    agent: Agent
+
+
+@pytest.fixture(scope="module")
+def home(desk, desktop_images, tmp_path_factory) -> Iterator[Home]:
+    """A second host on this machine (a store with the desktop image and its agent), known to the desk's as
+    "home"."""
+    root = tmp_path_factory.mktemp("home")
+    store = make_store(root / "store", desktop_images, "desktop")
+    agent = None
     try:
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        sign_in(page, agent.url, agent.token)
-        open_console(page, "desk")
-        expect(page.locator("#console-clip")).to_be_visible()
-        expect(page.locator("#console-fullscreen")).to_be_visible()
-
-        # browser → guest
-        text = "aus dem Browser: Grüße, ß 🙂"
-        page.fill("#console-clip-text", text)
-        page.click("#console-clip-send")
-        state = page.locator("#console-clip-state")
-        expect(state).to_have_attribute("data-state", "sent", timeout=30_000)
-        expect(state).to_contain_text(f"sent {len(text.encode())} B")
-        assert clipboard.get(store, "desk") == text
-
-        # guest → browser
-        clipboard.set(store, "desk", "from the guest\nsecond line")
-        page.click("#console-clip-get")
-        expect(state).to_have_attribute("data-state", "received", timeout=30_000)
-        expect(page.locator("#console-clip-text")).to_have_value("from the guest\nsecond line")
-
-        # too large: said at once, nothing sent
-        page.fill("#console-clip-text", "x" * (clipboard.MAX_BYTES + 1))
-        page.click("#console-clip-send")
-        expect(state).to_have_attribute("data-state", "too-large")
-        expect(state).to_contain_text("512 KiB")
-        assert clipboard.get(store, "desk") == "from the guest\nsecond line"
-        _shot(page, tmp_path, "desktop-clipboard")
-        assert page.evaluate(OVERFLOW) == []
-
-        # the guest's resolution follows the panel (width in whole 8-pixel columns), and the canvas shows it all
-        expect(page.locator("#console")).to_have_attribute("data-fit", "guest", timeout=30_000)
-        for viewport in ({"width": 1600, "height": 1000}, {"width": 1024, "height": 768}):
-            page.set_viewport_size(viewport)
-            panel = page.evaluate(CANVAS)
-            want = (min(panel["cw"], 2560) // 8 * 8, max(400, min(panel["ch"], 1600)))
-
-            def guest_size() -> tuple[int, int]:
-                shot = screenshot(store, "desk")
-                return shot.width, shot.height
-
-            wait_until(lambda want=want: guest_size() == want, 30,
-                       lambda want=want: f"the guest's screen at {want}: {guest_size()}", interval=0.5)
-            page.wait_for_function(f"() => {{ const c = document.querySelector('#console-screen canvas');"
-                                   f" return c && c.width === {want[0]} && c.height === {want[1]}; }}")
-            shown = page.evaluate(CANVAS)
-            assert shown["w"] <= shown["pw"] + 1 and shown["h"] <= shown["ph"] + 1, shown
-            assert shown["w"] >= want[0] - 2 or shown["h"] >= want[1] - 2, shown     # shown at (about) 1:1
-        # the console card's controls stay inside it (the clipboard box wraps)
-        assert page.evaluate(OVERFLOW) == []
-        _shot(page, tmp_path, "desktop-1024")
+        agent = Agent(store.home, root / "t.token")
+        hosts.add(desk.store, "home", agent.url, agent.token)
+        yield Home(store, agent)
     finally:
-        agent.stop()
+        if agent is not None:
+            agent.stop()
+        destroy_domains(store)
+        store.close()
+
+
+TYPED = "/tmp/typed"
+# what the terminal's shell runs: every line typed after it is appended to TYPED (no character that needs Shift)
+TEE = f"tee -a {TYPED}"
+LINES = ["line-one-typed-before-the-move", "line-two-typed-after-the-move", "line-three-from-the-clipboard"]
+# a guest pixel of the canvas: where it is on the page (CSS pixels), however the screen is scaled
+AT = """([gx, gy]) => {
+  const c = document.querySelector('#console-screen canvas');
+  const r = c.getBoundingClientRect();
+  return [r.left + (gx + 0.5) * r.width / c.width, r.top + (gy + 0.5) * r.height / c.height];
+}"""
+
+
+def _typed(store: Store) -> list[str]:
+    """The lines in TYPED, read through the guest agent."""
+    with guestx.agent(store, "desk", "test") as ga:
+        r = guestx.run(ga, "desk", "test", ["sh", "-c", f"cat {TYPED} 2>/dev/null; true"])
+    return r["stdout"].splitlines()
+
+
+def _into_terminal(page, store: Store) -> None:
+    """A click on the guest's terminal, found on its screen: the terminal has the guest's keyboard focus, and the
+    console the browser's."""
+    left, top = wait_until(lambda: terminal_top_left(store, "desk"), 20, "the terminal on the screen", interval=1)
+    page.mouse.click(*page.evaluate(AT, [left + 80, top + 40]))
+    page.wait_for_timeout(500)
+
+
+def _type_line(page, store: Store, line: str, want: list[str]) -> None:
+    page.keyboard.type(line, delay=20)
+    page.keyboard.press("Enter")
+    wait_until(lambda: _typed(store) == want, 30, lambda: f"{want} in {TYPED}: {_typed(store)}", interval=0.5)
+
+
+def test_the_desktop_moves_from_the_page_and_its_terminal_goes_on(desk, home, browser, tmp_path):  # noqa: F811
+    """Type into the desktop's terminal, move it to home with the Migrate button, type into it again through the
+    console that followed it: both lines arrived in order (read in the guest through the guest agent, on home).
+    The clipboard box of that console reaches the guest there: a text sent from it pastes into the terminal."""
+    from playwright.sync_api import expect
+
+    a, b = desk.store, home.store
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    sign_in(page, desk.agent.url, desk.agent.token)
+    row = open_console(page, "desk")
+    expect(page.locator('section[data-host="home"]')).to_have_attribute("data-reachable", "yes", timeout=30_000)
+    expect(page.locator("#console")).to_have_attribute("data-fit", "guest", timeout=30_000)
+    panel = page.evaluate(CANVAS)
+    page.wait_for_function(f"() => {{ const c = document.querySelector('#console-screen canvas');"
+                           f" return c && c.width > {panel['cw'] - 16} && c.width <= {panel['cw']}; }}")
+
+    _into_terminal(page, a)
+    page.keyboard.type(TEE, delay=20)
+    page.keyboard.press("Enter")
+    _type_line(page, a, LINES[0], LINES[:1])
+
+    row.locator('button[data-action="migrate"]').click()
+    dialog = page.locator("#migrate-dialog")
+    page.select_option("#migrate-to", "home")
+    dialog.locator('input[name="kind"][value="full"]').check()
+    started = time.monotonic()
+    dialog.locator('[data-action="start-migration"]').click()
+    message = dialog.locator(".migrate-message")
+    expect(message).to_have_attribute("data-outcome", "done", timeout=240_000)
+    print(f"\nthe move took {time.monotonic() - started:.1f} s (as the page saw it)")
+    expect(message).to_contain_text("now runs on home")
+    dialog.locator('[data-action="close-migration"]').click()
+
+    # the console followed it: type into the terminal there
+    state = page.locator("#console-state")
+    expect(state).to_have_attribute("data-state", "connected", timeout=30_000)
+    expect(page.locator("#console")).to_have_attribute("data-peer", "home")
+    assert capsules.state_of(b, "desk").state == "running" and capsules.state_of(a, "desk").state != "running"
+    _into_terminal(page, b)
+    _type_line(page, b, LINES[1], LINES[:2])
+
+    # the clipboard box of the console that followed it reaches the guest there (through this host's agent): a
+    # text sent from the page is the guest's clipboard and pastes into the terminal; what the guest holds comes back
+    box = page.locator("#console-clip-state")
+    page.fill("#console-clip-text", LINES[2])
+    page.click("#console-clip-send")
+    expect(box).to_have_attribute("data-state", "sent", timeout=30_000)
+    assert clipboard.get(b, "desk") == LINES[2]
+    _into_terminal(page, b)
+    page.keyboard.press("Shift+Insert")
+    page.keyboard.press("Enter")
+    wait_until(lambda: _typed(b) == LINES, 30, lambda: f"{LINES} in {TYPED}: {_typed(b)}", interval=0.5)
+    _shot(page, tmp_path, "desktop-moved")
+    clipboard.set(b, "desk", "from the guest on home")
+    page.click("#console-clip-get")
+    expect(box).to_have_attribute("data-state", "received", timeout=30_000)
+    expect(page.locator("#console-clip-text")).to_have_value("from the guest on home")

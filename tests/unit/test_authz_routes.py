@@ -90,6 +90,8 @@ EXPECTED = {
     ("POST", "/api/hosts/{host}/capsules/{name}/console-ticket"): "act-staff",
     ("WS", "/api/hosts/{host}/console/{name}"): "act-staff",
     ("WS", "/api/hosts/{host}/console/{name}/serial"): "act-staff",
+    ("GET", "/api/hosts/{host}/capsules/{name}/clipboard"): "act-staff",
+    ("PUT", "/api/hosts/{host}/capsules/{name}/clipboard"): "act-staff",
     ("GET", "/api/hosts/{host}/capsules/{name}/bring/check"): "act-staff",
     ("POST", "/api/hosts/{host}/capsules/{name}/bring"): "act-staff",
     ("GET", "/api/hosts/{host}/migrations/{mid}"): "look-staff",

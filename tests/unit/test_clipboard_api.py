@@ -3,7 +3,8 @@ socket that plays the guest's X helper (``capsule.console.xsession``): a text se
 given, in exec requests within the agent's line limit, and what the guest holds comes back; a text over the
 limit is refused either way with the clipboard's own error and nothing reaches the guest; an unknown or stopped
 capsule, another owner's capsule, and a call without the session's CSRF token are refused. The screen size asked
-for is brought within what the VGA card shows before the guest is asked, and a size that is none is refused."""
+for is brought within what the VGA card shows before the guest is asked (its width a multiple of 16, two frames
+of it within the card's 16 MiB), and a size that is none is refused."""
 
 from __future__ import annotations
 
@@ -155,9 +156,14 @@ def test_the_screen_size_is_brought_within_what_the_card_shows(client, guests):
     h = {"X-CSRF-Token": csrf}
     r = client.put("/api/capsules/desk/screen-size", json={"width": 1501, "height": 900}, headers=h)
     assert r.status_code == 200, r.text
-    assert r.json() == {"width": 1496, "height": 900} and guests["desk"].screen == (1496, 900)
+    assert r.json() == {"width": 1488, "height": 900} and guests["desk"].screen == (1488, 900)
     r = client.put("/api/capsules/desk/screen-size", json={"width": 5000, "height": 100}, headers=h)
     assert r.json() == {"width": 2560, "height": 400} and guests["desk"].screen == (2560, 400)
+    # a screen larger than two frames of the card's memory hold: the same shape, smaller (the page scales it up)
+    for want, got in (((2560, 1600), (1824, 1144)), ((1920, 1200), (1824, 1144)), ((2560, 1440), (1920, 1086))):
+        r = client.put("/api/capsules/desk/screen-size", json={"width": want[0], "height": want[1]}, headers=h)
+        assert r.json() == {"width": got[0], "height": got[1]} and guests["desk"].screen == got
+        assert got[0] * got[1] * 4 * 2 <= 16 * 1024 * 1024
     assert guests["other"].screen == (1280, 800)
 
 

@@ -77,6 +77,11 @@ export const peerConsoleTicket = (host, name, kind = "screen") =>
 // the guest's clipboard, through its guest agent (capsule/console/clipboard.py): {text, bytes, max_bytes}
 export const clipboard = (name) => call("GET", `capsules/${encodeURIComponent(name)}/clipboard`);
 export const setClipboard = (name, text) => call("PUT", `capsules/${encodeURIComponent(name)}/clipboard`, { text });
+// a peer's capsule's, asked of the peer through this agent (capsule/console/peerclip.py): the same fields
+export const peerClipboard = (host, name) =>
+  call("GET", `hosts/${encodeURIComponent(host)}/capsules/${encodeURIComponent(name)}/clipboard`);
+export const setPeerClipboard = (host, name, text) =>
+  call("PUT", `hosts/${encodeURIComponent(host)}/capsules/${encodeURIComponent(name)}/clipboard`, { text });
 // the guest's screen resolution (capsule/console/screensize.py): {width, height} as set
 export const setScreenSize = (name, width, height) =>
   call("PUT", `capsules/${encodeURIComponent(name)}/screen-size`, { width, height });

@@ -1,11 +1,13 @@
 // The console bar's clipboard box: the guest's clipboard both ways, through its agent's guest agent
-// (GET/PUT /api/capsules/NAME/clipboard). Copy in the browser, paste into the box, Send to guest (or Ctrl+Enter):
-// the text becomes the guest's clipboard (and its primary selection: a terminal pastes it with Shift+Insert or
-// the middle button). Get from guest fills the box with what the guest holds (its clipboard, or the text last
-// selected there) and, where the browser allows it, puts it on the browser's clipboard too.
+// (GET/PUT /api/capsules/NAME/clipboard; a peer's capsule's, such as one the console followed there, through this
+// agent: /api/hosts/HOST/capsules/NAME/clipboard). Copy in the browser, paste into the box, Send to guest (or
+// Ctrl+Enter): the text becomes the guest's clipboard (and its primary selection: a terminal pastes it with
+// Shift+Insert or the middle button). Get from guest fills the box with what the guest holds (its clipboard, or
+// the text last selected there) and, where the browser allows it, puts it on the browser's clipboard too.
 //
-//   clipboardFor(host, name, kind)   the console now shows this capsule: the box is there for a screen of this
-//                                    host's capsules (a peer's capsule: on its own host's page)
+//   clipboardFor(host, name, kind)   the console now shows this capsule: the box is there for a screen. host:
+//                                    null for this host's capsule, else the peer's name (a URL: not yet known,
+//                                    no box until the console knows the peer's name)
 // #console-clip-state data-state: idle, busy, sent, received, too-large, failed; its text says which, with the
 // size (a text over the limit is refused here first, and by the agent).
 
@@ -13,7 +15,7 @@ import * as api from "./api.js";
 import { bytes } from "./format.js";
 
 const $ = (id) => document.getElementById(id);
-const target = { name: null };
+const target = { host: null, name: null };
 let limit = 512 * 1024;     // the agent's limit (max_bytes), updated from each answer
 
 function state(s, text) {
@@ -29,14 +31,18 @@ function failed(name, err) {
 }
 
 export function clipboardFor(host, name, kind) {
-  const here = !host && kind === "screen" && name;
-  $("console-clip").hidden = !here;
-  if (target.name !== name) state("idle", "");
-  target.name = here ? name : null;
+  const shown = kind === "screen" && name && !(host && host.includes("://"));
+  $("console-clip").hidden = !shown;
+  if (target.name !== name || target.host !== (host || null)) state("idle", "");
+  target.host = shown ? host || null : null;
+  target.name = shown ? name : null;
 }
 
+const ask = (host, name) => (host ? api.peerClipboard(host, name) : api.clipboard(name));
+const tell = (host, name, text) => (host ? api.setPeerClipboard(host, name, text) : api.setClipboard(name, text));
+
 async function send() {
-  const name = target.name;
+  const { host, name } = target;
   if (!name) return;
   const text = $("console-clip-text").value;
   const size = new TextEncoder().encode(text).length;
@@ -46,7 +52,7 @@ async function send() {
   }
   state("busy", "sending…");
   try {
-    const r = await api.setClipboard(name, text);
+    const r = await tell(host, name, text);
     limit = r.max_bytes;
     if (target.name === name) state("sent", `sent ${bytes(r.bytes)}: paste it in the guest`);
   } catch (err) {
@@ -55,11 +61,11 @@ async function send() {
 }
 
 async function get() {
-  const name = target.name;
+  const { host, name } = target;
   if (!name) return;
   state("busy", "getting…");
   try {
-    const r = await api.clipboard(name);
+    const r = await ask(host, name);
     limit = r.max_bytes;
     if (target.name !== name) return;
     $("console-clip-text").value = r.text;

@@ -86,6 +86,7 @@ async function connect() {
     if (live()) {
       $("console").dataset.peer = peer || "";
       if (peer) $("console-title").textContent = `${name} on ${peer}`;   // a URL given: its peer's name
+      clipboardFor(peer, name, kind);       // a peer's capsule's clipboard: through this agent
     }
     grant = peer ? await api.peerConsoleTicket(peer, name, kind) : await api.consoleTicket(name, kind);
   } catch (err) {

@@ -1,0 +1,67 @@
+"""A peer's capsule's clipboard, through this host: the console panel's clipboard box on a console relayed from a
+peer (``relay.py``), such as a capsule's that moved there from the page and whose console followed it. The page
+signs in here only; this host asks the peer's own clipboard routes (``GET``/``PUT /api/capsules/{name}/clipboard``,
+``clipboard.py`` there) with its token for the peer (the peers table's, as the console relay and Bring here do),
+so the peer's rules and limits decide. A text over :data:`clipboard.MAX_BYTES` is refused here, before the peer
+is asked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from capsule import hosts
+from capsule.agentclient import AgentClient
+from capsule.console import clipboard
+from capsule.errors import AuthFailed, TransferFailed
+from capsule.names import check_name
+from capsule.store import Store
+
+ASK_TIMEOUT = 60.0
+"""Seconds for the peer's answer: it runs the X helper in the guest, a few guest-agent calls of up to 20 s each."""
+
+
+@contextmanager
+def _client(peer: hosts.Peer) -> Iterator[AgentClient]:
+    """A client of the peer with this host's token for it; the peer refusing that token is no sign-in matter of the
+    page's (a 401 would end its session here): it becomes a 502 naming the host."""
+    try:
+        with AgentClient(peer.url, peer.token, timeout=ASK_TIMEOUT, fingerprint=peer.fingerprint) as client:
+            yield client
+    except AuthFailed as exc:
+        raise TransferFailed(f"host {peer.name} refuses this host's token for it ({exc}): give it a valid one "
+                             f"(`capsule host rm {peer.name}`, then `capsule host add` again)") from exc
+
+
+def _fields(peer: hosts.Peer, answer: Any, want: dict[str, type]) -> dict[str, Any]:
+    """The peer's answer, holding ``want``'s fields of their types (TransferFailed otherwise)."""
+    if not isinstance(answer, dict) or any(type(answer.get(k)) is not t for k, t in want.items()):
+        raise TransferFailed(f"host {peer.name} answered its clipboard call with something else: {str(answer)[:200]}")
+    return {k: answer[k] for k in want}
+
+
+def get(store: Store, host: str, name: str) -> dict[str, Any]:
+    """Peer ``host``'s capsule ``name``'s clipboard, as the peer answers it: ``text``, ``bytes`` (of UTF-8),
+    ``max_bytes`` (its limit). NotFound for an unknown host; the peer's own errors (NotFound, Conflict,
+    RequestTooLarge, ...) as it raised them; Unreachable when it does not answer."""
+    check_name(name)
+    peer = hosts.get(store, host)
+    with _client(peer) as client:
+        answer = client.get_json(f"/api/capsules/{name}/clipboard")
+    return _fields(peer, answer, {"text": str, "bytes": int, "max_bytes": int})
+
+
+def set(store: Store, host: str, name: str, text: str) -> dict[str, Any]:
+    """Make ``text`` peer ``host``'s capsule ``name``'s clipboard: ``bytes`` set and ``max_bytes``, as the peer
+    answers. A text over :data:`clipboard.MAX_BYTES` is refused (RequestTooLarge) before the peer is asked; other
+    errors as :func:`get`."""
+    check_name(name)
+    size = len(text.encode("utf-8", errors="replace"))
+    if size > clipboard.MAX_BYTES:
+        raise clipboard.too_large(size, "the text")
+    peer = hosts.get(store, host)
+    with _client(peer) as client:
+        answer = client.request("PUT", f"/api/capsules/{name}/clipboard", json_body={"text": text},
+                                idempotent=False).json()
+    return _fields(peer, answer, {"bytes": int, "max_bytes": int})
