@@ -17,13 +17,14 @@ from pathlib import Path
 
 import zstandard
 
-from capsule.errors import Conflict, InvalidName, NotFound
+from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
 from capsule.exchange.streams import Streams
 from capsule.names import check_object_id
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
 from capsule.store.objectio import check_kind, has_object, install_received, object_path, open_shadow
+from hashcache import delta
 from hashcache.atomic import write_atomic
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import (
@@ -95,6 +96,8 @@ class Inbox:
         # this lock, so a reader never meets a part that was just folded away.
         self._manifest_files = threading.Lock()
         self.streams = Streams()
+        self.delta_blocks = 0        # blocks kept as rebuilt from a delta (counters of this agent's life)
+        self.delta_unresolved = 0    # blocks of delta uploads whose references were not found here
 
     def close(self) -> None:
         self._receivers.close()
@@ -174,6 +177,34 @@ class Inbox:
             self.streams.take((kind, oid), stream, seq, len(indices), payload,
                               lambda blocks: incoming.receiver.accept(indices, blocks), codec)
         return len(indices)
+
+    def accept_deltas(self, kind: str, oid: str, raw: bytes) -> tuple[int, int]:
+        """A block upload of deltas (``hashcache/delta.py``): each block rebuilt from references found in
+        this store's hash cache and checked against its manifest hash before any is kept. Returns (blocks
+        kept, blocks unresolved: a reference not found here; the sender sends those again whole). A block
+        that does not match raises IntegrityError naming it, and nothing of the upload is kept."""
+        raw_indices, payload = split_blocks_upload(raw)
+        with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
+            receiver = incoming.receiver
+            indices = decode_indices(raw_indices, receiver.manifest.block_count)
+            deltas = delta.unpack(payload, len(indices))
+            cache = self.store.hash_cache()
+
+            def expected(index: int) -> bytes:
+                rec = receiver.manifest.record(index)
+                if rec is None or rec[0]:
+                    raise ProtocolError(f"{kind} {oid[:12]}: block {index} is not a data block of this object")
+                return rec[1]
+
+            try:
+                good, unresolved = delta.rebuild_all(self._name(kind, oid), indices, deltas, cache.lookup_prefix,
+                                                     expected)
+            except ManifestMismatch as exc:
+                raise IntegrityError(str(exc)) from exc
+            receiver.accept([i for i, _b in good], [b for _i, b in good])
+        self.delta_blocks += len(good)
+        self.delta_unresolved += len(unresolved)
+        return len(good), len(unresolved)
 
     def lacking(self, kind: str, oid: str, raw_indices: bytes) -> list[int]:
         """Which of a batch's blocks (varint indices, as uploaded) this receive has not kept: asked by a

@@ -103,6 +103,20 @@ class BlockReader:
                 pos = end
             return out
 
+    def own(self, index: int) -> bool | None:
+        """Whether this layer holds block ``index`` itself: True (data), False (a zero block), None (not
+        allocated here: its backing layer says; also a block beyond the disk)."""
+        if self._img is None:
+            return True
+        with self._lock:
+            if self._closed:
+                raise Conflict(f"the reader of {self.path.name} was closed")
+            try:
+                found = self._img.block_kind(index)
+            except IndexError:
+                return None
+        return None if found is None else found[1] is not None
+
     def close(self) -> None:
         """Close the files (once; a read running in another thread finishes first)."""
         with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -28,10 +29,12 @@ from capsule.transfer.codecpick import NONE, Codec, CodecPicker
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline
 from capsule.transfer.records import objects_of, version_record
-from capsule.transfer.resend import send_batch, upload_body
+from capsule.transfer.resend import lacking, send_batch, upload_body
+from capsule.transfer.similar import Similar
 from capsule.transfer.terms import Check, ObjectReport, Options, Progress, TransferReport, agent_client, never
-from hashcache import native
+from hashcache import delta, native
 from hashcache.blocks import BLOCK_SIZE
+from hashcache.delta import DELTAS_HEADER, Delta
 from hashcache.errors import HashcacheError
 from hashcache.hcp import (
     MAX_PART_RECORDS,
@@ -45,6 +48,15 @@ from hashcache.hcp import (
 from hashcache.transport import Transport
 
 PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
+DELTA_BATCH = 256                 # blocks per delta upload (at most a block's bytes each: 1 MiB at most)
+
+
+@dataclass
+class DeltaStats(TransferStats):
+    """A push's byte counts, and its blocks sent as deltas (``similar.py``) and their bytes."""
+
+    delta_blocks: int = 0
+    delta_bytes: int = 0
 
 
 def raw_size(store: Store, kind: str, oid: str) -> int:
@@ -133,7 +145,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     raw_bytes = manifest.nonzero_blocks * BLOCK_SIZE
     progress.begin(name, raw_bytes)
     reader = BlockReader(store, kind, oid)
-    stats = TransferStats(raw_bytes=raw_bytes)
+    stats = DeltaStats(raw_bytes=raw_bytes)
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
     picker = _picker(client, opts)
@@ -166,6 +178,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
     needed_total = 0
     previous: list[int] = []
+    similar: Similar | None = None
     try:
         with Pipeline(send, opts.inflight, max_pending=max(2, opts.inflight)) as frames, \
                 Pipeline(send, 1, max_pending=2) as stream:
@@ -191,6 +204,10 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 needed_total += len(needed)
                 if k == 0:
                     allowed = codecpick.candidates(offered_codecs(resp.headers.get(STREAMS_HEADER)), STREAM_LEVEL)
+                    similar = _similar(store, kind, manifest.parent, oid, opts, resp.headers.get(DELTAS_HEADER))
+                if similar is not None and needed:
+                    needed, deltas = similar.split(needed, reader)
+                    needed = sorted(needed + _send_deltas(client, kind, oid, deltas, stats, progress, check))
                 for batch in pacer.batches(needed):
                     for pipe in (frames, stream):
                         if pipe.failed:
@@ -218,11 +235,51 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                     segments += 1
     finally:
         reader.close()
+        if similar is not None:
+            similar.close()
     t_commit = time.monotonic()
     client.request("POST", f"/v1/recv/{kind}/{oid}/commit", params={"role": role})
     cache_bytes = raw_bytes - needed_total * BLOCK_SIZE
-    return ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes, client.wire_bytes - wire0,
-                        time.monotonic() - t0, time.monotonic() - t_commit).used(picker, used)
+    report = ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes, client.wire_bytes - wire0,
+                          time.monotonic() - t0, time.monotonic() - t_commit).used(picker, used)
+    report.delta_blocks, report.delta_bytes = stats.delta_blocks, stats.delta_bytes
+    return report
+
+
+def _similar(store: Store, kind: str, parent: str | None, oid: str, opts: Options,
+             offered: str | None) -> Similar | None:
+    """Deltas for this object's blocks (``similar.py``): a layer whose parent the receiver holds, a receiver
+    that decodes them (``DELTAS_HEADER``), blocks compressed and looked up in its hash cache."""
+    if kind != "layer" or parent is None or not opts.deltas or not opts.hash or opts.codec == "none" \
+            or not delta.offered(offered):
+        return None
+    return Similar(store, oid, parent)
+
+
+def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[tuple[int, Delta]], stats: DeltaStats,
+                 progress: Progress, check: Check) -> list[int]:
+    """Upload blocks as deltas, ``DELTA_BATCH`` a request; returns those the receiver did not rebuild (a
+    reference it did not find), to send whole."""
+    again: list[int] = []
+    for k in range(0, len(deltas), DELTA_BATCH):
+        check()
+        part = deltas[k:k + DELTA_BATCH]
+        batch = [i for i, _d in part]
+        body = upload_body(batch, delta.pack([d for _i, d in part]))
+        reply = client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params={"delta": "true"},
+                               idempotent=True).json()
+        rebuilt = reply.get("rebuilt") if isinstance(reply, dict) else None
+        if not isinstance(rebuilt, int) or isinstance(rebuilt, bool) or not 0 <= rebuilt <= len(batch):
+            raise TransferFailed(f"{kind} {oid[:12]}: the receiver's answer to a delta upload is malformed")
+        todo = lacking(client, kind, oid, batch) if rebuilt < len(batch) else []
+        gone = set(todo)
+        kept = [(i, d) for i, d in part if i not in gone]
+        stats.add(fetched_bytes=len(kept) * BLOCK_SIZE, requests=1, delta_blocks=len(kept),
+                  delta_bytes=sum(d.wire_size for _i, d in kept))
+        progress.advance(len(kept) * BLOCK_SIZE)
+        progress.wire(client.wire_bytes)
+        again.extend(todo)
+    return again
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,

@@ -1,0 +1,243 @@
+"""HCP deltas (hashcache/delta.py, capsule/transfer/similar.py): a block the receiver lacks travels as a zstd
+delta against similar blocks it holds, is rebuilt, checked against its hash and kept whole. Round trips
+of random and near-copy blocks; the bounds on what a receiver takes; through the agent's real HTTP
+handling (``create_app``, in-process): a delta whose result fails its hash is refused naming the block and
+keeps nothing, a push of a child layer whose blocks changed slightly sends deltas, an older receiver (no
+``X-Capsule-Deltas``) and a reference the receiver lacks get blocks whole. The ext4 source (same path in
+the parent) needs debugfs: tests/tools/test_hcp_deltas_ext4.py."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capsule import transfer
+from capsule.agentclient import AgentClient
+from capsule.store import Store
+from capsule.store.objectio import has_object
+from capsule.transfer import extmap, pushing
+from hashcache import delta
+from hashcache.blocks import BLOCK_SIZE, hash_block
+from hashcache.hcp import Expectation, ProtocolError, decode_indices, encode_indices
+from hashcache.qcow2_writer import write_layer
+from hashcache.transport.memory import in_process
+from tests.helpers.transport_fixtures import TOKEN, agent_app
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+SIZE = 1 << 20            # 256 blocks
+BLOCKS = 96
+
+
+def _near(block: bytes, rng: random.Random, edits: int) -> bytes:
+    buf = bytearray(block)
+    for _ in range(edits):
+        at = rng.randrange(BLOCK_SIZE - 8)
+        buf[at:at + 8] = rng.randbytes(8)
+    return bytes(buf)
+
+
+# -- the encoding ----------------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), nrefs=st.integers(1, delta.MAX_REFS), edits=st.integers(0, 40),
+       random_block=st.booleans())
+def test_a_delta_rebuilds_its_block_exactly(seed, nrefs, edits, random_block):
+    rng = random.Random(seed)
+    refs = [rng.randbytes(BLOCK_SIZE) for _ in range(nrefs)]
+    block = rng.randbytes(BLOCK_SIZE) if random_block else _near(refs[-1], rng, edits)
+    d = delta.encode(block, refs)
+    assert d.refs == tuple(hash_block(r)[:delta.REF_SIZE] for r in refs)
+    [back] = delta.unpack(delta.pack([d]), 1)
+    assert back == d and delta.rebuild(back, refs) == block
+    if not random_block and edits <= 4:
+        assert d.wire_size < 200, d.wire_size   # a near copy costs a few bytes per edit
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32), count=st.integers(1, 12))
+def test_many_records_unpack_in_order(seed, count):
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(count):
+        refs = [rng.randbytes(BLOCK_SIZE) for _ in range(rng.randint(1, delta.MAX_REFS))]
+        pairs.append((refs, _near(refs[0], rng, rng.randint(0, 5))))
+    ds = [delta.encode(b, r) for r, b in pairs]
+    got = delta.unpack(delta.pack(ds), count)
+    assert [delta.rebuild(d, r) for d, (r, _b) in zip(got, pairs, strict=True)] == [b for _r, b in pairs]
+
+
+def test_what_a_receiver_takes_is_bounded():
+    ref = random.Random(1).randbytes(BLOCK_SIZE)
+    good = delta.encode(ref[::-1], [ref])
+    rec = delta.pack([good])
+    for bad, why in [
+        (b"", "truncated"),
+        (rec[:-1], "truncated"),
+        (rec + b"x", "after the last"),
+        (bytes([delta.MAX_REFS + 1]) + rec[1:], "references"),
+        (bytes([0]) + rec[1:], "references"),
+        (rec[:1 + 8] + struct.pack("<H", delta.MAX_DELTA_BYTES + 1) + rec[11:], "frame of"),
+    ]:
+        with pytest.raises(ProtocolError, match=why):
+            delta.unpack(bad, 1)
+    import zstandard
+    big = zstandard.ZstdCompressor().compress(bytes(2 * BLOCK_SIZE))   # declares 8 KiB
+    with pytest.raises(ProtocolError, match="declare"):
+        delta.rebuild(delta.Delta(good.refs, big), [ref])
+    with pytest.raises(ProtocolError, match="bad delta frame"):
+        delta.rebuild(delta.Delta(good.refs, good.frame[:-2]), [ref])   # declares 4 KiB, is cut short
+
+
+# -- through the agent app -----------------------------------------------------------------------------
+
+def _layer(store: Store, blocks: dict[int, bytes], parent: str | None) -> str:
+    leaf = store.new_leaf_path()
+    write_layer(leaf, virtual_size=SIZE, backing=str(store.layer_path(parent)) if parent else None,
+                records=[(i, False) for i in sorted(blocks)], read_block=blocks.__getitem__)
+    row = store.seal_layer(leaf, parent)
+    with store.catalogue.transaction():
+        store.catalogue.add_layer(row)
+    return row.id
+
+
+def _versions(seed: int = 7) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    """A parent's blocks and its child's: each of the child's a near copy of the parent's block there."""
+    rng = random.Random(seed)
+    base = {i: rng.randbytes(BLOCK_SIZE) for i in range(BLOCKS)}
+    child = {i: _near(base[i], rng, 3) for i in range(0, BLOCKS, 2)}
+    return base, child
+
+
+@contextlib.contextmanager
+def _pair(tmp_path: Path, seed: int = 7):
+    """A source store with a root layer and a child of it; the receiving agent's store holds the root."""
+    base, child = _versions(seed)
+    src = Store.open(tmp_path / "src")
+    root = _layer(src, base, None)
+    top = _layer(src, child, root)
+    dst = Store.open(tmp_path / "dst")
+    assert _layer(dst, base, None) == root
+    dst.close()
+    with agent_app(tmp_path / "dst") as agent:
+        yield src, agent, root, top, child
+    src.close()
+
+
+class _Count:
+    """A transport wrapper: the receiver's answers to delta uploads, summed; ``hide`` drops the header by
+    which a receiver offers deltas (an older release)."""
+
+    def __init__(self, inner, hide: bool = False) -> None:
+        self.inner, self.url, self.hide = inner, inner.url, hide
+        self.rebuilt = self.unresolved = self.delta_uploads = 0
+
+    def call(self, call):
+        reply = self.inner.call(call)
+        if call.path.endswith("/begin") and self.hide:
+            reply.headers.pop(delta.DELTAS_HEADER, None)
+        if call.path.endswith("/blocks") and (call.params or {}).get("delta"):
+            self.delta_uploads += 1
+            body = reply.json()
+            self.rebuilt += body["rebuilt"]
+            self.unresolved += body["unresolved"]
+        return reply
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_ext4(monkeypatch):
+    """No guest file system here (flattening a disk starts qemu-img): the parent's block at the same offset
+    is the only reference."""
+    monkeypatch.setattr(extmap, "layer_views", lambda *a: contextlib.nullcontext(None))
+
+
+def _push(src: Store, agent, top: str, wrap=None, **opts) -> tuple[transfer.ObjectReport, _Count]:
+    counter = _Count(in_process(agent.app, TOKEN, stream=False), **(wrap or {}))
+    client = AgentClient("http://dst.example", TOKEN, transport=counter)
+    try:
+        report = pushing._push_object(src, client, "layer", top, "layer", transfer.Options(**opts),
+                                      transfer.Progress())
+    finally:
+        client.close()
+    assert report is not None
+    return report, counter
+
+
+def _installed(home: Path, top: str) -> bool:
+    s = Store.open(home)
+    try:
+        return has_object(s, "layer", top) and s.layer_manifest(top).digest == top
+    finally:
+        s.close()
+
+
+def test_a_child_whose_blocks_changed_slightly_travels_as_deltas(tmp_path):
+    with _pair(tmp_path) as (src, agent, _root, top, child):
+        report, seen = _push(src, agent, top)
+        assert _installed(tmp_path / "dst", top)
+    assert seen.rebuilt == len(child) == report.delta_blocks and seen.unresolved == 0, vars(seen)
+    with _pair(tmp_path / "again") as (src, agent, _root, top, _child):
+        whole, plain = _push(src, agent, top, deltas=False)
+        assert _installed(tmp_path / "again" / "dst", top)
+    assert plain.delta_uploads == 0 and whole.delta_blocks == 0
+    print(f"wire bytes of {len(child)} near-copy blocks: {report.wire_bytes} as deltas, {whole.wire_bytes} whole")
+    assert report.wire_bytes * 10 < whole.wire_bytes, (report.wire_bytes, whole.wire_bytes)
+
+
+def test_a_receiver_that_does_not_offer_deltas_gets_blocks_whole(tmp_path):
+    with _pair(tmp_path) as (src, agent, _root, top, _child):
+        report, seen = _push(src, agent, top, wrap={"hide": True})
+        assert _installed(tmp_path / "dst", top)
+    assert seen.delta_uploads == 0 and report.delta_blocks == 0
+
+
+def test_blocks_whose_references_the_receiver_lacks_are_sent_again_whole(tmp_path, monkeypatch):
+    from hashcache.cache import HashCache
+
+    real = delta.rebuild_all
+    monkeypatch.setattr(delta, "rebuild_all", lambda name, idx, ds, lookup, exp: real(name, idx, ds,
+                                                                                      lambda p: None, exp))
+    with _pair(tmp_path) as (src, agent, _root, top, child):
+        report, seen = _push(src, agent, top)
+        assert _installed(tmp_path / "dst", top)
+    assert seen.unresolved == len(child) and seen.rebuilt == 0 and report.delta_blocks == 0
+    assert HashCache  # the receiver's own cache is what a real miss comes from
+
+
+def test_a_delta_whose_result_fails_its_hash_is_refused_and_keeps_nothing(tmp_path):
+    from starlette.testclient import TestClient
+
+    with _pair(tmp_path) as (src, agent, _root, top, child):
+        m = src.layer_manifest(top)
+        http = TestClient(agent.app)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        import zstandard
+        part = Expectation.part_of(m, 0, len(m), 8)
+        r = http.post(f"/v1/recv/layer/{top}/begin", content=zstandard.ZstdCompressor().compress(part.to_bytes()),
+                      headers=auth)
+        assert r.status_code == 200 and r.headers[delta.DELTAS_HEADER] == "1", r.text
+        needed = decode_indices(zstandard.ZstdDecompressor().decompress(r.content, max_output_size=1 << 20), 1 << 20)
+        assert needed == sorted(child)
+        base, _c = _versions()
+        first, second = needed[:2]
+        wrong = bytearray(child[second])
+        wrong[100] ^= 1   # rebuilds to a block that is not the one the manifest names
+        ds = [delta.encode(child[first], [base[first]]), delta.encode(bytes(wrong), [base[second]])]
+        idx = encode_indices([first, second])
+        body = struct.pack("<I", len(idx)) + idx + delta.pack(ds)
+        r = http.post(f"/v1/recv/layer/{top}/blocks", params={"delta": "true"}, content=body, headers=auth)
+        assert r.status_code == 422 and r.json()["error"] == "integrity", r.text
+        assert f"block {second}" in r.json()["detail"], r.text
+        r = http.post(f"/v1/recv/layer/{top}/lacking", content=idx, headers=auth)
+        assert decode_indices(r.content, 1 << 20) == [first, second], "a block of the refused upload was kept"
+        r = http.post(f"/v1/recv/layer/{top}/blocks", params={"delta": "true"}, content=body[:-3], headers=auth)
+        assert r.status_code == 400 and "delta" in r.json()["detail"], r.text
