@@ -2,32 +2,41 @@
 
 A pushed layer is a child of a parent layer the receiver holds, and most of its novel blocks are small
 changes of blocks of that parent (a file a package update rewrote, an inode table). The sender names a
-few such *reference* blocks by their BLAKE3 hash and sends the new block as one zstd frame compressed
+few such *reference* blocks by their BLAKE3 hash and sends the new blocks as one zstd frame compressed
 with the references' bytes as a raw-content dictionary (``zstd --patch-from``). The receiver finds the
-references in its hash cache, rebuilds the block, checks its hash against the manifest — as every block —
-and keeps it whole; a delta whose result does not match is refused naming the block, and nothing of its
-upload is written. A reference the receiver cannot find leaves that block *unresolved*: it is not kept, and
-the sender sends it again whole (it asks which blocks the receiver lacks, as after a lost answer).
+references in its hash cache, rebuilds the blocks, checks each one's hash against the manifest — as every
+block — and keeps them whole; a delta whose result does not match is refused naming the block, and
+nothing of its upload is written. A reference the receiver cannot find leaves the delta's blocks
+*unresolved*: they are not kept, and the sender sends them again whole (it asks which blocks the receiver
+lacks, as after a lost answer).
 
 Advertised by the receiver: ``DELTAS_HEADER`` (``X-Capsule-Deltas``) on ``begin``'s answer names the delta
 format versions it decodes (``1``); a sender sends deltas only to a receiver that names ``1``, so an older
 receiver gets every block whole.
 
 Upload (``POST /v1/recv/{kind}/{id}/blocks?delta=1``): the usual envelope — u32 ``n``, ``n`` bytes of
-ascending block indices as varints (as every block upload) — then per index, in order, one delta record::
+ascending block indices as varints (every block upload's) — then delta records, until the payload ends.
+Each record rebuilds some of the envelope's blocks (together, every one of them exactly once)::
 
-    u8      r           references, 1..MAX_REFS
-    r x 8   refs        hash prefixes (the first 8 bytes of BLAKE3) of 4 KiB blocks the receiver holds,
-                        most similar last (zstd finds near matches cheaper at the end of a dictionary)
-    u16     m           bytes of the frame, 1..MAX_DELTA_BYTES (little-endian, as every integer here)
-    m       frame       one zstd frame that declares its content size, 4096, and decompresses to exactly
-                        that with the r reference blocks concatenated in order as raw-content dictionary
+    u16     i           bytes of the record's block indices
+    i       indices     its k blocks' indices: ascending varints, as in the envelope (1..MAX_BATCH of them)
+    u16     r           references, 1..MAX_REFS
+    r x 8   refs        hash prefixes (the first 8 bytes of BLAKE3) of 4 KiB blocks the receiver holds;
+                        the most similar last (zstd finds near matches cheaper at a dictionary's end)
+    u32     m           bytes of the frame, 1..k x 4096 + 1024 (little-endian, as every integer here)
+    m       frame       one zstd frame that declares its content size, k x 4096, and decompresses to the
+                        k blocks in index order, with the r references concatenated in order as its
+                        raw-content dictionary
 
-Nothing else follows the last record. Bounds on what the receiver takes: at most ``MAX_BATCH`` records
-(the indices' bound), at most ``MAX_REFS`` references (a dictionary of at most 16 KiB), a frame of at
-most ``MAX_DELTA_BYTES``, an output of exactly one block (a frame declaring more is refused from its
-header, before any allocation); anything else is a ProtocolError and nothing is kept. Answer:
-``{"stored": kept, "rebuilt": kept, "unresolved": blocks whose references were not found}``.
+The sender makes one record per block (a block against the parent's block at the same disk offset) or
+one per changed file (its new blocks against the old file's: a rebuilt
+library shifts code by more than a block, which only the whole old file finds; on libsystemd-shared
+252 → 254, 3.6 MB: 0.84 MB as one delta against the old file, 1.24 MB as xz, 1.69 MB as per-block
+deltas). Bounds on what the receiver takes: at most ``MAX_BATCH`` blocks (the envelope's bound), at most
+``MAX_REFS`` references a record (a dictionary of at most 8 MiB) and ``MAX_UPLOAD_REFS`` an upload, a
+frame of at most its blocks' bytes + 1 KiB, an output of exactly its blocks (a frame declaring more is
+refused from its header, before any allocation); anything else is a ProtocolError and nothing is kept.
+Answer: ``{"stored": kept, "rebuilt": kept, "unresolved": blocks whose references were not found here}``.
 """
 
 from __future__ import annotations
@@ -40,16 +49,17 @@ import zstandard
 
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import ManifestMismatch
-from hashcache.hcp import PREFIX_SIZE, ProtocolError
+from hashcache.hcp import MAX_BATCH, PREFIX_SIZE, ProtocolError, decode_indices, encode_indices
 
 DELTAS_HEADER = "X-Capsule-Deltas"   # on begin's answer: the delta formats this receiver decodes
 DELTA_FORMAT = "1"
-MAX_REFS = 4
+MAX_REFS = 2048                      # 8 MiB of dictionary (xz's default window)
+MAX_UPLOAD_REFS = 4 * MAX_REFS       # references named by one upload's records together
 REF_SIZE = PREFIX_SIZE               # a reference is named by the first 8 bytes of its hash
-MAX_DELTA_BYTES = BLOCK_SIZE + 64    # a delta larger than the block it rebuilds is never sent
-DELTA_LEVEL = 19                     # ~0.2 ms a block: deltas are few, their bytes matter on a slow link
-_HEAD = struct.Struct("<B")
-_LEN = struct.Struct("<H")
+FRAME_SLACK = 1024                   # a frame may exceed its blocks' bytes by this much (incompressible data)
+DELTA_LEVEL = 19
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
 
 
 def offered(header: str | None) -> bool:
@@ -59,99 +69,122 @@ def offered(header: str | None) -> bool:
 
 @dataclass(frozen=True)
 class Delta:
-    """One block as a delta: the hash prefixes of its references (most similar last) and the zstd frame."""
+    """Blocks as one delta: their indices (ascending), the hash prefixes of the references (most similar
+    last) and the zstd frame."""
 
+    indices: tuple[int, ...]
     refs: tuple[bytes, ...]
     frame: bytes
 
     @property
     def wire_size(self) -> int:
-        return _HEAD.size + len(self.refs) * REF_SIZE + _LEN.size + len(self.frame)
+        return 2 * _U16.size + len(encode_indices(self.indices)) + len(self.refs) * REF_SIZE + _U32.size + len(
+            self.frame)
 
 
 def _dictionary(refs: Sequence[bytes]) -> zstandard.ZstdCompressionDict:
     return zstandard.ZstdCompressionDict(b"".join(refs), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
-def encode(block: bytes, refs: Sequence[bytes], level: int = DELTA_LEVEL) -> Delta:
-    """``block`` (4 KiB) as a delta against the blocks ``refs`` (4 KiB each, most similar last)."""
-    if len(block) != BLOCK_SIZE or not 1 <= len(refs) <= MAX_REFS or any(len(r) != BLOCK_SIZE for r in refs):
-        raise ValueError(f"a delta rebuilds one {BLOCK_SIZE}-byte block from 1 to {MAX_REFS} such blocks")
+def encode(indices: Sequence[int], blocks: Sequence[bytes], refs: Sequence[bytes], level: int = DELTA_LEVEL) -> Delta:
+    """``blocks`` (4 KiB each, at ``indices``, ascending) as one delta against the blocks ``refs`` (4 KiB each,
+    most similar last)."""
+    if not 1 <= len(blocks) <= MAX_BATCH or len(indices) != len(blocks) or any(len(b) != BLOCK_SIZE for b in blocks) \
+            or not 1 <= len(refs) <= MAX_REFS or any(len(r) != BLOCK_SIZE for r in refs):
+        raise ValueError(f"a delta rebuilds 1 to {MAX_BATCH} {BLOCK_SIZE}-byte blocks from 1 to {MAX_REFS} such "
+                         "blocks")
+    encode_indices(indices)   # ascending, or a ValueError
     cctx = zstandard.ZstdCompressor(level=level, dict_data=_dictionary(refs), write_content_size=True,
                                     write_checksum=False, write_dict_id=False)
-    return Delta(tuple(hash_block(r)[:REF_SIZE] for r in refs), cctx.compress(block))
+    return Delta(tuple(indices), tuple(hash_block(r)[:REF_SIZE] for r in refs), cctx.compress(b"".join(blocks)))
 
 
-def rebuild(delta: Delta, refs: Sequence[bytes]) -> bytes:
-    """The block ``delta`` rebuilds from its references' bytes ``refs``; a frame that is not one block's
-    delta (bad zstd, a declared or actual size other than 4096) is a ProtocolError."""
+def rebuild(delta: Delta, refs: Sequence[bytes]) -> list[bytes]:
+    """The blocks ``delta`` rebuilds from its references' bytes ``refs``; a frame that is not exactly their
+    bytes (bad zstd, a declared or actual size other than theirs) is a ProtocolError."""
+    want = len(delta.indices) * BLOCK_SIZE
     try:
         declared = zstandard.frame_content_size(delta.frame)
     except zstandard.ZstdError as exc:
         raise ProtocolError(f"bad delta frame: {exc}") from exc
-    if declared != BLOCK_SIZE:
-        raise ProtocolError(f"a delta frame must declare {BLOCK_SIZE} bytes, this one declares {declared}")
+    if declared != want:
+        raise ProtocolError(f"a delta frame of {len(delta.indices)} blocks must declare {want} bytes, this one "
+                            f"declares {declared}")
     try:
-        out = zstandard.ZstdDecompressor(dict_data=_dictionary(refs)).decompress(delta.frame,
-                                                                                  max_output_size=BLOCK_SIZE)
+        out = zstandard.ZstdDecompressor(dict_data=_dictionary(refs)).decompress(delta.frame, max_output_size=want)
     except zstandard.ZstdError as exc:
         raise ProtocolError(f"bad delta frame: {exc}") from exc
-    if len(out) != BLOCK_SIZE:
-        raise ProtocolError(f"a delta frame gave {len(out)} bytes, not {BLOCK_SIZE}")
-    return out
+    if len(out) != want:
+        raise ProtocolError(f"a delta frame gave {len(out)} bytes, not {want}")
+    return [out[k:k + BLOCK_SIZE] for k in range(0, want, BLOCK_SIZE)]
 
 
 def pack(deltas: Sequence[Delta]) -> bytes:
-    """The delta records of an upload, in the order of its indices."""
+    """The delta records of an upload (the envelope's indices: every record's, merged)."""
     out = bytearray()
     for d in deltas:
-        if not 1 <= len(d.refs) <= MAX_REFS or not 1 <= len(d.frame) <= MAX_DELTA_BYTES:
+        idx = encode_indices(d.indices)
+        if not 1 <= len(d.refs) <= MAX_REFS or not 1 <= len(d.frame) <= len(d.indices) * BLOCK_SIZE + FRAME_SLACK \
+                or len(idx) > 0xFFFF:
             raise ValueError("a delta out of bounds")
-        out += _HEAD.pack(len(d.refs)) + b"".join(d.refs) + _LEN.pack(len(d.frame)) + d.frame
+        out += _U16.pack(len(idx)) + idx + _U16.pack(len(d.refs)) + b"".join(d.refs) + _U32.pack(len(d.frame))
+        out += d.frame
     return bytes(out)
 
 
-def unpack(payload: bytes, count: int) -> list[Delta]:
-    """Exactly ``count`` delta records (a peer's: every length checked before it is used)."""
+def unpack(payload: bytes, indices: Sequence[int]) -> list[Delta]:
+    """The delta records of an upload whose envelope names ``indices`` (a peer's: every length checked
+    before it is used; together the records must rebuild each of ``indices`` exactly once)."""
     out: list[Delta] = []
     pos = 0
-    mv = memoryview(payload)
-    for k in range(count):
-        if pos + _HEAD.size > len(payload):
-            raise ProtocolError(f"delta upload truncated at record {k} of {count}")
-        (r,) = _HEAD.unpack_from(payload, pos)
-        if not 1 <= r <= MAX_REFS:
-            raise ProtocolError(f"a delta names {r} references (1 to {MAX_REFS})")
-        pos += _HEAD.size
-        end = pos + r * REF_SIZE + _LEN.size
-        if end > len(payload):
-            raise ProtocolError(f"delta upload truncated at record {k} of {count}")
-        refs = tuple(bytes(mv[pos + i * REF_SIZE:pos + (i + 1) * REF_SIZE]) for i in range(r))
-        (m,) = _LEN.unpack_from(payload, end - _LEN.size)
-        if not 1 <= m <= MAX_DELTA_BYTES:
-            raise ProtocolError(f"a delta frame of {m} bytes (1 to {MAX_DELTA_BYTES})")
-        if end + m > len(payload):
-            raise ProtocolError(f"delta upload truncated at record {k} of {count}")
-        out.append(Delta(refs, bytes(mv[end:end + m])))
-        pos = end + m
-    if pos != len(payload):
-        raise ProtocolError(f"{len(payload) - pos} bytes after the last of {count} delta records")
+    wanted = set(indices)
+    if len(wanted) != len(indices):
+        raise ProtocolError("a delta upload names a block twice")
+    limit = max(indices, default=-1) + 1
+    named = 0
+
+    def take(n: int, what: str) -> bytes:
+        nonlocal pos
+        if pos + n > len(payload):
+            raise ProtocolError(f"delta upload truncated in {what} of record {len(out)}")
+        pos += n
+        return payload[pos - n:pos]
+
+    while pos < len(payload):
+        (i,) = _U16.unpack(take(_U16.size, "its index length"))
+        mine = decode_indices(take(i, "its indices"), limit)
+        if not mine or not set(mine) <= wanted:
+            raise ProtocolError(f"delta record {len(out)} names blocks the upload does not, or none, or one twice")
+        wanted.difference_update(mine)
+        (r,) = _U16.unpack(take(_U16.size, "its reference count"))
+        named += r
+        if not 1 <= r <= MAX_REFS or named > MAX_UPLOAD_REFS:
+            raise ProtocolError(f"a delta names {r} references (1 to {MAX_REFS}, {MAX_UPLOAD_REFS} in one upload)")
+        raw = take(r * REF_SIZE, "its references")
+        refs = tuple(raw[k * REF_SIZE:(k + 1) * REF_SIZE] for k in range(r))
+        (m,) = _U32.unpack(take(_U32.size, "its frame length"))
+        if not 1 <= m <= len(mine) * BLOCK_SIZE + FRAME_SLACK:
+            raise ProtocolError(f"a delta frame of {m} bytes for {len(mine)} blocks (1 to "
+                                f"{len(mine) * BLOCK_SIZE + FRAME_SLACK})")
+        out.append(Delta(tuple(mine), refs, take(m, "its frame")))
+    if wanted:
+        raise ProtocolError(f"{len(wanted)} blocks of the delta upload are in none of its records")
     return out
 
 
 Lookup = Callable[[bytes], "tuple[bytes, bytes] | None"]   # a hash prefix -> (block, full hash), verified
 
 
-def rebuild_all(name: str, indices: Sequence[int], deltas: Sequence[Delta], lookup: Lookup,
+def rebuild_all(name: str, deltas: Sequence[Delta], lookup: Lookup,
                 expected: Callable[[int], bytes]) -> tuple[list[tuple[int, bytes]], list[int]]:
     """Rebuild an upload's blocks: (verified blocks to keep, indices left unresolved — a reference not
     found by ``lookup``). ``expected(index)`` is the block's manifest hash (or its prefix). Every block is
     checked before any is returned: one that does not match raises ManifestMismatch naming ``name`` and
     the block, and the caller keeps nothing of the upload."""
-    found: dict[bytes, bytes | None] = {}
     good: list[tuple[int, bytes]] = []
     unresolved: list[int] = []
-    for index, delta in zip(indices, deltas, strict=True):
+    for delta in deltas:
+        found: dict[bytes, bytes | None] = {}   # one record's references at a time: at most 8 MiB
         refs: list[bytes] = []
         for prefix in delta.refs:
             if prefix not in found:
@@ -163,16 +196,16 @@ def rebuild_all(name: str, indices: Sequence[int], deltas: Sequence[Delta], look
                 break
             refs.append(data)
         if len(refs) != len(delta.refs):
-            unresolved.append(index)
+            unresolved.extend(delta.indices)
             continue
-        block = rebuild(delta, refs)
-        want = expected(index)
-        if hash_block(block)[:len(want)] != want:
-            raise ManifestMismatch(f"{name}: block {index} rebuilt from its delta does not match its manifest "
-                                   "hash; nothing of this upload was kept", object_name=name, block=index)
-        good.append((index, block))
-    return good, unresolved
+        for index, block in zip(delta.indices, rebuild(delta, refs), strict=True):
+            want = expected(index)
+            if hash_block(block)[:len(want)] != want:
+                raise ManifestMismatch(f"{name}: block {index} rebuilt from its delta does not match its manifest "
+                                       "hash; nothing of this upload was kept", object_name=name, block=index)
+            good.append((index, block))
+    return sorted(good), sorted(unresolved)
 
 
-__all__ = ["DELTAS_HEADER", "DELTA_FORMAT", "MAX_DELTA_BYTES", "MAX_REFS", "REF_SIZE", "Delta", "encode", "offered",
-           "pack", "rebuild", "rebuild_all", "unpack"]
+__all__ = ["DELTAS_HEADER", "DELTA_FORMAT", "MAX_REFS", "REF_SIZE", "Delta", "encode", "offered", "pack", "rebuild",
+           "rebuild_all", "unpack"]

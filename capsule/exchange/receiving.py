@@ -187,7 +187,7 @@ class Inbox:
         with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
             receiver = incoming.receiver
             indices = decode_indices(raw_indices, receiver.manifest.block_count)
-            deltas = delta.unpack(payload, len(indices))
+            deltas = delta.unpack(payload, indices)
             cache = self.store.hash_cache()
 
             def expected(index: int) -> bytes:
@@ -197,7 +197,7 @@ class Inbox:
                 return rec[1]
 
             try:
-                good, unresolved = delta.rebuild_all(self._name(kind, oid), indices, deltas, cache.lookup_prefix,
+                good, unresolved = delta.rebuild_all(self._name(kind, oid), deltas, cache.lookup_prefix,
                                                      expected)
             except ManifestMismatch as exc:
                 raise IntegrityError(str(exc)) from exc

@@ -2,9 +2,8 @@
 
 A child layer holds the blocks its guest wrote since the parent was sealed; most belong to files that
 also exist in the parent (a package update rewrites a library, the journal, a directory). For such a
-block the parent's block at the same offset of the same file (same path; the same inode number for a
-file without one, like the journal) is the block most like it: the reference HCP sends it as a delta
-against (``hashcache/delta.py``).
+block the same file in the parent (same path; the same inode number for a file without one, like the
+journal) holds what is most like it: the references HCP sends it as a delta against (``hashcache/delta.py``).
 
 Both versions' disks are read the way ``capsule backup files`` reads one (``capsule/backup/files.py``):
 flattened to a private raw copy, its journal replayed, parsed by e2fsprogs' ``debugfs`` as the unprivileged
@@ -19,9 +18,9 @@ from __future__ import annotations
 
 import re
 import subprocess
-from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 from capsule import sandbox
 from capsule.backup.files import _Disk, check_path, flattened
@@ -29,7 +28,6 @@ from capsule.errors import CapsuleError
 from capsule.store import Store
 
 ARGS_PER_COMMAND = 512     # block numbers or inodes in one icheck / ncheck command
-WINDOW = 1                 # the parent's blocks at the same file offset ± this many are references
 _EXTENT = re.compile(r"^\s*(\d+)/\s*(\d+)\s+\d+/\s*\d+\s+(\d+)\s+-\s+(\d+)\s+(\d+)\s+-\s+(\d+)\s+(\d+)\s*(\S*)")
 _PAIR = re.compile(r"^(\d+)\t(.+)$")
 
@@ -104,37 +102,42 @@ class Ext4:
         return out
 
 
-def _physical(ext: Extents, logical: int) -> int | None:
-    k = bisect_right(ext, (logical, 1 << 62, 0)) - 1
-    if k >= 0:
-        lstart, pstart, length = ext[k]
-        if logical < lstart + length:
-            return pstart + logical - lstart
-    return None
+@dataclass
+class Match:
+    """A file of the child holding some of the blocks asked about, and the same file in the parent."""
+
+    logical: dict[int, int]   # the child's block → its offset in the file (in blocks)
+    parent: Extents           # the parent's file: its extents
+
+    def parent_blocks(self, lo: int, hi: int) -> list[int]:
+        """The parent file's blocks at offsets ``lo`` to ``hi`` (excluded) that it has, by offset."""
+        out: list[int] = []
+        for lstart, pstart, length in self.parent:
+            a, b = max(lo, lstart), min(hi, lstart + length)
+            out.extend(range(pstart + a - lstart, pstart + b - lstart))
+        return out
 
 
-def references(child: Ext4, parent: Ext4, blocks: Sequence[int]) -> dict[int, list[int]]:
-    """For each of ``blocks`` (the child's) that belongs to a file the parent has too: the parent's blocks
-    at the same file offset ± ``WINDOW``, the same offset last (most similar last, as deltas want them)."""
+def matches(child: Ext4, parent: Ext4, blocks: Sequence[int]) -> list[Match]:
+    """The files that ``blocks`` (the child's) belong to and that the parent has too (the same path; the
+    same inode number for a file without one), with where each block lies in its file."""
     owners = child.owners(blocks)
     inodes = sorted(set(owners.values()))
     if not inodes:
-        return {}
+        return []
     paths = child.paths(inodes)
     child_ext = dict(zip(inodes, child.extents([f"<{i}>" for i in inodes]), strict=True))
     parent_names = [f'"{paths[i]}"' if i in paths else f"<{i}>" for i in inodes]
     parent_ext = dict(zip(inodes, parent.extents(parent_names), strict=True))
-    out: dict[int, list[int]] = {}
-    for block, inode in owners.items():
+    found: dict[int, Match] = {}
+    for block, inode in sorted(owners.items()):
+        if not parent_ext[inode]:
+            continue
         logical = next((lstart + block - pstart for lstart, pstart, length in child_ext[inode]
                         if pstart <= block < pstart + length), None)
-        if logical is None or not parent_ext[inode]:
-            continue
-        refs = [p for off in [*range(-WINDOW, 0), *range(1, WINDOW + 1), 0]
-                if logical + off >= 0 and (p := _physical(parent_ext[inode], logical + off)) is not None]
-        if refs:
-            out[block] = refs
-    return out
+        if logical is not None:
+            found.setdefault(inode, Match({}, parent_ext[inode])).logical[block] = logical
+    return list(found.values())
 
 
 @contextmanager

@@ -37,6 +37,7 @@ from hashcache.blocks import BLOCK_SIZE
 from hashcache.delta import DELTAS_HEADER, Delta
 from hashcache.errors import HashcacheError
 from hashcache.hcp import (
+    MAX_BATCH,
     MAX_PART_RECORDS,
     Expectation,
     ProtocolError,
@@ -48,7 +49,7 @@ from hashcache.hcp import (
 from hashcache.transport import Transport
 
 PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
-DELTA_BATCH = 256                 # blocks per delta upload (at most a block's bytes each: 1 MiB at most)
+DELTA_UPLOAD_BYTES = 4 << 20      # delta records in one upload, at most (the receiver takes 5 MiB)
 
 
 @dataclass
@@ -256,16 +257,30 @@ def _similar(store: Store, kind: str, parent: str | None, oid: str, opts: Option
     return Similar(store, oid, parent)
 
 
-def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[tuple[int, Delta]], stats: DeltaStats,
+def _uploads(deltas: list[Delta]) -> list[list[Delta]]:
+    """Deltas grouped into uploads the receiver takes: at most ``MAX_BATCH`` blocks, ``MAX_UPLOAD_REFS``
+    references and ``DELTA_UPLOAD_BYTES`` of records each."""
+    out: list[list[Delta]] = []
+    blocks = refs = size = 0
+    for d in deltas:
+        if not out or blocks + len(d.indices) > MAX_BATCH or refs + len(d.refs) > delta.MAX_UPLOAD_REFS \
+                or size + d.wire_size > DELTA_UPLOAD_BYTES:
+            out.append([])
+            blocks = refs = size = 0
+        out[-1].append(d)
+        blocks, refs, size = blocks + len(d.indices), refs + len(d.refs), size + d.wire_size
+    return out
+
+
+def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[Delta], stats: DeltaStats,
                  progress: Progress, check: Check) -> list[int]:
-    """Upload blocks as deltas, ``DELTA_BATCH`` a request; returns those the receiver did not rebuild (a
-    reference it did not find), to send whole."""
+    """Upload blocks as deltas; returns those the receiver did not rebuild (a reference it did not find),
+    to send whole."""
     again: list[int] = []
-    for k in range(0, len(deltas), DELTA_BATCH):
+    for part in _uploads(deltas):
         check()
-        part = deltas[k:k + DELTA_BATCH]
-        batch = [i for i, _d in part]
-        body = upload_body(batch, delta.pack([d for _i, d in part]))
+        batch = sorted(i for d in part for i in d.indices)
+        body = upload_body(batch, delta.pack(part))
         reply = client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params={"delta": "true"},
                                idempotent=True).json()
         rebuilt = reply.get("rebuilt") if isinstance(reply, dict) else None
@@ -273,10 +288,10 @@ def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[tuple[in
             raise TransferFailed(f"{kind} {oid[:12]}: the receiver's answer to a delta upload is malformed")
         todo = lacking(client, kind, oid, batch) if rebuilt < len(batch) else []
         gone = set(todo)
-        kept = [(i, d) for i, d in part if i not in gone]
-        stats.add(fetched_bytes=len(kept) * BLOCK_SIZE, requests=1, delta_blocks=len(kept),
-                  delta_bytes=sum(d.wire_size for _i, d in kept))
-        progress.advance(len(kept) * BLOCK_SIZE)
+        kept = [d for d in part if not gone.intersection(d.indices)]
+        n = sum(len(d.indices) for d in kept)
+        stats.add(fetched_bytes=n * BLOCK_SIZE, requests=1, delta_blocks=n, delta_bytes=sum(d.wire_size for d in kept))
+        progress.advance(n * BLOCK_SIZE)
         progress.wire(client.wire_bytes)
         again.extend(todo)
     return again

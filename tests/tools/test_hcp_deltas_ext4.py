@@ -1,7 +1,7 @@
 """HCP deltas from the same file in the parent (capsule/transfer/extmap.py): between two real agents, a version
 whose guest rewrote a library as a package manager does — a new file written beside the old one, renamed
-over it, so its blocks land elsewhere on the disk — sends the library's blocks as deltas against the old
-file's blocks at the same offsets, found in both versions' ext4 file systems with debugfs (as the
+over it, so its blocks land elsewhere on the disk — sends the library's blocks as one delta against the old
+file's blocks, found in both versions' ext4 file systems with debugfs (as the
 sandbox user, as `capsule backup files` reads a version), and the version arrives whole and verified.
 The encoding, its bounds and the receiver's refusals: tests/unit/test_hcp_deltas.py."""
 
@@ -115,8 +115,11 @@ def test_a_rewritten_library_travels_as_deltas_against_the_old_file(tmp_path, ti
         assert views is not None, "the two versions' ext4 file systems could not be read"
         child, parent = views
         novel = [i for i, z, _h in a.layer_manifest(top).records() if not z]
-        refs = extmap.references(child, parent, novel)
-    assert sum(1 for r in refs.values() if len(r) == 3) >= lib_blocks - 2, (len(refs), lib_blocks)
+        found = extmap.matches(child, parent, novel)
+    lib = max(found, key=lambda m: len(m.logical))   # the library: every one of its blocks is novel
+    assert sorted(lib.logical.values()) == list(range(lib_blocks)), lib.logical
+    old_blocks = lib.parent_blocks(0, lib_blocks)
+    assert len(old_blocks) == lib_blocks and not set(old_blocks) & set(lib.logical), "the new library moved"
     reports = {}
     for label, deltas in (("deltas", True), ("whole", False)):
         b = make_store(tmp_path / label, tiny_images, "tiny")

@@ -46,53 +46,64 @@ def _near(block: bytes, rng: random.Random, edits: int) -> bytes:
 # -- the encoding ----------------------------------------------------------------------------------------
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32), nrefs=st.integers(1, delta.MAX_REFS), edits=st.integers(0, 40),
-       random_block=st.booleans())
-def test_a_delta_rebuilds_its_block_exactly(seed, nrefs, edits, random_block):
+@given(seed=st.integers(0, 2**32), nrefs=st.integers(1, 6), nblocks=st.integers(1, 6), edits=st.integers(0, 40),
+       random_blocks=st.booleans())
+def test_a_delta_rebuilds_its_blocks_exactly(seed, nrefs, nblocks, edits, random_blocks):
     rng = random.Random(seed)
     refs = [rng.randbytes(BLOCK_SIZE) for _ in range(nrefs)]
-    block = rng.randbytes(BLOCK_SIZE) if random_block else _near(refs[-1], rng, edits)
-    d = delta.encode(block, refs)
-    assert d.refs == tuple(hash_block(r)[:delta.REF_SIZE] for r in refs)
-    [back] = delta.unpack(delta.pack([d]), 1)
-    assert back == d and delta.rebuild(back, refs) == block
-    if not random_block and edits <= 4:
-        assert d.wire_size < 200, d.wire_size   # a near copy costs a few bytes per edit
+    blocks = [rng.randbytes(BLOCK_SIZE) if random_blocks else _near(rng.choice(refs), rng, edits)
+              for _ in range(nblocks)]
+    indices = sorted(rng.sample(range(1000), nblocks))
+    d = delta.encode(indices, blocks, refs)
+    assert d.refs == tuple(hash_block(r)[:delta.REF_SIZE] for r in refs) and d.indices == tuple(indices)
+    [back] = delta.unpack(delta.pack([d]), indices)
+    assert back == d and delta.rebuild(back, refs) == blocks
+    if not random_blocks and edits <= 4:
+        assert d.wire_size < 100 + 60 * nblocks + 8 * nrefs, d.wire_size   # a near copy: a few bytes an edit
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32), count=st.integers(1, 12))
-def test_many_records_unpack_in_order(seed, count):
+@given(seed=st.integers(0, 2**32), count=st.integers(1, 8))
+def test_many_records_rebuild_their_own_blocks(seed, count):
+    """Records interleave: each names its own blocks, the upload's envelope all of them."""
     rng = random.Random(seed)
-    pairs = []
-    for _ in range(count):
-        refs = [rng.randbytes(BLOCK_SIZE) for _ in range(rng.randint(1, delta.MAX_REFS))]
-        pairs.append((refs, _near(refs[0], rng, rng.randint(0, 5))))
-    ds = [delta.encode(b, r) for r, b in pairs]
-    got = delta.unpack(delta.pack(ds), count)
-    assert [delta.rebuild(d, r) for d, (r, _b) in zip(got, pairs, strict=True)] == [b for _r, b in pairs]
+    slots = rng.sample(range(5000), count * 3)
+    records, truth = [], {}
+    for k in range(count):
+        refs = [rng.randbytes(BLOCK_SIZE) for _ in range(rng.randint(1, 3))]
+        mine = sorted(rng.sample(slots[3 * k:3 * k + 3], rng.randint(1, 3)))
+        blocks = [_near(refs[0], rng, rng.randint(0, 5)) for _ in mine]
+        truth.update(zip(mine, blocks, strict=True))
+        records.append((delta.encode(mine, blocks, refs), refs))
+    by_prefix = {hash_block(r)[:8]: (r, hash_block(r)) for _d, refs in records for r in refs}
+    got = delta.unpack(delta.pack([d for d, _r in records]), sorted(truth))
+    good, unresolved = delta.rebuild_all("x", got, by_prefix.get, lambda i: hash_block(truth[i]))
+    assert dict(good) == truth and unresolved == []
 
 
 def test_what_a_receiver_takes_is_bounded():
     ref = random.Random(1).randbytes(BLOCK_SIZE)
-    good = delta.encode(ref[::-1], [ref])
+    good = delta.encode([5], [ref[::-1]], [ref])
     rec = delta.pack([good])
-    for bad, why in [
-        (b"", "truncated"),
-        (rec[:-1], "truncated"),
-        (rec + b"x", "after the last"),
-        (bytes([delta.MAX_REFS + 1]) + rec[1:], "references"),
-        (bytes([0]) + rec[1:], "references"),
-        (rec[:1 + 8] + struct.pack("<H", delta.MAX_DELTA_BYTES + 1) + rec[11:], "frame of"),
+    too_many = struct.pack("<H", 1) + bytes([5]) + struct.pack("<H", delta.MAX_REFS + 1)
+    for bad, idx, why in [
+        (rec[:-1], [5], "truncated"),
+        (rec[:3], [5], "truncated"),
+        (rec + rec, [5], "names blocks the upload does not"),
+        (rec, [5, 6], "in none of its records"),
+        (rec, [4], "beyond the object|names blocks the upload does not"),
+        (too_many + rec[5:], [5], "references"),
+        (rec[:3] + struct.pack("<H", 0) + rec[5:], [5], "references"),
+        (rec[:13] + struct.pack("<I", BLOCK_SIZE + delta.FRAME_SLACK + 1) + rec[17:], [5], "frame of"),
     ]:
         with pytest.raises(ProtocolError, match=why):
-            delta.unpack(bad, 1)
+            delta.unpack(bad, idx)
     import zstandard
-    big = zstandard.ZstdCompressor().compress(bytes(2 * BLOCK_SIZE))   # declares 8 KiB
+    big = zstandard.ZstdCompressor().compress(bytes(2 * BLOCK_SIZE))   # declares 8 KiB for one block
     with pytest.raises(ProtocolError, match="declare"):
-        delta.rebuild(delta.Delta(good.refs, big), [ref])
+        delta.rebuild(delta.Delta((5,), good.refs, big), [ref])
     with pytest.raises(ProtocolError, match="bad delta frame"):
-        delta.rebuild(delta.Delta(good.refs, good.frame[:-2]), [ref])   # declares 4 KiB, is cut short
+        delta.rebuild(delta.Delta((5,), good.refs, good.frame[:-2]), [ref])   # declares 4 KiB, is cut short
 
 
 # -- through the agent app -----------------------------------------------------------------------------
@@ -204,8 +215,7 @@ def test_blocks_whose_references_the_receiver_lacks_are_sent_again_whole(tmp_pat
     from hashcache.cache import HashCache
 
     real = delta.rebuild_all
-    monkeypatch.setattr(delta, "rebuild_all", lambda name, idx, ds, lookup, exp: real(name, idx, ds,
-                                                                                      lambda p: None, exp))
+    monkeypatch.setattr(delta, "rebuild_all", lambda name, ds, lookup, exp: real(name, ds, lambda p: None, exp))
     with _pair(tmp_path) as (src, agent, _root, top, child):
         report, seen = _push(src, agent, top)
         assert _installed(tmp_path / "dst", top)
@@ -231,7 +241,8 @@ def test_a_delta_whose_result_fails_its_hash_is_refused_and_keeps_nothing(tmp_pa
         first, second = needed[:2]
         wrong = bytearray(child[second])
         wrong[100] ^= 1   # rebuilds to a block that is not the one the manifest names
-        ds = [delta.encode(child[first], [base[first]]), delta.encode(bytes(wrong), [base[second]])]
+        ds = [delta.encode([first], [child[first]], [base[first]]),
+              delta.encode([second], [bytes(wrong)], [base[second]])]
         idx = encode_indices([first, second])
         body = struct.pack("<I", len(idx)) + idx + delta.pack(ds)
         r = http.post(f"/v1/recv/layer/{top}/blocks", params={"delta": "true"}, content=body, headers=auth)
