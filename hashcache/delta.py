@@ -1,14 +1,15 @@
 """HCP deltas: a block the receiver lacks, sent as a zstd delta against similar blocks it already holds.
 
 A pushed layer is a child of a parent layer the receiver holds, and most of its novel blocks are small
-changes of blocks of that parent (a file a package update rewrote, an inode table). The sender names a
-few such *reference* blocks by their BLAKE3 hash and sends the new blocks as one zstd frame compressed
-with the references' bytes as a raw-content dictionary (``zstd --patch-from``). The receiver finds the
-references in its hash cache, rebuilds the blocks, checks each one's hash against the manifest — as every
-block — and keeps them whole; a delta whose result does not match is refused naming the block, and
-nothing of its upload is written. A reference the receiver cannot find leaves the delta's blocks
-*unresolved*: they are not kept, and the sender sends them again whole (it asks which blocks the receiver
-lacks, as after a lost answer).
+changes of blocks of that parent (a file a package update rewrote, an inode table). The sender names
+such *reference* blocks by where they lie in the disk the parent layer shows (its chain of layers, which
+the receiver holds: it takes no layer before its parent) and sends the new blocks as one zstd frame
+compressed with the references' bytes as a raw-content dictionary (``zstd --patch-from``). The receiver
+reads the references from its own copy of the parent chain, rebuilds the blocks, checks each one's hash
+against the manifest — as every block — and keeps them whole; a delta whose result does not match is
+refused naming the block, and nothing of its upload is written. References it cannot read (no parent
+chain here) leave the delta's blocks *unresolved*: they are not kept, and the sender sends them again
+whole (it asks which blocks the receiver lacks, as after a lost answer).
 
 Advertised by the receiver: ``DELTAS_HEADER`` (``X-Capsule-Deltas``) on ``begin``'s answer names the delta
 format versions it decodes (``1``); a sender sends deltas only to a receiver that names ``1``, so an older
@@ -20,9 +21,10 @@ Each record rebuilds some of the envelope's blocks (together, every one of them 
 
     u16     i           bytes of the record's block indices
     i       indices     its k blocks' indices: ascending varints, as in the envelope (1..MAX_BATCH of them)
-    u16     r           references, 1..MAX_REFS
-    r x 8   refs        hash prefixes (the first 8 bytes of BLAKE3) of 4 KiB blocks the receiver holds;
-                        the most similar last (zstd finds near matches cheaper at a dictionary's end)
+    u16     r           runs of references, 1..MAX_REFS
+    r x 10  runs        u64 first block, u16 count (>= 1): blocks of the disk the object's parent layer
+                        shows, in dictionary order (the most similar last: zstd finds near matches cheaper
+                        at a dictionary's end); MAX_REFS blocks at most in all, each within that disk
     u32     m           bytes of the frame, 1..k x 4096 + 1024 (little-endian, as every integer here)
     m       frame       one zstd frame that declares its content size, k x 4096, and decompresses to the
                         k blocks in index order, with the r references concatenated in order as its
@@ -33,7 +35,7 @@ one per changed file (its new blocks against the old file's: a rebuilt
 library shifts code by more than a block, which only the whole old file finds; on libsystemd-shared
 252 → 254, 3.6 MB: 0.84 MB as one delta against the old file, 1.24 MB as xz, 1.69 MB as per-block
 deltas). Bounds on what the receiver takes: at most ``MAX_BATCH`` blocks (the envelope's bound), at most
-``MAX_REFS`` references a record (a dictionary of at most 8 MiB) and ``MAX_UPLOAD_REFS`` an upload, a
+``MAX_REFS`` reference blocks a record (a dictionary of at most 8 MiB) and ``MAX_UPLOAD_REFS`` an upload, a
 frame of at most its blocks' bytes + 1 KiB, an output of exactly its blocks (a frame declaring more is
 refused from its header, before any allocation); anything else is a ProtocolError and nothing is kept.
 Answer: ``{"stored": kept, "rebuilt": kept, "unresolved": blocks whose references were not found here}``.
@@ -49,17 +51,17 @@ import zstandard
 
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import ManifestMismatch
-from hashcache.hcp import MAX_BATCH, PREFIX_SIZE, ProtocolError, decode_indices, encode_indices
+from hashcache.hcp import MAX_BATCH, ProtocolError, decode_indices, encode_indices
 
 DELTAS_HEADER = "X-Capsule-Deltas"   # on begin's answer: the delta formats this receiver decodes
 DELTA_FORMAT = "1"
-MAX_REFS = 2048                      # 8 MiB of dictionary (xz's default window)
-MAX_UPLOAD_REFS = 4 * MAX_REFS       # references named by one upload's records together
-REF_SIZE = PREFIX_SIZE               # a reference is named by the first 8 bytes of its hash
+MAX_REFS = 2048                      # reference blocks of one record: 8 MiB of dictionary (xz's default window)
+MAX_UPLOAD_REFS = 4 * MAX_REFS       # reference blocks named by one upload's records together
 FRAME_SLACK = 1024                   # a frame may exceed its blocks' bytes by this much (incompressible data)
 DELTA_LEVEL = 19
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
+_RUN = struct.Struct("<QH")
 
 
 def offered(header: str | None) -> bool:
@@ -67,18 +69,40 @@ def offered(header: str | None) -> bool:
     return DELTA_FORMAT in {v.strip() for v in (header or "").split(",")}
 
 
+Runs = tuple[tuple[int, int], ...]   # (first block, count) of the parent chain's disk
+
+
+def runs_of(refs: Sequence[int]) -> Runs:
+    """Reference block numbers, in dictionary order, as runs of consecutive ones."""
+    out: list[list[int]] = []
+    for b in refs:
+        if out and out[-1][0] + out[-1][1] == b and out[-1][1] < 0xFFFF:
+            out[-1][1] += 1
+        else:
+            out.append([b, 1])
+    return tuple((a, n) for a, n in out)
+
+
+def blocks_of(runs: Runs) -> list[int]:
+    return [a + k for a, n in runs for k in range(n)]
+
+
 @dataclass(frozen=True)
 class Delta:
-    """Blocks as one delta: their indices (ascending), the hash prefixes of the references (most similar
-    last) and the zstd frame."""
+    """Blocks as one delta: their indices (ascending), the runs of the parent chain's blocks it is against
+    (in dictionary order) and the zstd frame."""
 
     indices: tuple[int, ...]
-    refs: tuple[bytes, ...]
+    refs: Runs
     frame: bytes
 
     @property
+    def ref_count(self) -> int:
+        return sum(n for _a, n in self.refs)
+
+    @property
     def wire_size(self) -> int:
-        return 2 * _U16.size + len(encode_indices(self.indices)) + len(self.refs) * REF_SIZE + _U32.size + len(
+        return 2 * _U16.size + len(encode_indices(self.indices)) + len(self.refs) * _RUN.size + _U32.size + len(
             self.frame)
 
 
@@ -86,17 +110,19 @@ def _dictionary(refs: Sequence[bytes]) -> zstandard.ZstdCompressionDict:
     return zstandard.ZstdCompressionDict(b"".join(refs), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
-def encode(indices: Sequence[int], blocks: Sequence[bytes], refs: Sequence[bytes], level: int = DELTA_LEVEL) -> Delta:
-    """``blocks`` (4 KiB each, at ``indices``, ascending) as one delta against the blocks ``refs`` (4 KiB each,
-    most similar last)."""
+def encode(indices: Sequence[int], blocks: Sequence[bytes], refs: Sequence[int], ref_blocks: Sequence[bytes],
+           level: int = DELTA_LEVEL) -> Delta:
+    """``blocks`` (4 KiB each, at ``indices``, ascending) as one delta against the parent chain's blocks
+    ``refs`` (whose bytes are ``ref_blocks``; dictionary order, the most similar last)."""
     if not 1 <= len(blocks) <= MAX_BATCH or len(indices) != len(blocks) or any(len(b) != BLOCK_SIZE for b in blocks) \
-            or not 1 <= len(refs) <= MAX_REFS or any(len(r) != BLOCK_SIZE for r in refs):
+            or not 1 <= len(refs) <= MAX_REFS or len(ref_blocks) != len(refs) \
+            or any(len(r) != BLOCK_SIZE for r in ref_blocks):
         raise ValueError(f"a delta rebuilds 1 to {MAX_BATCH} {BLOCK_SIZE}-byte blocks from 1 to {MAX_REFS} such "
                          "blocks")
     encode_indices(indices)   # ascending, or a ValueError
-    cctx = zstandard.ZstdCompressor(level=level, dict_data=_dictionary(refs), write_content_size=True,
+    cctx = zstandard.ZstdCompressor(level=level, dict_data=_dictionary(ref_blocks), write_content_size=True,
                                     write_checksum=False, write_dict_id=False)
-    return Delta(tuple(indices), tuple(hash_block(r)[:REF_SIZE] for r in refs), cctx.compress(b"".join(blocks)))
+    return Delta(tuple(indices), runs_of(refs), cctx.compress(b"".join(blocks)))
 
 
 def rebuild(delta: Delta, refs: Sequence[bytes]) -> list[bytes]:
@@ -124,17 +150,19 @@ def pack(deltas: Sequence[Delta]) -> bytes:
     out = bytearray()
     for d in deltas:
         idx = encode_indices(d.indices)
-        if not 1 <= len(d.refs) <= MAX_REFS or not 1 <= len(d.frame) <= len(d.indices) * BLOCK_SIZE + FRAME_SLACK \
+        if not 1 <= d.ref_count <= MAX_REFS or not 1 <= len(d.frame) <= len(d.indices) * BLOCK_SIZE + FRAME_SLACK \
                 or len(idx) > 0xFFFF:
             raise ValueError("a delta out of bounds")
-        out += _U16.pack(len(idx)) + idx + _U16.pack(len(d.refs)) + b"".join(d.refs) + _U32.pack(len(d.frame))
+        out += _U16.pack(len(idx)) + idx + _U16.pack(len(d.refs)) + b"".join(_RUN.pack(a, n) for a, n in d.refs)
+        out += _U32.pack(len(d.frame))
         out += d.frame
     return bytes(out)
 
 
-def unpack(payload: bytes, indices: Sequence[int]) -> list[Delta]:
+def unpack(payload: bytes, indices: Sequence[int], disk_blocks: int) -> list[Delta]:
     """The delta records of an upload whose envelope names ``indices`` (a peer's: every length checked
-    before it is used; together the records must rebuild each of ``indices`` exactly once)."""
+    before it is used; together the records must rebuild each of ``indices`` exactly once; every reference
+    within the parent's disk of ``disk_blocks`` blocks)."""
     out: list[Delta] = []
     pos = 0
     wanted = set(indices)
@@ -157,11 +185,15 @@ def unpack(payload: bytes, indices: Sequence[int]) -> list[Delta]:
             raise ProtocolError(f"delta record {len(out)} names blocks the upload does not, or none, or one twice")
         wanted.difference_update(mine)
         (r,) = _U16.unpack(take(_U16.size, "its reference count"))
-        named += r
-        if not 1 <= r <= MAX_REFS or named > MAX_UPLOAD_REFS:
-            raise ProtocolError(f"a delta names {r} references (1 to {MAX_REFS}, {MAX_UPLOAD_REFS} in one upload)")
-        raw = take(r * REF_SIZE, "its references")
-        refs = tuple(raw[k * REF_SIZE:(k + 1) * REF_SIZE] for k in range(r))
+        raw = take(r * _RUN.size, "its references")
+        refs = tuple(_RUN.unpack_from(raw, k * _RUN.size) for k in range(r))
+        count = sum(n for _a, n in refs)
+        named += count
+        if not 1 <= count <= MAX_REFS or named > MAX_UPLOAD_REFS or any(n < 1 for _a, n in refs):
+            raise ProtocolError(f"a delta names {count} reference blocks in {r} runs (1 to {MAX_REFS}, "
+                                f"{MAX_UPLOAD_REFS} in one upload)")
+        if any(a + n > disk_blocks for a, n in refs):
+            raise ProtocolError(f"a delta names reference blocks beyond the parent's disk of {disk_blocks} blocks")
         (m,) = _U32.unpack(take(_U32.size, "its frame length"))
         if not 1 <= m <= len(mine) * BLOCK_SIZE + FRAME_SLACK:
             raise ProtocolError(f"a delta frame of {m} bytes for {len(mine)} blocks (1 to "
@@ -172,30 +204,25 @@ def unpack(payload: bytes, indices: Sequence[int]) -> list[Delta]:
     return out
 
 
-Lookup = Callable[[bytes], "tuple[bytes, bytes] | None"]   # a hash prefix -> (block, full hash), verified
+Read = Callable[[int], "bytes | None"]   # a block of the parent chain's disk (None: it cannot be read here)
 
 
-def rebuild_all(name: str, deltas: Sequence[Delta], lookup: Lookup,
+def rebuild_all(name: str, deltas: Sequence[Delta], read: Read,
                 expected: Callable[[int], bytes]) -> tuple[list[tuple[int, bytes]], list[int]]:
-    """Rebuild an upload's blocks: (verified blocks to keep, indices left unresolved — a reference not
-    found by ``lookup``). ``expected(index)`` is the block's manifest hash (or its prefix). Every block is
+    """Rebuild an upload's blocks: (verified blocks to keep, indices left unresolved — a reference ``read``
+    could not read). ``expected(index)`` is the block's manifest hash (or its prefix). Every block is
     checked before any is returned: one that does not match raises ManifestMismatch naming ``name`` and
     the block, and the caller keeps nothing of the upload."""
     good: list[tuple[int, bytes]] = []
     unresolved: list[int] = []
     for delta in deltas:
-        found: dict[bytes, bytes | None] = {}   # one record's references at a time: at most 8 MiB
-        refs: list[bytes] = []
-        for prefix in delta.refs:
-            if prefix not in found:
-                hit = lookup(prefix)
-                ok = hit is not None and len(hit[0]) == BLOCK_SIZE and hit[1][:REF_SIZE] == prefix
-                found[prefix] = hit[0] if ok and hit is not None else None
-            data = found[prefix]
-            if data is None:
+        refs: list[bytes] = []   # one record's references at a time: at most 8 MiB
+        for b in blocks_of(delta.refs):
+            data = read(b)
+            if data is None or len(data) != BLOCK_SIZE:
                 break
             refs.append(data)
-        if len(refs) != len(delta.refs):
+        if len(refs) != delta.ref_count:
             unresolved.extend(delta.indices)
             continue
         for index, block in zip(delta.indices, rebuild(delta, refs), strict=True):
@@ -207,5 +234,5 @@ def rebuild_all(name: str, deltas: Sequence[Delta], lookup: Lookup,
     return sorted(good), sorted(unresolved)
 
 
-__all__ = ["DELTAS_HEADER", "DELTA_FORMAT", "MAX_REFS", "REF_SIZE", "Delta", "encode", "offered", "pack", "rebuild",
-           "rebuild_all", "unpack"]
+__all__ = ["DELTAS_HEADER", "DELTA_FORMAT", "MAX_REFS", "Delta", "blocks_of", "encode", "offered", "pack", "rebuild",
+           "rebuild_all", "runs_of", "unpack"]

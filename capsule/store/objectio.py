@@ -134,6 +134,48 @@ class BlockReader:
         self.close()
 
 
+class ChainReader:
+    """Reads 4 KiB blocks of the disk a layer shows: the layer's own, else its parent's, and so on (a block
+    no layer holds reads as zeros)."""
+
+    def __init__(self, store: Store, top: str) -> None:
+        row = store.catalogue.layer(top)
+        if row is None:
+            raise NotFound(f"no layer {top[:12]} in this store")
+        self.block_count = -(-row.virtual_size // BLOCK_SIZE)
+        self.readers: list[BlockReader] = []
+        try:
+            lid: str | None = top
+            while lid is not None:
+                self.readers.append(BlockReader(store, "layer", lid))
+                parent = store.catalogue.layer(lid)
+                lid = parent.parent if parent is not None else None
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, index: int) -> bytes | None:
+        """The block at ``index``; None beyond the disk."""
+        if not 0 <= index < self.block_count:
+            return None
+        for reader in self.readers:
+            own = reader.own(index)
+            if own is None:
+                continue
+            return reader.read([index])[0] if own else bytes(BLOCK_SIZE)
+        return bytes(BLOCK_SIZE)
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+    def __enter__(self) -> ChainReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ReaderCache:
     """Open BlockReaders of one store (sealed objects never change), shared by threads:
     ``with readers.lease(kind, oid) as reader:``. A reader is closed only once nobody reads through it."""

@@ -50,6 +50,7 @@ from hashcache.transport import Transport
 
 PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
 DELTA_UPLOAD_BYTES = 4 << 20      # delta records in one upload, at most (the receiver takes 5 MiB)
+DELTA_LINK_RATE = 4e6             # bytes/s: a link measured slower gets deltas (the codec picked by the link)
 
 
 @dataclass
@@ -206,7 +207,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 if k == 0:
                     allowed = codecpick.candidates(offered_codecs(resp.headers.get(STREAMS_HEADER)), STREAM_LEVEL)
                     similar = _similar(store, kind, manifest.parent, oid, opts, resp.headers.get(DELTAS_HEADER))
-                if similar is not None and needed:
+                if similar is not None and needed and _deltas_pay(picker):
                     needed, deltas = similar.split(needed, reader)
                     needed = sorted(needed + _send_deltas(client, kind, oid, deltas, stats, progress, check))
                 for batch in pacer.batches(needed):
@@ -263,13 +264,23 @@ def _uploads(deltas: list[Delta]) -> list[list[Delta]]:
     out: list[list[Delta]] = []
     blocks = refs = size = 0
     for d in deltas:
-        if not out or blocks + len(d.indices) > MAX_BATCH or refs + len(d.refs) > delta.MAX_UPLOAD_REFS \
+        if not out or blocks + len(d.indices) > MAX_BATCH or refs + d.ref_count > delta.MAX_UPLOAD_REFS \
                 or size + d.wire_size > DELTA_UPLOAD_BYTES:
             out.append([])
             blocks = refs = size = 0
         out[-1].append(d)
-        blocks, refs, size = blocks + len(d.indices), refs + len(d.refs), size + d.wire_size
+        blocks, refs, size = blocks + len(d.indices), refs + d.ref_count, size + d.wire_size
     return out
+
+
+def _deltas_pay(picker: CodecPicker) -> bool:
+    """Whether bytes are worth a delta's CPU here: the codec given is a stream codec (xz, zstd from
+    ``STREAM_LEVEL``), or the link's measured rate is below ``DELTA_LINK_RATE``. On a fast link the
+    whole blocks are sent sooner than deltas are made (a delta is zstd -19 against up to 8 MiB)."""
+    if picker.forced is not None:
+        return picker.forced.is_stream(STREAM_LEVEL)
+    link = picker.link()
+    return link is not None and link < DELTA_LINK_RATE
 
 
 def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[Delta], stats: DeltaStats,

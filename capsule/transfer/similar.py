@@ -23,7 +23,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from capsule.store import Store
-from capsule.store.objectio import BlockReader
+from capsule.store.objectio import BlockReader, ChainReader
 from capsule.transfer import extmap
 from hashcache import delta, native
 from hashcache.blocks import BLOCK_SIZE
@@ -31,37 +31,9 @@ from hashcache.delta import Delta
 from hashcache.hcp import MAX_BATCH
 
 PAYS = 0.7          # a delta's bytes / its blocks' own zstd -9 frame, at most
-TRIAL = 64          # deltas of one source tried before its rate of paying ones decides
+TRIAL = 64          # blocks of one source tried before its rate of paying ones decides
 MIN_PAYING = 0.1    # ... below this share, that source is tried no more for this object
 _ZERO = bytes(BLOCK_SIZE)
-
-
-class ParentChain:
-    """Blocks of the disk a layer shows (the layer and its ancestors), read from this store."""
-
-    def __init__(self, store: Store, top: str) -> None:
-        self.readers: list[BlockReader] = []
-        lid: str | None = top
-        while lid is not None:
-            self.readers.append(BlockReader(store, "layer", lid))
-            row = store.catalogue.layer(lid)
-            lid = row.parent if row is not None else None
-
-    def read(self, index: int) -> bytes | None:
-        """The block at ``index``; None for a zero or unallocated one (never a reference)."""
-        for reader in self.readers:
-            own = reader.own(index)
-            if own is None:
-                continue
-            if not own:
-                return None
-            data = reader.read([index])[0]
-            return None if data == _ZERO else data
-        return None
-
-    def close(self) -> None:
-        for reader in self.readers:
-            reader.close()
 
 
 @dataclass
@@ -80,7 +52,7 @@ class Similar:
     def __init__(self, store: Store, layer_id: str, parent_id: str) -> None:
         self.store, self.layer_id, self.parent_id = store, layer_id, parent_id
         self._stack = ExitStack()
-        self._chain: ParentChain | None = None
+        self._chain: ChainReader | None = None
         self._views: tuple[extmap.Ext4, extmap.Ext4] | None = None
         self._sources = {"file": _Source(), "offset": _Source()}
         self.delta_blocks = 0
@@ -94,12 +66,10 @@ class Similar:
 
     def close(self) -> None:
         self._stack.close()
-        if self._chain is not None:
-            self._chain.close()
 
-    def _open(self) -> ParentChain:
+    def _open(self) -> ChainReader:
         if self._chain is None:
-            self._chain = ParentChain(self.store, self.parent_id)
+            self._chain = self._stack.enter_context(ChainReader(self.store, self.parent_id))
             self._views = self._stack.enter_context(extmap.layer_views(self.store, self.layer_id, self.parent_id))
         return self._chain
 
@@ -109,11 +79,12 @@ class Similar:
         child, parent = self._views
         return extmap.matches(child, parent, needed)
 
-    def _try(self, source: str, indices: list[int], blocks: list[bytes], refs: list[bytes]) -> Delta | None:
-        """One delta of ``indices``' blocks against ``refs``, if it pays (counted for ``source``)."""
+    def _try(self, source: str, indices: list[int], blocks: list[bytes], refs: list[int],
+             ref_blocks: list[bytes]) -> Delta | None:
+        """One delta of ``indices``' blocks against the parent's ``refs``, if it pays (counted for ``source``)."""
         if not refs:
             return None
-        d = delta.encode(indices, blocks, refs[-delta.MAX_REFS:])
+        d = delta.encode(indices, blocks, refs, ref_blocks)
         counts = self._sources[source]
         counts.tried += len(indices)
         if d.wire_size > PAYS * len(native.compress(b"".join(blocks), 9)):
@@ -123,7 +94,7 @@ class Similar:
         self.delta_bytes += d.wire_size
         return d
 
-    def _file_deltas(self, chain: ParentChain, match: extmap.Match, reader: BlockReader,
+    def _file_deltas(self, chain: ChainReader, match: extmap.Match, reader: BlockReader,
                      taken: set[int]) -> list[Delta]:
         """A changed file's new blocks as deltas against the old file's, ``MAX_BATCH`` blocks a delta."""
         out: list[Delta] = []
@@ -135,9 +106,9 @@ class Similar:
             offsets = [match.logical[i] for i in part]
             lo, hi = min(offsets), max(offsets) + 1
             spare = max(0, delta.MAX_REFS - (hi - lo)) // 2
-            old = match.parent_blocks(max(0, lo - spare), hi + spare)[:delta.MAX_REFS]
-            refs = [b for b in (chain.read(j) for j in old) if b is not None]
-            d = self._try("file", part, reader.read(part), refs)
+            old = [j for j in match.parent_blocks(max(0, lo - spare), hi + spare)
+                   if 0 <= j < chain.block_count][:delta.MAX_REFS]
+            d = self._try("file", part, reader.read(part), old, [chain.read(j) or _ZERO for j in old])
             if d is not None:
                 out.append(d)
                 taken.update(part)
@@ -158,9 +129,10 @@ class Similar:
                 continue
             if self._sources["offset"].open:
                 ref = chain.read(index)
-                d = self._try("offset", [index], reader.read([index]), [ref] if ref is not None else [])
-                if d is not None:
-                    deltas.append(d)
-                    continue
+                if ref is not None and ref != _ZERO:
+                    d = self._try("offset", [index], reader.read([index]), [index], [ref])
+                    if d is not None:
+                        deltas.append(d)
+                        continue
             whole.append(index)
         return whole, deltas

@@ -126,7 +126,7 @@ def test_a_rewritten_library_travels_as_deltas_against_the_old_file(tmp_path, ti
         agent = Agent(b.home, tmp_path / f"{label}.token")
         try:
             transfer.push(a, v2.ref, agent.url, agent.token)
-            r = transfer.push(a, v3.ref, agent.url, agent.token, transfer.Options(deltas=deltas))
+            r = transfer.push(a, v3.ref, agent.url, agent.token, transfer.Options(xz=True, deltas=deltas))
             reports[label] = next(o for o in r.objects if o.id == top)
             assert has_object(b, "layer", top) and b.layer_manifest(top).digest == top
             assert b.catalogue.version("cap", v3.number) is not None

@@ -3,8 +3,8 @@ delta against similar blocks it holds, is rebuilt, checked against its hash and 
 of random and near-copy blocks; the bounds on what a receiver takes; through the agent's real HTTP
 handling (``create_app``, in-process): a delta whose result fails its hash is refused naming the block and
 keeps nothing, a push of a child layer whose blocks changed slightly sends deltas, an older receiver (no
-``X-Capsule-Deltas``) and a reference the receiver lacks get blocks whole. The ext4 source (same path in
-the parent) needs debugfs: tests/tools/test_hcp_deltas_ext4.py."""
+``X-Capsule-Deltas``), references the receiver cannot read and a fast link get blocks whole. The ext4
+source (same path in the parent) needs debugfs: tests/tools/test_hcp_deltas_ext4.py."""
 
 from __future__ import annotations
 
@@ -50,16 +50,17 @@ def _near(block: bytes, rng: random.Random, edits: int) -> bytes:
        random_blocks=st.booleans())
 def test_a_delta_rebuilds_its_blocks_exactly(seed, nrefs, nblocks, edits, random_blocks):
     rng = random.Random(seed)
+    where = rng.sample(range(100), nrefs)   # reference blocks of the parent's disk, in dictionary order
     refs = [rng.randbytes(BLOCK_SIZE) for _ in range(nrefs)]
     blocks = [rng.randbytes(BLOCK_SIZE) if random_blocks else _near(rng.choice(refs), rng, edits)
               for _ in range(nblocks)]
     indices = sorted(rng.sample(range(1000), nblocks))
-    d = delta.encode(indices, blocks, refs)
-    assert d.refs == tuple(hash_block(r)[:delta.REF_SIZE] for r in refs) and d.indices == tuple(indices)
-    [back] = delta.unpack(delta.pack([d]), indices)
+    d = delta.encode(indices, blocks, where, refs)
+    assert delta.blocks_of(d.refs) == where and d.indices == tuple(indices)
+    [back] = delta.unpack(delta.pack([d]), indices, 100)
     assert back == d and delta.rebuild(back, refs) == blocks
     if not random_blocks and edits <= 4:
-        assert d.wire_size < 100 + 60 * nblocks + 8 * nrefs, d.wire_size   # a near copy: a few bytes an edit
+        assert d.wire_size < 100 + 60 * nblocks + 10 * nrefs, d.wire_size   # a near copy: a few bytes an edit
 
 
 @settings(max_examples=30, deadline=None)
@@ -67,37 +68,44 @@ def test_a_delta_rebuilds_its_blocks_exactly(seed, nrefs, nblocks, edits, random
 def test_many_records_rebuild_their_own_blocks(seed, count):
     """Records interleave: each names its own blocks, the upload's envelope all of them."""
     rng = random.Random(seed)
+    disk = [rng.randbytes(BLOCK_SIZE) for _ in range(32)]   # the parent's disk
     slots = rng.sample(range(5000), count * 3)
     records, truth = [], {}
     for k in range(count):
-        refs = [rng.randbytes(BLOCK_SIZE) for _ in range(rng.randint(1, 3))]
+        start = rng.randrange(28)
+        where = list(range(start, start + rng.randint(1, 4)))   # a run, as a file's old blocks mostly are
         mine = sorted(rng.sample(slots[3 * k:3 * k + 3], rng.randint(1, 3)))
-        blocks = [_near(refs[0], rng, rng.randint(0, 5)) for _ in mine]
+        blocks = [_near(disk[rng.choice(where)], rng, rng.randint(0, 5)) for _ in mine]
         truth.update(zip(mine, blocks, strict=True))
-        records.append((delta.encode(mine, blocks, refs), refs))
-    by_prefix = {hash_block(r)[:8]: (r, hash_block(r)) for _d, refs in records for r in refs}
-    got = delta.unpack(delta.pack([d for d, _r in records]), sorted(truth))
-    good, unresolved = delta.rebuild_all("x", got, by_prefix.get, lambda i: hash_block(truth[i]))
+        records.append(delta.encode(mine, blocks, where, [disk[j] for j in where]))
+    assert all(len(d.refs) == 1 for d in records)
+    got = delta.unpack(delta.pack(records), sorted(truth), len(disk))
+    good, unresolved = delta.rebuild_all("x", got, lambda j: disk[j], lambda i: hash_block(truth[i]))
     assert dict(good) == truth and unresolved == []
 
 
 def test_what_a_receiver_takes_is_bounded():
     ref = random.Random(1).randbytes(BLOCK_SIZE)
-    good = delta.encode([5], [ref[::-1]], [ref])
-    rec = delta.pack([good])
-    too_many = struct.pack("<H", 1) + bytes([5]) + struct.pack("<H", delta.MAX_REFS + 1)
+    good = delta.encode([5], [ref[::-1]], [7], [ref])
+    rec = delta.pack([good])   # u16 1, index 5, u16 1 run, (u64 7, u16 1), u32 frame length, frame
+    run_at, frame_at = 5, 15
     for bad, idx, why in [
         (rec[:-1], [5], "truncated"),
         (rec[:3], [5], "truncated"),
         (rec + rec, [5], "names blocks the upload does not"),
         (rec, [5, 6], "in none of its records"),
         (rec, [4], "beyond the object|names blocks the upload does not"),
-        (too_many + rec[5:], [5], "references"),
-        (rec[:3] + struct.pack("<H", 0) + rec[5:], [5], "references"),
-        (rec[:13] + struct.pack("<I", BLOCK_SIZE + delta.FRAME_SLACK + 1) + rec[17:], [5], "frame of"),
+        (rec[:3] + struct.pack("<H", 1) + struct.pack("<QH", 7, delta.MAX_REFS + 1) + rec[frame_at:], [5],
+         "reference blocks"),
+        (rec[:3] + struct.pack("<H", 1) + struct.pack("<QH", 7, 0) + rec[frame_at:], [5], "reference blocks"),
+        (rec[:run_at] + struct.pack("<QH", 2**63, 1) + rec[frame_at:], [5], "beyond the parent's disk"),
+        (rec[:run_at] + struct.pack("<QH", 99, 2) + rec[frame_at:], [5], "beyond the parent's disk"),
+        (rec[:frame_at] + struct.pack("<I", BLOCK_SIZE + delta.FRAME_SLACK + 1) + rec[frame_at + 4:], [5],
+         "frame of"),
     ]:
         with pytest.raises(ProtocolError, match=why):
-            delta.unpack(bad, idx)
+            delta.unpack(bad, idx, 100)
+    assert delta.unpack(rec, [5], 100) == [good]
     import zstandard
     big = zstandard.ZstdCompressor().compress(bytes(2 * BLOCK_SIZE))   # declares 8 KiB for one block
     with pytest.raises(ProtocolError, match="declare"):
@@ -175,7 +183,7 @@ def _push(src: Store, agent, top: str, wrap=None, **opts) -> tuple[transfer.Obje
     counter = _Count(in_process(agent.app, TOKEN, stream=False), **(wrap or {}))
     client = AgentClient("http://dst.example", TOKEN, transport=counter)
     try:
-        report = pushing._push_object(src, client, "layer", top, "layer", transfer.Options(**opts),
+        report = pushing._push_object(src, client, "layer", top, "layer", transfer.Options(**{"xz": True, **opts}),
                                       transfer.Progress())
     finally:
         client.close()
@@ -211,16 +219,25 @@ def test_a_receiver_that_does_not_offer_deltas_gets_blocks_whole(tmp_path):
     assert seen.delta_uploads == 0 and report.delta_blocks == 0
 
 
-def test_blocks_whose_references_the_receiver_lacks_are_sent_again_whole(tmp_path, monkeypatch):
-    from hashcache.cache import HashCache
-
+def test_blocks_whose_references_the_receiver_cannot_read_are_sent_again_whole(tmp_path, monkeypatch):
     real = delta.rebuild_all
-    monkeypatch.setattr(delta, "rebuild_all", lambda name, ds, lookup, exp: real(name, ds, lambda p: None, exp))
+    monkeypatch.setattr(delta, "rebuild_all", lambda name, ds, read, exp: real(name, ds, lambda j: None, exp))
     with _pair(tmp_path) as (src, agent, _root, top, child):
         report, seen = _push(src, agent, top)
         assert _installed(tmp_path / "dst", top)
     assert seen.unresolved == len(child) and seen.rebuilt == 0 and report.delta_blocks == 0
-    assert HashCache  # the receiver's own cache is what a real miss comes from
+
+
+def test_a_fast_link_with_the_codec_left_to_it_gets_no_deltas(tmp_path):
+    """On a link faster than DELTA_LINK_RATE (or not measured yet) whole blocks go sooner than deltas are
+    made: the codec picked by the link is left alone."""
+    with _pair(tmp_path) as (src, agent, _root, top, _child):
+        counter = _Count(in_process(agent.app, TOKEN, stream=False))
+        client = AgentClient("http://dst.example", TOKEN, transport=counter)
+        report = pushing._push_object(src, client, "layer", top, "layer", transfer.Options(), transfer.Progress())
+        client.close()
+        assert _installed(tmp_path / "dst", top)
+    assert report is not None and report.delta_blocks == 0 and counter.delta_uploads == 0
 
 
 def test_a_delta_whose_result_fails_its_hash_is_refused_and_keeps_nothing(tmp_path):
@@ -241,8 +258,8 @@ def test_a_delta_whose_result_fails_its_hash_is_refused_and_keeps_nothing(tmp_pa
         first, second = needed[:2]
         wrong = bytearray(child[second])
         wrong[100] ^= 1   # rebuilds to a block that is not the one the manifest names
-        ds = [delta.encode([first], [child[first]], [base[first]]),
-              delta.encode([second], [bytes(wrong)], [base[second]])]
+        ds = [delta.encode([first], [child[first]], [first], [base[first]]),
+              delta.encode([second], [bytes(wrong)], [second], [base[second]])]
         idx = encode_indices([first, second])
         body = struct.pack("<I", len(idx)) + idx + delta.pack(ds)
         r = http.post(f"/v1/recv/layer/{top}/blocks", params={"delta": "true"}, content=body, headers=auth)
