@@ -283,8 +283,8 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         needed = await serve(functools.partial(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash))
         if needed is None:
             return Response(b"", headers={"X-Capsule-Present": "1"})
-        return Response(encode_plan(needed), media_type="application/octet-stream", headers={STREAMS_HEADER: CODECS,
-                                                                                         DELTAS_HEADER: DELTA_FORMAT})
+        offers = {STREAMS_HEADER: CODECS, DELTAS_HEADER: DELTA_FORMAT}
+        return Response(encode_plan(needed), media_type="application/octet-stream", headers=offers)
 
     @app.post("/v1/recv/{kind}/{oid}/blocks")
     async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True, stream: str | None = None,

@@ -250,10 +250,9 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
 def _similar(store: Store, kind: str, parent: str | None, oid: str, opts: Options,
              offered: str | None) -> Similar | None:
-    """Deltas for this object's blocks (``similar.py``): a layer whose parent the receiver holds, a receiver
-    that decodes them (``DELTAS_HEADER``), blocks compressed and looked up in its hash cache."""
-    if kind != "layer" or parent is None or not opts.deltas or not opts.hash or opts.codec == "none" \
-            or not delta.offered(offered):
+    """Deltas for this object's blocks (``similar.py``): a layer whose parent the receiver holds (it takes
+    no layer before its parent), a receiver that decodes them (``DELTAS_HEADER``), blocks compressed."""
+    if kind != "layer" or parent is None or not opts.deltas or opts.codec == "none" or not delta.offered(offered):
         return None
     return Similar(store, oid, parent)
 
@@ -285,7 +284,7 @@ def _deltas_pay(picker: CodecPicker) -> bool:
 
 def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[Delta], stats: DeltaStats,
                  progress: Progress, check: Check) -> list[int]:
-    """Upload blocks as deltas; returns those the receiver did not rebuild (a reference it did not find),
+    """Upload blocks as deltas; returns those the receiver did not rebuild (references it could not read),
     to send whole."""
     again: list[int] = []
     for part in _uploads(deltas):
