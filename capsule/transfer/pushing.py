@@ -50,7 +50,6 @@ from hashcache.transport import Transport
 
 PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
 DELTA_UPLOAD_BYTES = 4 << 20      # delta records in one upload, at most (the receiver takes 5 MiB)
-DELTA_LINK_RATE = 4e6             # bytes/s: a link measured slower gets deltas (the codec picked by the link)
 
 
 @dataclass
@@ -274,12 +273,10 @@ def _uploads(deltas: list[Delta]) -> list[list[Delta]]:
 
 def _deltas_pay(picker: CodecPicker) -> bool:
     """Whether bytes are worth a delta's CPU here: the codec given is a stream codec (xz, zstd from
-    ``STREAM_LEVEL``), or the link's measured rate is below ``DELTA_LINK_RATE``. On a fast link the
-    whole blocks are sent sooner than deltas are made (a delta is zstd -19 against up to 8 MiB)."""
-    if picker.forced is not None:
-        return picker.forced.is_stream(STREAM_LEVEL)
-    link = picker.link()
-    return link is not None and link < DELTA_LINK_RATE
+    ``STREAM_LEVEL``: ``--xz``, ``--zstd-level 10`` and up), which asks for bytes over speed. A codec
+    left to the link gets no deltas yet: the picker does not know what they cost (on a fast link whole
+    blocks go sooner than deltas are made: zstd -19 against up to 8 MiB)."""
+    return picker.forced is not None and picker.forced.is_stream(STREAM_LEVEL)
 
 
 def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[Delta], stats: DeltaStats,

@@ -3,7 +3,7 @@ delta against similar blocks it holds, is rebuilt, checked against its hash and 
 of random and near-copy blocks; the bounds on what a receiver takes; through the agent's real HTTP
 handling (``create_app``, in-process): a delta whose result fails its hash is refused naming the block and
 keeps nothing, a push of a child layer whose blocks changed slightly sends deltas, an older receiver (no
-``X-Capsule-Deltas``), references the receiver cannot read and a fast link get blocks whole. The ext4
+``X-Capsule-Deltas``), references the receiver cannot read and a codec left to the link get blocks whole. The ext4
 source (same path in the parent) needs debugfs: tests/tools/test_hcp_deltas_ext4.py."""
 
 from __future__ import annotations
@@ -228,9 +228,9 @@ def test_blocks_whose_references_the_receiver_cannot_read_are_sent_again_whole(t
     assert seen.unresolved == len(child) and seen.rebuilt == 0 and report.delta_blocks == 0
 
 
-def test_a_fast_link_with_the_codec_left_to_it_gets_no_deltas(tmp_path):
-    """On a link faster than DELTA_LINK_RATE (or not measured yet) whole blocks go sooner than deltas are
-    made: the codec picked by the link is left alone."""
+def test_a_push_with_the_codec_left_to_the_link_gets_no_deltas(tmp_path):
+    """Deltas are made where a stream codec is given (bytes over speed); the codec the link picks is left
+    alone (a fast link sends whole blocks sooner than deltas are made)."""
     with _pair(tmp_path) as (src, agent, _root, top, _child):
         counter = _Count(in_process(agent.app, TOKEN, stream=False))
         client = AgentClient("http://dst.example", TOKEN, transport=counter)
