@@ -12,6 +12,10 @@ parent chain where that pays, and whole otherwise. References, in order of prefe
 2. the parent chain's block at the same disk offset (an inode table, a bitmap: metadata rewritten in
    place), a delta per block, for blocks of no file or of a file new in this version.
 
+Deltas are made where the push was given a stream codec (``--xz``, ``--zstd-level`` from 10: bytes over
+speed; ``pushing._deltas_pay``). B1 (a Debian guest's installed packages updated to their backports,
+over xz): 12.19 MB with deltas, 15.24 MB without (OSTree's static delta: 12.5 MB).
+
 A delta is kept when its bytes are at most ``PAYS`` of its blocks' own zstd -9 frame (whole blocks also
 travel compressed, often in a stream that does better). A source whose first ``TRIAL`` blocks mostly did
 not pay (random data written over old data) is tried no more for the object, so a layer of novel data
