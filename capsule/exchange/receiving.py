@@ -103,9 +103,6 @@ class Inbox:
         # this lock, so a reader never meets a part that was just folded away.
         self._manifest_files = threading.Lock()
         self.streams = Streams()
-        self.delta_blocks = 0        # blocks kept as rebuilt from a delta (counters of this agent's life)
-        self.delta_unresolved = 0    # blocks of delta uploads whose references were not found here
-        self._counts = threading.Lock()
 
     def close(self) -> None:
         self._receivers.close()
@@ -218,9 +215,6 @@ class Inbox:
                     except ManifestMismatch as exc:
                         raise IntegrityError(str(exc)) from exc
             receiver.accept([i for i, _b in good], [b for _i, b in good])
-        with self._counts:
-            self.delta_blocks += len(good)
-            self.delta_unresolved += len(unresolved)
         return len(good), len(unresolved)
 
     def lacking(self, kind: str, oid: str, raw_indices: bytes) -> list[int]:
