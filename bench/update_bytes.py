@@ -46,6 +46,8 @@ BASE = "base"
 HOST = "fleet1"
 HOST_HIGH = "fleet2"           # a second receiver holding the parent: the push at the high zstd level
 HOST_XZ = "fleet3"             # a third: the push with xz
+HOST_WHOLE = "fleet4"          # --compare-deltas: the push in the link's codec without deltas
+HOST_XZ_WHOLE = "fleet5"       # --compare-deltas: the push with xz without deltas
 # case → packages to install (None: the null update); smallest first
 CASES: dict[str, list[str] | None] = {
     "null": None,
@@ -86,6 +88,12 @@ def layer_zstd(store: Store, layer_id: str) -> int:
     return compressed_sizes(blocks()).zstd
 
 
+def _deltas(rep: transfer.TransferReport) -> dict[str, int]:
+    """A push's blocks sent as deltas against the parent's (capsule/transfer/similar.py) and their bytes."""
+    return {"delta_blocks": sum(o.delta_blocks for o in rep.objects),
+            "delta_bytes": sum(o.delta_bytes for o in rep.objects)}
+
+
 def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, work: Path, old_raw: Path,
              cas: peers.Casync | None, ost: peers.OSTree | None,
              extra: list[tuple[str, AgentProcess, transfer.Options]]) -> dict[str, Any]:
@@ -105,11 +113,13 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
     rep = transfer.push(a, res.version.ref, agent.url, agent.token)
     row["hcp_wire_bytes"] = rep.wire_bytes
     row["hcp"] = {"raw_bytes": rep.totals()["raw_bytes"], "cache_bytes": rep.totals()["cache_bytes"],
-                  "seconds": round(rep.seconds, 1), "codecs": sorted({o.codec for o in rep.objects})}
+                  "seconds": round(rep.seconds, 1), "codecs": sorted({o.codec for o in rep.objects}),
+                  **_deltas(rep)}
     for key, agent_x, opts in extra:
         rep_x = transfer.push(a, res.version.ref, agent_x.url, agent_x.token, opts)
         row[f"{key}_wire_bytes"] = rep_x.wire_bytes
-        row[key] = {"zstd_level": opts.level, "xz": opts.xz, "seconds": round(rep_x.seconds, 1)}
+        row[key] = {"zstd_level": opts.level, "xz": opts.xz, "deltas": opts.deltas, "seconds": round(rep_x.seconds, 1),
+                    **_deltas(rep_x)}
     row["zstd_bytes"] = layer_zstd(a, layer["id"])
     new_raw = work / "new" / "disk.raw"
     new_raw.parent.mkdir(exist_ok=True)
@@ -176,6 +186,9 @@ def main() -> None:
     ap.add_argument("--high-level", type=int, default=19,
                     help="also push each update at this zstd level to a third store (0: leave it out)")
     ap.add_argument("--no-xz", action="store_true", help="leave out the push with xz (to a fourth store)")
+    ap.add_argument("--compare-deltas", action="store_true",
+                    help="also push each update without deltas, in the link's codec and with xz (to a fifth and a "
+                         "sixth store)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the cases of the JSON result this run does not measure (a rerun of some cases)")
     ap.add_argument("--replot", action="store_true", help="only draw the chart again from the JSON result")
@@ -203,9 +216,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
-        a, b, c, d = image_stores("debian", work / "a", work / "b", work / "c", work / "d")
-        stores += [a, b, c, d]
-        for s in (b, c, d):
+        names = ["a", "b", "c", "d", *(["e", "f"] if args.compare_deltas else [])]
+        a, b, c, d, *ef = image_stores("debian", *(work / n for n in names))
+        stores += [a, b, c, d, *ef]
+        for s in (b, c, d, *ef):
             s.close()
         agent = AgentProcess(b.home, work / "b.token")
         hosts.add(a, HOST, agent.url, agent.token)
@@ -213,6 +227,9 @@ def main() -> None:
         transfer.push(a, base.ref, agent.url, agent.token)           # the fleet host holds the parent
         wanted = [("hcp_high", HOST_HIGH, c, transfer.Options(level=args.high_level))] if args.high_level else []
         wanted += [] if args.no_xz else [("hcp_xz", HOST_XZ, d, transfer.Options(xz=True))]
+        if args.compare_deltas:
+            wanted += [("hcp_whole", HOST_WHOLE, ef[0], transfer.Options(deltas=False)),
+                       ("hcp_xz_whole", HOST_XZ_WHOLE, ef[1], transfer.Options(xz=True, deltas=False))]
         for key, host, store, opts in wanted:
             agent_x = AgentProcess(store.home, work / f"{host}.token")
             extra.append((key, agent_x, opts))

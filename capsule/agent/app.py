@@ -115,6 +115,7 @@ from capsule.store import Store
 from capsule.transfer.records import record_version
 from capsule.verify import users_of, verify_versions
 from hashcache import wirejson
+from hashcache.delta import DELTA_FORMAT, DELTAS_HEADER
 from hashcache.errors import error_class
 from hashcache.hcp import decode_stream_read, encode_indices, encode_stream_error
 
@@ -282,14 +283,18 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         needed = await serve(functools.partial(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash))
         if needed is None:
             return Response(b"", headers={"X-Capsule-Present": "1"})
-        return Response(encode_plan(needed), media_type="application/octet-stream", headers={STREAMS_HEADER: CODECS})
+        offers = {STREAMS_HEADER: CODECS, DELTAS_HEADER: DELTA_FORMAT}
+        return Response(encode_plan(needed), media_type="application/octet-stream", headers=offers)
 
     @app.post("/v1/recv/{kind}/{oid}/blocks")
     async def recv_blocks(kind: str, oid: str, request: Request, compress: bool = True, stream: str | None = None,
-                          seq: SegmentQuery = 0, codec: str = "zstd") -> dict[str, int]:
-        """A batch of blocks: a zstd frame of its own, or segment ``seq`` of block stream ``stream``
-        (``codec``: zstd or xz)."""
+                          seq: SegmentQuery = 0, codec: str = "zstd", delta: bool = False) -> dict[str, int]:
+        """A batch of blocks: a zstd frame of its own, segment ``seq`` of block stream ``stream``
+        (``codec``: zstd or xz), or with ``delta`` deltas against blocks held here (hashcache/delta.py)."""
         raw = await body(request, MAX_BLOCKS_UPLOAD)
+        if delta:
+            kept, unresolved = await serve(inbox.accept_deltas, kind, oid, raw)
+            return {"stored": kept, "rebuilt": kept, "unresolved": unresolved}
         if stream is None:
             return {"stored": await serve(inbox.accept_upload, kind, oid, raw, compress)}
         await turns.wait((kind, oid), stream, seq)

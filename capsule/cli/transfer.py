@@ -59,6 +59,12 @@ Xz = Annotated[bool, typer.Option("--xz", help="Send each object's new blocks as
                                                 "slow enough): the fewest bytes (new packages: 5-9 % fewer than "
                                                 "--zstd-level 19, about as slow to compress). A receiver without "
                                                 "it gets zstd at --zstd-level (3 if not given).")]
+NoDeltas = Annotated[bool, typer.Option("--no-deltas", help="With --xz or --zstd-level 10 and up, send every new "
+                                                            "block of a disk layer whole, not as a delta against "
+                                                            "the parent version's blocks (by default there, where "
+                                                            "a delta costs fewer bytes: the same file in the "
+                                                            "parent, read from both versions' ext4 file systems, "
+                                                            "or the block at the same offset).")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
 
@@ -118,9 +124,9 @@ def codec_text(o: transfer.ObjectReport) -> str:
 
 
 def _options(no_hash: bool, no_compress: bool, level: int | None, inflight: int, batch: int,
-             full_hashes: bool, xz: bool = False) -> transfer.Options:
+             full_hashes: bool, xz: bool = False, no_deltas: bool = False) -> transfer.Options:
     return transfer.Options(hash=not no_hash, compress=not no_compress, level=level, inflight=inflight, batch=batch,
-                            full_hashes=full_hashes, xz=xz)
+                            full_hashes=full_hashes, xz=xz, deltas=not no_deltas)
 
 
 def _zstd_level(level: int | None, zstd_level: int | None) -> int | None:
@@ -132,7 +138,7 @@ def push(
     to: Annotated[str, typer.Option("--to", help=f"The receiving host: {PEER}.")],
     token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = None,
     xz: Xz = False, inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False,
-    fingerprint: FingerprintOpt = None, json: JsonOpt = False, level: OldLevel = None,
+    fingerprint: FingerprintOpt = None, json: JsonOpt = False, level: OldLevel = None, no_deltas: NoDeltas = False,
 ) -> None:
     """Send a capsule version to another host: only what it lacks travels (HCP).
 
@@ -143,7 +149,7 @@ def push(
       capsule push alice@3 --to https://home.example:7070 --token-file home.token --zstd-level 19
     """
     json_flag(json)
-    opts = _options(no_hash, no_compress, _zstd_level(level, zstd_level), inflight, batch, full_hashes, xz)
+    opts = _options(no_hash, no_compress, _zstd_level(level, zstd_level), inflight, batch, full_hashes, xz, no_deltas)
     store = open_store()
     peer = resolve_peer(store, to, token_file, fingerprint)
     r = _run(transfer.push, store, ref, peer.url, peer.token, opts, fingerprint=peer.fingerprint)

@@ -17,13 +17,21 @@ from pathlib import Path
 
 import zstandard
 
-from capsule.errors import Conflict, InvalidName, NotFound
+from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
 from capsule.exchange.streams import Streams
 from capsule.names import check_object_id
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
-from capsule.store.objectio import check_kind, has_object, install_received, object_path, open_shadow
+from capsule.store.objectio import (
+    ChainReader,
+    check_kind,
+    has_object,
+    install_received,
+    object_path,
+    open_shadow,
+)
+from hashcache import delta
 from hashcache.atomic import write_atomic
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import (
@@ -174,6 +182,40 @@ class Inbox:
             self.streams.take((kind, oid), stream, seq, len(indices), payload,
                               lambda blocks: incoming.receiver.accept(indices, blocks), codec)
         return len(indices)
+
+    def accept_deltas(self, kind: str, oid: str, raw: bytes) -> tuple[int, int]:
+        """A block upload of deltas (``hashcache/delta.py``): each block rebuilt from blocks of the disk the
+        object's parent layer shows, read from this store, and checked against its manifest hash before any
+        is kept. Returns (blocks kept, blocks unresolved: their references could not be read here; the
+        sender sends those again whole). A block that does not match raises IntegrityError naming it, and
+        nothing of the upload is kept."""
+        raw_indices, payload = split_blocks_upload(raw)
+        with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
+            receiver = incoming.receiver
+            parent = receiver.manifest.header.get("parent")
+            if kind != "layer" or not parent:
+                raise ProtocolError(f"{kind} {oid[:12]}: deltas are for a layer with a parent, this has none")
+            indices = decode_indices(raw_indices, receiver.manifest.block_count)
+
+            def expected(index: int) -> bytes:
+                rec = receiver.manifest.record(index)
+                if rec is None or rec[0]:
+                    raise ProtocolError(f"{kind} {oid[:12]}: block {index} is not a data block of this object")
+                return rec[1]
+
+            if not has_object(self.store, "layer", parent):
+                delta.unpack(payload, indices, receiver.manifest.block_count)   # refused if malformed, still
+                good: list[tuple[int, bytes]] = []
+                unresolved = sorted(indices)
+            else:
+                with ChainReader(self.store, parent) as chain:
+                    deltas = delta.unpack(payload, indices, chain.block_count)
+                    try:
+                        good, unresolved = delta.rebuild_all(self._name(kind, oid), deltas, chain.read, expected)
+                    except ManifestMismatch as exc:
+                        raise IntegrityError(str(exc)) from exc
+            receiver.accept([i for i, _b in good], [b for _i, b in good])
+        return len(good), len(unresolved)
 
     def lacking(self, kind: str, oid: str, raw_indices: bytes) -> list[int]:
         """Which of a batch's blocks (varint indices, as uploaded) this receive has not kept: asked by a

@@ -103,6 +103,20 @@ class BlockReader:
                 pos = end
             return out
 
+    def own(self, index: int) -> bool | None:
+        """Whether this layer holds block ``index`` itself: True (data), False (a zero block), None (not
+        allocated here: its backing layer says; also a block beyond the disk)."""
+        if self._img is None:
+            return True
+        with self._lock:
+            if self._closed:
+                raise Conflict(f"the reader of {self.path.name} was closed")
+            try:
+                found = self._img.block_kind(index)
+            except IndexError:
+                return None
+        return None if found is None else found[1] is not None
+
     def close(self) -> None:
         """Close the files (once; a read running in another thread finishes first)."""
         with self._lock:
@@ -114,6 +128,48 @@ class BlockReader:
             os.close(self._fd_data)
 
     def __enter__(self) -> BlockReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ChainReader:
+    """Reads 4 KiB blocks of the disk a layer shows: the layer's own, else its parent's, and so on (a block
+    no layer holds reads as zeros)."""
+
+    def __init__(self, store: Store, top: str) -> None:
+        row = store.catalogue.layer(top)
+        if row is None:
+            raise NotFound(f"no layer {top[:12]} in this store")
+        self.block_count = -(-row.virtual_size // BLOCK_SIZE)
+        self.readers: list[BlockReader] = []
+        try:
+            lid: str | None = top
+            while lid is not None:
+                self.readers.append(BlockReader(store, "layer", lid))
+                parent = store.catalogue.layer(lid)
+                lid = parent.parent if parent is not None else None
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, index: int) -> bytes | None:
+        """The block at ``index``; None beyond the disk."""
+        if not 0 <= index < self.block_count:
+            return None
+        for reader in self.readers:
+            own = reader.own(index)
+            if own is None:
+                continue
+            return reader.read([index])[0] if own else bytes(BLOCK_SIZE)
+        return bytes(BLOCK_SIZE)
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+    def __enter__(self) -> ChainReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -28,12 +29,15 @@ from capsule.transfer.codecpick import NONE, Codec, CodecPicker
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline
 from capsule.transfer.records import objects_of, version_record
-from capsule.transfer.resend import send_batch, upload_body
+from capsule.transfer.resend import lacking, send_batch, upload_body
+from capsule.transfer.similar import Similar
 from capsule.transfer.terms import Check, ObjectReport, Options, Progress, TransferReport, agent_client, never
-from hashcache import native
+from hashcache import delta, native
 from hashcache.blocks import BLOCK_SIZE
+from hashcache.delta import DELTAS_HEADER, Delta
 from hashcache.errors import HashcacheError
 from hashcache.hcp import (
+    MAX_BATCH,
     MAX_PART_RECORDS,
     Expectation,
     ProtocolError,
@@ -45,6 +49,15 @@ from hashcache.hcp import (
 from hashcache.transport import Transport
 
 PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
+DELTA_UPLOAD_BYTES = 4 << 20      # delta records in one upload, at most (the receiver takes 5 MiB)
+
+
+@dataclass
+class DeltaStats(TransferStats):
+    """A push's byte counts, and its blocks sent as deltas (``similar.py``) and their bytes."""
+
+    delta_blocks: int = 0
+    delta_bytes: int = 0
 
 
 def raw_size(store: Store, kind: str, oid: str) -> int:
@@ -133,7 +146,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     raw_bytes = manifest.nonzero_blocks * BLOCK_SIZE
     progress.begin(name, raw_bytes)
     reader = BlockReader(store, kind, oid)
-    stats = TransferStats(raw_bytes=raw_bytes)
+    stats = DeltaStats(raw_bytes=raw_bytes)
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
     picker = _picker(client, opts)
@@ -166,6 +179,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
 
     needed_total = 0
     previous: list[int] = []
+    similar: Similar | None = None
     try:
         with Pipeline(send, opts.inflight, max_pending=max(2, opts.inflight)) as frames, \
                 Pipeline(send, 1, max_pending=2) as stream:
@@ -191,6 +205,10 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 needed_total += len(needed)
                 if k == 0:
                     allowed = codecpick.candidates(offered_codecs(resp.headers.get(STREAMS_HEADER)), STREAM_LEVEL)
+                    similar = _similar(store, kind, manifest.parent, oid, opts, resp.headers.get(DELTAS_HEADER))
+                if similar is not None and needed and _deltas_pay(picker):
+                    needed, deltas = similar.split(needed, reader)
+                    needed = sorted(needed + _send_deltas(client, kind, oid, deltas, stats, progress, check))
                 for batch in pacer.batches(needed):
                     for pipe in (frames, stream):
                         if pipe.failed:
@@ -218,11 +236,72 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                     segments += 1
     finally:
         reader.close()
+        if similar is not None:
+            similar.close()
     t_commit = time.monotonic()
     client.request("POST", f"/v1/recv/{kind}/{oid}/commit", params={"role": role})
     cache_bytes = raw_bytes - needed_total * BLOCK_SIZE
-    return ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes, client.wire_bytes - wire0,
-                        time.monotonic() - t0, time.monotonic() - t_commit).used(picker, used)
+    report = ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes, client.wire_bytes - wire0,
+                          time.monotonic() - t0, time.monotonic() - t_commit).used(picker, used)
+    report.delta_blocks, report.delta_bytes = stats.delta_blocks, stats.delta_bytes
+    return report
+
+
+def _similar(store: Store, kind: str, parent: str | None, oid: str, opts: Options,
+             offered: str | None) -> Similar | None:
+    """Deltas for this object's blocks (``similar.py``): a layer whose parent the receiver holds (it takes
+    no layer before its parent), a receiver that decodes them (``DELTAS_HEADER``), blocks compressed."""
+    if kind != "layer" or parent is None or not opts.deltas or opts.codec == "none" or not delta.offered(offered):
+        return None
+    return Similar(store, oid, parent)
+
+
+def _uploads(deltas: list[Delta]) -> list[list[Delta]]:
+    """Deltas grouped into uploads the receiver takes: at most ``MAX_BATCH`` blocks, ``MAX_UPLOAD_REFS``
+    references and ``DELTA_UPLOAD_BYTES`` of records each."""
+    out: list[list[Delta]] = []
+    blocks = refs = size = 0
+    for d in deltas:
+        if not out or blocks + len(d.indices) > MAX_BATCH or refs + d.ref_count > delta.MAX_UPLOAD_REFS \
+                or size + d.wire_size > DELTA_UPLOAD_BYTES:
+            out.append([])
+            blocks = refs = size = 0
+        out[-1].append(d)
+        blocks, refs, size = blocks + len(d.indices), refs + d.ref_count, size + d.wire_size
+    return out
+
+
+def _deltas_pay(picker: CodecPicker) -> bool:
+    """Whether bytes are worth a delta's CPU here: the codec given is a stream codec (xz, zstd from
+    ``STREAM_LEVEL``: ``--xz``, ``--zstd-level 10`` and up), which asks for bytes over speed. A codec
+    left to the link gets no deltas yet: the picker does not know what they cost (on a fast link whole
+    blocks go sooner than deltas are made: zstd -19 against up to 8 MiB)."""
+    return picker.forced is not None and picker.forced.is_stream(STREAM_LEVEL)
+
+
+def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[Delta], stats: DeltaStats,
+                 progress: Progress, check: Check) -> list[int]:
+    """Upload blocks as deltas; returns those the receiver did not rebuild (references it could not read),
+    to send whole."""
+    again: list[int] = []
+    for part in _uploads(deltas):
+        check()
+        batch = sorted(i for d in part for i in d.indices)
+        body = upload_body(batch, delta.pack(part))
+        reply = client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params={"delta": "true"},
+                               idempotent=True).json()
+        rebuilt = reply.get("rebuilt") if isinstance(reply, dict) else None
+        if not isinstance(rebuilt, int) or isinstance(rebuilt, bool) or not 0 <= rebuilt <= len(batch):
+            raise TransferFailed(f"{kind} {oid[:12]}: the receiver's answer to a delta upload is malformed")
+        todo = lacking(client, kind, oid, batch) if rebuilt < len(batch) else []
+        gone = set(todo)
+        kept = [d for d in part if not gone.intersection(d.indices)]
+        n = sum(len(d.indices) for d in kept)
+        stats.add(fetched_bytes=n * BLOCK_SIZE, requests=1, delta_blocks=n, delta_bytes=sum(d.wire_size for d in kept))
+        progress.advance(n * BLOCK_SIZE)
+        progress.wire(client.wire_bytes)
+        again.extend(todo)
+    return again
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,

@@ -33,6 +33,7 @@ class Options:
     inflight: int = 8          # requests in flight
     full_hashes: bool = False  # send whole 32-byte hashes instead of 8-byte prefixes + digest check
     xz: bool = False           # blocks as one xz (LZMA2) stream per object where the receiver takes it
+    deltas: bool = True        # a layer's blocks as deltas against its parent's where that pays (similar.py)
     codec: CodecName = "auto"
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class ObjectReport:
     codec: str = ""                  # the codec most of its sent bytes travelled in (codecpick.py)
     codecs: dict[str, int] = field(default_factory=dict)   # raw bytes sent in each codec
     link_rate: float | None = None   # the link's rate (bytes/s) measured when its codec was last picked
+    delta_blocks: int = 0            # blocks sent as deltas against the parent's (push; capsule/transfer/similar.py)
+    delta_bytes: int = 0             # their bytes on the wire (delta records)
 
     def used(self, picker: CodecPicker, codecs: dict[str, int]) -> ObjectReport:
         """This report with the codecs ``codecs`` counts and the link rate ``picker`` picked them at."""
