@@ -42,6 +42,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -60,6 +62,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(300)]
 
 CAPSULE = "cases"
 WAIT = "for i in $(seq 600); do [ -e {path} ] && exec cat {path}; sleep 0.1; done; echo 'no {path}' >&2; exit 1"
+GHOST = "Can't dump ghost file /dev/shm/pod-big of 4194304 size, increase limit"   # CRIU's refusal
 SECONDS: dict[str, tuple[float, float, float]] = {}   # per case: CRIU's dump, the checkpoint, the restore
 
 
@@ -154,9 +157,14 @@ def test_posix_shm_unlinked_once_mapped_is_refused_with_criu_s_own_error_and_the
         with pytest.raises(CheckpointFailed) as refused:
             ops.checkpoint(pods, _ref("shm-unlinked"))
         message = str(refused.value)
-        assert "criu dump failed" in message
-        assert "Can't dump ghost file /dev/shm/pod-big of 4194304 size, increase limit" in message
-        assert (refused.value.code, refused.value.exit_code) == ("pod_checkpoint_failed", CheckpointFailed.exit_code)
+        assert "criu dump failed" in message and GHOST in message
+        assert refused.value.code == "pod_checkpoint_failed"
+        # and as `capsule pod checkpoint` shows it: CRIU's words, the checkpoint's exit code
+        shown = subprocess.run([sys.executable, "-m", "capsule.cli.main", "pod", "checkpoint", _ref("shm-unlinked")],
+                               capture_output=True, text=True, timeout=180,
+                               env=dict(os.environ, CAPSULE_HOME=str(pods.home), COLUMNS="500"))
+        assert shown.returncode == CheckpointFailed.exit_code, shown.stderr
+        assert GHOST in " ".join(shown.stderr.split()), shown.stderr
         assert ops.source_pod(pods, _ref("shm-unlinked"))["state"] == "running"
         after = _report(pods, "shm-unlinked", "/tmp/result.json", first="touch /tmp/go; ")
         assert after == {"marker": "still mapped"}
