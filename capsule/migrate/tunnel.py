@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from capsule import __version__
 from capsule.agentclient import AgentClient
 from capsule.errors import EnvironmentProblem, Error, InvalidName, NotFound
 from capsule.migrate.ramdedup import Encoder, Known, Objects, Stats
+from capsule.migrate.sendqueue import MIN_NOT_SENT, SendQueue, set_bound
 from capsule.runtime import guestaccess
 from hashcache.transport import plain, protocol, tls
 
@@ -63,20 +63,8 @@ DEFAULT_TTL = 3600.0                                    # seconds a session admi
 CHUNK = 1 << 16                                         # bytes of one frame at most (agents take up to 1 MiB)
 CONNECT_TIMEOUT = 30.0
 CLOSE_TIMEOUT = 10.0
-# bytes a tunnel connection's socket may hold unsent: the rest waits in QEMU, which then sees the link's own rate.
-# Without it the kernel queued megabytes (4 s at 8 Mbit/s): QEMU judged that what remained fitted the pause budget
-# when it was only in the queue, and the guest stayed paused while the queue drained
-NOT_SENT = 128 * 1024
 ENTRANCE_MODE = 0o660
 ENTRANCE_DIR_MODE = 0o710
-
-
-def short_queue(sock: socket.socket | None) -> None:
-    """At most :data:`NOT_SENT` bytes unsent in ``sock``'s kernel queue (TCP_NOTSENT_LOWAT; a socket that is not
-    TCP, or a kernel without it, is left as it is)."""
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError, AttributeError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOT_SENT)
 
 
 class Endpoint(Protocol):
@@ -216,7 +204,6 @@ class Tunnel:
         try:
             ws = await self._open()
             if ws is not None:
-                short_queue(ws.transport.get_extra_info("socket"))
                 try:
                     await self._pump(ws, reader, writer)
                 finally:
@@ -235,6 +222,7 @@ class Tunnel:
         try:
             return await connect(url, additional_headers={"Authorization": f"Bearer {self.peer.token}"},
                                  user_agent_header=protocol.user_agent(__version__), max_size=4 * CHUNK,
+                                 write_limit=MIN_NOT_SENT,
                                  open_timeout=self.connect_timeout, compression=None,
                                  ssl=tls.client_context(self.peer.fingerprint) if url.startswith("wss://") else None)
         except InvalidStatus as exc:
@@ -253,10 +241,20 @@ class Tunnel:
         if encoder is not None:
             self.encoders.append(encoder)
 
+        # the bytes this connection may leave unsent, and write at once, follow the link's rate (sendqueue.py):
+        # what is queued when QEMU stops the guest must cross the link before the last pages
+        sock, queue, sent = ws.transport.get_extra_info("socket"), SendQueue(), 0
+        set_bound(sock)
+
         async def send(data: bytes) -> None:
-            for at in range(0, len(data), CHUNK):   # (never an empty message: that is the half-close)
-                await ws.send(data[at:at + CHUNK])  # waits while the connection's buffer is full: back-pressure
+            nonlocal sent
+            step = min(CHUNK, queue.current)
+            for at in range(0, len(data), step):    # (never an empty message: that is the half-close)
+                await ws.send(data[at:at + step])   # waits while the connection's buffer is full: back-pressure
             self.counts.sent += len(data)
+            sent += len(data)
+            if (bound := queue.bound(sent)) is not None:
+                set_bound(sock, bound)
 
         async def outward() -> None:            # the local end's bytes → the peer
             while data := await reader.read(CHUNK):

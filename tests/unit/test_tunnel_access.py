@@ -249,10 +249,38 @@ def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
 
 
 def test_a_tunnel_connection_holds_little_unsent_so_qemu_sees_the_link_rate():
-    from capsule.migrate.tunnel import NOT_SENT, short_queue
+    from capsule.migrate.sendqueue import MAX_NOT_SENT, MIN_NOT_SENT, set_bound
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp, socket.socket(socket.AF_UNIX) as unix:
-        short_queue(tcp)
-        short_queue(unix)           # not TCP: left alone, no error
-        short_queue(None)
-        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == NOT_SENT
+        set_bound(tcp)
+        set_bound(unix)             # not TCP: left alone, no error
+        set_bound(None)
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == MAX_NOT_SENT
+        set_bound(tcp, MIN_NOT_SENT)
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == MIN_NOT_SENT
+
+
+def test_the_unsent_bound_is_a_quarter_second_of_the_links_rate_within_its_limits():
+    from capsule.migrate.sendqueue import MAX_NOT_SENT, MIN_NOT_SENT, SendQueue
+
+    now = [0.0]
+    q = SendQueue(clock=lambda: now[0])
+    assert q.current == MAX_NOT_SENT and q.bound(0) is None
+    sent = 0
+    answers = []
+    for _ in range(20):                     # 384 kbit/s: 48,000 bytes a second leave
+        now[0] += 0.5
+        sent += 24_000
+        answers.append(q.bound(sent))
+    assert [a for a in answers if a is not None] == [MIN_NOT_SENT]   # 12,000 bytes a quarter second: the floor
+    assert q.current == MIN_NOT_SENT
+    for _ in range(20):                     # the link speeds up: 300 kB/s, a bound of 75 kB
+        now[0] += 0.5
+        sent += 150_000
+        q.bound(sent)
+    assert 0.75 * 75_000 <= q.current <= 75_000    # (moved again only when off by a quarter)
+    for _ in range(20):                     # a LAN: the ceiling
+        now[0] += 0.5
+        sent += 50_000_000
+        q.bound(sent)
+    assert q.current == MAX_NOT_SENT
