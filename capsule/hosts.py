@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from capsule.agentclient import AgentClient
-from capsule.errors import AlreadyExists, Conflict, Error, InvalidName, NotFound, TransferFailed, Unreachable
+from capsule.errors import (
+    AlreadyExists,
+    AuthFailed,
+    Conflict,
+    Error,
+    InvalidName,
+    NotFound,
+    TransferFailed,
+    Unreachable,
+)
 from capsule.names import check_name
 from capsule.store import Store
 from hashcache.errors import HostKeyError
@@ -208,6 +218,19 @@ def name_for_url(known: list[Peer]) -> Callable[[str], str | None]:
             return None
 
     return lookup
+
+
+@contextmanager
+def client(peer: Peer, timeout: float) -> Iterator[AgentClient]:
+    """A client of ``peer`` with this host's token for it (*Bring here*, a peer's clipboard). The peer refusing that
+    token is no sign-in matter of the page's (a 401 here would end its session): it becomes a TransferFailed (502)
+    naming the host and what to do."""
+    try:
+        with AgentClient(peer.url, peer.token, timeout=timeout, fingerprint=peer.fingerprint) as c:
+            yield c
+    except AuthFailed as exc:
+        raise TransferFailed(f"host {peer.name} refuses this host's token for it ({exc}): give it a valid one "
+                             f"(`capsule host rm {peer.name}`, then `capsule host add` again)") from exc
 
 
 def ask_one(store: Store, name: str, path: str, *, timeout: float = ASK_TIMEOUT) -> Any:

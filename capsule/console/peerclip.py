@@ -7,31 +7,16 @@ is asked."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from capsule import hosts
-from capsule.agentclient import AgentClient
 from capsule.console import clipboard
-from capsule.errors import AuthFailed, TransferFailed
+from capsule.errors import TransferFailed
 from capsule.names import check_name
 from capsule.store import Store
 
 ASK_TIMEOUT = 60.0
 """Seconds for the peer's answer: it runs the X helper in the guest, a few guest-agent calls of up to 20 s each."""
-
-
-@contextmanager
-def _client(peer: hosts.Peer) -> Iterator[AgentClient]:
-    """A client of the peer with this host's token for it; the peer refusing that token is no sign-in matter of the
-    page's (a 401 would end its session here): it becomes a 502 naming the host."""
-    try:
-        with AgentClient(peer.url, peer.token, timeout=ASK_TIMEOUT, fingerprint=peer.fingerprint) as client:
-            yield client
-    except AuthFailed as exc:
-        raise TransferFailed(f"host {peer.name} refuses this host's token for it ({exc}): give it a valid one "
-                             f"(`capsule host rm {peer.name}`, then `capsule host add` again)") from exc
 
 
 def _fields(peer: hosts.Peer, answer: Any, want: dict[str, type]) -> dict[str, Any]:
@@ -47,7 +32,7 @@ def get(store: Store, host: str, name: str) -> dict[str, Any]:
     RequestTooLarge, ...) as it raised them; Unreachable when it does not answer."""
     check_name(name)
     peer = hosts.get(store, host)
-    with _client(peer) as client:
+    with hosts.client(peer, ASK_TIMEOUT) as client:
         answer = client.get_json(f"/api/capsules/{name}/clipboard")
     return _fields(peer, answer, {"text": str, "bytes": int, "max_bytes": int})
 
@@ -61,7 +46,7 @@ def set(store: Store, host: str, name: str, text: str) -> dict[str, Any]:
     if size > clipboard.MAX_BYTES:
         raise clipboard.too_large(size, "the text")
     peer = hosts.get(store, host)
-    with _client(peer) as client:
+    with hosts.client(peer, ASK_TIMEOUT) as client:
         answer = client.request("PUT", f"/api/capsules/{name}/clipboard", json_body={"text": text},
                                 idempotent=False).json()
     return _fields(peer, answer, {"bytes": int, "max_bytes": int})

@@ -10,14 +10,12 @@ only the ``host`` scope cannot start a migration there)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from capsule import hosts
-from capsule.agentclient import AgentClient
 from capsule.errors import AuthFailed, Conflict, NotFound, TransferFailed, Unreachable
 from capsule.names import check_name
 from capsule.store import Store
@@ -29,21 +27,9 @@ STREAM_IDLE = 60.0          # seconds without a byte on the peer's event stream 
 UNKNOWN = "unknown_destination"
 
 
-@contextmanager
-def _client(peer: hosts.Peer) -> Iterator[AgentClient]:
-    """A client of the peer with this host's token for it; the peer refusing that token is no sign-in matter of
-    the page's (a 401 here would end its session): it becomes a 502 naming the host."""
-    try:
-        with AgentClient(peer.url, peer.token, timeout=ASK_TIMEOUT, fingerprint=peer.fingerprint) as client:
-            yield client
-    except AuthFailed as exc:
-        raise TransferFailed(f"host {peer.name} refuses this host's token for it ({exc}): give it a valid one "
-                             f"(`capsule host rm {peer.name}`, then `capsule host add` again)") from exc
-
-
 def name_here(store: Store, peer: hosts.Peer) -> str | None:
     """The peer's name for this host (a row of its peers table with this store's id), or None."""
-    with _client(peer) as client:
+    with hosts.client(peer, ASK_TIMEOUT) as client:
         rows = client.request("GET", "/api/hosts", idempotent=False).json()
     for row in rows if isinstance(rows, list) else []:
         if isinstance(row, dict) and row.get("store_id") == store.id and isinstance(row.get("name"), str):
@@ -66,7 +52,7 @@ def check(store: Store, host: str, name: str) -> dict[str, Any]:
     out: dict[str, Any] = {"capsule": name, "host": peer.name, "to": to, "refused": None, "live_refusals": []}
     if to is None:
         return out | {"refused": {"reason": UNKNOWN, "detail": _unknown(peer, store)}}
-    with _client(peer) as client:
+    with hosts.client(peer, ASK_TIMEOUT) as client:
         answer = client.get_json(f"/api/capsules/{name}/migrate/check", to=to)
     return out | {"live_refusals": list(answer.get("refusals") or []) if isinstance(answer, dict) else []}
 
@@ -79,7 +65,7 @@ def bring(store: Store, host: str, name: str, body: dict[str, Any]) -> dict[str,
     to = name_here(store, peer)
     if to is None:
         raise Conflict(_unknown(peer, store))
-    with _client(peer) as client:
+    with hosts.client(peer, ASK_TIMEOUT) as client:
         answer = client.request("POST", f"/api/capsules/{name}/migrate", json_body=body | {"to": to},
                                 idempotent=False).json()
     return dict(answer) | {"host": peer.name}
@@ -88,14 +74,14 @@ def bring(store: Store, host: str, name: str, body: dict[str, Any]) -> dict[str,
 def migration(store: Store, host: str, mid: str) -> dict[str, Any]:
     """A migration of peer ``host`` (its last progress snapshot, how it ended)."""
     peer = hosts.get(store, host)
-    with _client(peer) as client:
+    with hosts.client(peer, ASK_TIMEOUT) as client:
         return dict(client.get_json(f"/api/migrations/{_mid(mid)}")) | {"host": peer.name}
 
 
 def cancel(store: Store, host: str, mid: str) -> dict[str, Any]:
     """Cancel a migration of peer ``host``: the capsule runs there again (the peer refuses once it is too late)."""
     peer = hosts.get(store, host)
-    with _client(peer) as client:
+    with hosts.client(peer, ASK_TIMEOUT) as client:
         answer = client.request("POST", f"/api/migrations/{_mid(mid)}/cancel", idempotent=False).json()
     return dict(answer) | {"host": peer.name}
 
@@ -124,7 +110,7 @@ async def events(store: Store, host: str, mid: str) -> AsyncIterator[bytes]:
         except ValueError:
             wire = {"detail": body[:200].decode(errors="replace")}
         refusal = from_wire(wire, reply.status_code, f"host {peer.name}: ")
-        if isinstance(refusal, AuthFailed):     # this host's token, not the page's sign-in (as in _client)
+        if isinstance(refusal, AuthFailed):     # this host's token, not the page's sign-in (as in hosts.client)
             raise TransferFailed(f"host {peer.name} refuses this host's token for it ({refusal})") from refusal
         raise refusal
 
