@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--guest", choices=sorted(livepeers.GUESTS), default="tiny",
                     help="tiny (256 MiB, the default) or desktop (the desktop image, 1 GiB, running B4's office day "
                          "during the move)")
+    ap.add_argument("--mss", type=int, default=0,
+                    help="the TCP segment size senders use across the link (e.g. 1448, an Ethernet path's; default: "
+                         "loopback's 64 KiB, whose segments keep TCP's queue at the link long)")
     ap.add_argument("--keep-hosts", action="store_true", help="leave the compose project up")
     args = ap.parse_args()
     guest = livepeers.use_guest(args.guest)
@@ -115,7 +118,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     try:
         seed(a, b, guest)
-        with LoopLink(args.rate_kbit, args.rtt_ms) as shaped:
+        with LoopLink(args.rate_kbit, args.rtt_ms, args.mss) as shaped:
             shaped.forward(LINK_LIBVIRT, "127.0.0.1", B_LIBVIRT)
             shaped.forward(LINK_AGENT, "127.0.0.1", B_AGENT)
             shaped.forward(MIGRATION_PORT, FAR, MIGRATION_PORT)
@@ -138,7 +141,7 @@ def main() -> None:
             + (f"_{args.tag}" if args.tag else ""))
     described = f"{guest.image}, {guest.memory.replace('M', ' MiB').replace('G', ' GiB')}"
     path = write_result(name, {
-        "rate_kbit": args.rate_kbit, "rtt_ms": args.rtt_ms,
+        "rate_kbit": args.rate_kbit, "rtt_ms": args.rtt_ms, "mss": args.mss or None,
         "guest": described + (", office day running" if guest.office else ""),
         "results": results,
         "ratios": ratios(results),

@@ -43,9 +43,10 @@ def _tc(*args: str) -> str:
 
 
 class LoopLink:
-    def __init__(self, rate_kbit: int, rtt_ms: float) -> None:
+    def __init__(self, rate_kbit: int, rtt_ms: float, mss: int = 0) -> None:
         self.rate_kbit = rate_kbit
         self.rtt_ms = rtt_ms
+        self.mss = mss       # the segment size a sender may use across the link (0: loopback's own, 64 KiB)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.ports: list[int] = []
         self._installed = False
@@ -87,7 +88,7 @@ class LoopLink:
                 "match", "ip", match, str(port), "0xffff", "flowid", cls)
         self.procs.append(subprocess.Popen(
             [sys.executable, str(HERE.parent / "testkit" / "delayproxy.py"), "--listen", f"127.0.0.1:{port}",
-             "--to", f"{to_host}:{to_port}", "--delay-ms", str(self.rtt_ms / 2)],
+             "--to", f"{to_host}:{to_port}", "--delay-ms", str(self.rtt_ms / 2), "--mss", str(self.mss)],
             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.ports.append(port)
         deadline = time.monotonic() + 10

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import time
 
 
@@ -42,7 +43,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
         writer.close()
 
 
-async def main(listen: str, to: str, delay: float) -> None:
+async def main(listen: str, to: str, delay: float, mss: int = 0) -> None:
     lhost, lport = listen.rsplit(":", 1)
     thost, tport = to.rsplit(":", 1)
 
@@ -54,7 +55,14 @@ async def main(listen: str, to: str, delay: float) -> None:
             return
         await asyncio.gather(_pump(cr, uw, delay), _pump(ur, cw, delay), return_exceptions=True)
 
-    server = await asyncio.start_server(handle, lhost, int(lport))
+    if mss:     # the segment size the other end may send here: a real link's, not loopback's 64 KiB
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, mss)
+        sock.bind((lhost, int(lport)))
+        server = await asyncio.start_server(handle, sock=sock)
+    else:
+        server = await asyncio.start_server(handle, lhost, int(lport))
     async with server:
         await server.serve_forever()
 
@@ -64,5 +72,7 @@ if __name__ == "__main__":
     ap.add_argument("--listen", required=True)
     ap.add_argument("--to", required=True)
     ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay (RTT = 2x)")
+    ap.add_argument("--mss", type=int, default=0, help="the TCP segment size clients may send to the proxy (0: the "
+                                                       "interface's; loopback's is 64 KiB)")
     a = ap.parse_args()
-    asyncio.run(main(a.listen, a.to, a.delay_ms / 1000.0))
+    asyncio.run(main(a.listen, a.to, a.delay_ms / 1000.0, a.mss))
