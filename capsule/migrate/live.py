@@ -177,7 +177,7 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
             try:
                 link = lambda: tunnels.bytes_sent + tunnels.bytes_received  # noqa: E731
                 figures = _run_job(dom, Routes.of(tunnels), prep, targets, max_pause, postcopy, tracker, cancel,
-                                   say, link, SwitchoverRate(dom, _raw_memory(tunnels)))
+                                   say, link, SwitchoverRate(dom, _raw_memory(tunnels), wire=_memory_wire(tunnels)))
             except BaseException as exc:
                 gone = None
                 try:
@@ -266,6 +266,12 @@ def _raw_memory(tunnels: Tunnels) -> Callable[[], int]:
     if t is None:
         return lambda: 0
     return (lambda: t.memory.literal_bytes) if tunnels.dedup else (lambda: t.bytes_sent)
+
+
+def _memory_wire(tunnels: Tunnels) -> Callable[[], int] | None:
+    """The bytes of the migration channel that left for the link so far (after the memory codec)."""
+    t = tunnels.tunnels.get("qemu-migration")
+    return None if t is None else (lambda: t.bytes_sent)
 
 
 def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,

@@ -53,3 +53,21 @@ def test_qemu_is_told_again_only_when_the_rate_moves_and_never_after_it_refused(
     r = g.rate(refuse=True)                        # a QEMU without avail-switchover-bandwidth
     g.run(r, 10, 1_000_000)
     assert len(g.told) == 1 and r.told is None and r.refused
+
+
+def test_the_pages_are_credited_at_most_twice_the_links_rate():
+    t, raw, wire, told = [0.0], [0], [0], []
+    s = SwitchoverRate(None, lambda: raw[0], clock=lambda: t[0], tell=lambda r: told.append(r) or True,
+                       wire=lambda: wire[0])
+    for _ in range(20):                 # pages that compressed 4.7:1 over the window: 4.7 MB/s of them, 1 MB/s sent
+        t[0] += 0.5
+        raw[0] += 2_350_000
+        wire[0] += 500_000
+        s.tick()
+    assert abs(told[-1] - 2_000_000) < 50_000          # the last pages may not compress as these did
+    for _ in range(20):                 # pages that compress 1.5:1: their own rate
+        t[0] += 0.5
+        raw[0] += 750_000
+        wire[0] += 500_000
+        s.tick()
+    assert abs(told[-1] - 1_500_000) < 50_000
