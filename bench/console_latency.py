@@ -98,9 +98,9 @@ def _sample(rfb: Rfb, keysym: int) -> float:
 
 
 @contextmanager
-def direct(store: Store) -> Iterator[Rfb]:
+def direct(store: Store, name: str = NAME) -> Iterator[Rfb]:
     with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(screen.vnc_socket(store, NAME)))
+        s.connect(str(screen.vnc_socket(store, name)))
         s.settimeout(10)
         rfb = Rfb(s.sendall, lambda: s.recv(1 << 16))
         rfb.handshake()
@@ -108,14 +108,14 @@ def direct(store: Store) -> Iterator[Rfb]:
 
 
 @contextmanager
-def through_agent(agent: AgentProcess) -> Iterator[Rfb]:
+def through_agent(agent: AgentProcess, name: str = NAME) -> Iterator[Rfb]:
     from websockets.sync.client import connect
 
     auth = {"Authorization": f"Bearer {agent.token}"}
-    req = urllib.request.Request(f"{agent.url}/api/capsules/{NAME}/console-ticket", data=b"{}", method="POST",
+    req = urllib.request.Request(f"{agent.url}/api/capsules/{name}/console-ticket", data=b"{}", method="POST",
                                  headers=auth | {"Content-Type": "application/json"})
     ticket = json.loads(urllib.request.urlopen(req, timeout=10).read())["ticket"]
-    url = agent.url.replace("http://", "ws://") + f"/api/console/{NAME}?ticket={ticket}"
+    url = agent.url.replace("http://", "ws://") + f"/api/console/{name}?ticket={ticket}"
     with connect(url, additional_headers=auth, max_size=None, open_timeout=10) as ws:
         rfb = Rfb(ws.send, lambda: ws.recv(timeout=10, decode=False))
         rfb.handshake()

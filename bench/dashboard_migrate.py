@@ -35,8 +35,8 @@ CHROMIUM = os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium")
 NAME = "bench"
 
 
-def _cli(home: Path, to: str, balloon: bool) -> tuple[float, float]:
-    cmd = [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "--json", "migrate", NAME, "--to", to,
+def _cli(home: Path, to: str, balloon: bool, name: str = NAME) -> tuple[float, float]:
+    cmd = [sys.executable, "-m", "capsule.cli.main", "--home", str(home), "--json", "migrate", name, "--to", to,
            "--offline", *(["--balloon"] if balloon else [])]   # (the two hosts share this machine's libvirtd)
     t = time.monotonic()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(
