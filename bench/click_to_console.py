@@ -179,8 +179,8 @@ def main() -> None:
         agent_a = AgentProcess(a.home, Path(tmp) / "a.token")
         agent_b = AgentProcess(b.home, Path(tmp) / "b.token")
         side = {"a": (a, agent_a), "b": (b, agent_b)}
-        page_runs: list[dict[str, float]] = []
-        cli_runs: list[dict[str, float]] = []
+        page_runs: list[dict[str, float | str]] = []
+        cli_runs: list[dict[str, float | str]] = []
         latency: dict[str, dict[str, list[float]]] = {}
         try:
             hosts.add(a, "b", agent_b.url, agent_b.token)
