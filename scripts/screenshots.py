@@ -35,9 +35,8 @@ from capsule.agent.launch import AgentProcess
 from capsule.console.screen import screenshot
 from capsule.errors import Error
 from capsule.store import Store
+from testkit.desktop import AT, CANVAS, CONSOLE_IN_VIEW, TEE, TYPED, terminal_top_left, typed_lines
 from testkit.images import destroy_domains, ensure_image, image_store, make_store
-from tests.browser.test_desktop_console import AT, CANVAS, TEE, TYPED, _typed
-from tests.vm.test_desktop_clipboard import terminal_top_left
 from tests.wait import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +143,7 @@ def console_fits(page: Any, store: Store) -> None:
 def into_terminal(page: Any, store: Store) -> None:
     """Click into the guest's terminal (found on its screen): it has the keyboard."""
     left, top = wait(lambda: terminal_top_left(store, "desk"), 60, "the terminal on the guest's screen")
-    page.evaluate("() => document.querySelector('#console').scrollIntoView()")
+    page.evaluate(CONSOLE_IN_VIEW)
     page.mouse.click(*page.evaluate(AT, [left + 80, top + 40]))
     page.wait_for_timeout(500)
 
@@ -152,7 +151,7 @@ def into_terminal(page: Any, store: Store) -> None:
 def type_line(page: Any, store: Store, line: str, want: list[str]) -> None:
     page.keyboard.type(line, delay=20)
     page.keyboard.press("Enter")
-    wait(lambda: _typed(store) == want, 60, f"{want} in the guest's {TYPED}")
+    wait(lambda: typed_lines(store, "desk") == want, 60, f"{want} in the guest's {TYPED}")
 
 
 # scroll so that the console card's title is at the top and, as far as the viewport reaches, the capsule's row shows
@@ -236,7 +235,7 @@ def day(work: Host, home: Host, browser: Any, out: Path) -> list[Path]:
     if capsules.state_of(home.store, "desk").state != "running":
         raise StepFailed("desk is not running at home after the move")
     console_fits(page, home.store)
-    wait(lambda: _typed(home.store) == LINES[:1], 60, f"{LINES[:1]} in the guest's {TYPED} at home")
+    wait(lambda: typed_lines(home.store, "desk") == LINES[:1], 60, f"{LINES[:1]} in the guest's {TYPED} at home")
     into_terminal(page, home.store)
     type_line(page, home.store, LINES[1], LINES[:2])
     show_console(page, 'section[data-host="local"] tr[data-capsule="desk"]')
@@ -250,7 +249,7 @@ def day(work: Host, home: Host, browser: Any, out: Path) -> list[Path]:
     into_terminal(page, home.store)
     page.keyboard.press("Shift+Insert")
     page.keyboard.press("Enter")
-    wait(lambda: _typed(home.store) == LINES, 60, f"{LINES} in the guest's {TYPED}")
+    wait(lambda: typed_lines(home.store, "desk") == LINES, 60, f"{LINES} in the guest's {TYPED}")
     show_console(page, 'section[data-host="local"] tr[data-capsule="desk"]')
     shots.append(shoot(page, out, "clipboard.png"))
 
