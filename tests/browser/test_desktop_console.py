@@ -16,29 +16,17 @@ from dataclasses import dataclass
 import pytest
 
 from capsule import capsules, hosts, lifecycle
-from capsule.console import clipboard, guestx, pointer, screensize
+from capsule.console import clipboard, pointer, screensize
 from capsule.console.screen import screenshot
 from capsule.store import Store
+from testkit.desktop import AT, CANVAS, CONSOLE_IN_VIEW, TEE, TYPED, terminal_top_left, typed_lines
 from testkit.images import destroy_domains, make_store
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
 from tests.conftest import Agent
 from tests.helpers.dashboard import open_console, sign_in
-from tests.vm.test_desktop_clipboard import terminal_top_left
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
-
-# the screen's canvas as the page shows it (CSS pixels) and the panel it sits in
-CANVAS = """() => {
-  const c = document.querySelector('#console-screen canvas');
-  const p = document.querySelector('#console-screen').getBoundingClientRect();
-  if (!c || !c.width) return null;
-  const r = c.getBoundingClientRect();
-  const e = document.querySelector('#console-screen');
-  return {fbw: c.width, fbh: c.height, w: r.width, h: r.height, pw: p.width, ph: p.height, cw: e.clientWidth,
-          ch: e.clientHeight};
-}"""
-
 
 # the console card's elements that stick out of it on the right
 OVERFLOW = """() => {
@@ -228,29 +216,18 @@ def home(desk, desktop_images, tmp_path_factory) -> Iterator[Home]:
         store.close()
 
 
-TYPED = "/tmp/typed"
-# what the terminal's shell runs: every line typed after it is appended to TYPED (no character that needs Shift)
-TEE = f"tee -a {TYPED}"
 LINES = ["line-one-typed-before-the-move", "line-two-typed-after-the-move", "line-three-from-the-clipboard"]
-# a guest pixel of the canvas: where it is on the page (CSS pixels), however the screen is scaled
-AT = """([gx, gy]) => {
-  const c = document.querySelector('#console-screen canvas');
-  const r = c.getBoundingClientRect();
-  return [r.left + (gx + 0.5) * r.width / c.width, r.top + (gy + 0.5) * r.height / c.height];
-}"""
 
 
 def _typed(store: Store) -> list[str]:
-    """The lines in TYPED, read through the guest agent."""
-    with guestx.agent(store, "desk", "test") as ga:
-        r = guestx.run(ga, "desk", "test", ["sh", "-c", f"cat {TYPED} 2>/dev/null; true"])
-    return r["stdout"].splitlines()
+    return typed_lines(store, "desk")
 
 
 def _into_terminal(page, store: Store) -> None:
     """A click on the guest's terminal, found on its screen: the terminal has the guest's keyboard focus, and the
     console the browser's."""
     left, top = wait_until(lambda: terminal_top_left(store, "desk"), 20, "the terminal on the screen", interval=1)
+    page.evaluate(CONSOLE_IN_VIEW)
     page.mouse.click(*page.evaluate(AT, [left + 80, top + 40]))
     page.wait_for_timeout(500)
 

@@ -20,6 +20,7 @@ from capsule.console.screen import connect_screen, screenshot
 from capsule.imagebuild.desktop import BACKGROUND, USER
 from capsule.runtime.guestagent import GuestAgent, exec_result, wait_for_agent
 from capsule.store import Store
+from testkit.desktop import terminal_top_left
 from tests.helpers.guest import run
 from tests.wait import wait_until
 
@@ -76,20 +77,6 @@ def guest_pointer(store: Store, name: str) -> tuple[int, int]:
     assert r["exit_code"] == 0, r["stderr"]
     x, y = r["stdout"].split()
     return int(x), int(y)
-
-
-def terminal_top_left(store: Store, name: str) -> tuple[int, int] | None:
-    """The top left corner of the terminal's white text area (the only large white region on the screen)."""
-    shot = screenshot(store, name)
-    white = b"\xff\xff\xff"
-    rows = [shot.rgb[y * shot.width * 3:(y + 1) * shot.width * 3] for y in range(shot.height)]
-    counts = [sum(row[i:i + 3] == white for i in range(0, len(row), 3)) for row in rows]
-    top = next((y for y, n in enumerate(counts) if n > 200), None)
-    if top is None:
-        print("the most white pixels in a row:", max(counts), shot.width, shot.height, shot.colours().most_common(5))
-        return None
-    row = rows[top + 10]
-    return next(x for x in range(shot.width) if row[x * 3:x * 3 + 3] == white), top
 
 
 def test_tablet_and_clipboard_in_the_desktop_session(desktop_store):
