@@ -8,6 +8,7 @@ its US table: 'z' would land on the US z key (a 'y' on the German guest) and 'ß
 from __future__ import annotations
 
 import base64
+import time
 
 import pytest
 
@@ -62,6 +63,27 @@ def _press(cdp, key: str, code: str, vk: int, held: tuple[str, str, int] | None)
         _key(cdp, "keyUp", *held)
 
 
+# the screen's size as noVNC draws it
+FRAMEBUFFER = """() => { const c = document.querySelector('#console-screen canvas');
+  return c && c.width ? `${c.width}x${c.height}` : null; }"""
+
+
+def _settled(page, seconds: float = 3.0, timeout: float = 120.0) -> None:
+    """Wait until the console's framebuffer has kept one size for ``seconds``: the page's resize of the guest
+    (through its agent, seconds under TCG) is over."""
+    seen: list[tuple[float, str | None]] = []
+
+    def still() -> bool:
+        now = time.monotonic()
+        seen.append((now, page.evaluate(FRAMEBUFFER)))
+        size = seen[-1][1]
+        since = next((t for t, s in reversed(seen) if s != size), None)
+        start = seen[0][0] if since is None else since
+        return size is not None and now - start >= seconds
+
+    wait_until(still, timeout, lambda: f"the console's size never settled: {seen[-5:]}", interval=0.5)
+
+
 def test_german_keys_reach_the_german_guest_as_typed(desktop_store, browser, tmp_path):  # noqa: F811
 
     store = desktop_store
@@ -77,6 +99,7 @@ def test_german_keys_reach_the_german_guest_as_typed(desktop_store, browser, tmp
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         sign_in(page, agent.url, agent.token)
         open_console(page, "desk")
+        _settled(page)      # the guest's resolution follows the panel: a mode switch while typing loses keys
         page.locator("#console-screen canvas").click()     # the console's focus; the pointer on the terminal
         page.wait_for_timeout(1000)
 
