@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import image_stores, median, table, temp_workdir, write_result  # noqa: E402
-from bench.console_latency import BACKSPACE, _page_sample, _sample, direct, through_agent  # noqa: E402
+from bench.console_latency import BACKSPACE, CHROMIUM, _page_sample, _sample, direct, through_agent  # noqa: E402
 from bench.dashboard_migrate import _cli  # noqa: E402
 from bench.rfb import KEY_A  # noqa: E402
 from capsule import capsules, hosts, lifecycle  # noqa: E402
@@ -53,7 +53,6 @@ from capsule.runtime.connection import lookup_domain  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from tests.helpers.dashboard import open_console, sign_in  # noqa: E402
 
-CHROMIUM = os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium")
 NAME = "desk"
 BOOT_TIMEOUT = 600.0
 # as the session's user: a maximised terminal with a shell, whose echo of a typed key is what changes the screen
