@@ -177,7 +177,7 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
             try:
                 link = lambda: tunnels.bytes_sent + tunnels.bytes_received  # noqa: E731
                 figures = _run_job(dom, Routes.of(tunnels), prep, targets, max_pause, postcopy, tracker, cancel,
-                                   say, link, SwitchoverRate(dom, _raw_memory(tunnels), wire=_memory_wire(tunnels)))
+                                   say, link, _switchover(dom, tunnels))
             except BaseException as exc:
                 gone = None
                 try:
@@ -257,21 +257,17 @@ def migrate_params(route: Routes, prep: dict[str, Any], targets: list[str], post
     return params
 
 
-def _raw_memory(tunnels: Tunnels) -> Callable[[], int]:
-    """The bytes QEMU has written into the migration channel so far (before the memory codec), less the pages the
-    codec sent as references: what remains at the switchover is pages the guest has just written, which the other
-    host does not hold, so only the flow of such pages tells what the pause can carry (B2-live's commute case at
-    384 kbit/s, most pages references: QEMU was told 2.5 MB/s and paused 9.2 s)."""
+def _switchover(dom: libvirt.virDomain, tunnels: Tunnels) -> SwitchoverRate:
+    """The switchover rate of the migration channel, from two counters: the bytes QEMU has written into it so far
+    (before the memory codec) less the pages the codec sent as references, and the bytes that left for the link.
+    What remains at the switchover is pages the guest has just written, which the other host does not hold, so
+    only the flow of such pages tells what the pause can carry (B2-live's commute case at 384 kbit/s, most pages
+    references: QEMU was told 2.5 MB/s and paused 9.2 s)."""
     t = tunnels.tunnels.get("qemu-migration")
     if t is None:
-        return lambda: 0
-    return (lambda: t.memory.literal_bytes) if tunnels.dedup else (lambda: t.bytes_sent)
-
-
-def _memory_wire(tunnels: Tunnels) -> Callable[[], int] | None:
-    """The bytes of the migration channel that left for the link so far (after the memory codec)."""
-    t = tunnels.tunnels.get("qemu-migration")
-    return None if t is None else (lambda: t.bytes_sent)
+        return SwitchoverRate(dom, lambda: 0)
+    wire = lambda: t.bytes_sent  # noqa: E731
+    return SwitchoverRate(dom, (lambda: t.memory.literal_bytes) if tunnels.dedup else wire, wire=wire)
 
 
 def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,
