@@ -7,12 +7,13 @@
   first runs a fixed command set for it, each path checked to lie in the store's ``tmp/``.
 
 The command set (:mod:`capsule.privsep.ops`): take ownership of a memory image libvirtd wrote, bring up the pod
-bridge, hand a private copy to the sandbox user and run ``e2fsck``/``debugfs`` as that user, and open a running
-capsule's serial console pty (QEMU's user owns it)."""
+bridge, hand a private copy to the sandbox user and run ``e2fsck``/``debugfs`` as that user, open a running
+capsule's serial console pty (QEMU's user owns it) and connect to its guest agent's socket (libvirt makes it root's)."""
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Protocol
 
@@ -37,6 +38,10 @@ class Privileged(Protocol):
         """A descriptor (read-write, non-blocking) on the serial console pty of ``domain``, one of this store's
         running libvirt domains, at ``pty`` as libvirt named it to the caller (the root helper asks libvirt
         itself, and opens only the pty it names)."""
+
+    def connect_agent(self, path: Path, timeout: float) -> socket.socket:
+        """A connection to the guest agent socket at ``path`` (``instances/NAME/agent.sock`` of a running
+        capsule of this store: the root helper connects only to a channel socket libvirt names for its domain)."""
 
 
 def _open_nofollow(path: Path, flags: int) -> int:
@@ -80,6 +85,9 @@ class Direct:
 
     def open_serial(self, domain: str, pty: Path) -> int:
         return guestfiles.open_pty(pty)
+
+    def connect_agent(self, path: Path, timeout: float) -> socket.socket:
+        return guestfiles.connect_socket(path, "the guest agent's socket", timeout, root_too=True)
 
 
 _current: Privileged = Direct()

@@ -14,6 +14,9 @@ else is run):
   descriptor: the tool runs as the sandbox user with no capabilities (:mod:`capsule.sandbox`).
 - ``open-serial DOMAIN``: the serial console pty of one of this store's running domains (``capsule-ID-NAME``,
   ID this store's), opened and its descriptor attached to the answer: QEMU's user owns the pty (mode 0620).
+- ``connect-agent PATH``: a connection to the guest agent of one of this store's running domains, through its
+  channel socket ``instances/NAME/agent.sock`` in the store, which libvirt must name in the domain's definition;
+  the connected socket is attached to the answer: libvirt makes that socket root's.
 
 A path must be absolute, without ``..``, and lie in the store's ``tmp/``; it is opened one component at a
 time relative to the store, never following a symbolic link, so neither a link nor a later swap leads out of
@@ -45,6 +48,8 @@ MAX_CONCURRENT = 8
 SANDBOX_TOOLS = frozenset({"e2fsck", "debugfs"})
 MAX_ARGS = 16
 MAX_TIMEOUT = 3600.0
+MAX_CONNECT_TIMEOUT = 60.0
+AGENT_SOCKET = "agent.sock"  # a capsule's guest agent channel in its instance directory (libvirt makes it)
 _ERRORS: dict[str, type[Error]] = {c.code: c for c in (InvalidInput, NotFound, EnvironmentProblem,
                                                                RuntimeFailure, Conflict, GuestFileRefused)}
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -159,13 +164,17 @@ class Helper:
             os.close(dfd)
         return {"status": status, "stderr": stderr.decode("utf-8", "surrogateescape")}
 
-    def open_serial(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        domain = req.get("domain")
+    def _domain(self, name: str) -> str:
+        """The libvirt domain of this store's capsule ``name`` (``capsule-ID-NAME``)."""
         try:
             store_id = json.loads((self.home / "store.json").read_text())["id"]
         except (OSError, ValueError, KeyError, TypeError):
             raise NotFound(f"{self.home} holds no readable store.json") from None
-        prefix = f"capsule-{store_id}-"
+        return f"capsule-{store_id}-{name}"
+
+    def open_serial(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        domain = req.get("domain")
+        prefix = self._domain("")
         try:
             ours = isinstance(domain, str) and domain.startswith(prefix) and bool(check_name(domain[len(prefix):]))
         except Error:
@@ -175,8 +184,25 @@ class Helper:
                                "opens this store's consoles only")
         return {FDS: [ops.open_serial(str(domain))]}
 
+    def connect_agent(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        path, timeout = req.get("path"), req.get("timeout")
+        where = self.home / "instances"
+        sock = Path(path) if isinstance(path, str) else None
+        try:
+            ours = (sock is not None and sock.name == AGENT_SOCKET and sock.parent.parent == where
+                    and bool(check_name(sock.parent.name)))
+        except Error:
+            ours = False
+        if not ours or sock is None:
+            raise InvalidInput(f"{str(path)[:200]!r} is not a capsule's agent socket in this store "
+                               f"({where}/NAME/{AGENT_SOCKET}): the helper connects to those only")
+        if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_CONNECT_TIMEOUT:
+            raise InvalidInput(f"a connect timeout is a number of seconds in (0, {MAX_CONNECT_TIMEOUT}]")
+        return {FDS: [ops.connect_agent(self._domain(sock.parent.name), sock, float(timeout))]}
+
     COMMANDS = {"adopt-memory-image": adopt_memory_image, "pod-bridge-up": pod_bridge_up,
-                "sandbox-hand-over": sandbox_hand_over, "run-sandboxed": run_sandboxed, "open-serial": open_serial}
+                "sandbox-hand-over": sandbox_hand_over, "run-sandboxed": run_sandboxed, "open-serial": open_serial,
+                "connect-agent": connect_agent}
 
     def handle(self, message: bytes, fds: list[int], truncated: bool = False) -> dict[str, Any]:
         """One request (its bytes and attached descriptors) → its answer; never raises."""
@@ -298,13 +324,19 @@ class HelperClient:
         r = self.call("run-sandboxed", [stdout_fd], argv=argv, cwd=_real(cwd), timeout=timeout)
         return int(r["status"]), str(r["stderr"]).encode("utf-8", "surrogateescape")
 
-    def open_serial(self, domain: str, pty: Path) -> int:
-        got = self.call("open-serial", domain=domain)[FDS]
+    def _one_fd(self, op: str, **args: Any) -> int:
+        got = self.call(op, **args)[FDS]
         if len(got) != 1:
             for fd in got:
                 os.close(fd)
-            raise RuntimeFailure("root helper, open-serial: the answer brought no descriptor")
+            raise RuntimeFailure(f"root helper, {op}: the answer brought no descriptor")
         return int(got[0])
+
+    def open_serial(self, domain: str, pty: Path) -> int:
+        return self._one_fd("open-serial", domain=domain)
+
+    def connect_agent(self, path: Path, timeout: float) -> socket.socket:
+        return socket.socket(fileno=self._one_fd("connect-agent", path=str(path), timeout=timeout))
 
 
 def main(argv: list[str]) -> None:

@@ -72,3 +72,18 @@ def open_serial(domain: str) -> int:
     if not path:
         raise Conflict(f"the domain {domain} has no serial console pty (it is gone or has none)")
     return guestfiles.open_pty(Path(path))
+
+
+def connect_agent(domain: str, path: Path, timeout: float) -> int:
+    """A descriptor on a connection to the guest agent of the running libvirt domain ``domain``, through its
+    channel socket at ``path``, which must be the one libvirt names in the domain's definition: libvirt makes that
+    socket, root's (mode 0775), so only root may connect to it. Checked and connected as
+    :func:`capsule.runtime.guestfiles.connect_socket` does (never through a link)."""
+    dom = lookup_domain(domain)
+    if dom is None or not dom.isActive():
+        raise Conflict(f"the domain {domain} is not running, so its guest agent cannot be reached")
+    channels = ET.fromstring(dom.XMLDesc(0)).findall("./devices/channel/source")
+    if str(path) not in {c.get("path") for c in channels}:
+        raise Conflict(f"{path} is not a channel socket of the domain {domain}; refused")
+    sock = guestfiles.connect_socket(path, "the guest agent's socket", timeout, root_too=True)
+    return sock.detach()

@@ -17,6 +17,7 @@ import json
 import math
 import re
 import reprlib
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,22 @@ def exec_result(value: object, what: str = "exec") -> dict[str, Any]:
             "stderr": r.text("stderr", MAX_REPLY, default="")}
 
 
+def _connect(path: Path) -> socket.socket:
+    """A connection to the guest agent socket at ``path``. libvirt makes it root's (mode 0775): a process that
+    gave up root for the store's owner (``capsule serve --user``) is refused, and asks its root helper instead."""
+    try:
+        return guestfiles.connect_socket(path, "the guest agent's socket", CONNECT_TIMEOUT, root_too=True)
+    except PermissionError:
+        from capsule import privsep
+
+        if isinstance(privsep.current(), privsep.Direct):
+            raise
+        try:
+            return privsep.current().connect_agent(path, CONNECT_TIMEOUT)
+        except CapsuleError as exc:    # not listening yet, or not running: as a refused connect would say
+            raise ConnectionError(str(exc)) from exc
+
+
 class GuestAgent:
     """One connection to a guest's agent socket."""
 
@@ -152,8 +169,7 @@ class GuestAgent:
         self._buf = b""
         self._synced = False  # a reply has come on this connection: the agent reads it
         try:  # libvirt makes the channel's socket (root's); never through a link QEMU may have put in its place
-            self._sock = guestfiles.connect_socket(Path(sock_path), "the guest agent's socket", CONNECT_TIMEOUT,
-                                                   root_too=True)
+            self._sock = _connect(Path(sock_path))
         except OSError as exc:
             raise AgentUnavailable(f"no guest agent channel at {sock_path}: {exc.strerror or exc}") from exc
         self._send(b"\n")  # ends any partial line a previous host left behind

@@ -193,3 +193,35 @@ def test_open_serial_hands_back_the_pty_libvirt_names_for_this_stores_domain_onl
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_connect_agent_connects_to_a_capsules_agent_socket_of_this_store_only(store, client, monkeypatch):
+    """libvirt makes a capsule's guest agent socket root's (mode 0775), so an unprivileged agent cannot connect to
+    it (the dashboard's clipboard, screen size and pointer, a balloon, a freeze): the helper connects to the agent
+    socket of one of this store's capsules, for its domain, and sends the connected socket back."""
+    (store / "store.json").write_text(json.dumps({"id": "ab12cd34"}))
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    asked: list[tuple[str, Path, float]] = []
+
+    def connect_agent(domain: str, path: Path, timeout: float) -> int:
+        asked.append((domain, path, timeout))
+        return os.dup(theirs.fileno())
+
+    monkeypatch.setattr(ops, "connect_agent", connect_agent)
+    sock = store / "instances" / "desk" / "agent.sock"
+    with ours, theirs:
+        got = client.connect_agent(sock, 5.0)
+        with got:
+            got.sendall(b'{"op": "ping"}\n')
+            assert ours.recv(100) == b'{"op": "ping"}\n'           # the socket handed back is the connection
+        assert asked == [("capsule-ab12cd34-desk", sock, 5.0)]       # the domain is the helper's own lookup
+        elsewhere = [store / "instances" / "desk" / "other.sock", store / "tmp" / "desk" / "agent.sock",
+                     store / "instances" / ".." / "x" / "agent.sock", store / "instances" / "a" / "b" / "agent.sock",
+                     Path("/run/libvirt/libvirt-sock"), Path("agent.sock"), store / "instances" / "../agent.sock"]
+        for path in elsewhere:
+            answer = raw(client, json.dumps({"op": "connect-agent", "path": str(path), "timeout": 5}).encode())
+            assert not answer["ok"] and "not a capsule's agent socket in this store" in answer["error"], path
+        for timeout in (0, -1, float("nan"), 1e9, "5", None):
+            answer = raw(client, json.dumps({"op": "connect-agent", "path": str(sock), "timeout": timeout}).encode())
+            assert not answer["ok"] and "timeout" in answer["error"], timeout
+        assert len(asked) == 1
