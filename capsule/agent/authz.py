@@ -142,6 +142,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("WS", "/api/hosts/{host}/console/{name}/serial"): ACT_STAFF,
     ("GET", "/api/hosts/{host}/capsules/{name}/clipboard"): ACT_STAFF,   # asked of the peer with this host's token
     ("PUT", "/api/hosts/{host}/capsules/{name}/clipboard"): ACT_STAFF,
+    ("PUT", "/api/hosts/{host}/capsules/{name}/screen-size"): ACT_STAFF,
     # -- migrations (migrations.py) --
     ("POST", "/api/capsules/{name}/migrate"): ACT,
     ("GET", "/api/capsules/{name}/migrate/check"): ACT,

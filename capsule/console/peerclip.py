@@ -1,9 +1,10 @@
-"""A peer's capsule's clipboard, through this host: the console panel's clipboard box on a console relayed from a
-peer (``relay.py``), such as a capsule's that moved there from the page and whose console followed it. The page
-signs in here only; this host asks the peer's own clipboard routes (``GET``/``PUT /api/capsules/{name}/clipboard``,
-``clipboard.py`` there) with its token for the peer (the peers table's, as the console relay and Bring here do),
-so the peer's rules and limits decide. A text over :data:`clipboard.MAX_BYTES` is refused here, before the peer
-is asked."""
+"""A peer's capsule's clipboard and screen size, through this host: the console panel's clipboard box, and its
+screen following the panel's size, on a console relayed from a peer (``relay.py``), such as a capsule's that moved
+there from the page and whose console followed it. The page signs in here only; this host asks the peer's own
+routes (``GET``/``PUT /api/capsules/{name}/clipboard``, ``clipboard.py`` there; ``PUT …/screen-size``,
+``screensize.py``) with its token for the peer (the peers table's, as the console relay and Bring here do), so the
+peer's rules and limits decide. A text over :data:`clipboard.MAX_BYTES` is refused here, before the peer is
+asked."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ASK_TIMEOUT = 60.0
 def _fields(peer: hosts.Peer, answer: Any, want: dict[str, type]) -> dict[str, Any]:
     """The peer's answer, holding ``want``'s fields of their types (TransferFailed otherwise)."""
     if not isinstance(answer, dict) or any(type(answer.get(k)) is not t for k, t in want.items()):
-        raise TransferFailed(f"host {peer.name} answered its clipboard call with something else: {str(answer)[:200]}")
+        raise TransferFailed(f"host {peer.name} answered a console call with something else: {str(answer)[:200]}")
     return {k: answer[k] for k in want}
 
 
@@ -50,3 +51,15 @@ def set(store: Store, host: str, name: str, text: str) -> dict[str, Any]:
         answer = client.request("PUT", f"/api/capsules/{name}/clipboard", json_body={"text": text},
                                 idempotent=False).json()
     return _fields(peer, answer, {"bytes": int, "max_bytes": int})
+
+
+def set_size(store: Store, host: str, name: str, width: int, height: int) -> tuple[int, int]:
+    """Make peer ``host``'s capsule ``name``'s screen ``width`` x ``height``; the size the peer set (it bounds and
+    rounds it as :func:`capsule.console.screensize.set_size` does). Errors as :func:`get`."""
+    check_name(name)
+    peer = hosts.get(store, host)
+    with hosts.client(peer, ASK_TIMEOUT) as client:
+        answer = client.request("PUT", f"/api/capsules/{name}/screen-size",
+                                json_body={"width": width, "height": height}, idempotent=True).json()
+    got = _fields(peer, answer, {"width": int, "height": int})
+    return got["width"], got["height"]

@@ -6,6 +6,7 @@ moved to another host (the migrate dialog's "the console follows it").
     WS   /api/hosts/{host}/console/{name}[/serial]?ticket=T               that console, relayed
     GET  /api/hosts/{host}/capsules/{name}/clipboard                      its clipboard, asked of the peer
     PUT  /api/hosts/{host}/capsules/{name}/clipboard {text}               set there (``peerclip.py``)
+    PUT  /api/hosts/{host}/capsules/{name}/screen-size {width, height}    its screen's resolution, set there
 
 The WebSocket is checked here as any console's (session, origin, this agent's ticket for ``host/name``); then this
 agent asks the peer for a ticket with the peer's token (``capsule host add`` keeps it), opens the peer's console
@@ -28,7 +29,17 @@ from capsule import hosts
 from capsule.agent.sessions import Caller, Sessions
 from capsule.agentclient import AgentClient
 from capsule.console import peerclip
-from capsule.console.routes import ClipboardIn, ClipboardOut, ClipboardSet, Kind, TicketOut, Tickets, admit, deny
+from capsule.console.routes import (
+    ClipboardIn,
+    ClipboardOut,
+    ClipboardSet,
+    Kind,
+    ScreenSize,
+    TicketOut,
+    Tickets,
+    admit,
+    deny,
+)
 from capsule.errors import Error
 from capsule.names import check_name
 from capsule.store import Store
@@ -59,6 +70,12 @@ def router(store: Store, sessions: Sessions, tickets: Tickets, caller: Callable[
              summary="Make a text a peer's capsule's clipboard, through this agent")
     async def peer_clipboard_set(host: str, name: str, body: ClipboardIn) -> dict:
         return await asyncio.to_thread(peerclip.set, store, host, name, body.text)
+
+    @api.put("/{host}/capsules/{name}/screen-size", response_model=ScreenSize, dependencies=[Depends(caller)],
+             summary="Set a peer's capsule's screen resolution, through this agent")
+    async def peer_screen_size(host: str, name: str, body: ScreenSize) -> ScreenSize:
+        w, h = await asyncio.to_thread(peerclip.set_size, store, host, name, body.width, body.height)
+        return ScreenSize(width=w, height=h)
 
     async def relayed(ws: WebSocket, host: str, name: str, ticket: str, kind: Kind) -> None:
         if not await admit(sessions, tickets, ws, f"{host}/{name}", ticket, kind):

@@ -92,6 +92,7 @@ EXPECTED = {
     ("WS", "/api/hosts/{host}/console/{name}/serial"): "act-staff",
     ("GET", "/api/hosts/{host}/capsules/{name}/clipboard"): "act-staff",
     ("PUT", "/api/hosts/{host}/capsules/{name}/clipboard"): "act-staff",
+    ("PUT", "/api/hosts/{host}/capsules/{name}/screen-size"): "act-staff",
     ("GET", "/api/hosts/{host}/capsules/{name}/bring/check"): "act-staff",
     ("POST", "/api/hosts/{host}/capsules/{name}/bring"): "act-staff",
     ("GET", "/api/hosts/{host}/migrations/{mid}"): "look-staff",

@@ -90,6 +90,7 @@ EXPECTED = {
     ("WS", "/api/hosts/{host}/console/{name}/serial"): "staff",
     ("GET", "/api/hosts/{host}/capsules/{name}/clipboard"): "staff",
     ("PUT", "/api/hosts/{host}/capsules/{name}/clipboard"): "staff",
+    ("PUT", "/api/hosts/{host}/capsules/{name}/screen-size"): "staff",
     # Bring here and a peer's hierarchy: asked of the peer with this host's own token, so staff only
     ("GET", "/api/hosts/{host}/tree"): "staff",
     ("GET", "/api/hosts/{host}/capsules/{name}/bring/check"): "staff",

@@ -85,6 +85,9 @@ export const setPeerClipboard = (host, name, text) =>
 // the guest's screen resolution (capsule/console/screensize.py): {width, height} as set
 export const setScreenSize = (name, width, height) =>
   call("PUT", `capsules/${encodeURIComponent(name)}/screen-size`, { width, height });
+// a peer's capsule's, set by the peer through this agent (capsule/console/peerclip.py)
+export const setPeerScreenSize = (host, name, width, height) =>
+  call("PUT", `hosts/${encodeURIComponent(host)}/capsules/${encodeURIComponent(name)}/screen-size`, { width, height });
 
 // migrations (capsule/agent/migrations.py); progress streams from /api/migrations/{id}/events (EventSource)
 export const migrate = (name, body) => call("POST", `capsules/${encodeURIComponent(name)}/migrate`, body);

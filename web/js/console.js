@@ -81,8 +81,9 @@ async function connect() {
   showKind(kind);
   setState("connecting", "asking for a ticket…");
   let grant;
+  let peer = null;
   try {
-    const peer = host ? await peerName(host) : null;
+    peer = host ? await peerName(host) : null;
     if (live()) {
       $("console").dataset.peer = peer || "";
       if (peer) $("console-title").textContent = `${name} on ${peer}`;   // a URL given: its peer's name
@@ -102,10 +103,10 @@ async function connect() {
     else setState("disconnected", clean ? "disconnected" : "connection lost (the capsule stopped or moved?)");
   };
   if (kind === "serial") connectSerial(url, live, lost);
-  else connectScreen(url, live, lost);
+  else connectScreen(url, live, lost, peer);
 }
 
-function connectScreen(url, live, lost) {
+function connectScreen(url, live, lost, peer) {
   const rfb = new RFB($("console-screen"), url, { wsProtocols: ["binary"] });
   // Resize: the guest's resolution follows the panel through its guest agent (fit.js), and what the guest shows
   // is scaled to fit (always: a guest that cannot change its resolution, such as a text console, still fits).
@@ -119,7 +120,7 @@ function connectScreen(url, live, lost) {
     if (!live()) return;
     setState("connected", "connected");
     rfb.focus({ preventScroll: true });   // keys go to the guest at once, as on the serial console
-    if (!current.host) current.unfit = fitScreen(current.name, $("console-screen"));
+    current.unfit = fitScreen(peer, current.name, $("console-screen"));     // a peer's: through this agent
   });
   rfb.addEventListener("disconnect", (ev) => {
     if (live()) {
