@@ -47,6 +47,21 @@ finally:
     s.close()
 """
 
+# Run inside a host, as its store's owner (as the host's CLI runs): a function of testkit.desktop on a capsule of
+# that store (read through the guest's own agent or its screen there), its answer as JSON
+_DESKTOP = """
+import json, sys
+from capsule.privsep.drop import as_store_owner
+from capsule.store import Store, default_home
+as_store_owner(default_home().absolute())
+from testkit import desktop
+store = Store.open(default_home())
+try:
+    print(json.dumps(getattr(desktop, sys.argv[1])(store, sys.argv[2])))
+finally:
+    store.close()
+"""
+
 
 class ComposeError(Exception):
     """Something about the compose hosts went wrong (a command failed, a wait timed out)."""
@@ -217,6 +232,11 @@ class Host:
         """Run a shell command in a guest running on this host; its output."""
         args = ["/opt/capsule/.venv/bin/python", "-c", _GUEST_SHELL, self.domain(name), command, str(timeout)]
         return self._exec(args, timeout=timeout + 30).stdout.strip()
+
+    def desktop(self, what: str, name: str, timeout: float = 60) -> Any:
+        """testkit.desktop's function ``what`` (e.g. ``typed_lines``) on capsule ``name`` of this host, run there."""
+        args = ["/opt/capsule/.venv/bin/python", "-c", _DESKTOP, what, name]
+        return json.loads(self._exec(args, timeout=timeout).stdout.strip().splitlines()[-1])
 
     def guest_offset(self, name: str) -> Any:
         """testkit.guestclock's offset of a guest running on this host (the hosts share this machine's clock)."""

@@ -2,24 +2,22 @@
 gets the guest's back (read and set through the guest agent on the other side), says when a text is too large
 and sends nothing then; the guest's resolution follows the console panel's size as the browser's viewport
 changes (set through the guest agent: QEMU's standard VGA refuses a client's SetDesktopSize), the canvas showing
-all of it within the panel; the pointer lands where the browser's is, on a screen shown 1:1 and on one scaled
-to fit, as the guest's X server says (read through the guest agent); and the desktop moves to another host from
-the page, its terminal taking what is typed before and after, and the clipboard box of the console that followed
-it reaching the guest there. The tests share one desktop guest (the move comes last: it takes the guest away)."""
+all of it within the panel; and the pointer lands where the browser's is, on a screen shown 1:1 and on one scaled
+to fit, as the guest's X server says (read through the guest agent). The tests share one desktop guest. The
+desktop moved from the page between two hosts is test_desktop_hosts.py's (the compose hosts: the moves are live)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from capsule import capsules, hosts, lifecycle
+from capsule import capsules, lifecycle
 from capsule.console import clipboard, pointer, screensize
 from capsule.console.screen import screenshot
 from capsule.store import Store
-from testkit.desktop import AT, CANVAS, CONSOLE_IN_VIEW, TEE, TYPED, terminal_top_left, typed_lines
+from testkit.desktop import CANVAS
 from testkit.images import destroy_domains, make_store
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401  (the fixture)
 from tests.conftest import Agent
@@ -190,108 +188,3 @@ def test_the_pointer_lands_where_the_browsers_is(desk, browser, tmp_path):  # no
         assert all(scaled(aim["scale"]) for aim, _ in landed), landed
         _shot(page, tmp_path, f"desktop-pointer-{size[0]}x{size[1]}")
     print(f"\n1:1 {one}\nscaled {landed}")
-
-
-@dataclass
-class Home:
-    store: Store
-    agent: Agent
-
-
-@pytest.fixture(scope="module")
-def home(desk, desktop_images, tmp_path_factory) -> Iterator[Home]:
-    """A second host on this machine (a store with the desktop image and its agent), known to the desk's as
-    "home"."""
-    root = tmp_path_factory.mktemp("home")
-    store = make_store(root / "store", desktop_images, "desktop")
-    agent = None
-    try:
-        agent = Agent(store.home, root / "t.token")
-        hosts.add(desk.store, "home", agent.url, agent.token)
-        yield Home(store, agent)
-    finally:
-        if agent is not None:
-            agent.stop()
-        destroy_domains(store)
-        store.close()
-
-
-LINES = ["line-one-typed-before-the-move", "line-two-typed-after-the-move", "line-three-from-the-clipboard"]
-
-
-def _typed(store: Store) -> list[str]:
-    return typed_lines(store, "desk")
-
-
-def _into_terminal(page, store: Store) -> None:
-    """A click on the guest's terminal, found on its screen: the terminal has the guest's keyboard focus, and the
-    console the browser's."""
-    left, top = wait_until(lambda: terminal_top_left(store, "desk"), 20, "the terminal on the screen", interval=1)
-    page.evaluate(CONSOLE_IN_VIEW)
-    page.mouse.click(*page.evaluate(AT, [left + 80, top + 40]))
-    page.wait_for_timeout(500)
-
-
-def _type_line(page, store: Store, line: str, want: list[str]) -> None:
-    page.keyboard.type(line, delay=20)
-    page.keyboard.press("Enter")
-    wait_until(lambda: _typed(store) == want, 30, lambda: f"{want} in {TYPED}: {_typed(store)}", interval=0.5)
-
-
-def test_the_desktop_moves_from_the_page_and_its_terminal_goes_on(desk, home, browser, tmp_path):  # noqa: F811
-    """Type into the desktop's terminal, move it to home with the Migrate button, type into it again through the
-    console that followed it: both lines arrived in order (read in the guest through the guest agent, on home).
-    The clipboard box of that console reaches the guest there: a text sent from it pastes into the terminal."""
-    from playwright.sync_api import expect
-
-    a, b = desk.store, home.store
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    sign_in(page, desk.agent.url, desk.agent.token)
-    row = open_console(page, "desk")
-    expect(page.locator('section[data-host="home"]')).to_have_attribute("data-reachable", "yes", timeout=30_000)
-    expect(page.locator("#console")).to_have_attribute("data-fit", "guest", timeout=30_000)
-    panel = page.evaluate(CANVAS)
-    page.wait_for_function(f"() => {{ const c = document.querySelector('#console-screen canvas');"
-                           f" return c && c.width > {panel['cw'] - 16} && c.width <= {panel['cw']}; }}")
-
-    _into_terminal(page, a)
-    page.keyboard.type(TEE, delay=20)
-    page.keyboard.press("Enter")
-    _type_line(page, a, LINES[0], LINES[:1])
-
-    row.locator('button[data-action="migrate"]').click()
-    dialog = page.locator("#migrate-dialog")
-    page.select_option("#migrate-to", "home")
-    dialog.locator('input[name="kind"][value="full"]').check()
-    started = time.monotonic()
-    dialog.locator('[data-action="start-migration"]').click()
-    message = dialog.locator(".migrate-message")
-    expect(message).to_have_attribute("data-outcome", "done", timeout=240_000)
-    print(f"\nthe move took {time.monotonic() - started:.1f} s (as the page saw it)")
-    expect(message).to_contain_text("now runs on home")
-    dialog.locator('[data-action="close-migration"]').click()
-
-    # the console followed it: type into the terminal there
-    state = page.locator("#console-state")
-    expect(state).to_have_attribute("data-state", "connected", timeout=30_000)
-    expect(page.locator("#console")).to_have_attribute("data-peer", "home")
-    assert capsules.state_of(b, "desk").state == "running" and capsules.state_of(a, "desk").state != "running"
-    _into_terminal(page, b)
-    _type_line(page, b, LINES[1], LINES[:2])
-
-    # the clipboard box of the console that followed it reaches the guest there (through this host's agent): a
-    # text sent from the page is the guest's clipboard and pastes into the terminal; what the guest holds comes back
-    box = page.locator("#console-clip-state")
-    page.fill("#console-clip-text", LINES[2])
-    page.click("#console-clip-send")
-    expect(box).to_have_attribute("data-state", "sent", timeout=30_000)
-    assert clipboard.get(b, "desk") == LINES[2]
-    _into_terminal(page, b)
-    page.keyboard.press("Shift+Insert")
-    page.keyboard.press("Enter")
-    wait_until(lambda: _typed(b) == LINES, 30, lambda: f"{LINES} in {TYPED}: {_typed(b)}", interval=0.5)
-    _shot(page, tmp_path, "desktop-moved")
-    clipboard.set(b, "desk", "from the guest on home")
-    page.click("#console-clip-get")
-    expect(box).to_have_attribute("data-state", "received", timeout=30_000)
-    expect(page.locator("#console-clip-text")).to_have_value("from the guest on home")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.browser.test_dashboard import browser  # noqa: F401 - fixture
-from tests.hosts.conftest import fresh, hosts, seeded  # noqa: F401 - fixtures
+from tests.hosts.conftest import fresh, hosts, known_as, seeded  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(1200)]
 
@@ -54,14 +54,14 @@ def test_the_console_takes_keys_during_pre_copy_then_follows(fresh, browser, tmp
     a.capsule("start", name)
     a.guest(name, DIRTIER)
     a.guest(name, SCREEN_SHELL)
-    a.capsule("host", "add", "home", b.url, token=b.token)
+    home = known_as(a, "home", b)
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     page.goto(a.url)
     page.fill("#token", a.token)
     page.click("#sign-in-form button[type=submit]")
     row = page.locator(f'section[data-host="local"] tr[data-capsule="{name}"]')
     expect(row.locator(".badge")).to_have_attribute("data-state", "running", timeout=30_000)
-    expect(page.locator('section[data-host="home"]')).to_have_attribute("data-reachable", "yes", timeout=30_000)
+    expect(page.locator(f'section[data-host="{home}"]')).to_have_attribute("data-reachable", "yes", timeout=30_000)
     page.evaluate(RECORDER)
 
     # its console, open here
@@ -71,7 +71,7 @@ def test_the_console_takes_keys_during_pre_copy_then_follows(fresh, browser, tmp
 
     row.locator('button[data-action="migrate"]').click()
     dialog = page.locator("#migrate-dialog")
-    page.select_option("#migrate-to", "home")
+    page.select_option("#migrate-to", home)
     live = dialog.locator('input[name="kind"][value="live"]')
     expect(live).to_be_enabled(timeout=30_000)       # two hosts: the pre-check lets it move live
     expect(live).to_be_checked()
@@ -94,7 +94,7 @@ def test_the_console_takes_keys_during_pre_copy_then_follows(fresh, browser, tmp
 
     message = dialog.locator(".migrate-message")
     expect(message).to_have_attribute("data-outcome", "done", timeout=600_000)
-    expect(message).to_contain_text("now runs on home")
+    expect(message).to_contain_text(f"now runs on {home}")
     expect(dialog.locator('li[data-phase="switchover"] [data-field="phase-detail"]')).to_contain_text("paused")
     expect(message).to_contain_text("The console follows it there.")
     wire = dialog.locator('[data-field="rounds"] tr[data-round] td:nth-child(3)').all_inner_texts()
@@ -103,7 +103,7 @@ def test_the_console_takes_keys_during_pre_copy_then_follows(fresh, browser, tmp
     assert any("pages/s" in r for r in rates), rates                 # the guest's dirty rate, once measured
     # nothing clicked since: the console is on the capsule at the destination
     expect(state).to_have_attribute("data-state", "connected", timeout=30_000)
-    expect(panel).to_have_attribute("data-peer", "home")
+    expect(panel).to_have_attribute("data-peer", home)
     seen = page.evaluate("window.__phases")
     # the console was connected here when pre-copy began, and all through it (checked above, after typing); it
     # went with the guest at the switchover, which can come before the page hears that pre-copy ended

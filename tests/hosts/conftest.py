@@ -49,3 +49,13 @@ def fresh(seeded):
     name = f"c{uuid.uuid4().hex[:8]}"
     a.capsule("derive", SEED, name)
     return a, b, name
+
+
+def known_as(host, name: str, peer) -> str:
+    """The name ``host`` knows ``peer`` by (tests share the hosts: another may have added it already), adding it
+    as ``name`` with the peer's token if it does not know it yet."""
+    for row in host.capsule("host", "ls"):
+        if row["url"] == peer.url:
+            return row["name"]
+    host.capsule("host", "add", name, peer.url, token=peer.token)
+    return name
