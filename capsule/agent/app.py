@@ -213,7 +213,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         req = await json_body(request, "request")
         if not isinstance(req, dict):
             raise InvalidName("malformed request: expected a JSON object")
-        return missing(store, req.get("layers", []), req.get("files", []))
+        return missing(store, req.get("layers", []), req.get("files", []), authz.grant_of(request))
 
     @app.get("/v1/objects/{kind}/{oid}")
     async def lookup(kind: str, oid: str) -> dict[str, Any]:

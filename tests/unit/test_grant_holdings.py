@@ -1,9 +1,10 @@
 """A pusher learns nothing about blocks it may not read, through the agent's real HTTP (``create_app``): a push
 grant's ``begin`` counts as held only blocks of objects the grant may read (its record's, and those of its
 capsule's versions here when the record is that capsule's), and a layer whose manifest names a parent outside
-them is refused — at ``begin`` and at a delta upload — with nothing kept. A user's host token keeps every
-holding. (Before, the plan said which of another capsule's blocks this host holds, and a delta against another
-capsule's layer said by 422 or stored whether a guess of its block was right.)"""
+them is refused — at ``begin`` and at a delta upload — with nothing kept; asked which objects this host lacks,
+it is told of no other capsule's. A user's host token keeps every holding. (Before, the plan said which of
+another capsule's blocks this host holds, and a delta against another capsule's layer said by 422 or stored
+whether a guess of its block was right.)"""
 
 from __future__ import annotations
 
@@ -144,3 +145,17 @@ def test_a_delta_parent_the_grant_may_not_read_is_refused_and_nothing_is_kept(wo
     r = w.client.post(f"/v1/recv/layer/{mine.digest}/blocks", params={"delta": "true"},
                       content=_delta_upload(0, changed, 0, ROOT_BLOCK), headers=g)
     assert r.status_code == 200 and r.json()["rebuilt"] == 1, r.text
+
+
+def test_a_push_grant_is_not_told_which_of_another_capsules_objects_are_held(world):
+    """``POST /v1/objects/missing``, asked before a push: a grant is told that the objects of its record held here
+    are held, and another capsule's are missing (before, that bob's layer and memory image are here)."""
+    w = world
+    m = _probe(w, 7)
+    g = _grant(w, record_of("pushed", 1, [w.o["root"], m.digest], w.o["kernel"], w.o["initrd"]))
+    ask = {"layers": [w.o["root"], m.digest, w.o["b_layer"]], "files": [w.o["kernel"], w.o["b_mem"]]}
+    r = w.client.post("/v1/objects/missing", json=ask, headers=g)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"layers": [m.digest, w.o["b_layer"]], "files": [w.o["b_mem"]]}
+    r = w.client.post("/v1/objects/missing", json=ask, headers=bearer(w.t["host"]))
+    assert r.json() == {"layers": [m.digest], "files": []}
