@@ -16,6 +16,7 @@ all, so neither the answer nor its time depends on another capsule's blocks."""
 from __future__ import annotations
 
 import bisect
+import heapq
 import sys
 import threading
 from array import array
@@ -30,7 +31,7 @@ from capsule.store.objectio import has_object
 from hashcache.hcp import BlockLookup
 from hashcache.manifest import RECORD_SIZE
 
-MAX_ENTRIES = 32 << 20      # hash prefixes kept in memory (256 MiB): the blocks of 128 GiB of objects
+MAX_ENTRIES = 32 << 20      # hash prefixes kept per object, and again merged per set (256 MiB each): 128 GiB
 MAX_SCOPES = 8              # merged sets of objects kept
 
 
@@ -53,6 +54,7 @@ class _Index:
         self._objects: OrderedDict[tuple[str, str, str], array[int]] = OrderedDict()
         self._scopes: OrderedDict[tuple[str, frozenset[tuple[str, str]]], array[int]] = OrderedDict()
         self._entries = 0
+        self._scope_entries = 0
 
     def _object(self, store: Store, kind: str, oid: str) -> array[int]:
         key = (str(store.home), kind, oid)
@@ -80,11 +82,14 @@ class _Index:
                 self._scopes.move_to_end(key)
                 return found
         parts = [self._object(store, kind, oid) for kind, oid in sorted(objects)]
-        merged = parts[0] if len(parts) == 1 else array("Q", sorted(p for part in parts for p in part))
+        merged = parts[0] if len(parts) == 1 else array("Q", heapq.merge(*parts))    # no list of them all
         with self._lock:
-            self._scopes[key] = merged
-            while len(self._scopes) > MAX_SCOPES:
-                self._scopes.popitem(last=False)
+            if key not in self._scopes:
+                self._scopes[key] = merged
+                self._scope_entries += len(merged)
+            while len(self._scopes) > 1 and (len(self._scopes) > MAX_SCOPES or self._scope_entries > MAX_ENTRIES):
+                _k, old = self._scopes.popitem(last=False)
+                self._scope_entries -= len(old)
         return merged
 
 
