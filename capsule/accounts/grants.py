@@ -232,7 +232,7 @@ def readable(store: Store, g: Grant) -> tuple[frozenset[str], frozenset[str]]:
     uuid = g.record.get("uuid")
     if cap is not None and uuid is not None and cap.uuid == uuid:
         for v in store.catalogue.versions(g.capsule):
-            ls, fs = objects_of(version_record(store, v))
+            ls, fs = objects_of({"chains": v.chains, "config": v.config, "memory": v.memory})
             out_layers.update(ls)
             out_files.update(f for f, _role in fs)
     return frozenset(out_layers), frozenset(out_files)
