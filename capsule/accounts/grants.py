@@ -217,6 +217,27 @@ def _target_objects(store: Store, g: Grant) -> tuple[frozenset[str], frozenset[s
     return frozenset(layers), frozenset(files)
 
 
+def readable(store: Store, g: Grant) -> tuple[frozenset[str], frozenset[str]]:
+    """The objects (layer ids, file ids) whose blocks ``g`` may learn about on this host, held here or not: for
+    a read grant, what it reads; for a push grant, what its record references and the objects of the versions
+    here of the capsule it pushes to — only when that is the same capsule (its uuid is the record's: a capsule
+    of another owner under the same name is not). What a push's receiver counts as held and rebuilds deltas
+    against (:mod:`capsule.exchange.holdings`)."""
+    if g.allow == READ:
+        return _target_objects(store, g)
+    assert g.record is not None
+    layers, files = objects_of(g.record)
+    out_layers, out_files = set(layers), {f for f, _role in files}
+    cap = store.catalogue.capsule(g.capsule)
+    uuid = g.record.get("uuid")
+    if cap is not None and uuid is not None and cap.uuid == uuid:
+        for v in store.catalogue.versions(g.capsule):
+            ls, fs = objects_of({"chains": v.chains, "config": v.config, "memory": v.memory})
+            out_layers.update(ls)
+            out_files.update(f for f, _role in fs)
+    return frozenset(out_layers), frozenset(out_files)
+
+
 def covered(store: Store, g: Grant, kind: str, oid: str) -> bool | None:
     """Whether ``g`` reaches object ``kind``/``oid`` — for a read grant, one its versions reference; for a push
     grant, one its record references — from what is known without the catalogue; None: :func:`covers` must

@@ -213,7 +213,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         req = await json_body(request, "request")
         if not isinstance(req, dict):
             raise InvalidName("malformed request: expected a JSON object")
-        return missing(store, req.get("layers", []), req.get("files", []))
+        return missing(store, req.get("layers", []), req.get("files", []), authz.grant_of(request))
 
     @app.get("/v1/objects/{kind}/{oid}")
     async def lookup(kind: str, oid: str) -> dict[str, Any]:
@@ -280,7 +280,8 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
                          parts: PartsQuery = 1) -> Response:
         """Part ``part`` of ``parts`` of the manifest → the indices of the blocks still needed."""
         data = decode_manifest_upload(await body(request, MAX_MANIFEST_UPLOAD))
-        needed = await serve(functools.partial(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash))
+        needed = await serve(functools.partial(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash,
+                                               reader=authz.grant_of(request)))
         if needed is None:
             return Response(b"", headers={"X-Capsule-Present": "1"})
         offers = {STREAMS_HEADER: CODECS, DELTAS_HEADER: DELTA_FORMAT}
@@ -293,7 +294,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         (``codec``: zstd or xz), or with ``delta`` deltas against blocks held here (hashcache/delta.py)."""
         raw = await body(request, MAX_BLOCKS_UPLOAD)
         if delta:
-            kept, unresolved = await serve(inbox.accept_deltas, kind, oid, raw)
+            kept, unresolved = await serve(inbox.accept_deltas, kind, oid, raw, authz.grant_of(request))
             return {"stored": kept, "rebuilt": kept, "unresolved": unresolved}
         if stream is None:
             return {"stored": await serve(inbox.accept_upload, kind, oid, raw, compress)}

@@ -243,6 +243,12 @@ def caller_of(request: HTTPConnection) -> Caller | None:
     return request.scope.get("state", {}).get("caller")
 
 
+def grant_of(request: HTTPConnection) -> Grant | None:
+    """The grant making the call, if a grant makes it (what a push's receiver may tell it is limited by it)."""
+    c = caller_of(request)
+    return c.principal.grant if c else None
+
+
 def visible(request: Request, store: Store) -> set[str] | None:
     """The capsules the caller may see: None for all (operators, admins), else the ones it owns."""
     c = caller_of(request)

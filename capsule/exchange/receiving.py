@@ -17,7 +17,9 @@ from pathlib import Path
 
 import zstandard
 
+from capsule.accounts.model import Grant
 from capsule.errors import Conflict, IntegrityError, InvalidName, NotFound
+from capsule.exchange import holdings
 from capsule.exchange.leases import LeaseCache
 from capsule.exchange.streams import Streams
 from capsule.names import check_object_id
@@ -110,10 +112,12 @@ class Inbox:
     # -- the three calls ---------------------------------------------------------------------------------
 
     def begin(self, kind: str, oid: str, manifest_part: bytes, *, part: int = 0, parts: int = 1,
-              hash: bool = True) -> list[int] | None:
+              hash: bool = True, reader: Grant | None = None) -> list[int] | None:
         """Part ``part`` of ``parts`` of the manifest of ``kind`` ``oid`` (an Expectation's bytes).
         Returns the data blocks of this part still needed (not in the shadow of an interrupted receive,
-        not in the hash cache when ``hash``, one per distinct hash), or None if the object is here."""
+        not in the hash cache when ``hash``, one per distinct hash), or None if the object is here.
+        ``reader``: the grant pushing (None: a user's token): only blocks of objects it may read count as
+        held, and a parent it may not read is refused (:mod:`capsule.exchange.holdings`)."""
         check_kind(kind)
         check_object_id(oid)
         if not 0 <= part < parts <= MAX_PARTS:
@@ -126,6 +130,8 @@ class Inbox:
         if has_object(self.store, kind, oid):
             return None
         parent = m.header.get("parent")
+        if kind == "layer" and parent:
+            holdings.check_parent(self.store, reader, self._name(kind, oid), parent)
         if kind == "layer" and parent and not has_object(self.store, "layer", parent):
             raise Conflict(f"layer {oid[:12]} needs its parent {parent[:12]} first")
         if part == 0:
@@ -141,7 +147,7 @@ class Inbox:
             elif self._has_part(kind, oid, part, parts, m, manifest_part):
                 # the same part again (its answer was lost and the sender tried again): already here
                 with open_shadow(self.store, kind, m, fresh=False) as shadow:
-                    cache = self.store.hash_cache() if hash else None
+                    cache = holdings.lookup_for(self.store, reader) if hash else None
                     return Receiver(m, shadow, self._name(kind, oid), cache, dedupe=hash).plan()
             elif len(self._part_paths(kind, oid)) != part:
                 raise Conflict(f"{kind} {oid[:12]}: manifest part {part} arrived before the parts before it")
@@ -154,7 +160,7 @@ class Inbox:
                 for p in self._part_paths(kind, oid):
                     p.unlink()
         with open_shadow(self.store, kind, m, fresh=part == 0) as shadow:
-            cache = self.store.hash_cache() if hash else None
+            cache = holdings.lookup_for(self.store, reader) if hash else None
             return Receiver(m, shadow, self._name(kind, oid), cache, dedupe=hash).plan()
 
     def accept(self, kind: str, oid: str, indices: list[int], blocks: list[bytes]) -> int:
@@ -183,18 +189,20 @@ class Inbox:
                               lambda blocks: incoming.receiver.accept(indices, blocks), codec)
         return len(indices)
 
-    def accept_deltas(self, kind: str, oid: str, raw: bytes) -> tuple[int, int]:
+    def accept_deltas(self, kind: str, oid: str, raw: bytes, reader: Grant | None = None) -> tuple[int, int]:
         """A block upload of deltas (``hashcache/delta.py``): each block rebuilt from blocks of the disk the
         object's parent layer shows, read from this store, and checked against its manifest hash before any
         is kept. Returns (blocks kept, blocks unresolved: their references could not be read here; the
         sender sends those again whole). A block that does not match raises IntegrityError naming it, and
-        nothing of the upload is kept."""
+        nothing of the upload is kept. ``reader``: the grant pushing (None: a user's token), refused
+        (Forbidden, nothing kept) when the parent is not an object it may read."""
         raw_indices, payload = split_blocks_upload(raw)
         with self._lease(kind, oid) as incoming, translating_enospc(f"receiving {kind} {oid[:12]}"):
             receiver = incoming.receiver
             parent = receiver.manifest.header.get("parent")
             if kind != "layer" or not parent:
                 raise ProtocolError(f"{kind} {oid[:12]}: deltas are for a layer with a parent, this has none")
+            holdings.check_parent(self.store, reader, self._name(kind, oid), parent)
             indices = decode_indices(raw_indices, receiver.manifest.block_count)
 
             def expected(index: int) -> bytes:

@@ -9,6 +9,8 @@ from typing import Any
 
 import zstandard
 
+from capsule.accounts import grants
+from capsule.accounts.model import Grant
 from capsule.capsules import resolve
 from capsule.errors import InvalidName
 from capsule.names import check_name, check_object_id
@@ -84,15 +86,20 @@ class ObjectServer:
         return pack_blocks(blocks, level=level, compress=compress)
 
 
-def missing(store: Store, layers: Any, files: Any) -> dict[str, list[str]]:
-    """Which of these objects this store lacks (ids checked: they come from a peer)."""
+def missing(store: Store, layers: Any, files: Any, reader: Grant | None = None) -> dict[str, list[str]]:
+    """Which of these objects this store lacks (ids checked: they come from a peer). ``reader``: the grant
+    asking (None: a user's token); an object it may not read is answered missing whether held or not (a push
+    grant is then refused it: it pushes only its record's objects)."""
     try:
         layer_ids = [check_object_id(x) for x in layers]
         file_ids = [check_object_id(x) for x in files]
     except TypeError as exc:
         raise InvalidName(f"malformed request: {exc}") from exc
-    return {"layers": [x for x in layer_ids if not has_object(store, "layer", x)],
-            "files": [x for x in file_ids if not has_object(store, "file", x)]}
+    may_layers, may_files = grants.readable(store, reader) if reader is not None else (None, None)
+    return {"layers": [x for x in layer_ids if not has_object(store, "layer", x)
+                       or (may_layers is not None and x not in may_layers)],
+            "files": [x for x in file_ids if not has_object(store, "file", x)
+                      or (may_files is not None and x not in may_files)]}
 
 
 def capsule_list(store: Store) -> list[dict[str, Any]]:
