@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -107,8 +107,18 @@ def direct(store: Store, name: str = NAME) -> Iterator[Rfb]:
         yield rfb
 
 
+class Reachable(Protocol):
+    """An agent to call: a launched one (AgentProcess) or a compose host's (scripts.composehosts.Host)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def token(self) -> str: ...
+
+
 @contextmanager
-def through_agent(agent: AgentProcess, name: str = NAME) -> Iterator[Rfb]:
+def through_agent(agent: Reachable, name: str = NAME) -> Iterator[Rfb]:
     from websockets.sync.client import connect
 
     auth = {"Authorization": f"Bearer {agent.token}"}
