@@ -48,7 +48,7 @@ from tests.helpers.dashboard import open_console, sign_in  # noqa: E402
 
 PROJECT = hc.Project("capsule-cc", {"CAPSULE_HOST_A_LISTEN": "127.0.0.1:7375",
                                     "CAPSULE_HOST_B_LISTEN": "127.0.0.1:7376",
-                                    "CAPSULE_HOST_IMAGE": "capsule-host:cc"})
+                                    "CAPSULE_HOST_IMAGE": "capsule-host:cc", "CAPSULE_S3_PORT": "7377"})
 BOOT_TIMEOUT = 600.0
 
 

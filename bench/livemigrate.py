@@ -51,7 +51,7 @@ from testkit.images import IMAGE_HOME  # noqa: E402
 ENV = {"CAPSULE_HOST_A_LISTEN": "127.0.0.1:7371", "CAPSULE_HOST_B_LISTEN": "127.0.0.1:7372",
              "CAPSULE_HOST_A_LIBVIRT_TCP": "127.0.0.1:16571", "CAPSULE_HOST_B_LIBVIRT_TCP": "127.0.0.1:16572",
              "CAPSULE_HOST_A_MIGRATION_PORTS": "49380-49389", "CAPSULE_HOST_B_MIGRATION_PORTS": "49390-49399",
-             "CAPSULE_HOST_IMAGE": "capsule-host:b2"}
+             "CAPSULE_HOST_IMAGE": "capsule-host:b2", "CAPSULE_S3_PORT": "7373"}
 PROJECT = hc.Project("capsule-b2", ENV)   # this bench's own compose project, ports and image
 B_LIBVIRT = 16572
 B_AGENT = 7372

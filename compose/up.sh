@@ -24,6 +24,9 @@ if ! compgen -G "native/dist/capsule_native-*.whl" >/dev/null; then
   bash scripts/build-native.sh "${PYTHON:-.venv/bin/python}"
 fi
 bash compose/base.sh
+# the object store's `weed` binary (make setup builds it; built here if missing), mounted into its service
+weed=$(bash scripts/seaweedfs.sh | tail -n 1)
+export CAPSULE_WEED_DIR="${weed%/weed}"
 t1=$SECONDS
 log "building the host image"
 docker-compose "${files[@]}" build "$@" >&2
@@ -45,6 +48,18 @@ services=("$@")
 deadline=$((SECONDS + ${CAPSULE_COMPOSE_TIMEOUT:-120}))
 for svc in "${services[@]}"; do
   cid=$(docker-compose "${files[@]}" ps -q "$svc")
+  if [ "$svc" = object-store ]; then     # no agent: ready once its S3 gateway stored and returned an object
+    until docker exec "$cid" test -e /var/lib/seaweedfs/ready 2>/dev/null; do
+      if [ "$(docker inspect -f '{{.State.Running}}' "$cid" 2>/dev/null)" != true ] || [ $SECONDS -ge $deadline ]; then
+        log "$svc did not become ready; its log:"
+        docker logs --tail 50 "$cid" >&2 || true
+        exit 1
+      fi
+      sleep 0.5
+    done
+    log "$svc answers on S3 http://127.0.0.1:${CAPSULE_S3_PORT:-7180}"
+    continue
+  fi
   until
     listen=$(docker exec "$cid" printenv CAPSULE_LISTEN 2>/dev/null) &&
     token=$(docker exec "$cid" sh -c 'cat "$CAPSULE_HOME/agent.token"' 2>/dev/null) &&

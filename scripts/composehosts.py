@@ -107,15 +107,30 @@ class Project:
     def host(self, service: str) -> Host:
         return Host(service, self)
 
+    def object_store(self) -> tuple[str, dict[str, str]]:
+        """The object store service's S3 endpoint (``s3+http://127.0.0.1:PORT``, for ``capsule repo`` URLs) and
+        its S3 identity (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``)."""
+        cid = self.compose("ps", "-q", "object-store").strip()
+        if not cid:
+            raise ComposeError(f"project {self.name} has no object-store container: run compose/up.sh")
+        proc = subprocess.run([DOCKER, "exec", cid, "cat", "/var/lib/seaweedfs/credentials.json"],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise HostCommandFailed("object-store", ["cat", "credentials.json"], proc)
+        port = self.listen.get("CAPSULE_S3_PORT") or "7180"
+        return f"s3+http://127.0.0.1:{port}", json.loads(proc.stdout)
 
-# `make compose-up`'s hosts (agents on 7171 and 7172, or CAPSULE_HOST_A_LISTEN/…_B_LISTEN): the demo's
+
+# `make compose-up`'s hosts (agents on 7171 and 7172, or CAPSULE_HOST_A_LISTEN/…_B_LISTEN; the object store's S3
+# on 7180, or CAPSULE_S3_PORT): the demo's
 DEMO = Project(os.environ.get("COMPOSE_PROJECT_NAME") or "capsule")
 # The `hosts` test tier's: never the hosts of `make compose-up` or their stores (another run beside this one
 # sets CAPSULE_TEST_COMPOSE_PROJECT and CAPSULE_TEST_HOST_A_LISTEN/…_B_LISTEN)
 # (live moves cross in the agents' tunnel: no libvirtd or QEMU port of their own)
 TEST = Project(os.environ.get("CAPSULE_TEST_COMPOSE_PROJECT") or "capsule-test",
                {"CAPSULE_HOST_A_LISTEN": os.environ.get("CAPSULE_TEST_HOST_A_LISTEN") or "127.0.0.1:7271",
-                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272"})
+                "CAPSULE_HOST_B_LISTEN": os.environ.get("CAPSULE_TEST_HOST_B_LISTEN") or "127.0.0.1:7272",
+                "CAPSULE_S3_PORT": os.environ.get("CAPSULE_TEST_S3_PORT") or "7273"})
 
 
 def compose_files() -> list[str]:

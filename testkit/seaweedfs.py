@@ -1,7 +1,10 @@
 """A real SeaweedFS cluster on loopback for the capsule repository's tests and benchmarks: one master, two
 volume servers, a filer and its S3 gateway (the ``weed`` binary that ``scripts/seaweedfs.sh`` builds and
 caches), in a temporary directory, with one S3 identity. Every process runs in a session of its own and is
-ended with its group."""
+ended with its group.
+
+``python -m testkit.seaweedfs serve DIR PORT`` runs one in the foreground, its S3 gateway on 127.0.0.1:PORT and
+its data and S3 identity (``DIR/credentials.json``, made once) kept in DIR: the compose file's object store."""
 
 from __future__ import annotations
 
@@ -62,12 +65,14 @@ def _port_pair() -> int:
 class SeaweedCluster:
     """``start()``; ``endpoint`` (http://127.0.0.1:PORT), ``access_key``/``secret_key``; ``stop()``."""
 
-    def __init__(self, workdir: Path, *, volumes: int = 2, replication: str = "000") -> None:
+    def __init__(self, workdir: Path, *, volumes: int = 2, replication: str = "000", s3_port: int = 0,
+                 access_key: str | None = None, secret_key: str | None = None) -> None:
         self.workdir = workdir
         self.volumes = volumes
         self.replication = replication
-        self.access_key = "capsule-" + secrets.token_hex(4)
-        self.secret_key = secrets.token_hex(20)
+        self.fixed_s3_port = s3_port
+        self.access_key = access_key or "capsule-" + secrets.token_hex(4)
+        self.secret_key = secret_key or secrets.token_hex(20)
         self.procs: list[subprocess.Popen[Any]] = []
         self.roles: list[str] = []
         self.args: dict[str, tuple[str, ...]] = {}
@@ -118,7 +123,7 @@ class SeaweedCluster:
         (self.workdir / "filer").mkdir(exist_ok=True)
         self._run("filer", "filer", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={self.filer_port}",
                   f"-master={master}", f"-defaultStoreDir={self.workdir / 'filer'}")
-        self.s3_port = _port_pair()
+        self.s3_port = self.fixed_s3_port or _port_pair()
         self._run("s3", "s3", "-ip.bind=127.0.0.1", f"-port={self.s3_port}",
                   f"-filer=127.0.0.1:{self.filer_port}", f"-config={s3_config}", "-port.iceberg=0",
                   "-port.lance=0")
@@ -182,3 +187,53 @@ class SeaweedCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+CREDENTIALS = "credentials.json"
+
+
+def serve(workdir: Path, s3_port: int) -> None:
+    """A cluster in the foreground until SIGTERM: its S3 gateway on 127.0.0.1:``s3_port``, its data in
+    ``workdir``, its S3 identity ``workdir/credentials.json`` (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``),
+    made on the first start and kept; ``workdir/ready`` once it stores and returns an object."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    creds = workdir / CREDENTIALS
+    if not creds.exists():
+        keys = {"AWS_ACCESS_KEY_ID": "capsule-" + secrets.token_hex(4), "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20)}
+        tmp = creds.with_suffix(".tmp")
+        tmp.write_text(json.dumps(keys))
+        tmp.chmod(0o600)
+        tmp.rename(creds)
+    keys = json.loads(creds.read_text())
+    (workdir / "ready").unlink(missing_ok=True)
+    cluster = SeaweedCluster(workdir, s3_port=s3_port, access_key=keys["AWS_ACCESS_KEY_ID"],
+                             secret_key=keys["AWS_SECRET_ACCESS_KEY"])
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    cluster.start(timeout=180)
+    (workdir / "ready").write_text(cluster.endpoint)
+    print(f"SeaweedFS: S3 on {cluster.endpoint}, master {cluster.master_port}, volumes {cluster.volume_ports}",
+          flush=True)
+    try:
+        while not stopping:
+            if any(p.poll() is not None for p in cluster.procs):
+                down = [r for p, r in zip(cluster.procs, cluster.roles, strict=True) if p.poll() is not None]
+                raise SystemExit(f"SeaweedFS's {', '.join(down)} exited: see {workdir}/*.log")
+            time.sleep(1)
+    finally:
+        (workdir / "ready").unlink(missing_ok=True)
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m testkit.seaweedfs serve DIR PORT")
+    serve(Path(sys.argv[2]), int(sys.argv[3]))
