@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import stat
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from capsule.repo.format import PackWriter, encode_index, new_id, pack_name, rea
 from capsule.repo.push import push
 from capsule.repo.repository import Repository
 from capsule.repo.s3 import Credentials, S3Client, parse_url
+from capsule.store.catalogue import VersionRow
 from capsule.verify import verify
 from diskserver import DiskServer
 from diskserver.nbdclient import NbdClient
@@ -53,12 +55,25 @@ def pushed(seaweed, tmp_path, tiny_images):
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images)
     capsules.create(a, "one", "tiny", memory="256M")
-    ref = a.catalogue.latest_version("one").ref
+    ref = _with_memory(a, "one", random.Random(27).randbytes(1 << 20))
     bucket = f"instant-{new_id()[:8]}"
     push(a, ref, Repository.init(_client(seaweed, bucket), PASS))
     yield a, b, ref, bucket
     a.close()
     b.close()
+
+
+def _with_memory(store, name: str, data: bytes) -> str:
+    """Give ``name`` a new version with ``data`` as its memory image (as a suspend would)."""
+    path = store.temp_path(".mem")
+    path.write_bytes(data)
+    row = store.seal_file(path, "memory")
+    v = store.catalogue.latest_version(name)
+    with store.catalogue.transaction():
+        store.catalogue.add_file(row)
+        store.catalogue.add_version(VersionRow(name, v.number + 1, None, None, row.id, v.chains, v.config,
+                                               "test", time.time()))
+    return f"{name}@{v.number + 1}"
 
 
 def _raw(path: Path, out: Path) -> bytes:
@@ -99,13 +114,17 @@ def _repack(repo: Repository) -> None:
 
 def test_a_layer_pages_in_from_the_repository_then_localizes(seaweed, pushed, tmp_path):
     a, b, ref, bucket = pushed
-    chain = a.catalogue.latest_version("one").chains[0]
+    version = a.catalogue.latest_version("one")
+    chain = version.chains[0]
     want = _raw(a.layer_path(chain[-1]), tmp_path / "a.raw")
 
     report = instant.prepare(b, ref, Repository.open(_client(seaweed, bucket), PASS))
     assert report.recorded and report.remote_layers == chain
-    assert len(report.restored) == 2                               # kernel and initrd, whole
-    assert report.downloaded_bytes < len(want) / 4                 # no disk block came yet
+    files = [version.config["kernel"], version.config["initrd"], version.memory]
+    assert sorted(report.restored) == sorted(files)                  # kernel, initrd and memory image, whole
+    assert b.file_path(version.memory).read_bytes() == a.file_path(version.memory).read_bytes()
+    whole = sum(a.file_path(f).stat().st_size for f in files)
+    assert report.downloaded_bytes < whole + (1 << 20)               # and no disk block yet
     assert b.catalogue.latest_version("one").chains[0] == chain
     assert all(demand.is_remote(b, lid) for lid in chain)
     secret = demand.token_path(b, report.url)
