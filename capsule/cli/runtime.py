@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -21,9 +22,10 @@ from capsule.cli.common import (
     progress,
     short,
 )
-from capsule.cli.transfer import REPOSITORY, KeyFileOpt, PrefetchOpt, start_from, start_from_repository
+from capsule.cli.transfer import PrefetchOpt, start_from
 from capsule.errors import InvalidInput, NotFound
 from capsule.runtime.connection import libvirt_uri
+from capsule.store import Store
 from capsule.units import human
 from capsule.views import seal_dict, start_dict
 
@@ -34,6 +36,27 @@ PolicyOpt = Annotated[str, typer.Option("--balloon-policy", help="none | cache (
 MethodOpt = Annotated[str, typer.Option("--balloon-method", help="virtio (host virtio-balloon down to what the "
                                                                  "guest uses; the default, measured best) | agent "
                                                                  "(in-guest balloon).")]
+
+
+REPOSITORY = "or a capsule repository s3://HOST:PORT/BUCKET/PREFIX (s3+http://… without TLS; with --key-file)"
+KeyFileOpt = Annotated[Path | None, typer.Option(
+    "--key-file", help="With --from a repository: open it with this key file's bytes instead of a passphrase "
+                       "(CAPSULE_REPO_PASSPHRASE, else a prompt).")]
+
+
+def start_from_repository(store: Store, ref: str, url: str, key_file: Path | None, *, prefetch: bool, wait: bool,
+                          timeout: float) -> None:
+    """``capsule start NAME@V --from s3://…``: an instant restore, its disk blocks paged in from the repository
+    as the guest reads them."""
+    from capsule.repo import crypto, instant
+    from capsule.repo.repository import Repository, connect
+
+    repo = Repository.open(connect(url), crypto.read_secret(key_file))
+    with progress(f"starting {ref} from {repo.location.url}") as say:
+        r = instant.start(store, ref, repo, prefetch=prefetch, wait=wait, timeout=timeout, say=say)
+    emit(r.as_dict(), lambda: console.print(
+        f"{'restored' if r.start.mode == 'restore' else 'booted'} [bold]{r.start.version.ref}[/] from "
+        f"{r.url}: {human(r.downloaded_bytes)} read first, {len(r.remote_layers)} layer(s) paged in on demand"))
 
 
 def _print_seal(r: lifecycle.SealResult, verb: str) -> None:

@@ -354,28 +354,6 @@ def start_from(store: Store, ref: str, source: str, token_file: Path | None, fin
         f"{human(r.transfer.wire_bytes)} moved first, {len(r.remote_layers)} layer(s) paged in on demand"))
 
 
-REPOSITORY = "or a capsule repository s3://HOST:PORT/BUCKET/PREFIX (s3+http://… without TLS; with --key-file)"
-KeyFileOpt = Annotated[Path | None, typer.Option(
-    "--key-file", help="With --from a repository: open it with this key file's bytes instead of a passphrase "
-                       "(CAPSULE_REPO_PASSPHRASE, else a prompt).")]
-
-
-def start_from_repository(store: Store, ref: str, url: str, key_file: Path | None, *, prefetch: bool, wait: bool,
-                          timeout: float) -> None:
-    """``capsule start NAME@V --from s3://…``: an instant restore, its disk blocks paged in from the repository
-    as the guest reads them."""
-    from capsule.cli.common import progress as spinner
-    from capsule.repo import crypto, instant
-    from capsule.repo.repository import Repository, connect
-
-    repo = Repository.open(connect(url), crypto.read_secret(key_file))
-    with spinner(f"starting {ref} from {repo.location.url}") as say:
-        r = instant.start(store, ref, repo, prefetch=prefetch, wait=wait, timeout=timeout, say=say)
-    emit(r.as_dict(), lambda: console.print(
-        f"{'restored' if r.start.mode == 'restore' else 'booted'} [bold]{r.start.version.ref}[/] from "
-        f"{r.url}: {human(r.downloaded_bytes)} read first, {len(r.remote_layers)} layer(s) paged in on demand"))
-
-
 def run(
     name: Annotated[str, typer.Argument(help="NAME or NAME@V on the other host.")],
     source: Annotated[str, typer.Option("--from", help=f"The host that holds it: {PEER}.")],
