@@ -1,7 +1,8 @@
 """Instant restore from a capsule repository, with no guest: a version pushed from host A into a real SeaweedFS
 cluster is made ready on host B (which never held it) with its disk layer paged in by a real disk server
 (nbdkit) from the repository's packs, block-identical to A's; a prune that moved the blobs to other packs does
-not break it; everything localizes and the repository's key leaves B. The CLI's errors (unknown version,
+not break it; everything localizes and the repository's key leaves B; a store out of reach fails a read after
+the retry window and its return heals it. The CLI's errors (unknown version,
 wrong passphrase, unreachable store) change nothing on B."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,8 @@ from capsule.repo.s3 import Credentials, S3Client, parse_url
 from capsule.store.catalogue import VersionRow
 from capsule.verify import verify
 from diskserver import DiskServer
+from diskserver.chain import Chain, RetrySpec
+from diskserver.errors import SourceUnavailable
 from diskserver.nbdclient import NbdClient
 from testkit.images import make_store
 from testkit.seaweedfs import SeaweedCluster
@@ -189,3 +193,25 @@ def test_cli_errors_name_the_problem_and_change_nothing(seaweed, pushed):
     alone = start(ref, "--key-file", "/dev/null")
     assert alone.returncode == 2 and "--from s3://" in alone.stderr
     assert b.catalogue.versions() == [] and not list(demand.remote_dir(b).iterdir())
+
+
+def test_a_repository_out_of_reach_fails_a_read_clearly_and_its_return_heals(seaweed, pushed, tmp_path):
+    """Blocks not yet here wait for the store for the retry window, then fail naming the repository (the guest
+    would see EIO and pause, as with a peer); once it answers again the same read succeeds."""
+    a, b, ref, bucket = pushed
+    chain = a.catalogue.latest_version("one").chains[0]
+    want = _raw(a.layer_path(chain[-1]), tmp_path / "a.raw")
+    instant.prepare(b, ref, Repository.open(_client(seaweed, bucket), PASS))
+    spec = replace(demand.chain_spec(b, chain, "ri-gone"), retry=RetrySpec(seconds=1.0, request_timeout=5.0))
+    with Chain.open(spec, background=False) as disk:
+        assert disk.read(0, 4096) == want[:4096]
+        seaweed.kill("s3")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SourceUnavailable, match="the repository at s3\\+http://.* is unreachable"):
+                disk.read(1 << 20, 65536)
+            assert time.monotonic() - t0 < 30
+        finally:
+            seaweed.restart("s3")
+        assert disk.read(1 << 20, 65536) == want[1 << 20:(1 << 20) + 65536]
+        assert disk.stats()["fetch_errors"] >= 1
