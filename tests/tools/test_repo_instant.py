@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from capsule import capsules
+from capsule import capsules, watch
 from capsule.lifecycle import demand
 from capsule.repo import instant
 from capsule.repo.format import PackWriter, encode_index, new_id, pack_name, read_pack_header
@@ -205,13 +205,17 @@ def test_a_repository_out_of_reach_fails_a_read_clearly_and_its_return_heals(sea
     spec = replace(demand.chain_spec(b, chain, "ri-gone"), retry=RetrySpec(seconds=1.0, request_timeout=5.0))
     with Chain.open(spec, background=False) as disk:
         assert disk.read(0, 4096) == want[:4096]
+        url = seaweed.url(bucket, "repo")
+        assert watch.reachable([url])
         seaweed.kill("s3")
         try:
             t0 = time.monotonic()
             with pytest.raises(SourceUnavailable, match="the repository at s3\\+http://.* is unreachable"):
                 disk.read(1 << 20, 65536)
             assert time.monotonic() - t0 < 30
+            assert not watch.reachable([url])     # the watcher keeps the paused guest waiting …
         finally:
             seaweed.restart("s3")
+        assert watch.reachable([url])             # … and resumes it once the store answers
         assert disk.read(1 << 20, 65536) == want[1 << 20:(1 << 20) + 65536]
         assert disk.stats()["fetch_errors"] >= 1
