@@ -2,13 +2,15 @@
 
 A version may name layers this host does not hold: *remote layers*, known by
 their manifest (fetched before start, ``remote/<id>.manifest``) and the agent
-they come from. Starting such a version starts a disk server (nbdkit,
+they come from, or the repository (an instant restore: the source is opened
+by :mod:`capsule.repo.pagein`, with the layer's ``remote/<id>.places``).
+Starting such a version starts a disk server (nbdkit,
 ``diskserver/``) that exports the flattened chain read-only; the instance's
 private leaf uses that export as its backing. Blocks of remote layers are
 fetched when the guest reads them, into shadows shared by every capsule that
 uses the layer (``shadows/``). Once every block of a remote layer is local,
 ``localize`` turns it into an ordinary sealed layer and the version no longer
-depends on the source host."""
+depends on the source host (or repository)."""
 
 from __future__ import annotations
 

@@ -148,9 +148,11 @@ def test_a_layer_pages_in_from_the_repository_then_localizes(seaweed, pushed, tm
     assert first["fetch_errors"] == 0 and first["verify_failures"] == 0
     assert 0 < first["source_bytes"] < data_bytes / 2             # only what was read, and its read-ahead
     assert 0 < first["wire_bytes"] < first["source_bytes"] + 64 * 1024 * first["fetch_requests"]
+    assert first["fetch_attempts"] * 16 <= first["source_blocks"]  # neighbouring blobs come in one ranged GET
     assert demand.localize(b) == []                                # not everything is here yet
     print(f"\n{first['guest_bytes']} B read through the disk server; {first['source_bytes']} B of blocks and "
-          f"{first['wire_bytes']} B on the link, in {first['fetch_requests']} read(s), of {data_bytes} B of data")
+          f"{first['wire_bytes']} B on the link, in {first['fetch_requests']} read(s) of {first['fetch_attempts']} "
+          f"ranged GET(s), of {data_bytes} B of data")
 
     _repack(Repository.open(_client(seaweed, bucket), PASS))        # every pack the places name is gone
     server, _d = _serve(b, chain, prefetch=True)
