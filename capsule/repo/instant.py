@@ -94,9 +94,16 @@ def prepare(store: Store, ref: str, repo: Repository, say: Say = lambda _m: None
 
 def start(store: Store, ref: str, repo: Repository, *, prefetch: bool = False, wait: bool = True,
           timeout: float = 180.0, say: Say = lambda _m: None) -> InstantReport:
-    """Start ``NAME[@V]`` of ``repo`` here, its disks demand-paged from the repository (see the module)."""
+    """Start ``NAME[@V]`` of ``repo`` here, its disks demand-paged from the repository (see the module). If the
+    start fails the version stays recorded, its layers remote, and the repository's key is removed again unless
+    another running instance reads from it."""
     from capsule import lifecycle
 
     report = prepare(store, ref, repo, say)
-    report.start = lifecycle.start(store, report.version, prefetch=prefetch, wait=wait, timeout=timeout, say=say)
+    try:
+        report.start = lifecycle.start(store, report.version, prefetch=prefetch, wait=wait, timeout=timeout,
+                                       say=say)
+    except BaseException:
+        demand.release_sources(store, {report.url: None})   # no run reads from it: its key leaves this host
+        raise
     return report

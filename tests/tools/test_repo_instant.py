@@ -174,6 +174,23 @@ def test_a_layer_pages_in_from_the_repository_then_localizes(seaweed, pushed, tm
     assert verify(b).ok
 
 
+def test_a_start_that_fails_takes_the_repository_key_away_again(seaweed, pushed, monkeypatch):
+    from capsule import lifecycle
+    from capsule.errors import RuntimeFailure
+
+    _a, b, ref, bucket = pushed
+
+    def fails(*_args, **_kw):
+        raise RuntimeFailure("booting failed (simulated)")
+
+    monkeypatch.setattr(lifecycle, "start", fails)
+    with pytest.raises(RuntimeFailure, match="simulated"):
+        instant.start(b, ref, Repository.open(_client(seaweed, bucket), PASS))
+    url = parse_url(seaweed.url(bucket, "repo")).url
+    assert b.catalogue.latest_version("one").ref == ref                # recorded, its layers remote …
+    assert not demand.token_path(b, url).exists()                      # … but the key is not left behind
+
+
 def test_cli_errors_name_the_problem_and_change_nothing(seaweed, pushed):
     a, b, ref, bucket = pushed
     url = seaweed.url(bucket, "repo")
