@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import stat
 import subprocess
 import sys
@@ -85,12 +86,19 @@ def _raw(path: Path, out: Path) -> bytes:
     return out.read_bytes()
 
 
-def _serve(store, chain: list[str], *, prefetch: bool = False) -> tuple[DiskServer, Path]:
-    d = Path(tempfile.mkdtemp(prefix="ri-"))       # a short directory: a unix socket's path is at most 107 bytes
+@pytest.fixture
+def sockdir():
+    """A short directory for the disk server's socket (a unix socket's path is at most 107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="ri-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _serve(store, chain: list[str], d: Path, *, prefetch: bool = False) -> DiskServer:
     spec = demand.chain_spec(store, chain, "ri-disk0")
     spec.save(d / "disk0.spec.json")
     return DiskServer(d / "disk0.spec.json", d / "disk0.nbd", d / "disk0.log", exit_with_parent=True,
-                      prefetch=prefetch).start(), d
+                      prefetch=prefetch).start()
 
 
 def _stats(store) -> dict:
@@ -116,7 +124,7 @@ def _repack(repo: Repository) -> None:
         repo.client.delete(repo.location.key(pack_name(pack)))
 
 
-def test_a_layer_pages_in_from_the_repository_then_localizes(seaweed, pushed, tmp_path):
+def test_a_layer_pages_in_from_the_repository_then_localizes(seaweed, pushed, tmp_path, sockdir):
     a, b, ref, bucket = pushed
     version = a.catalogue.latest_version("one")
     chain = version.chains[0]
@@ -135,7 +143,7 @@ def test_a_layer_pages_in_from_the_repository_then_localizes(seaweed, pushed, tm
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert PASS not in secret.read_bytes()                          # the master key is there, never the passphrase
 
-    server, _d = _serve(b, chain)
+    server = _serve(b, chain, sockdir)
     try:
         with NbdClient(str(server.socket_path)) as nbd:
             assert nbd.pread(0, 1 << 20) == want[:1 << 20]
@@ -155,7 +163,7 @@ def test_a_layer_pages_in_from_the_repository_then_localizes(seaweed, pushed, tm
           f"ranged GET(s), of {data_bytes} B of data")
 
     _repack(Repository.open(_client(seaweed, bucket), PASS))        # every pack the places name is gone
-    server, _d = _serve(b, chain, prefetch=True)
+    server = _serve(b, chain, sockdir, prefetch=True)
     try:
         deadline = time.monotonic() + 120
         while any(demand.layer_progress(b, lid)[0] < demand.layer_progress(b, lid)[1] for lid in chain) \
