@@ -4,7 +4,8 @@ When the source host of a remote layer cannot be reached, the disk server
 fails the read after its retry window, and QEMU, whose disks have error
 policy ``stop``, pauses the guest instead of letting it see an I/O error.
 This watcher runs beside such an instance: while the domain is paused for an
-I/O error it probes the source agents, and resumes the guest (QEMU retries
+I/O error it probes the source agents (or the object store of a repository
+the layers are paged from), and resumes the guest (QEMU retries
 the failed request) once they answer. It also keeps the instance's disk
 servers up: one that died (a crash, a SIGKILL) is started again on the same
 socket and spec; QEMU's NBD client reconnects to it (``reconnect-delay``, or
@@ -32,10 +33,20 @@ POLL = 0.5
 log = logging.getLogger("capsule.watch")
 
 
-def _reachable(urls: list[str]) -> bool:
+def probe_url(url: str) -> str:
+    """What to ask to learn whether a source answers: an agent's info route, or a repository's endpoint."""
+    if url.startswith(("http://", "https://")):
+        return f"{url}/v1/info"
+    from capsule.repo.s3 import parse_url
+
+    return parse_url(url).endpoint + "/"
+
+
+def reachable(urls: list[str]) -> bool:
+    """Whether every source answers (any HTTP answer, even 401 or 403, means it is back)."""
     for url in urls:
         try:
-            httpx.get(f"{url}/v1/info", timeout=2.0)  # any HTTP answer (even 401) means the agent is back
+            httpx.get(probe_url(url), timeout=2.0)
         except httpx.TransportError:
             return False
     return True
@@ -91,7 +102,7 @@ def watch(domain: str, urls: list[str], inst_dir: Path | None = None) -> None:
         if inst_dir is not None:
             revive_servers(domain, inst_dir)
         if (state == (libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_IOERROR) and _servers_up(inst_dir)
-                and _reachable(urls)):
+                and reachable(urls)):
             dom = lookup_domain(domain)
             if dom is not None:
                 with contextlib.suppress(libvirt.libvirtError):

@@ -15,12 +15,18 @@ is raised. Over https the source's certificate is pinned to ``fingerprint`` (bot
 refusal (HTTP 4xx) or a malformed answer raises :class:`SourceError` at once. A 401 is
 tried once more only if the token file changed (a rotated token). The client does not check block
 content: the caller verifies every block against its manifest hash.
+
+A layer's source may also be something other than an agent (:func:`open_source`): a remote spec with an
+``opener`` names the function that makes it, any object with :class:`BlockSource`'s shape; the chain treats
+it exactly as an agent (batches, verification against the manifest, the hash cache, counters).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from diskserver.errors import SourceError, SourceUnavailable
 from hashcache.errors import AuthFailed, HashcacheError, HostKeyError, Unreachable
@@ -28,6 +34,9 @@ from hashcache.hcp import MAX_BATCH, unpack_blocks
 from hashcache.transport import HttpTransport, Retrying, RetryPolicy, StreamTransport, Transport, protocol, read_call
 from hashcache.transport.base import TokenSource, error_of
 from hashcache.transport.wrappers import Reauthenticating
+
+if TYPE_CHECKING:
+    from diskserver.chain.spec import RemoteSpec, RetrySpec
 
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504, 507})
 
@@ -37,6 +46,37 @@ class ReadResult:
     blocks: list[bytes]
     wire_bytes: int  # request + response bytes, headers included (approximately)
     attempts: int
+
+
+class BlockSource(Protocol):
+    """What the chain reads remote blocks from: :class:`HcpSource`, or what a remote spec's opener makes."""
+
+    url: str
+
+    def read_blocks(self, layer_id: str, indices: list[int]) -> ReadResult:
+        """The 4 KiB blocks ``indices`` (strictly ascending, at most ``MAX_BATCH``) of layer ``layer_id``;
+        SourceUnavailable once the source stayed out of reach for the retry window, SourceError on a
+        refusal or a malformed answer."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def open_source(remote: RemoteSpec, retry: RetrySpec, *, compress: bool = True, level: int = 1) -> BlockSource:
+    """The source of a remote spec: an agent over HCP, or what its ``opener`` makes (SourceError if the opener
+    cannot be imported or refuses the spec)."""
+    if remote.opener is None:
+        return HcpSource(remote.url, remote.token_file, retry_seconds=retry.seconds,
+                         initial_delay=retry.initial_delay, max_delay=retry.max_delay,
+                         request_timeout=retry.request_timeout, compress=compress, level=level,
+                         fingerprint=remote.fingerprint)
+    module, _, function = remote.opener.partition(":")
+    try:
+        opener = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as exc:
+        raise SourceError(f"source {remote.url}: its opener {remote.opener} cannot be loaded: {exc}") from exc
+    source: BlockSource = opener(remote.url, remote.token_file, retry)
+    return source
 
 
 def read_token(token_file: str | Path) -> str:

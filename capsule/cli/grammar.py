@@ -9,7 +9,8 @@
    known already (backup copies, fleet members, host rm). ``capsule host add NAME URL`` and
    ``capsule fleet add NAME URL`` define a peer; they are the only commands that take a peer's URL as an
    argument. A capsule repository is not a peer: ``capsule repo …`` commands take its ``s3://HOST:PORT/BUCKET/
-   PREFIX`` URL as an argument, and ``backup schedule NAME --to`` takes either a PEER or such a URL.
+   PREFIX`` URL as an argument, and ``backup schedule NAME --to`` and ``start NAME --from`` take either a PEER
+   or such a URL.
 2. **``--to`` and ``--from`` name a place**: where something goes, where it comes from. The place is a PEER
    (``push NAME --to PEER``, ``pull NAME --from PEER``, ``start NAME --from PEER``, ``migrate NAME --to
    PEER``, ``backup schedule NAME --to PEER``, ``fleet push NAME@V --to PEER``), except for pods, whose place
@@ -84,7 +85,7 @@ VERBS: dict[str, tuple[str, frozenset[str]]] = {
     "gc": ("collect unreferenced objects", frozenset({TOP})),
     "verify": ("re-hash stored objects against their digests", frozenset({TOP, "backup"})),
     "doctor": ("check this host", frozenset({TOP})),
-    "start": ("boot or restore a capsule here (from this store, or --from a peer, demand-paged)",
+    "start": ("boot or restore a capsule here (from this store, or --from a peer or a repository, demand-paged)",
               frozenset({TOP})),
     "suspend": ("save a running capsule (memory and disks) as a new version and stop it", frozenset({TOP})),
     "snapshot": ("record a running capsule as a new version; it keeps running", frozenset({TOP})),

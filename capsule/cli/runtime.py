@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -24,6 +25,7 @@ from capsule.cli.common import (
 from capsule.cli.transfer import PrefetchOpt, start_from
 from capsule.errors import InvalidInput, NotFound
 from capsule.runtime.connection import libvirt_uri
+from capsule.store import Store
 from capsule.units import human
 from capsule.views import seal_dict, start_dict
 
@@ -34,6 +36,27 @@ PolicyOpt = Annotated[str, typer.Option("--balloon-policy", help="none | cache (
 MethodOpt = Annotated[str, typer.Option("--balloon-method", help="virtio (host virtio-balloon down to what the "
                                                                  "guest uses; the default, measured best) | agent "
                                                                  "(in-guest balloon).")]
+
+
+REPOSITORY = "or a capsule repository s3://HOST:PORT/BUCKET/PREFIX (s3+http://… without TLS; with --key-file)"
+KeyFileOpt = Annotated[Path | None, typer.Option(
+    "--key-file", help="With --from a repository: open it with this key file's bytes instead of a passphrase "
+                       "(CAPSULE_REPO_PASSPHRASE, else a prompt).")]
+
+
+def start_from_repository(store: Store, ref: str, url: str, key_file: Path | None, *, prefetch: bool, wait: bool,
+                          timeout: float) -> None:
+    """``capsule start NAME@V --from s3://…``: an instant restore, its disk blocks paged in from the repository
+    as the guest reads them."""
+    from capsule.repo import crypto, instant
+    from capsule.repo.repository import Repository, connect
+
+    repo = Repository.open(connect(url), crypto.read_secret(key_file))
+    with progress(f"starting {ref} from {repo.location.url}") as say:
+        r = instant.start(store, ref, repo, prefetch=prefetch, wait=wait, timeout=timeout, say=say)
+    emit(r.as_dict(), lambda: console.print(
+        f"{'restored' if r.start.mode == 'restore' else 'booted'} [bold]{r.start.version.ref}[/] from "
+        f"{r.url}: {human(r.downloaded_bytes)} read first, {len(r.remote_layers)} layer(s) paged in on demand"))
 
 
 def _print_seal(r: lifecycle.SealResult, verb: str) -> None:
@@ -58,28 +81,42 @@ def start(
     ref: Annotated[str, typer.Argument(help="NAME (latest version) or NAME@V.")],
     source: Annotated[str | None, typer.Option(
         "--from", help=f"Start a capsule of another host here at once, its disks paged in from there as the guest "
-                       f"reads them: {PEER}.")] = None,
+                       f"reads them: {PEER}, {REPOSITORY}.")] = None,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until a booting guest is up.")] = True,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the guest (with --from, a boot "
                                                              "over a slow link reads its disk at the link's "
                                                              "speed).")] = 180.0,
     prefetch: PrefetchOpt = False,
-    token_file: TokenOpt = None, fingerprint: FingerprintOpt = None,
+    token_file: TokenOpt = None, fingerprint: FingerprintOpt = None, key_file: KeyFileOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Boot an inactive version or restore an active one, on a fresh private leaf per disk.
 
     With --from PEER the capsule is another host's: its memory image comes first (HCP), its disk blocks as
-    the guest reads them (§4.3); `capsule localize` once they have all arrived.
+    the guest reads them (§4.3); `capsule localize` once they have all arrived. With --from s3://… it is a
+    repository's (an instant restore): its memory image comes first, whole, its disk blocks from the
+    repository's packs as the guest reads them, on a host that may never have held the capsule.
 
     Examples:
 
       capsule start alice
 
       capsule start alice@3 --from work --prefetch
+
+      capsule start alice@3 --from s3://store.example:8333/backups/lab --prefetch
     """
     json_flag(json)
+    from capsule.repo.backups import is_repository
+
     store = open_store()
+    if source is not None and is_repository(source):
+        if token_file is not None or fingerprint is not None:
+            raise InvalidInput("--token-file and --fingerprint are a peer's credentials; a repository opens with "
+                               "--key-file or CAPSULE_REPO_PASSPHRASE")
+        start_from_repository(store, ref, source, key_file, prefetch=prefetch, wait=wait, timeout=timeout)
+        return
+    if key_file is not None:
+        raise InvalidInput("--key-file opens a repository: give --from s3://HOST:PORT/BUCKET/PREFIX too")
     if source is not None:
         start_from(store, ref, source, token_file, fingerprint, prefetch=prefetch, wait=wait, timeout=timeout)
         return

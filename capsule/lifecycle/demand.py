@@ -2,13 +2,15 @@
 
 A version may name layers this host does not hold: *remote layers*, known by
 their manifest (fetched before start, ``remote/<id>.manifest``) and the agent
-they come from. Starting such a version starts a disk server (nbdkit,
+they come from, or the repository (an instant restore: the source is opened
+by :mod:`capsule.repo.pagein`, with the layer's ``remote/<id>.places``).
+Starting such a version starts a disk server (nbdkit,
 ``diskserver/``) that exports the flattened chain read-only; the instance's
 private leaf uses that export as its backing. Blocks of remote layers are
 fetched when the guest reads them, into shadows shared by every capsule that
 uses the layer (``shadows/``). Once every block of a remote layer is local,
 ``localize`` turns it into an ordinary sealed layer and the version no longer
-depends on the source host."""
+depends on the source host (or repository)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,11 @@ def remote_manifest_path(store: Store, layer_id: str) -> Path:
     return remote_dir(store) / f"{layer_id}.manifest"
 
 
+def places_path(store: Store, layer_id: str) -> Path:
+    """Where a layer paged in from a repository has its blocks' places (:mod:`capsule.repo.pagein`)."""
+    return remote_dir(store) / f"{layer_id}.places"
+
+
 def is_remote(store: Store, layer_id: str) -> bool:
     return remote_info_path(store, layer_id).exists() and not store.layer_path(layer_id).exists()
 
@@ -68,14 +75,16 @@ def token_file_for(store: Store, url: str, token: str) -> Path:
     return path
 
 
-def add_remote_layer(store: Store, manifest: Manifest, url: str, token: str, fingerprint: str | None = None) -> None:
+def add_remote_layer(store: Store, manifest: Manifest, url: str, token: str, fingerprint: str | None = None, *,
+                     opener: str | None = None) -> None:
     """Remember a layer held by the agent at ``url`` (its certificate pinned to ``fingerprint``), by its
-    (verified) manifest."""
+    (verified) manifest. With ``opener`` the source is no agent but what that function opens (a repository:
+    :mod:`capsule.repo.pagein`), ``token`` its secret."""
     lid = manifest.digest
     if not remote_manifest_path(store, lid).exists():
         manifest.write(remote_manifest_path(store, lid), mode=OBJECT_MODE)
     info = {"id": lid, "parent": manifest.parent, "url": url, "token_file": str(token_file_for(store, url, token)),
-            "virtual_size": manifest.size, "added": time.time(), "fingerprint": fingerprint}
+            "virtual_size": manifest.size, "added": time.time(), "fingerprint": fingerprint, "opener": opener}
     write_atomic(remote_info_path(store, lid), json.dumps(info).encode(), durable=False)
 
 
@@ -97,7 +106,8 @@ def chain_spec(store: Store, chain: list[str], name: str, prefetch: bool = False
             info = remote_info(store, lid)
             layers.append(LayerSpec(id=lid, manifest_path=str(remote_manifest_path(store, lid)),
                                     remote=RemoteSpec(url=info["url"], token_file=info["token_file"],
-                                                      fingerprint=info.get("fingerprint"))))
+                                                      fingerprint=info.get("fingerprint"),
+                                                      opener=info.get("opener"))))
         else:
             layers.append(LayerSpec(id=lid, manifest_path=str(store.layer_manifest_path(lid)),
                                     local_path=str(store.layer_path(lid))))
@@ -194,6 +204,7 @@ def _localize(store: Store) -> list[str]:
         lid = info_path.stem
         if store.layer_path(lid).exists():
             info_path.unlink(missing_ok=True)
+            places_path(store, lid).unlink(missing_ok=True)
             continue
         present, total = layer_progress(store, lid)
         if present < total:
@@ -207,6 +218,7 @@ def _localize(store: Store) -> list[str]:
         finally:
             shadow.close()
         info_path.unlink(missing_ok=True)
+        places_path(store, lid).unlink(missing_ok=True)
         store.index_object(store.layer_path(lid), m)
         done.append(lid)
     return done + (_localize(store) if done else [])
@@ -239,7 +251,8 @@ def release_sources(store: Store, sources: dict[str, str | None], since: float |
     that used it stopped, or every layer it sent is local now — and forget its token; a token file written after
     ``since`` belongs to a newer run and is kept. The source answers ``DELETE /v1/grants/self``; a token that is
     no grant (the old host token, a user's token) is refused there and kept, and a source out of reach keeps
-    the grant until it expires. Returns the sources whose grant ended."""
+    the grant until it expires. A source that is no agent (a repository) has no grant: its secret file (the
+    repository's key) is removed. Returns the sources whose grant ended."""
     from capsule import hosts
     from hashcache.transport import Call, HttpTransport, check
 
@@ -251,6 +264,10 @@ def release_sources(store: Store, sources: dict[str, str | None], since: float |
                 continue
             token = path.read_text().strip()
         except OSError:
+            continue
+        if not url.startswith(("http://", "https://")):
+            path.unlink(missing_ok=True)
+            ended.append(url)
             continue
         try:
             with contextlib.closing(HttpTransport(url, token, timeout=RELEASE_TIMEOUT, connect_timeout=RELEASE_TIMEOUT,

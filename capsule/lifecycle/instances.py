@@ -91,6 +91,11 @@ def _check_objects(store: Store, version: VersionRow) -> None:
                 if not demand.remote_manifest_path(store, lid).exists():
                     raise IntegrityError(f"remote layer {lid[:12]} of {version.ref} has no manifest here")
                 url = demand.remote_info(store, lid)["url"]
+                if not demand.token_path(store, url).exists() and not url.startswith(("http://", "https://")):
+                    raise Conflict(f"layer {lid[:12]} of {version.ref} is still read from the repository at {url}, "
+                                   "and its key was removed here when the run that read it stopped: start it "
+                                   f"again with `capsule start {version.ref} --from {url}` (add --prefetch to "
+                                   "bring every block and then `capsule localize`)")
                 if not demand.token_path(store, url).exists():
                     raise Conflict(f"layer {lid[:12]} of {version.ref} is still read from {url}, and this host's "
                                    "grant to read it there ended when its demand run stopped: run it from there "

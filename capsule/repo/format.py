@@ -21,6 +21,8 @@ import re
 import secrets
 import struct
 import threading
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import zstandard
@@ -29,6 +31,8 @@ from capsule.errors import IntegrityError
 from capsule.repo.crypto import MasterKey
 
 PACK_SIZE = 4 * 1024 * 1024       # a pack is closed once its blobs reach this
+GAP = 64 * 1024                   # blobs this close in one pack are fetched with one ranged GET
+MAX_RANGE = 8 * 1024 * 1024       # … up to this many bytes
 ENTRY = struct.Struct("<32sII")   # block id, offset, length
 INDEX_MAGIC = b"CIX1"
 MAX_INDEX_BYTES = 1 << 30
@@ -60,6 +64,42 @@ class Entry:
     pack: str
     offset: int
     length: int
+
+
+@dataclass(frozen=True)
+class Range:
+    """One ranged GET of a pack: ``length`` bytes from ``start``, holding the blobs of ``items``."""
+
+    pack: str
+    start: int
+    length: int
+    items: tuple[tuple[bytes, Entry], ...]
+
+    def blob(self, data: bytes, entry: Entry) -> bytes:
+        """A blob's sealed bytes, cut out of this range's ``data``."""
+        return data[entry.offset - self.start:entry.offset - self.start + entry.length]
+
+
+def ranges(wanted: Iterable[tuple[bytes, Entry]], gap: int = GAP, max_range: int = MAX_RANGE) -> list[Range]:
+    """The ranged GETs that fetch every wanted blob: pack by pack, neighbours no more than ``gap`` bytes apart
+    in one GET of at most ``max_range`` bytes (one blob larger than that still gets its own)."""
+    by_pack: dict[str, dict[bytes, Entry]] = defaultdict(dict)
+    for bid, entry in wanted:
+        by_pack[entry.pack][bid] = entry
+    out = []
+    for pack, entries in by_pack.items():
+        items = sorted(entries.items(), key=lambda it: it[1].offset)
+        pos = 0
+        while pos < len(items):
+            end = pos + 1
+            while (end < len(items) and items[end][1].offset - (items[end - 1][1].offset + items[end - 1][1].length)
+                   <= gap and items[end][1].offset + items[end][1].length - items[pos][1].offset <= max_range):
+                end += 1
+            start = items[pos][1].offset
+            last = items[end - 1][1]
+            out.append(Range(pack, start, last.offset + last.length - start, tuple(items[pos:end])))
+            pos = end
+    return out
 
 
 # -- blobs ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import zstandard
 
 from capsule.errors import IntegrityError, NotFound, Unreachable
 from capsule.names import parse_ref
-from capsule.repo.format import Entry, open_blob, pack_name
+from capsule.repo.format import Entry, open_blob, pack_name, ranges
 from capsule.repo.repository import Repository
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
@@ -25,8 +25,6 @@ from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import HashcacheError
 from hashcache.manifest import Manifest
 
-GAP = 64 * 1024          # blobs this close in one pack are fetched with one ranged GET
-MAX_RANGE = 8 * 1024 * 1024
 MAX_MANIFEST = 1 << 30
 
 
@@ -72,34 +70,20 @@ def read_manifest(repo: Repository, kind: str, oid: str, name: str) -> Manifest:
 
 def fetch_blocks(repo: Repository, wanted: dict[bytes, Entry], accept: Callable[[bytes, bytes], None]) -> int:
     """Fetch and open every wanted blob, pack by pack, neighbours in one ranged GET; ``accept(id, block)``."""
-    by_pack: dict[str, list[tuple[bytes, Entry]]] = defaultdict(list)
-    for bid, entry in wanted.items():
-        by_pack[entry.pack].append((bid, entry))
     got = 0
-    for pack, items in by_pack.items():
-        items.sort(key=lambda it: it[1].offset)
-        pos = 0
-        while pos < len(items):
-            end = pos + 1
-            while (end < len(items) and items[end][1].offset - (items[end - 1][1].offset + items[end - 1][1].length)
-                   <= GAP and items[end][1].offset + items[end][1].length - items[pos][1].offset <= MAX_RANGE):
-                end += 1
-            start = items[pos][1].offset
-            length = items[end - 1][1].offset + items[end - 1][1].length - start
-            try:
-                data = repo.client.get(repo.location.key(pack_name(pack)), start, length)
-            except NotFound as exc:
-                raise IntegrityError(f"pack {pack} is missing from the repository (`capsule repo check` names "
-                                     "the versions that need it)") from exc
-            got += len(data)
-            for bid, entry in items[pos:end]:
-                sealed = data[entry.offset - start:entry.offset - start + entry.length]
-                accept(bid, open_blob(repo.key, bid, sealed, f"a block in pack {pack}", BLOCK_SIZE))
-            pos = end
+    for r in ranges(wanted.items()):
+        try:
+            data = repo.client.get(repo.location.key(pack_name(r.pack)), r.start, r.length)
+        except NotFound as exc:
+            raise IntegrityError(f"pack {r.pack} is missing from the repository (`capsule repo check` names "
+                                 "the versions that need it)") from exc
+        got += len(data)
+        for bid, entry in r.items:
+            accept(bid, open_blob(repo.key, bid, r.blob(data, entry), f"a block in pack {r.pack}", BLOCK_SIZE))
     return got
 
 
-def _restore_object(store: Store, repo: Repository, index: dict[bytes, Entry], kind: str, oid: str, role: str,
+def restore_object(store: Store, repo: Repository, index: dict[bytes, Entry], kind: str, oid: str, role: str,
                     name: str, report: RestoreReport) -> None:
     manifest = read_manifest(repo, kind, oid, name)
     places: dict[bytes, list[tuple[int, bytes]]] = defaultdict(list)
@@ -155,7 +139,7 @@ def restore(store: Store, ref: str, repo: Repository, progress: Callable[[str], 
             progress(f"{role} {oid[:12]}")
             with suppress(Unreachable):     # a degraded store that refused the lock object refuses this too
                 lock.refresh(if_due=True)
-            _restore_object(store, repo, index, kind, oid, role, name, report)
+            restore_object(store, repo, index, kind, oid, role, name, report)
         _row, report.recorded = record_version(store, record)
     report.seconds = round(time.monotonic() - t0, 3)
     return report

@@ -26,7 +26,7 @@ from diskserver.chain.persist import Persisting
 from diskserver.chain.resolve import BlockResolution
 from diskserver.chain.spec import ChainSpec
 from diskserver.errors import DiskServerError, SourceError, SpecError
-from diskserver.source import HcpSource
+from diskserver.source import BlockSource, open_source
 from hashcache.atomic import write_atomic
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.cache import HashCache
@@ -50,7 +50,7 @@ class Chain(BlockResolution, Fetching, Persisting):
         self.spec = spec
         self.layers: list[_Layer] = []
         self._cache: HashCache | None = None
-        self._sources: dict[tuple[str, str, str | None], HcpSource] = {}
+        self._sources: dict[tuple[str, str, str | None, str | None], BlockSource] = {}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._inflight: dict[tuple[int, int], _Flight] = {}
@@ -121,15 +121,12 @@ class Chain(BlockResolution, Fetching, Persisting):
                     raise SpecError(f"layer {ls.id[:12]}: cannot open its shadow in {spec.shadow_dir}: {exc}") from exc
                 layer.present = bytearray((layer.nblocks + 7) // 8)
                 self._refresh_presence(layer, layer.data_blocks)
-                key = (ls.remote.url, ls.remote.token_file, ls.remote.fingerprint)
+                key = (ls.remote.url, ls.remote.token_file, ls.remote.fingerprint, ls.remote.opener)
                 source = self._sources.get(key)
                 if source is None:
-                    rt = spec.retry
                     try:
-                        source = HcpSource(ls.remote.url, ls.remote.token_file, retry_seconds=rt.seconds,
-                                           initial_delay=rt.initial_delay, max_delay=rt.max_delay,
-                                           request_timeout=rt.request_timeout, compress=spec.compress,
-                                           level=spec.compress_level, fingerprint=ls.remote.fingerprint)
+                        source = open_source(ls.remote, spec.retry, compress=spec.compress,
+                                             level=spec.compress_level)
                     except SourceError as exc:
                         raise SpecError(f"layer {ls.id[:12]}: {exc}") from exc
                     self._sources[key] = source

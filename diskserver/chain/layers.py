@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from diskserver.chain.spec import LayerSpec
 from diskserver.errors import DiskServerError
-from diskserver.source import HcpSource
+from diskserver.source import BlockSource
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.manifest import RECORD_SIZE, Manifest
 from hashcache.shadow import Shadow
@@ -78,7 +78,7 @@ class _Layer:
         self.nblocks = manifest.block_count
         self.fd = -1  # local: the qcow2 file; remote: the shadow's data file
         self.shadow: Shadow | None = None
-        self.source: HcpSource | None = None
+        self.source: BlockSource | None = None
         self.present = bytearray()  # remote: this process's view of the shadow's presence bitmap
         self.present_count = 0
         self.pending: dict[int, bytes] = {}  # remote: fetched, verified, not yet persisted

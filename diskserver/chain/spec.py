@@ -23,16 +23,24 @@ from hashcache.transport.tls import parse_fingerprint
 SPEC_VERSION = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")  # ASCII only: \w would take any script's letters
+_OPENER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
 class RemoteSpec:
     """Where a remote layer comes from: an agent URL, a file holding its bearer token, and over https the
-    fingerprint its certificate is pinned to (None: CA validation)."""
+    fingerprint its certificate is pinned to (None: CA validation).
+
+    ``opener`` (``"package.module:function"``) names another kind of source, one that is no agent (a store of
+    blocks the composing program knows, e.g. an object store): the disk server imports it and calls
+    ``function(url, token_file, retry)`` for a :class:`diskserver.source.BlockSource`; ``url`` is then that
+    source's address, in whatever scheme it reads, and ``token_file`` its secret (what is in it is the
+    opener's business)."""
 
     url: str
     token_file: str
     fingerprint: str | None = None
+    opener: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,15 @@ class ChainSpec:
                 r = layer.remote
                 if not isinstance(r, RemoteSpec):
                     raise SpecError(f"{where}: remote must be a RemoteSpec")
-                if not isinstance(r.url, str) or not r.url.startswith(("http://", "https://")):
+                if r.opener is not None:
+                    if not isinstance(r.opener, str) or not _OPENER.fullmatch(r.opener):
+                        raise SpecError(f"{where}: remote opener {r.opener!r:.80} must be 'package.module:function'")
+                    if r.fingerprint is not None:
+                        raise SpecError(f"{where}: a fingerprint pins an agent's certificate; a source with an "
+                                        "opener takes none")
+                    if not isinstance(r.url, str) or not r.url:
+                        raise SpecError(f"{where}: remote url is required")
+                elif not isinstance(r.url, str) or not r.url.startswith(("http://", "https://")):
                     raise SpecError(f"{where}: remote url {r.url!r} must start with http:// or https://")
                 if not isinstance(r.token_file, str) or not r.token_file:
                     raise SpecError(f"{where}: remote token_file is required")
@@ -196,9 +212,7 @@ class ChainSpec:
                 "id": layer.id,
                 "manifest_path": layer.manifest_path,
                 "local_path": layer.local_path,
-                "remote": None if layer.remote is None else {"url": layer.remote.url,
-                                                             "token_file": layer.remote.token_file,
-                                                             "fingerprint": layer.remote.fingerprint},
+                "remote": None if layer.remote is None else _remote_dict(layer.remote),
             })
         return {
             "version": SPEC_VERSION,
@@ -258,9 +272,9 @@ class ChainSpec:
                 raise SpecError(f"layer {n}: unknown field(s): {', '.join(extra)}")
             remote = item.get("remote")
             if remote is not None:
-                if not isinstance(remote, dict) or set(remote) - {"url", "token_file", "fingerprint"}:
+                if not isinstance(remote, dict) or set(remote) - {"url", "token_file", "fingerprint", "opener"}:
                     raise SpecError(f"layer {n}: remote must be {{\"url\": ..., \"token_file\": ..., "
-                                    "\"fingerprint\": ...}}")
+                                    "\"fingerprint\": ..., \"opener\": ...}}")
                 pin = remote.get("fingerprint")
                 if pin is not None and not isinstance(pin, str):
                     raise SpecError(f"layer {n}: remote fingerprint must be a string")
@@ -268,7 +282,7 @@ class ChainSpec:
                 remote = RemoteSpec(url=cast(str, remote.get("url")),
                                     token_file=cast(str, path(remote.get("token_file"),
                                                               f"layer {n} remote token_file")),
-                                    fingerprint=pin)
+                                    fingerprint=pin, opener=remote.get("opener"))
             layers.append(LayerSpec(id=cast(str, item.get("id")),
                                     manifest_path=cast(str, path(item.get("manifest_path"),
                                                                  f"layer {n} manifest_path")),
@@ -316,3 +330,10 @@ class ChainSpec:
         """Write atomically (temp file, fsync, rename)."""
         write_atomic(Path(path), self.to_json().encode() + b"\n", durable=True)
 
+
+
+def _remote_dict(remote: RemoteSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"url": remote.url, "token_file": remote.token_file, "fingerprint": remote.fingerprint}
+    if remote.opener is not None:   # an agent's entry stays as it always was
+        out["opener"] = remote.opener
+    return out

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from diskserver.chain.fastmap import FastMap
 from diskserver.chain.layers import _Flight, _Layer
 from diskserver.chain.spec import ChainSpec
-from diskserver.source import HcpSource
+from diskserver.source import BlockSource
 from hashcache.cache import HashCache
 
 
@@ -26,7 +26,7 @@ class ChainState:
     nblocks: int
     write_behind: bool
     _cache: HashCache | None
-    _sources: dict[tuple[str, str, str | None], HcpSource]  # (url, token file, fingerprint) -> source
+    _sources: dict[tuple[str, str, str | None, str | None], BlockSource]  # (url, token file, pin, opener)
     _lock: threading.Lock
     _cv: threading.Condition
     _inflight: dict[tuple[int, int], _Flight]

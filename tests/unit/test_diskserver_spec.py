@@ -54,3 +54,54 @@ def test_bad_specs_are_refused_clearly(mutate, message):
     mutate(d)
     with pytest.raises(SpecError, match=message):
         ChainSpec.from_dict(d)
+
+
+# -- a source that is no agent ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_a_source_opened_by_a_named_function_round_trips_and_is_opened(tmp_path, monkeypatch):
+    """A remote spec with an opener keeps it through JSON (an agent's entry has none), and the chain's source is
+    what that function returns, given the URL, the secret file and the retry settings."""
+    import sys
+    import types
+
+    from diskserver.source import open_source
+
+    remote = RemoteSpec("s3+http://store:8333/bucket/prefix", "secret", opener="fake_blocks.mod:open_it")
+    spec = ChainSpec(layers=(LayerSpec(id="a" * 64, manifest_path="a.manifest", remote=remote),),
+                     shadow_dir="shadows")
+    assert ChainSpec.from_dict(json.loads(spec.to_json())) == spec
+    agent = ChainSpec(layers=(LayerSpec(id="a" * 64, manifest_path="m", remote=RemoteSpec("http://h:1", "t")),),
+                      shadow_dir="s")
+    assert "opener" not in agent.to_dict()["layers"][0]["remote"]
+
+    calls = []
+    module = types.ModuleType("fake_blocks.mod")
+    module.open_it = lambda url, secret, retry: calls.append((url, secret, retry.seconds)) or "the source"
+    monkeypatch.setitem(sys.modules, "fake_blocks", types.ModuleType("fake_blocks"))
+    monkeypatch.setitem(sys.modules, "fake_blocks.mod", module)
+    assert open_source(remote, RetrySpec(seconds=4.0)) == "the source"
+    assert calls == [("s3+http://store:8333/bucket/prefix", "secret", 4.0)]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("remote, message", [
+    ({"url": "s3://x/b", "token_file": "/t", "opener": "not a name"}, "package.module:function"),
+    ({"url": "s3://x/b", "token_file": "/t", "opener": "os:system; rm"}, "package.module:function"),
+    ({"url": "s3://x/b", "token_file": "/t", "opener": "m:f", "fingerprint": "SHA256:" + "A" * 43}, "takes none"),
+    ({"url": "", "token_file": "/t", "opener": "m:f"}, "url is required"),
+])
+def test_a_bad_opener_is_refused_clearly(remote, message):
+    d = {"layers": [{"id": "a" * 64, "manifest_path": "/m", "remote": remote}], "shadow_dir": "/s"}
+    with pytest.raises(SpecError, match=message):
+        ChainSpec.from_dict(d)
+
+
+@pytest.mark.timeout(10)
+def test_an_opener_that_cannot_be_loaded_is_a_source_error():
+    from diskserver.errors import SourceError
+    from diskserver.source import open_source
+
+    with pytest.raises(SourceError, match="cannot be loaded"):
+        open_source(RemoteSpec("s3://x/b", "/t", opener="no_such_module_here:f"), RetrySpec())
