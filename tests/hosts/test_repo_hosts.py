@@ -1,0 +1,63 @@
+"""The capsule repository shared by the compose hosts through the compose file's object store (a real SeaweedFS
+cluster: a master, two volume servers, a filer and its S3 gateway, a service of its own): a capsule stored in it
+by host A, with what its guest wrote, is restored at once on host B, which never held it (its disk paged in from
+the repository as the guest reads it, the rest prefetched in the background, then localized); a capsule derived
+from it, stored from B, uploads none of the objects A stored."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import pytest
+
+from scripts.composehosts import TEST, wait_for
+from tests.hosts.conftest import fresh, hosts, seeded  # noqa: F401 - fixtures
+
+pytestmark = [pytest.mark.hosts, pytest.mark.timeout(600)]
+
+PASSPHRASE = "a passphrase only these hosts know"
+WORD_BLOCK = 700      # the disk block the guest writes its word to (the tiny guest's root is in memory)
+
+
+def test_a_capsule_stored_by_a_is_restored_and_boots_on_b(fresh):  # noqa: F811
+    a, b, name = fresh
+    endpoint, identity = TEST.object_store()
+    url = f"{endpoint}/capsules/t{uuid.uuid4().hex[:8]}"
+    env = identity | {"CAPSULE_REPO_PASSPHRASE": PASSPHRASE}
+    a.capsule("repo", "init", url, env=env)
+
+    # what the guest writes on A is in the version stored
+    a.capsule("start", name)
+    word = uuid.uuid4().hex
+    a.guest(name, f"printf {word} | dd of=/dev/vda bs=4096 seek={WORD_BLOCK} conv=notrunc 2>/dev/null; sync")
+    a.capsule("stop", name)
+    stored = a.capsule("repo", "push", name, url, env=env, timeout=300)
+    assert stored["blocks_new"] > 0 and stored["uploaded_bytes"] > 0, stored
+    version = stored["version"]
+
+    # B never held it; it boots it at once from the repository, its disk paged in from there
+    assert name not in b.states()
+    listed = b.capsule("repo", "ls", url, env=env)
+    assert version in str(listed), listed
+    started = b.capsule("start", version, "--from", url, "--prefetch", env=env, timeout=300)
+    assert started["remote_layers"], started                     # its disk's layers: in the repository
+    assert b.guest(name, f"dd if=/dev/vda bs=4096 skip={WORD_BLOCK} count=1 2>/dev/null | head -c 32") == word
+    # the rest arrives in the background; then its layers are local and the repository's key leaves B
+    local: set[str] = set()
+
+    def localized() -> bool:
+        local.update(b.capsule("localize")["localized"])
+        return local == set(started["remote_layers"])
+
+    wait_for(localized, 240, "B's prefetch of the capsule's layers from the repository", interval=2)
+    key = "token-" + hashlib.sha256(started["url"].encode()).hexdigest()[:16]
+    assert key not in b.sh('ls "$CAPSULE_HOME/remote"').split()            # the repository's key left B
+    b.capsule("stop", name, "--force")
+
+    # a sibling of it, stored from B: what A stored is not uploaded again
+    sibling = f"s{uuid.uuid4().hex[:8]}"
+    b.capsule("derive", name, sibling)
+    again = b.capsule("repo", "push", sibling, url, env=env, timeout=300)
+    assert again["objects"] == again["objects_present"] == stored["objects"], (again, stored)
+    assert again["blocks_new"] == 0 and again["uploaded_bytes"] < stored["uploaded_bytes"] / 10, (again, stored)
