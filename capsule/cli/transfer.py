@@ -59,12 +59,14 @@ Xz = Annotated[bool, typer.Option("--xz", help="Send each object's new blocks as
                                                 "slow enough): the fewest bytes (new packages: 5-9 % fewer than "
                                                 "--zstd-level 19, about as slow to compress). A receiver without "
                                                 "it gets zstd at --zstd-level (3 if not given).")]
-NoDeltas = Annotated[bool, typer.Option("--no-deltas", help="With --xz or --zstd-level 10 and up, send every new "
-                                                            "block of a disk layer whole, not as a delta against "
-                                                            "the parent version's blocks (by default there, where "
-                                                            "a delta costs fewer bytes: the same file in the "
-                                                            "parent, read from both versions' ext4 file systems, "
-                                                            "or the block at the same offset).")]
+NoDeltas = Annotated[bool, typer.Option("--no-deltas", help="Send every new block of a disk layer whole, not as "
+                                                            "a delta against the parent version's blocks (the same "
+                                                            "file in the parent, read from both versions' ext4 file "
+                                                            "systems, or the block at the same offset). By default "
+                                                            "deltas are measured and used where they send the "
+                                                            "blocks sooner over the measured link (slow links); "
+                                                            "with --xz or --zstd-level 10 and up wherever they cost "
+                                                            "fewer bytes; with another codec given, never.")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
 

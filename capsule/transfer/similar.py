@@ -12,9 +12,10 @@ parent chain where that pays, and whole otherwise. References, in order of prefe
 2. the parent chain's block at the same disk offset (an inode table, a bitmap: metadata rewritten in
    place), a delta per block, for blocks of no file or of a file new in this version.
 
-Deltas are made where the push was given a stream codec (``--xz``, ``--zstd-level`` from 10: bytes over
-speed; ``pushing._deltas_pay``). B1 (a Debian guest's installed packages updated to their backports,
-over xz): 12.19 MB with deltas, 15.24 MB without (OSTree's static delta: 12.5 MB).
+Deltas are made where they pay (``deltapick.py``: picked by the link like the codec; every block that
+pays where the push was given a stream codec, ``--xz`` or ``--zstd-level`` from 10: bytes over speed).
+B1 (a Debian guest's installed packages updated to their backports, over xz): 12.19 MB with deltas,
+15.24 MB without (OSTree's static delta: 12.5 MB).
 
 A delta is kept when its bytes are at most ``PAYS`` of its blocks' own zstd -9 frame (whole blocks also
 travel compressed, often in a stream that does better). A source whose first ``TRIAL`` blocks mostly did
@@ -23,6 +24,7 @@ costs a few milliseconds of trials, not a delta per block."""
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from capsule.store import Store
 from capsule.store.objectio import BlockReader, ChainReader
 from capsule.transfer import extmap
 from hashcache import delta, native
-from hashcache.blocks import BLOCK_SIZE
+from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.delta import Delta
 from hashcache.hcp import MAX_BATCH
 
@@ -61,6 +63,8 @@ class Similar:
         self._sources = {"file": _Source(), "offset": _Source()}
         self.delta_blocks = 0
         self.delta_bytes = 0
+        self.timing = False          # rebuild and verify each delta made, as the receiver will, and time it
+        self.decode_seconds = 0.0
 
     def __enter__(self) -> Similar:
         return self
@@ -96,6 +100,11 @@ class Similar:
         counts.paid += len(indices)
         self.delta_blocks += len(indices)
         self.delta_bytes += d.wire_size
+        if self.timing:
+            t0 = time.perf_counter()
+            for block in delta.rebuild(d, ref_blocks):
+                hash_block(block)
+            self.decode_seconds += time.perf_counter() - t0
         return d
 
     def _file_deltas(self, chain: ChainReader, match: extmap.Match, reader: BlockReader,

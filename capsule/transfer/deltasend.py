@@ -1,0 +1,123 @@
+"""A push's blocks as deltas (``similar.py``, format in ``hashcache/delta.py``): which of a slice of the
+blocks the receiver lacks go as deltas (``deltapick.py``: picked by the link, or every one that pays where a
+stream codec was given), and their uploads, paced and measured with the push's whole blocks (``pacing.py``:
+a delta upload's bytes and time count for the link's rate, as the codec picker needs)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from capsule.agentclient import AgentClient
+from capsule.errors import TransferFailed
+from capsule.store import Store
+from capsule.store.objectio import BlockReader
+from capsule.transfer import deltapick
+from capsule.transfer.codecpick import Codec, CodecPicker
+from capsule.transfer.deltapick import DeltaPick
+from capsule.transfer.pacing import Pacer
+from capsule.transfer.resend import lacking, upload_body
+from capsule.transfer.similar import Similar
+from capsule.transfer.terms import Check, Options, Progress
+from hashcache import delta
+from hashcache.blocks import BLOCK_SIZE
+from hashcache.delta import Delta
+from hashcache.hcp import MAX_BATCH, TransferStats
+
+DELTA_UPLOAD_BYTES = 4 << 20      # delta records in one upload, at most (the receiver takes 5 MiB)
+
+
+@dataclass
+class DeltaStats(TransferStats):
+    """A push's byte counts, and its blocks sent as deltas (``similar.py``) and their bytes."""
+
+    delta_blocks: int = 0
+    delta_bytes: int = 0
+
+
+def similar(store: Store, kind: str, parent: str | None, oid: str, opts: Options, offered: str | None,
+            picker: CodecPicker) -> Similar | None:
+    """Deltas for this object's blocks (``similar.py``): a layer whose parent the receiver holds (it takes
+    no layer before its parent), a receiver that decodes them (``DELTAS_HEADER``), blocks compressed, and
+    no codec given that asks for speed (a codec given keeps deltas only if it is a stream codec)."""
+    if kind != "layer" or parent is None or not opts.deltas or opts.codec == "none" or not delta.offered(offered):
+        return None
+    given = picker.forced
+    if given is not None and not given.is_stream(picker.stream_level):
+        return None
+    return Similar(store, oid, parent)
+
+
+def split(sim: Similar, pick: DeltaPick, codec: Codec, needed: list[int],
+          reader: BlockReader) -> tuple[list[int], list[Delta]]:
+    """A slice of ``needed`` blocks (ascending) as (indices to send whole, deltas of the others): every
+    block tried where a stream codec was given, else as ``pick`` says (whole ones going in ``codec``), its
+    search and encoding timed for it (and, on a trial, the receiver's rebuilding)."""
+    if pick.picker.forced is not None:   # a stream codec given (``similar``): bytes over speed
+        return sim.split(needed, reader)
+    mode = pick.next_slice(codec)
+    if mode == deltapick.NONE or not needed:
+        return needed, []
+    tried = needed if mode == deltapick.ALL else needed[:deltapick.TRIAL_BLOCKS]
+    blocks0, bytes0, decode0 = sim.delta_blocks, sim.delta_bytes, sim.decode_seconds
+    sim.timing = mode == deltapick.TRIAL
+    t0 = time.perf_counter()
+    try:
+        whole, deltas = sim.split(tried, reader)
+    finally:
+        sim.timing = False
+    decode = sim.decode_seconds - decode0
+    pick.record(len(tried) * BLOCK_SIZE, (sim.delta_blocks - blocks0) * BLOCK_SIZE, sim.delta_bytes - bytes0,
+                time.perf_counter() - t0 - decode, decode if mode == deltapick.TRIAL else None)
+    return sorted(whole + needed[len(tried):]), deltas
+
+
+def send(client: AgentClient, pacer: Pacer, pick: DeltaPick, sim: Similar, codec: Codec, obj: tuple[str, str],
+         needed: list[int], reader: BlockReader, stats: DeltaStats, progress: Progress, check: Check) -> list[int]:
+    """Send what of a slice of ``needed`` blocks goes as deltas (:func:`split`); returns the blocks to send
+    whole (those of no delta, and those the receiver could not rebuild)."""
+    whole, deltas = split(sim, pick, codec, needed, reader)
+    return sorted(whole + _upload(client, pacer, obj, deltas, stats, progress, check)) if deltas else whole
+
+
+def _uploads(deltas: list[Delta]) -> list[list[Delta]]:
+    """Deltas grouped into uploads the receiver takes: at most ``MAX_BATCH`` blocks, ``MAX_UPLOAD_REFS``
+    references and ``DELTA_UPLOAD_BYTES`` of records each."""
+    out: list[list[Delta]] = []
+    blocks = refs = size = 0
+    for d in deltas:
+        if not out or blocks + len(d.indices) > MAX_BATCH or refs + d.ref_count > delta.MAX_UPLOAD_REFS \
+                or size + d.wire_size > DELTA_UPLOAD_BYTES:
+            out.append([])
+            blocks = refs = size = 0
+        out[-1].append(d)
+        blocks, refs, size = blocks + len(d.indices), refs + d.ref_count, size + d.wire_size
+    return out
+
+
+def _upload(client: AgentClient, pacer: Pacer, obj: tuple[str, str], deltas: list[Delta], stats: DeltaStats,
+            progress: Progress, check: Check) -> list[int]:
+    """Upload blocks as deltas, each upload within the push's window (its bytes and time measure the link);
+    returns those the receiver did not rebuild (references it could not read), to send whole."""
+    kind, oid = obj
+    again: list[int] = []
+    for part in _uploads(deltas):
+        check()
+        batch = sorted(i for d in part for i in d.indices)
+        body = upload_body(batch, delta.pack(part))
+        with pacer.flight(len(batch)) as sent:
+            reply = client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params={"delta": "true"},
+                                   idempotent=True).json()
+            sent.append(len(body))
+        rebuilt = reply.get("rebuilt") if isinstance(reply, dict) else None
+        if not isinstance(rebuilt, int) or isinstance(rebuilt, bool) or not 0 <= rebuilt <= len(batch):
+            raise TransferFailed(f"{kind} {oid[:12]}: the receiver's answer to a delta upload is malformed")
+        todo = lacking(client, kind, oid, batch) if rebuilt < len(batch) else []
+        gone = set(todo)
+        kept = [d for d in part if not gone.intersection(d.indices)]
+        n = sum(len(d.indices) for d in kept)
+        stats.add(fetched_bytes=n * BLOCK_SIZE, requests=1, delta_blocks=n, delta_bytes=sum(d.wire_size for d in kept))
+        progress.advance(n * BLOCK_SIZE)
+        progress.wire(client.wire_bytes)
+        again.extend(todo)
+    return again
