@@ -51,25 +51,45 @@ def similar(store: Store, kind: str, parent: str | None, oid: str, opts: Options
 def split(sim: Similar, pick: DeltaPick, codec: Codec, needed: list[int],
           reader: BlockReader) -> tuple[list[int], list[Delta]]:
     """A slice of ``needed`` blocks (ascending) as (indices to send whole, deltas of the others): every
-    block tried where a stream codec was given, else as ``pick`` says (whole ones going in ``codec``), its
-    search and encoding timed for it (and, on a trial, the receiver's rebuilding)."""
+    block tried at zstd -19 where a stream codec was given, else as ``pick`` plans (whole ones going in
+    ``codec``), each part's search and encoding timed for it (and, on a trial or probe, the receiver's
+    rebuilding)."""
     if pick.picker.forced is not None:   # a stream codec given (``similar``): bytes over speed
+        sim.level = delta.DELTA_LEVEL
         return sim.split(needed, reader)
-    mode = pick.next_slice(codec)
-    if mode == deltapick.NONE or not needed:
+    plan = pick.next_slice(codec)
+    if plan.mode == deltapick.NONE or not needed:
         return needed, []
-    tried = needed if mode == deltapick.ALL else needed[:deltapick.TRIAL_BLOCKS]
+    cut = deltapick.TRIAL_BLOCKS
+    parts = [(needed[:cut], plan.probe, True), (needed[cut:], plan.level, False)] if plan.probe else \
+        [(needed, plan.level, False)] if plan.mode == deltapick.ALL else [(needed[:cut], plan.level, True)]
+    whole: list[int] = []
+    deltas: list[Delta] = []
+    for part, level, timed in parts:
+        if part:
+            w, d = _measured(sim, pick, part, reader, level, timed)
+            whole += w
+            deltas += d
+    tried = sum(len(p) for p, _lv, _t in parts)
+    return sorted(whole + needed[tried:]), deltas
+
+
+def _measured(sim: Similar, pick: DeltaPick, part: list[int], reader: BlockReader, level: int,
+              timed: bool) -> tuple[list[int], list[Delta]]:
+    """``sim.split`` of ``part`` at ``level``, measured for ``pick`` (``timed``: the rebuilding too)."""
     blocks0, bytes0, decode0 = sim.delta_blocks, sim.delta_bytes, sim.decode_seconds
-    sim.timing = mode == deltapick.TRIAL
+    sim.timing, sim.level = timed, level
+    open0 = sim.open_seconds
     t0 = time.perf_counter()
     try:
-        whole, deltas = sim.split(tried, reader)
+        whole, deltas = sim.split(part, reader)
     finally:
         sim.timing = False
+    seconds = time.perf_counter() - t0 - (sim.open_seconds - open0)   # reading the file systems: once
     decode = sim.decode_seconds - decode0
-    pick.record(len(tried) * BLOCK_SIZE, (sim.delta_blocks - blocks0) * BLOCK_SIZE, sim.delta_bytes - bytes0,
-                time.perf_counter() - t0 - decode, decode if mode == deltapick.TRIAL else None)
-    return sorted(whole + needed[len(tried):]), deltas
+    pick.record(len(part) * BLOCK_SIZE, (sim.delta_blocks - blocks0) * BLOCK_SIZE, sim.delta_bytes - bytes0,
+                seconds - decode, decode if timed else None, level)
+    return whole, deltas
 
 
 def send(client: AgentClient, pacer: Pacer, pick: DeltaPick, sim: Similar, codec: Codec, obj: tuple[str, str],

@@ -136,7 +136,9 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     packed by the thread that sends them, many in flight; or, while the picker names a stream codec the
     receiver takes (``capsule/exchange/streams.py``: zstd from ``STREAM_LEVEL``, xz), segments of one object
     stream, compressed here in order and sent one at a time. When the pick changes, the stream's segments
-    in flight are waited for and the next batches go in frames or in a new stream."""
+    in flight are waited for and the next batches go in frames or in a new stream. A layer whose parent
+    the receiver holds sends the blocks it asks for a slice at a time, those that pay as deltas first
+    (``deltasend.py``: where ``deltapick.py`` finds they arrive sooner, or a stream codec was given)."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
@@ -208,9 +210,9 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 step = deltapick.SLICE_BLOCKS if picker.forced is None else max(1, len(needed))
                 for chunk in (needed[s:s + step] for s in range(0, len(needed), step)):
                     if similar is not None:
-                        now = stream_codec if encoder is not None else picker.current or codecpick.ZSTD3
-                        chunk = deltasend.send(client, pacer, _delta_pick(picker), similar, now, (kind, oid),
-                                               chunk, reader, stats, progress, check)
+                        chunk = deltasend.send(client, pacer, _delta_pick(picker), similar,
+                                               picker.current or codecpick.ZSTD3, (kind, oid), chunk, reader,
+                                               stats, progress, check)
                     for batch in pacer.batches(chunk):
                         for pipe in (frames, stream):
                             if pipe.failed:

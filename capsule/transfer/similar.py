@@ -65,6 +65,8 @@ class Similar:
         self.delta_bytes = 0
         self.timing = False          # rebuild and verify each delta made, as the receiver will, and time it
         self.decode_seconds = 0.0
+        self.open_seconds = 0.0      # reading both versions' file systems, once (``extmap.layer_views``)
+        self.level = delta.DELTA_LEVEL   # the zstd level of the deltas made
 
     def __enter__(self) -> Similar:
         return self
@@ -77,8 +79,10 @@ class Similar:
 
     def _open(self) -> ChainReader:
         if self._chain is None:
+            t0 = time.perf_counter()
             self._chain = self._stack.enter_context(ChainReader(self.store, self.parent_id))
             self._views = self._stack.enter_context(extmap.layer_views(self.store, self.layer_id, self.parent_id))
+            self.open_seconds = time.perf_counter() - t0
         return self._chain
 
     def _matches(self, needed: list[int]) -> list[extmap.Match]:
@@ -92,7 +96,7 @@ class Similar:
         """One delta of ``indices``' blocks against the parent's ``refs``, if it pays (counted for ``source``)."""
         if not refs:
             return None
-        d = delta.encode(indices, blocks, refs, ref_blocks)
+        d = delta.encode(indices, blocks, refs, ref_blocks, self.level)
         counts = self._sources[source]
         counts.tried += len(indices)
         if d.wire_size > PAYS * len(native.compress(b"".join(blocks), 9)):

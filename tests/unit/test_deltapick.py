@@ -1,7 +1,8 @@
 """Deltas picked by the link (capsule/transfer/deltapick.py): a delta's CPU (finding, encoding, the
 receiver's rebuilding) and its bytes enter the codec picker's ``max(cpu, ratio / link)``; deltas are used
 where they send a slice sooner than whole blocks in the codec picked, declined on a fast link, measured by a
-trial first and tried again less and less often once declined."""
+trial first and tried again less and less often once declined; zstd -19 deltas where the link is slow
+enough for their CPU, -12 where not, -19 measured only where -12 keeps the link full."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from capsule.transfer import codecpick, deltapick, pushing
 from capsule.transfer.codecpick import CPU_MARGIN, XZ, ZSTD3, CodecPicker, Expected
-from capsule.transfer.deltapick import ALL, NONE, TRIAL, DeltaCost, DeltaPick
+from capsule.transfer.deltapick import ALL, NONE, TRIAL, DeltaCost, DeltaPick, Plan
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -17,9 +18,11 @@ MB = 1e6
 RAW = 1 << 20
 ALLOWED = codecpick.candidates({"zstd", "xz"}, pushing.STREAM_LEVEL)
 # B1-like figures: zstd -3 and xz on package files; deltas found for 60 % of the bytes tried, a tenth of
-# their bytes, searched and encoded at 8 MB/s and rebuilt at 200 MB/s
+# their bytes at zstd -12 (searched and encoded at 25 MB/s), a twentieth at -19 (2.5 MB/s), rebuilt at
+# 200 MB/s
 CODECS = {ZSTD3: (0.45, 300 * MB, 600 * MB), XZ: (0.30, 2.5 * MB, 100 * MB)}
-FIND, DECODE, SHARE, RATIO = 1 / (8 * MB), 1 / (200 * MB), 0.6, 0.1
+FIND, DECODE, SHARE, RATIO = 1 / (25 * MB), 1 / (200 * MB), 0.6, 0.1
+FIND19, RATIO19 = 1 / (2.5 * MB), 0.05
 
 
 def _pick(link: float | None) -> DeltaPick:
@@ -33,8 +36,9 @@ def _pick(link: float | None) -> DeltaPick:
     return pick
 
 
-def _measured(pick: DeltaPick, share: float = SHARE) -> DeltaPick:
-    pick.record(RAW, int(RAW * share), int(RAW * share * RATIO), RAW * FIND, RAW * DECODE)
+def _measured(pick: DeltaPick, share: float = SHARE, level: int = 12) -> DeltaPick:
+    find, ratio = (FIND, RATIO) if level == 12 else (FIND19, RATIO19)
+    pick.record(RAW, int(RAW * share), int(RAW * share * ratio), RAW * find, RAW * DECODE, level)
     return pick
 
 
@@ -62,7 +66,7 @@ def test_measurements_are_per_raw_byte_tried():
     (1_000_000, ZSTD3, False), (8_000_000, codecpick.NONE, False)])
 def test_deltas_where_they_send_sooner(kbit, codec, used):
     pick = _measured(_pick(kbit * 1000 / 8))
-    assert pick.next_slice(codec) == (ALL if used else NONE)   # just measured: no trial again yet
+    assert pick.next_slice(codec).mode == (ALL if used else NONE)   # just measured: no trial again yet
     assert pick.decision == ("used" if used else "declined"), pick.figures
     with_, without = pick.figures["with_s_per_mb"], pick.figures["without_s_per_mb"]
     assert (with_ < without) == used, pick.figures
@@ -71,18 +75,18 @@ def test_deltas_where_they_send_sooner(kbit, codec, used):
 
 def test_deltas_that_save_no_bytes_never_pay():
     pick = _measured(_pick(48_000), share=0.0)
-    assert pick.next_slice(XZ) == NONE and pick.decision == "declined"
+    assert pick.next_slice(XZ).mode == NONE and pick.decision == "declined"
 
 
 def test_a_trial_first_then_tries_again_less_and_less_often():
     pick = _pick(None)
-    assert pick.next_slice(ZSTD3) == TRIAL and pick.decision == ""   # nothing measured: a trial
+    assert pick.next_slice(ZSTD3) == Plan(TRIAL, 12) and pick.decision == ""   # nothing measured: a trial
     _measured(pick)
-    assert pick.next_slice(ZSTD3) == TRIAL                            # the link not measured yet
+    assert pick.next_slice(ZSTD3).mode == TRIAL                       # the link not measured yet
     pick.rate["link"] = 1000 * MB                                     # type: ignore[attr-defined]
     plan = []
     for _ in range(60):
-        step = pick.next_slice(ZSTD3)
+        step = pick.next_slice(ZSTD3).mode
         plan.append(step)
         if step == TRIAL:
             _measured(pick)
@@ -91,4 +95,18 @@ def test_a_trial_first_then_tries_again_less_and_less_often():
     gaps = [b - a for a, b in zip(trials, trials[1:], strict=False)]
     assert gaps == [2 * deltapick.RETRY_SLICES, 4 * deltapick.RETRY_SLICES], plan
     pick.rate["link"] = 48_000                                        # type: ignore[attr-defined]
-    assert pick.next_slice(ZSTD3) == ALL and pick.decision == "used"  # the link slowed down
+    assert pick.next_slice(ZSTD3).mode == ALL and pick.decision == "used"  # the link slowed down
+
+
+def test_the_level_that_sends_soonest_and_the_smaller_one_measured_only_where_the_link_is_full():
+    fast = _measured(_pick(20_000 * 1000 / 8))
+    plan = fast.next_slice(ZSTD3)
+    assert plan == Plan(ALL, 12, 19), fast.figures       # -12 keeps the link full: -19 measured on a part
+    _measured(fast, level=19)
+    assert fast.next_slice(ZSTD3) == Plan(ALL, 12)       # -19's CPU is the limit at 20 Mbit/s
+    slow = _measured(_measured(_pick(48_000)), level=19)
+    assert slow.next_slice(XZ) == Plan(ALL, 19) and slow.figures["level"] == 19, slow.figures
+    assert slow.figures["with_ratio"] < 0.6 * RATIO + 0.4 * 0.30   # fewer bytes than -12's
+    busy = _measured(_pick(48_000))
+    busy.costs[12].find = 1 / (0.25 * MB)                # -12's CPU is the limit: nothing slower is measured
+    assert busy.next_slice(XZ) == Plan(ALL, 12), busy.figures
