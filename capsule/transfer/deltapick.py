@@ -47,6 +47,8 @@ SLICE_BLOCKS = MAX_BATCH          # needed blocks decided at once (4 MiB)
 RETRY_SLICES = 8                  # slices after a decline before deltas are tried again (doubling)
 GAIN = 0.05                       # deltas used where expected this much faster than whole blocks
 LEVELS = (12, DELTA_LEVEL)        # the zstd levels of deltas, the fastest first
+OPEN_PRIOR_S = 0.5                # reading both versions' file systems for an object, until measured
+OPEN_SHARE = 0.5                  # ... done only where it takes at most this share of the whole blocks' time
 SMOOTH = 0.3
 
 # what a slice does: every block tried, only the first TRIAL_BLOCKS (timing their decoding), or none
@@ -95,6 +97,7 @@ class DeltaPick:
         self._slices = 0
         self._tried_at: dict[int, int] = {}   # the slice each level was last measured on
         self._wait = RETRY_SLICES
+        self.open_cost: float | None = None   # seconds reading an object's two file systems (measured)
         self._lock = threading.Lock()
 
     @property
@@ -129,12 +132,28 @@ class DeltaPick:
             return None
         return cost.expected(whole, link), whole
 
-    def next_slice(self, codec: Codec) -> Plan:
-        """What the next slice does, its whole blocks going in ``codec`` (the picker's choice for now)."""
+    def opened(self, seconds: float) -> None:
+        """Reading an object's two file systems took ``seconds`` (a fixed cost of its deltas)."""
+        with self._lock:
+            self.open_cost = _smooth(self.open_cost, seconds)
+
+    def next_slice(self, codec: Codec, remaining: int = 0, opened: bool = True) -> Plan:
+        """What the next slice does, its whole blocks going in ``codec`` (the picker's choice for now);
+        ``remaining``: the object's raw bytes still to send from it on; ``opened``: whether its file systems
+        were read (a trial that must read them first is made only where that costs at most
+        ``OPEN_SHARE`` of the time the remaining bytes take whole, and once the link is measured)."""
         link = self.picker.link()
         with self._lock:
             self._slices += 1
             whole = self.picker.expected(codec, link) if link is not None else None
+            if not opened:
+                if whole is None or link is None:
+                    return Plan(NONE)
+                fixed = self.open_cost if self.open_cost is not None else OPEN_PRIOR_S
+                if fixed > OPEN_SHARE * remaining * whole.seconds:
+                    self.figures = {"link": link, "open_s": fixed, "whole_s": remaining * whole.seconds}
+                    self.decision = "declined"
+                    return Plan(NONE)
             if whole is None or link is None or LEVELS[0] not in self.costs:
                 return Plan(TRIAL)   # deltas or the link not measured yet: measure them on a few blocks
             costs = {lv: c.expected(whole, link) for lv, c in self.costs.items()}

@@ -48,16 +48,16 @@ def similar(store: Store, kind: str, parent: str | None, oid: str, opts: Options
     return Similar(store, oid, parent)
 
 
-def split(sim: Similar, pick: DeltaPick, codec: Codec, needed: list[int],
-          reader: BlockReader) -> tuple[list[int], list[Delta]]:
+def split(sim: Similar, pick: DeltaPick, codec: Codec, needed: list[int], reader: BlockReader,
+          remaining: int = 0) -> tuple[list[int], list[Delta]]:
     """A slice of ``needed`` blocks (ascending) as (indices to send whole, deltas of the others): every
     block tried at zstd -19 where a stream codec was given, else as ``pick`` plans (whole ones going in
     ``codec``), each part's search and encoding timed for it (and, on a trial or probe, the receiver's
-    rebuilding)."""
+    rebuilding); ``remaining``: the object's blocks still to send, this slice's included."""
     if pick.picker.forced is not None:   # a stream codec given (``similar``): bytes over speed
         sim.level = delta.DELTA_LEVEL
         return sim.split(needed, reader)
-    plan = pick.next_slice(codec)
+    plan = pick.next_slice(codec, max(remaining, len(needed)) * BLOCK_SIZE, sim.opened)
     if plan.mode == deltapick.NONE or not needed:
         return needed, []
     cut = deltapick.TRIAL_BLOCKS
@@ -86,6 +86,8 @@ def _measured(sim: Similar, pick: DeltaPick, part: list[int], reader: BlockReade
     finally:
         sim.timing = False
     seconds = time.perf_counter() - t0 - (sim.open_seconds - open0)   # reading the file systems: once
+    if sim.open_seconds != open0:
+        pick.opened(sim.open_seconds)
     decode = sim.decode_seconds - decode0
     pick.record(len(part) * BLOCK_SIZE, (sim.delta_blocks - blocks0) * BLOCK_SIZE, sim.delta_bytes - bytes0,
                 seconds - decode, decode if timed else None, level)
@@ -93,10 +95,12 @@ def _measured(sim: Similar, pick: DeltaPick, part: list[int], reader: BlockReade
 
 
 def send(client: AgentClient, pacer: Pacer, pick: DeltaPick, sim: Similar, codec: Codec, obj: tuple[str, str],
-         needed: list[int], reader: BlockReader, stats: DeltaStats, progress: Progress, check: Check) -> list[int]:
-    """Send what of a slice of ``needed`` blocks goes as deltas (:func:`split`); returns the blocks to send
-    whole (those of no delta, and those the receiver could not rebuild)."""
-    whole, deltas = split(sim, pick, codec, needed, reader)
+         needed: list[int], remaining: int, reader: BlockReader, stats: DeltaStats, progress: Progress,
+         check: Check) -> list[int]:
+    """Send what of a slice of ``needed`` blocks goes as deltas (:func:`split`; ``remaining``: the object's
+    blocks still to send); returns the blocks to send whole (those of no delta, those the receiver could
+    not rebuild)."""
+    whole, deltas = split(sim, pick, codec, needed, reader, remaining)
     return sorted(whole + _upload(client, pacer, obj, deltas, stats, progress, check)) if deltas else whole
 
 

@@ -208,11 +208,12 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                     similar = deltasend.similar(store, kind, manifest.parent, oid, opts,
                                                 resp.headers.get(DELTAS_HEADER), picker)
                 step = deltapick.SLICE_BLOCKS if picker.forced is None else max(1, len(needed))
-                for chunk in (needed[s:s + step] for s in range(0, len(needed), step)):
+                for at in range(0, len(needed), step):
+                    chunk = needed[at:at + step]
                     if similar is not None:
                         chunk = deltasend.send(client, pacer, _delta_pick(picker), similar,
-                                               picker.current or codecpick.ZSTD3, (kind, oid), chunk, reader,
-                                               stats, progress, check)
+                                               picker.current or codecpick.ZSTD3, (kind, oid), chunk,
+                                               len(needed) - at, reader, stats, progress, check)
                     for batch in pacer.batches(chunk):
                         for pipe in (frames, stream):
                             if pipe.failed:

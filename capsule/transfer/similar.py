@@ -77,6 +77,11 @@ class Similar:
     def close(self) -> None:
         self._stack.close()
 
+    @property
+    def opened(self) -> bool:
+        """Whether both versions' file systems were read (the first :meth:`split` reads them)."""
+        return self._chain is not None
+
     def _open(self) -> ChainReader:
         if self._chain is None:
             t0 = time.perf_counter()

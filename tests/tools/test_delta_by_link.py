@@ -2,7 +2,8 @@
 whose blocks changed a little against a parent the receiver holds, pushed to real agents. Over a shaped
 20 Mbit/s link (testkit/netlink.py) the pick uses deltas — the receivers' answers count the blocks they
 rebuilt — and the push sends fewer bytes than with ``--no-deltas``; over loopback with no rate limit
-the pick declines them after its trial, as the object's report says."""
+the pick declines them, as the object's report says: after a trial, or before reading the versions' file
+systems for one (what a trial costs at most)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.tools, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-SLICES = 3                                    # the changed blocks: three slices of the pick
+SLICES = 6                                    # the changed blocks: six slices of the pick (24 MiB)
 SIZE = SLICES * deltapick.SLICE_BLOCKS * BLOCK_SIZE
 # in namespace A: push version ``ref`` of the capsule, with or without deltas, and print the report
 PUSH = """
@@ -106,7 +107,7 @@ def test_a_slow_link_gets_deltas_and_fewer_bytes_than_without(tmp_path, tiny_ima
           f"{d['delta_figures']}), {w['wire_bytes']} with --no-deltas ({w['codec']})")
     assert d["deltas"] == "used", d
     assert d["delta_figures"]["with_s_per_mb"] < d["delta_figures"]["without_s_per_mb"], d
-    assert d["delta_blocks"] > deltapick.SLICE_BLOCKS, d       # more than a trial: the later slices too
+    assert d["delta_blocks"] > deltapick.SLICE_BLOCKS, d       # more than a trial: later slices whole too
     assert w["delta_blocks"] == 0 and w["deltas"] == "", w
     assert d["wire_bytes"] < 0.5 * w["wire_bytes"], (d["wire_bytes"], w["wire_bytes"])
     for home in homes.values():
@@ -133,5 +134,8 @@ def test_on_loopback_the_pick_declines_deltas(tmp_path, tiny_images):
     fig = o.delta_figures
     print(f"loopback: pick {o.deltas} on {fig}; {o.delta_blocks} blocks as deltas of {SIZE // BLOCK_SIZE}")
     assert o.deltas == "declined", (o.deltas, fig)
-    assert fig["with_s_per_mb"] > fig["without_s_per_mb"] and fig["with_ratio"] < fig["without_ratio"], fig
+    if "open_s" in fig:   # reading the file systems alone would take too large a share of the push
+        assert fig["open_s"] > deltapick.OPEN_SHARE * fig["whole_s"], fig
+    else:                 # a trial: deltas send fewer bytes, but later
+        assert fig["with_s_per_mb"] > fig["without_s_per_mb"] and fig["with_ratio"] < fig["without_ratio"], fig
     assert o.delta_blocks < (SLICES - 1) * deltapick.TRIAL_BLOCKS + 1, o   # trials only

@@ -110,3 +110,16 @@ def test_the_level_that_sends_soonest_and_the_smaller_one_measured_only_where_th
     busy = _measured(_pick(48_000))
     busy.costs[12].find = 1 / (0.25 * MB)                # -12's CPU is the limit: nothing slower is measured
     assert busy.next_slice(XZ) == Plan(ALL, 12), busy.figures
+
+
+def test_the_file_systems_are_read_for_a_trial_only_where_that_pays():
+    """Reading both versions' file systems (once per object) is a fixed cost: made for a trial only once
+    the link is measured and where it takes at most OPEN_SHARE of the time the object's rest takes whole."""
+    assert _pick(None).next_slice(ZSTD3, 64 * RAW, opened=False).mode == NONE
+    slow, fast = _pick(20_000 * 1000 / 8), _pick(1000 * MB)
+    assert slow.next_slice(ZSTD3, 64 * RAW, opened=False).mode == TRIAL      # 64 MiB at 20 Mbit/s: 12 s
+    assert fast.next_slice(ZSTD3, 64 * RAW, opened=False).mode == NONE       # on loopback: 0.3 s
+    assert fast.decision == "declined" and fast.figures["open_s"] == deltapick.OPEN_PRIOR_S, fast.figures
+    slow.opened(30.0)                                                        # measured: a slow disk
+    assert slow.next_slice(ZSTD3, 64 * RAW, opened=False).mode == NONE
+    assert slow.next_slice(ZSTD3, 64 * RAW, opened=True).mode == TRIAL      # read already: no cost now
