@@ -27,7 +27,7 @@ while the link is not (its first answers), a slice is a *trial*: only its first 
 ``RETRY_SLICES`` slices, twice as long after each decline in a row (the data may change: a layer of
 package updates after one of new files). Slices where deltas are used measure them as they go; where
 the level used keeps the link full, the first ``TRIAL_BLOCKS`` of a slice measure a smaller level now and
-then (every ``RETRY_SLICES`` slices).
+then (every ``RETRY_SLICES`` slices; never again one that cannot win, ``HOPELESS`` as for codecs).
 
 Forced codecs keep what they did before deltas were picked: a stream codec given (``--xz``,
 ``--zstd-level`` from 10, bytes over speed) sends every block that pays as a delta at zstd -19, any other
@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from capsule.transfer.codecpick import CPU_MARGIN, NEAR, Codec, CodecPicker, Expected
+from capsule.transfer.codecpick import CPU_MARGIN, HOPELESS, NEAR, Codec, CodecPicker, Expected
 from hashcache.delta import DELTA_LEVEL
 from hashcache.hcp import MAX_BATCH
 
@@ -168,20 +168,23 @@ class DeltaPick:
                             "without_ratio": whole.ratio}
             if pick.seconds * (1 + GAIN) < whole.seconds:
                 self.decision, self._wait = "used", RETRY_SLICES
-                return Plan(ALL, level, self._probe(level, pick))
+                return Plan(ALL, level, self._probe(level, costs))
             self.decision = "declined"
             if self._slices - self._tried_at.get(LEVELS[0], -self._wait) < self._wait:
                 return Plan(NONE)
             self._wait *= 2   # tried again now, and if declined again, after twice as long
             return Plan(TRIAL)
 
-    def _probe(self, level: int, used: Expected) -> int | None:
+    def _probe(self, level: int, costs: dict[int, Expected]) -> int | None:
         """A smaller level than ``level`` to measure now (the one measured longest ago), where ``level``
-        keeps the link full (a slower one may then send fewer bytes as soon); None: none due."""
+        keeps the link full (a slower one may then send fewer bytes as soon); None: none due, and none
+        whose CPU alone was measured at ``HOPELESS`` times ``level``'s expected time (as codecs)."""
+        used = costs[level]
         if not used.link_full:
             return None
         due = [lv for lv in LEVELS[1:] if lv != level
-               and self._slices - self._tried_at.get(lv, -RETRY_SLICES) >= RETRY_SLICES]
+               and self._slices - self._tried_at.get(lv, -RETRY_SLICES) >= RETRY_SLICES
+               and not (lv in costs and costs[lv].cpu > HOPELESS * used.seconds)]
         return min(due, key=lambda lv: self._tried_at.get(lv, -RETRY_SLICES)) if due else None
 
 

@@ -104,6 +104,8 @@ def test_the_level_that_sends_soonest_and_the_smaller_one_measured_only_where_th
     assert plan == Plan(ALL, 12, 19), fast.figures       # -12 keeps the link full: -19 measured on a part
     _measured(fast, level=19)
     assert fast.next_slice(ZSTD3) == Plan(ALL, 12)       # -19's CPU is the limit at 20 Mbit/s
+    later = [fast.next_slice(ZSTD3) for _ in range(3 * deltapick.RETRY_SLICES)]
+    assert set(later) == {Plan(ALL, 12)}                 # and cannot win: not measured again
     slow = _measured(_measured(_pick(48_000)), level=19)
     assert slow.next_slice(XZ) == Plan(ALL, 19) and slow.figures["level"] == 19, slow.figures
     assert slow.figures["with_ratio"] < 0.6 * RATIO + 0.4 * 0.30   # fewer bytes than -12's
