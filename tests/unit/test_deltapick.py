@@ -125,3 +125,15 @@ def test_the_file_systems_are_read_for_a_trial_only_where_that_pays():
     slow.opened(30.0)                                                        # measured: a slow disk
     assert slow.next_slice(ZSTD3, 64 * RAW, opened=False).mode == NONE
     assert slow.next_slice(ZSTD3, 64 * RAW, opened=True).mode == TRIAL      # read already: no cost now
+
+
+def test_the_push_summary_says_what_the_pick_did():
+    from capsule import transfer
+    from capsule.cli.transfer import codec_text
+
+    used = transfer.ObjectReport("layer", "x" * 64, "layer", codec="zstd-3", link_rate=2.5 * MB, delta_blocks=6487,
+                                 deltas="used")
+    assert codec_text(used) == "zstd-3 (link 20.0 Mbit/s), 6487 blocks as deltas"
+    declined = transfer.ObjectReport("layer", "x" * 64, "layer", codec="none", deltas="declined")
+    assert codec_text(declined) == "none, deltas declined"
+    assert codec_text(transfer.ObjectReport("file", "y" * 64, "memory", codec="xz")) == "xz"
