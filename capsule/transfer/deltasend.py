@@ -6,6 +6,8 @@ a delta upload's bytes and time count for the link's rate, as the codec picker n
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from capsule.agentclient import AgentClient
@@ -80,13 +82,13 @@ def _measured(sim: Similar, pick: DeltaPick, part: list[int], reader: BlockReade
     blocks0, bytes0, decode0 = sim.delta_blocks, sim.delta_bytes, sim.decode_seconds
     sim.timing, sim.level = timed, level
     open0 = sim.open_seconds
-    t0 = time.perf_counter()
+    c0 = time.thread_time()   # CPU seconds of this thread: the pick's cost, whatever else runs meanwhile
     try:
         whole, deltas = sim.split(part, reader)
     finally:
         sim.timing = False
-    seconds = time.perf_counter() - t0 - (sim.open_seconds - open0)   # reading the file systems: once
-    if sim.open_seconds != open0:
+    seconds = time.thread_time() - c0
+    if sim.open_seconds != open0:   # reading the file systems (debugfs, apart): once an object
         pick.opened(sim.open_seconds)
     decode = sim.decode_seconds - decode0
     pick.record(len(part) * BLOCK_SIZE, (sim.delta_blocks - blocks0) * BLOCK_SIZE, sim.delta_bytes - bytes0,
@@ -94,14 +96,32 @@ def _measured(sim: Similar, pick: DeltaPick, part: list[int], reader: BlockReade
     return whole, deltas
 
 
-def send(client: AgentClient, pacer: Pacer, pick: DeltaPick, sim: Similar, codec: Codec, obj: tuple[str, str],
-         needed: list[int], remaining: int, reader: BlockReader, stats: DeltaStats, progress: Progress,
-         check: Check) -> list[int]:
-    """Send what of a slice of ``needed`` blocks goes as deltas (:func:`split`; ``remaining``: the object's
-    blocks still to send); returns the blocks to send whole (those of no delta, those the receiver could
-    not rebuild)."""
-    whole, deltas = split(sim, pick, codec, needed, reader, remaining)
-    return sorted(whole + _upload(client, pacer, obj, deltas, stats, progress, check)) if deltas else whole
+def ahead(sim: Similar | None, pick: DeltaPick, codec: Callable[[], Codec], slices: list[list[int]],
+          reader: BlockReader) -> Iterator[tuple[list[int], list[Delta]]]:
+    """Each slice of an object's needed blocks as (blocks to send whole, deltas): :func:`split`, in a thread
+    of its own one slice ahead, so that making the next slice's deltas overlaps sending this one's (the
+    pick's model: CPU and link at once). ``codec()``: the whole blocks' codec now. Without ``sim``, every
+    block whole. Close it (``contextlib.closing``) before closing ``sim``: that waits for the slice in work."""
+    if sim is None:
+        yield from ((s, []) for s in slices)
+        return
+    left = [sum(len(s) for s in slices[k:]) for k in range(len(slices))]
+    with ThreadPoolExecutor(1, thread_name_prefix="deltas") as pool:
+        job: Future[tuple[list[int], list[Delta]]] | None = None
+        for k, part in enumerate(slices):
+            if job is None:
+                job = pool.submit(split, sim, pick, codec(), part, reader, left[k])
+            result = job.result()
+            job = pool.submit(split, sim, pick, codec(), slices[k + 1], reader, left[k + 1]) \
+                if k + 1 < len(slices) else None
+            yield result
+
+
+def upload(client: AgentClient, pacer: Pacer, obj: tuple[str, str], whole: list[int], deltas: list[Delta],
+           stats: DeltaStats, progress: Progress, check: Check) -> list[int]:
+    """Upload ``deltas`` (:func:`_upload`); returns the blocks to send whole: ``whole``, and those the
+    receiver could not rebuild."""
+    return sorted(whole + _upload(client, pacer, obj, deltas, stats, progress, check))
 
 
 def _uploads(deltas: list[Delta]) -> list[list[Delta]]:

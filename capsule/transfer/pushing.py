@@ -9,6 +9,7 @@ against its digest before it is installed; the version is recorded last."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import time
@@ -208,37 +209,37 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                     similar = deltasend.similar(store, kind, manifest.parent, oid, opts,
                                                 resp.headers.get(DELTAS_HEADER), picker)
                 step = deltapick.SLICE_BLOCKS if picker.forced is None else max(1, len(needed))
-                for at in range(0, len(needed), step):
-                    chunk = needed[at:at + step]
-                    if similar is not None:
-                        chunk = deltasend.send(client, pacer, _delta_pick(picker), similar,
-                                               picker.current or codecpick.ZSTD3, (kind, oid), chunk,
-                                               len(needed) - at, reader, stats, progress, check)
-                    for batch in pacer.batches(chunk):
-                        for pipe in (frames, stream):
-                            if pipe.failed:
-                                pipe.close()   # raises its first error
-                        sample = picker.probe(allowed, functools.partial(_sample, reader, batch),
-                                              functools.partial(_tail, reader, previous) if previous else None)
-                        previous = batch
-                        pick = picker.choose(allowed, keep=stream_codec if encoder is not None else None)
-                        if encoder is None or pick != stream_codec:   # frames, or a stream that is no longer the pick
-                            if encoder is not None:   # its segments in flight first: a new stream replaces it there
-                                stream.drain()
-                                stream_id, segments = secrets.token_hex(8), 0
-                            stream_codec, encoder = pick, _stream_encoder(pick, allowed)
-                            pacer.inflight = 1 if encoder is not None else opts.inflight
-                        used_codec = stream_codec
-                        used[used_codec.label] = used.get(used_codec.label, 0) + len(batch) * BLOCK_SIZE
-                        if encoder is None:
-                            frames.submit((batch, None, None, used_codec, "", sample))
-                            continue
-                        data = b"".join(reader.read(batch))
-                        c0 = time.perf_counter()
-                        segment = encoder.segment(data)
-                        picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0, sample)
-                        stream.submit((batch, segments, segment, used_codec, stream_id, None))
-                        segments += 1
+                slices = deltasend.ahead(similar, _delta_pick(picker), lambda: picker.current or codecpick.ZSTD3,
+                                         [needed[at:at + step] for at in range(0, len(needed), step)], reader)
+                with contextlib.closing(slices):
+                    for chunk, deltas in slices:
+                        if deltas:
+                            chunk = deltasend.upload(client, pacer, (kind, oid), chunk, deltas, stats, progress, check)
+                        for batch in pacer.batches(chunk):
+                            for pipe in (frames, stream):
+                                if pipe.failed:
+                                    pipe.close()   # raises its first error
+                            sample = picker.probe(allowed, functools.partial(_sample, reader, batch),
+                                                  functools.partial(_tail, reader, previous) if previous else None)
+                            previous = batch
+                            pick = picker.choose(allowed, keep=stream_codec if encoder is not None else None)
+                            if encoder is None or pick != stream_codec:   # frames, or a stream no longer the pick
+                                if encoder is not None:   # its segments in flight first: a new stream replaces it there
+                                    stream.drain()
+                                    stream_id, segments = secrets.token_hex(8), 0
+                                stream_codec, encoder = pick, _stream_encoder(pick, allowed)
+                                pacer.inflight = 1 if encoder is not None else opts.inflight
+                            used_codec = stream_codec
+                            used[used_codec.label] = used.get(used_codec.label, 0) + len(batch) * BLOCK_SIZE
+                            if encoder is None:
+                                frames.submit((batch, None, None, used_codec, "", sample))
+                                continue
+                            data = b"".join(reader.read(batch))
+                            c0 = time.perf_counter()
+                            segment = encoder.segment(data)
+                            picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0, sample)
+                            stream.submit((batch, segments, segment, used_codec, stream_id, None))
+                            segments += 1
     finally:
         reader.close()
         if similar is not None:

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.tools, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-SLICES = 6                                    # the changed blocks: six slices of the pick (24 MiB)
+SLICES = 8                                    # the changed blocks: eight slices of the pick (32 MiB)
 SIZE = SLICES * deltapick.SLICE_BLOCKS * BLOCK_SIZE
 # in namespace A: push version ``ref`` of the capsule, with or without deltas, and print the report
 PUSH = """
@@ -104,12 +104,14 @@ def test_a_slow_link_gets_deltas_and_fewer_bytes_than_without(tmp_path, tiny_ima
             reports[label] = push(child.ref, url, token, pin, label == "deltas")
     d, w = _layer(reports["deltas"], top), _layer(reports["whole"], top)
     print(f"20 Mbit/s: {d['wire_bytes']} wire bytes with deltas ({d['delta_blocks']} blocks, pick {d['deltas']}: "
-          f"{d['delta_figures']}), {w['wire_bytes']} with --no-deltas ({w['codec']})")
+          f"{d['delta_figures']}; {d['seconds']:.1f} s), {w['wire_bytes']} with --no-deltas ({w['codec']}; "
+          f"{w['seconds']:.1f} s)")
     assert d["deltas"] == "used", d
     assert d["delta_figures"]["with_s_per_mb"] < d["delta_figures"]["without_s_per_mb"], d
     assert d["delta_blocks"] > deltapick.SLICE_BLOCKS, d       # more than a trial: later slices whole too
     assert w["delta_blocks"] == 0 and w["deltas"] == "", w
-    assert d["wire_bytes"] < 0.5 * w["wire_bytes"], (d["wire_bytes"], w["wire_bytes"])
+    # the first slices go whole while the link is measured
+    assert d["wire_bytes"] < 0.7 * w["wire_bytes"], (d["wire_bytes"], w["wire_bytes"])
     for home in homes.values():
         b = Store.open(home)
         try:
