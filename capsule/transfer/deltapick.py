@@ -114,12 +114,13 @@ class DeltaPick:
             return
         with self._lock:
             old = self.costs.get(level)
-            find = _smooth(old and old.find, find_seconds / tried)
+            find = _smooth(old.find if old else None, find_seconds / tried)
             decode = old.decode if old else 0.0
             if decode_seconds is not None:
-                decode = _smooth(old and old.decode, decode_seconds / tried)
-            share = _smooth(old and old.share, delta_raw / tried)
-            ratio = _smooth(old and old.ratio, wire / delta_raw) if delta_raw else (old.ratio if old else 1.0)
+                decode = _smooth(old.decode if old else None, decode_seconds / tried)
+            share = _smooth(old.share if old else None, delta_raw / tried)
+            before = old.ratio if old else None   # nothing went as deltas: their ratio stays
+            ratio = _smooth(before, wire / delta_raw) if delta_raw else before if before is not None else 1.0
             self.costs[level] = DeltaCost(find, decode, share, ratio)
             self._tried_at[level] = self._slices
 

@@ -1,12 +1,13 @@
 """A push's blocks as deltas (``similar.py``, format in ``hashcache/delta.py``): which of a slice of the
 blocks the receiver lacks go as deltas (``deltapick.py``: picked by the link, or every one that pays where a
-stream codec was given), and their uploads, paced and measured with the push's whole blocks (``pacing.py``:
-a delta upload's bytes and time count for the link's rate, as the codec picker needs)."""
+stream codec was given), made a slice ahead in a thread of their own while the push sends (:func:`ahead`),
+and their uploads, paced and measured with the push's whole blocks (``pacing.py``: a delta upload's bytes
+and time count for the link's rate, as the codec picker needs)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ def _measured(sim: Similar, pick: DeltaPick, part: list[int], reader: BlockReade
 
 
 def ahead(sim: Similar | None, pick: DeltaPick, codec: Callable[[], Codec], slices: list[list[int]],
-          reader: BlockReader) -> Iterator[tuple[list[int], list[Delta]]]:
+          reader: BlockReader) -> Generator[tuple[list[int], list[Delta]], None, None]:
     """Each slice of an object's needed blocks as (blocks to send whole, deltas): :func:`split`, in a thread
     of its own one slice ahead, so that making the next slice's deltas overlaps sending this one's (the
     pick's model: CPU and link at once). ``codec()``: the whole blocks' codec now. Without ``sim``, every

@@ -33,7 +33,7 @@ class Options:
     inflight: int = 8          # requests in flight
     full_hashes: bool = False  # send whole 32-byte hashes instead of 8-byte prefixes + digest check
     xz: bool = False           # blocks as one xz (LZMA2) stream per object where the receiver takes it
-    deltas: bool = True        # a layer's blocks as deltas against its parent's where that pays (similar.py)
+    deltas: bool = True        # a layer's blocks as deltas against its parent's where they pay (deltapick.py)
     codec: CodecName = "auto"
 
     def __post_init__(self) -> None:

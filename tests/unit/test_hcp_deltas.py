@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import random
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -160,10 +161,12 @@ class _Count:
     def __init__(self, inner, hide: bool = False, rate: float | None = None) -> None:
         self.inner, self.url, self.hide, self.rate = inner, inner.url, hide, rate
         self.rebuilt = self.unresolved = self.delta_uploads = 0
+        self.link = threading.Lock()
 
     def call(self, call):
-        if self.rate:   # a slow link: an upload takes its bytes' time
-            time.sleep(len(call.content) / self.rate)
+        if self.rate:   # a slow link, one for all requests: an upload takes its bytes' time on it
+            with self.link:
+                time.sleep(len(call.content) / self.rate)
         reply = self.inner.call(call)
         if call.path.endswith("/begin") and self.hide:
             reply.headers.pop(delta.DELTAS_HEADER, None)
@@ -235,11 +238,11 @@ def test_blocks_whose_references_the_receiver_cannot_read_are_sent_again_whole(t
 
 
 def test_with_the_codec_left_to_the_link_deltas_that_pay_are_picked(tmp_path):
-    """No codec given, a link of 2 MB/s: once the link is measured, a trial on a slice's first blocks
+    """No codec given, a link of 4 MB/s: once the link is measured, a trial on a slice's first blocks
     finds deltas of near copies (a fiftieth of their bytes) sooner than whole random blocks, and the pick
     sends the later slices' as deltas too, saying so in the report."""
-    with _pair(tmp_path, blocks=3 * deltapick.SLICE_BLOCKS, every=1) as (src, agent, _root, top, child):
-        report, seen = _push(src, agent, top, wrap={"rate": 2e6}, xz=False)
+    with _pair(tmp_path, blocks=4 * deltapick.SLICE_BLOCKS, every=1) as (src, agent, _root, top, child):
+        report, seen = _push(src, agent, top, wrap={"rate": 4e6}, xz=False)
         assert _installed(tmp_path / "dst", top)
     fig = report.delta_figures
     print(f"deltas {report.deltas}: {fig}; {report.delta_blocks} blocks as deltas of {len(child)}")
