@@ -21,10 +21,14 @@ Goals (issue 11): HCP ≤ 0.8 × the .deb bytes on installs of 10 MB and more; H
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +98,49 @@ def _deltas(rep: transfer.TransferReport) -> dict[str, int]:
             "delta_bytes": sum(o.delta_bytes for o in rep.objects)}
 
 
+Via = Callable[[AgentProcess], str]
+
+
+@contextlib.contextmanager
+def rated(rate_kbit: int, rtt_ms: float = 20.0) -> Iterator[Via]:
+    """What URL reaches an agent over a link of ``rate_kbit`` (0: its own, loopback): a proxy of this
+    machine's loopback that paces each direction to that rate and delays it by half ``rtt_ms``
+    (testkit/delayproxy.py: no network namespaces, no qdisc on the shared loopback)."""
+    proxies: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
+
+    def via(agent: AgentProcess) -> str:
+        if not rate_kbit:
+            return agent.url
+        if agent.url not in proxies:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            to = agent.url.split("://", 1)[1].rstrip("/")
+            proc = subprocess.Popen([sys.executable, str(ROOT / "testkit" / "delayproxy.py"), "--listen",
+                                     f"127.0.0.1:{port}", "--to", to, "--delay-ms", str(rtt_ms / 2),
+                                     "--rate-kbit", str(rate_kbit)], stdout=subprocess.DEVNULL)
+            proxies[agent.url] = (f"http://127.0.0.1:{port}", proc)
+            for _ in range(100):
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                time.sleep(0.1)
+        return proxies[agent.url][0]
+
+    try:
+        yield via
+    finally:
+        for _url, proc in proxies.values():
+            proc.terminate()
+            proc.wait(10)
+
+
 def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, work: Path, old_raw: Path,
              cas: peers.Casync | None, ost: peers.OSTree | None,
-             extra: list[tuple[str, AgentProcess, transfer.Options]]) -> dict[str, Any]:
+             extra: list[tuple[str, AgentProcess, transfer.Options]], via: Via) -> dict[str, Any]:
     """One case; ``extra``: the other receivers holding the parent, by the key of their push's figures
-    ("hcp_high", "hcp_xz"), and the options it is pushed with."""
+    ("hcp_high", "hcp_xz"), and the options it is pushed with; ``via``: the URL of a receiver (over the
+    shaped link, with ``--rate-kbit``)."""
     name = f"u-{case}"
     print(f"== {case}: update make {BASE} --name {name} " + (f"--install {' '.join(pkgs)}" if pkgs else "--run true"),
           flush=True)
@@ -110,13 +152,14 @@ def run_case(a: Store, case: str, pkgs: list[str] | None, agent: AgentProcess, w
                            "make_seconds": round(res.seconds, 1), "deb_bytes": res.apt_debs_bytes,
                            "apt_need_to_get_bytes": res.apt_need_to_get, "layer": layer,
                            "journal_blocks_dropped": res.journal_blocks_dropped}
-    rep = transfer.push(a, res.version.ref, agent.url, agent.token)
+    rep = transfer.push(a, res.version.ref, via(agent), agent.token)
     row["hcp_wire_bytes"] = rep.wire_bytes
     row["hcp"] = {"raw_bytes": rep.totals()["raw_bytes"], "cache_bytes": rep.totals()["cache_bytes"],
                   "seconds": round(rep.seconds, 1), "codecs": sorted({o.codec for o in rep.objects}),
-                  **_deltas(rep)}
+                  **_deltas(rep), "delta_picks": [{"pick": o.deltas, **o.delta_figures} for o in rep.objects
+                                                  if o.deltas]}
     for key, agent_x, opts in extra:
-        rep_x = transfer.push(a, res.version.ref, agent_x.url, agent_x.token, opts)
+        rep_x = transfer.push(a, res.version.ref, via(agent_x), agent_x.token, opts)
         row[f"{key}_wire_bytes"] = rep_x.wire_bytes
         row[key] = {"zstd_level": opts.level, "xz": opts.xz, "deltas": opts.deltas, "seconds": round(rep_x.seconds, 1),
                     **_deltas(rep_x)}
@@ -192,10 +235,15 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true",
                     help="keep the cases of the JSON result this run does not measure (a rerun of some cases)")
     ap.add_argument("--replot", action="store_true", help="only draw the chart again from the JSON result")
+    ap.add_argument("--rate-kbit", type=int, default=0,
+                    help="push each update over a link of this rate (kbit/s each way, 20 ms RTT: a pacing proxy "
+                         "of the loopback, testkit/delayproxy.py); 0: loopback")
+    ap.add_argument("--out", default="update_bytes",
+                    help="the name of the JSON result and chart in bench/results (default update_bytes)")
     args = ap.parse_args()
-    png = RESULTS / "update_bytes.png"
+    png = RESULTS / f"{args.out}.png"
     if args.replot:
-        data = json.loads((RESULTS / "update_bytes.json").read_text())
+        data = json.loads((RESULTS / f"{args.out}.json").read_text())
         chart(data["cases"], png)
         show(data["cases"])
         return
@@ -211,10 +259,12 @@ def main() -> None:
     extra: list[tuple[str, AgentProcess, transfer.Options]] = []
     stores: list[Store] = []
     kept: list[dict[str, Any]] = []
-    if args.merge and (RESULTS / "update_bytes.json").exists():
-        kept = [r for r in json.loads((RESULTS / "update_bytes.json").read_text())["cases"] if r["case"] not in cases]
+    if args.merge and (RESULTS / f"{args.out}.json").exists():
+        kept = [r for r in json.loads((RESULTS / f"{args.out}.json").read_text())["cases"] if r["case"] not in cases]
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    link = contextlib.ExitStack()
+    via = link.enter_context(rated(args.rate_kbit))
     try:
         names = ["a", "b", "c", "d", *(["e", "f"] if args.compare_deltas else [])]
         a, b, c, d, *ef = image_stores("debian", *(work / n for n in names))
@@ -245,14 +295,15 @@ def main() -> None:
             ost = peers.OSTree(work / "root-old", work)
             shutil.rmtree(work / "root-old", ignore_errors=True)
         for case in cases:
-            rows.append(run_case(a, case, CASES[case], agent, work, old_raw, cas, ost, extra))
+            rows.append(run_case(a, case, CASES[case], agent, work, old_raw, cas, ost, extra, via))
             RESULTS.mkdir(exist_ok=True)
             every = _ordered(kept + rows)
             chart(every, png)
-            write_result("update_bytes", _result(every, args, cas, ost, t0))
+            write_result(args.out, _result(every, args, cas, ost, t0))
         show(_ordered(kept + rows))
-        print(f"→ {RESULTS / 'update_bytes.json'}\n→ {png}")
+        print(f"→ {RESULTS / args.out}.json\n→ {png}")
     finally:
+        link.close()
         for ag in [agent, *(x[1] for x in extra)]:
             if ag is not None:
                 ag.stop()
@@ -267,7 +318,8 @@ def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _result(rows: list[dict[str, Any]], args: argparse.Namespace, cas: Any, ost: Any, t0: float) -> dict[str, Any]:
-    return {"memory": args.memory, "tools": peers.versions(), "cases": rows, "chart": "update_bytes.png",
+    return {"memory": args.memory, "tools": peers.versions(), "cases": rows, "chart": f"{args.out}.png",
+            "rate_kbit": args.rate_kbit or None,
             "casync_seed_seconds": cas.seed_seconds if cas else None,
             "ostree_old_commit_seconds": ost.commit_seconds if ost else None,
             "desync": "not measured: `go install github.com/folbricht/desync/cmd/desync@latest` failed — the Go "

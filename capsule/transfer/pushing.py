@@ -9,10 +9,10 @@ against its digest before it is installed; the version is recorded last."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -24,24 +24,23 @@ from capsule.errors import CapsuleError, TransferFailed
 from capsule.exchange.streams import STREAMS_HEADER, ObjectStreamLost, offered_codecs
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, object_manifest
-from capsule.transfer import codecpick
+from capsule.transfer import codecpick, deltapick, deltasend
 from capsule.transfer.codecpick import NONE, Codec, CodecPicker
+from capsule.transfer.deltapick import DeltaPick
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline
 from capsule.transfer.records import objects_of, version_record
-from capsule.transfer.resend import lacking, send_batch, upload_body
+from capsule.transfer.resend import send_batch, upload_body
 from capsule.transfer.similar import Similar
 from capsule.transfer.terms import Check, ObjectReport, Options, Progress, TransferReport, agent_client, never
-from hashcache import delta, native
+from hashcache import native
 from hashcache.blocks import BLOCK_SIZE
-from hashcache.delta import DELTAS_HEADER, Delta
+from hashcache.delta import DELTAS_HEADER
 from hashcache.errors import HashcacheError
 from hashcache.hcp import (
-    MAX_BATCH,
     MAX_PART_RECORDS,
     Expectation,
     ProtocolError,
-    TransferStats,
     decode_indices,
     decompress_bounded,
     pack_blocks,
@@ -49,15 +48,6 @@ from hashcache.hcp import (
 from hashcache.transport import Transport
 
 PART_RECORDS = MAX_PART_RECORDS   # manifest records per part when pushing
-DELTA_UPLOAD_BYTES = 4 << 20      # delta records in one upload, at most (the receiver takes 5 MiB)
-
-
-@dataclass
-class DeltaStats(TransferStats):
-    """A push's byte counts, and its blocks sent as deltas (``similar.py``) and their bytes."""
-
-    delta_blocks: int = 0
-    delta_bytes: int = 0
 
 
 def raw_size(store: Store, kind: str, oid: str) -> int:
@@ -118,6 +108,7 @@ def _pack(reader: BlockReader, picker: CodecPicker, codec: Codec, sample: float 
 
 
 _PICKERS: WeakKeyDictionary[AgentClient, CodecPicker] = WeakKeyDictionary()
+_DELTA_PICKS: WeakKeyDictionary[CodecPicker, DeltaPick] = WeakKeyDictionary()
 
 
 def _picker(client: AgentClient, opts: Options) -> CodecPicker:
@@ -129,6 +120,14 @@ def _picker(client: AgentClient, opts: Options) -> CodecPicker:
     return picker
 
 
+def _delta_pick(picker: CodecPicker) -> DeltaPick:
+    """Whether deltas pay in the transfer of ``picker`` (``deltapick.py``): one for all its objects."""
+    pick = _DELTA_PICKS.get(picker)
+    if pick is None:
+        pick = _DELTA_PICKS[picker] = DeltaPick(picker)
+    return pick
+
+
 def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
                  progress: Progress, check: Check = never) -> ObjectReport | None:
     """Send one object: its manifest in parts (the receiver plans each part
@@ -138,7 +137,9 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     packed by the thread that sends them, many in flight; or, while the picker names a stream codec the
     receiver takes (``capsule/exchange/streams.py``: zstd from ``STREAM_LEVEL``, xz), segments of one object
     stream, compressed here in order and sent one at a time. When the pick changes, the stream's segments
-    in flight are waited for and the next batches go in frames or in a new stream."""
+    in flight are waited for and the next batches go in frames or in a new stream. A layer whose parent
+    the receiver holds sends the blocks it asks for a slice at a time, those that pay as deltas first
+    (``deltasend.py``: where ``deltapick.py`` finds they arrive sooner, or a stream codec was given)."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
@@ -146,7 +147,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     raw_bytes = manifest.nonzero_blocks * BLOCK_SIZE
     progress.begin(name, raw_bytes)
     reader = BlockReader(store, kind, oid)
-    stats = DeltaStats(raw_bytes=raw_bytes)
+    stats = deltasend.DeltaStats(raw_bytes=raw_bytes)
     starts = list(range(0, max(1, len(manifest)), PART_RECORDS))
 
     picker = _picker(client, opts)
@@ -205,35 +206,40 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 needed_total += len(needed)
                 if k == 0:
                     allowed = codecpick.candidates(offered_codecs(resp.headers.get(STREAMS_HEADER)), STREAM_LEVEL)
-                    similar = _similar(store, kind, manifest.parent, oid, opts, resp.headers.get(DELTAS_HEADER))
-                if similar is not None and needed and _deltas_pay(picker):
-                    needed, deltas = similar.split(needed, reader)
-                    needed = sorted(needed + _send_deltas(client, kind, oid, deltas, stats, progress, check))
-                for batch in pacer.batches(needed):
-                    for pipe in (frames, stream):
-                        if pipe.failed:
-                            pipe.close()   # raises its first error
-                    sample = picker.probe(allowed, functools.partial(_sample, reader, batch),
-                                          functools.partial(_tail, reader, previous) if previous else None)
-                    previous = batch
-                    pick = picker.choose(allowed, keep=stream_codec if encoder is not None else None)
-                    if encoder is None or pick != stream_codec:   # frames, or a stream that is no longer the pick
-                        if encoder is not None:   # its segments in flight first: a new stream replaces it there
-                            stream.drain()
-                            stream_id, segments = secrets.token_hex(8), 0
-                        stream_codec, encoder = pick, _stream_encoder(pick, allowed)
-                        pacer.inflight = 1 if encoder is not None else opts.inflight
-                    used_codec = stream_codec
-                    used[used_codec.label] = used.get(used_codec.label, 0) + len(batch) * BLOCK_SIZE
-                    if encoder is None:
-                        frames.submit((batch, None, None, used_codec, "", sample))
-                        continue
-                    data = b"".join(reader.read(batch))
-                    c0 = time.perf_counter()
-                    segment = encoder.segment(data)
-                    picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0, sample)
-                    stream.submit((batch, segments, segment, used_codec, stream_id, None))
-                    segments += 1
+                    similar = deltasend.similar(store, kind, manifest.parent, oid, opts,
+                                                resp.headers.get(DELTAS_HEADER), picker)
+                step = deltapick.SLICE_BLOCKS if picker.forced is None else max(1, len(needed))
+                slices = deltasend.ahead(similar, _delta_pick(picker), lambda: picker.current or codecpick.ZSTD3,
+                                         [needed[at:at + step] for at in range(0, len(needed), step)], reader)
+                with contextlib.closing(slices):
+                    for chunk, deltas in slices:
+                        if deltas:
+                            chunk = deltasend.upload(client, pacer, (kind, oid), chunk, deltas, stats, progress, check)
+                        for batch in pacer.batches(chunk):
+                            for pipe in (frames, stream):
+                                if pipe.failed:
+                                    pipe.close()   # raises its first error
+                            sample = picker.probe(allowed, functools.partial(_sample, reader, batch),
+                                                  functools.partial(_tail, reader, previous) if previous else None)
+                            previous = batch
+                            pick = picker.choose(allowed, keep=stream_codec if encoder is not None else None)
+                            if encoder is None or pick != stream_codec:   # frames, or a stream no longer the pick
+                                if encoder is not None:   # its segments in flight first: a new stream replaces it there
+                                    stream.drain()
+                                    stream_id, segments = secrets.token_hex(8), 0
+                                stream_codec, encoder = pick, _stream_encoder(pick, allowed)
+                                pacer.inflight = 1 if encoder is not None else opts.inflight
+                            used_codec = stream_codec
+                            used[used_codec.label] = used.get(used_codec.label, 0) + len(batch) * BLOCK_SIZE
+                            if encoder is None:
+                                frames.submit((batch, None, None, used_codec, "", sample))
+                                continue
+                            data = b"".join(reader.read(batch))
+                            c0 = time.perf_counter()
+                            segment = encoder.segment(data)
+                            picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0, sample)
+                            stream.submit((batch, segments, segment, used_codec, stream_id, None))
+                            segments += 1
     finally:
         reader.close()
         if similar is not None:
@@ -244,64 +250,10 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     report = ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes, client.wire_bytes - wire0,
                           time.monotonic() - t0, time.monotonic() - t_commit).used(picker, used)
     report.delta_blocks, report.delta_bytes = stats.delta_blocks, stats.delta_bytes
+    if similar is not None:
+        report.deltas = "given" if picker.forced is not None else _delta_pick(picker).decision or "unmeasured"
+        report.delta_figures = dict(_delta_pick(picker).figures) if picker.forced is None else {}
     return report
-
-
-def _similar(store: Store, kind: str, parent: str | None, oid: str, opts: Options,
-             offered: str | None) -> Similar | None:
-    """Deltas for this object's blocks (``similar.py``): a layer whose parent the receiver holds (it takes
-    no layer before its parent), a receiver that decodes them (``DELTAS_HEADER``), blocks compressed."""
-    if kind != "layer" or parent is None or not opts.deltas or opts.codec == "none" or not delta.offered(offered):
-        return None
-    return Similar(store, oid, parent)
-
-
-def _uploads(deltas: list[Delta]) -> list[list[Delta]]:
-    """Deltas grouped into uploads the receiver takes: at most ``MAX_BATCH`` blocks, ``MAX_UPLOAD_REFS``
-    references and ``DELTA_UPLOAD_BYTES`` of records each."""
-    out: list[list[Delta]] = []
-    blocks = refs = size = 0
-    for d in deltas:
-        if not out or blocks + len(d.indices) > MAX_BATCH or refs + d.ref_count > delta.MAX_UPLOAD_REFS \
-                or size + d.wire_size > DELTA_UPLOAD_BYTES:
-            out.append([])
-            blocks = refs = size = 0
-        out[-1].append(d)
-        blocks, refs, size = blocks + len(d.indices), refs + d.ref_count, size + d.wire_size
-    return out
-
-
-def _deltas_pay(picker: CodecPicker) -> bool:
-    """Whether bytes are worth a delta's CPU here: the codec given is a stream codec (xz, zstd from
-    ``STREAM_LEVEL``: ``--xz``, ``--zstd-level 10`` and up), which asks for bytes over speed. A codec
-    left to the link gets no deltas yet: the picker does not know what they cost (on a fast link whole
-    blocks go sooner than deltas are made: zstd -19 against up to 8 MiB)."""
-    return picker.forced is not None and picker.forced.is_stream(STREAM_LEVEL)
-
-
-def _send_deltas(client: AgentClient, kind: str, oid: str, deltas: list[Delta], stats: DeltaStats,
-                 progress: Progress, check: Check) -> list[int]:
-    """Upload blocks as deltas; returns those the receiver did not rebuild (references it could not read),
-    to send whole."""
-    again: list[int] = []
-    for part in _uploads(deltas):
-        check()
-        batch = sorted(i for d in part for i in d.indices)
-        body = upload_body(batch, delta.pack(part))
-        reply = client.request("POST", f"/v1/recv/{kind}/{oid}/blocks", content=body, params={"delta": "true"},
-                               idempotent=True).json()
-        rebuilt = reply.get("rebuilt") if isinstance(reply, dict) else None
-        if not isinstance(rebuilt, int) or isinstance(rebuilt, bool) or not 0 <= rebuilt <= len(batch):
-            raise TransferFailed(f"{kind} {oid[:12]}: the receiver's answer to a delta upload is malformed")
-        todo = lacking(client, kind, oid, batch) if rebuilt < len(batch) else []
-        gone = set(todo)
-        kept = [d for d in part if not gone.intersection(d.indices)]
-        n = sum(len(d.indices) for d in kept)
-        stats.add(fetched_bytes=n * BLOCK_SIZE, requests=1, delta_blocks=n, delta_bytes=sum(d.wire_size for d in kept))
-        progress.advance(n * BLOCK_SIZE)
-        progress.wire(client.wire_bytes)
-        again.extend(todo)
-    return again
 
 
 def push(store: Store, ref: str, url: str, token: str, opts: Options | None = None,

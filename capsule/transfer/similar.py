@@ -12,9 +12,10 @@ parent chain where that pays, and whole otherwise. References, in order of prefe
 2. the parent chain's block at the same disk offset (an inode table, a bitmap: metadata rewritten in
    place), a delta per block, for blocks of no file or of a file new in this version.
 
-Deltas are made where the push was given a stream codec (``--xz``, ``--zstd-level`` from 10: bytes over
-speed; ``pushing._deltas_pay``). B1 (a Debian guest's installed packages updated to their backports,
-over xz): 12.19 MB with deltas, 15.24 MB without (OSTree's static delta: 12.5 MB).
+Deltas are made where they pay (``deltapick.py``: picked by the link like the codec; every block that
+pays where the push was given a stream codec, ``--xz`` or ``--zstd-level`` from 10: bytes over speed).
+B1 (a Debian guest's installed packages updated to their backports, over xz): 12.19 MB with deltas,
+15.24 MB without (OSTree's static delta: 12.5 MB).
 
 A delta is kept when its bytes are at most ``PAYS`` of its blocks' own zstd -9 frame (whole blocks also
 travel compressed, often in a stream that does better). A source whose first ``TRIAL`` blocks mostly did
@@ -23,6 +24,7 @@ costs a few milliseconds of trials, not a delta per block."""
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from capsule.store import Store
 from capsule.store.objectio import BlockReader, ChainReader
 from capsule.transfer import extmap
 from hashcache import delta, native
-from hashcache.blocks import BLOCK_SIZE
+from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.delta import Delta
 from hashcache.hcp import MAX_BATCH
 
@@ -61,6 +63,10 @@ class Similar:
         self._sources = {"file": _Source(), "offset": _Source()}
         self.delta_blocks = 0
         self.delta_bytes = 0
+        self.timing = False          # rebuild and verify each delta made, as the receiver will, and time it
+        self.decode_seconds = 0.0
+        self.open_seconds = 0.0      # reading both versions' file systems, once (``extmap.layer_views``)
+        self.level = delta.DELTA_LEVEL   # the zstd level of the deltas made
 
     def __enter__(self) -> Similar:
         return self
@@ -71,10 +77,17 @@ class Similar:
     def close(self) -> None:
         self._stack.close()
 
+    @property
+    def opened(self) -> bool:
+        """Whether both versions' file systems were read (the first :meth:`split` reads them)."""
+        return self._chain is not None
+
     def _open(self) -> ChainReader:
         if self._chain is None:
+            t0 = time.perf_counter()
             self._chain = self._stack.enter_context(ChainReader(self.store, self.parent_id))
             self._views = self._stack.enter_context(extmap.layer_views(self.store, self.layer_id, self.parent_id))
+            self.open_seconds = time.perf_counter() - t0
         return self._chain
 
     def _matches(self, needed: list[int]) -> list[extmap.Match]:
@@ -88,7 +101,7 @@ class Similar:
         """One delta of ``indices``' blocks against the parent's ``refs``, if it pays (counted for ``source``)."""
         if not refs:
             return None
-        d = delta.encode(indices, blocks, refs, ref_blocks)
+        d = delta.encode(indices, blocks, refs, ref_blocks, self.level)
         counts = self._sources[source]
         counts.tried += len(indices)
         if d.wire_size > PAYS * len(native.compress(b"".join(blocks), 9)):
@@ -96,6 +109,11 @@ class Similar:
         counts.paid += len(indices)
         self.delta_blocks += len(indices)
         self.delta_bytes += d.wire_size
+        if self.timing:   # CPU seconds of this thread, as the search is measured
+            t0 = time.thread_time()
+            for block in delta.rebuild(d, ref_blocks):
+                hash_block(block)
+            self.decode_seconds += time.thread_time() - t0
         return d
 
     def _file_deltas(self, chain: ChainReader, match: extmap.Match, reader: BlockReader,

@@ -33,7 +33,7 @@ class Options:
     inflight: int = 8          # requests in flight
     full_hashes: bool = False  # send whole 32-byte hashes instead of 8-byte prefixes + digest check
     xz: bool = False           # blocks as one xz (LZMA2) stream per object where the receiver takes it
-    deltas: bool = True        # a layer's blocks as deltas against its parent's where that pays (similar.py)
+    deltas: bool = True        # a layer's blocks as deltas against its parent's where they pay (deltapick.py)
     codec: CodecName = "auto"
 
     def __post_init__(self) -> None:
@@ -70,6 +70,11 @@ class ObjectReport:
     link_rate: float | None = None   # the link's rate (bytes/s) measured when its codec was last picked
     delta_blocks: int = 0            # blocks sent as deltas against the parent's (push; capsule/transfer/similar.py)
     delta_bytes: int = 0             # their bytes on the wire (delta records)
+    # whether its blocks were tried as deltas (capsule/transfer/deltapick.py): "" not (no parent the receiver
+    # holds, --no-deltas, a codec given that is no stream codec), "given" (a stream codec given: every block
+    # that pays), else the link's pick last taken: "used", "declined" or "unmeasured"
+    deltas: str = ""
+    delta_figures: dict[str, float] = field(default_factory=dict)   # what that pick was taken on (per MB)
 
     def used(self, picker: CodecPicker, codecs: dict[str, int]) -> ObjectReport:
         """This report with the codecs ``codecs`` counts and the link rate ``picker`` picked them at."""

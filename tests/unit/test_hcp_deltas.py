@@ -3,7 +3,8 @@ delta against similar blocks it holds, is rebuilt, checked against its hash and 
 of random and near-copy blocks; the bounds on what a receiver takes; through the agent's real HTTP
 handling (``create_app``, in-process): a delta whose result fails its hash is refused naming the block and
 keeps nothing, a push of a child layer whose blocks changed slightly sends deltas, an older receiver (no
-``X-Capsule-Deltas``), references the receiver cannot read and a codec left to the link get blocks whole. The ext4
+``X-Capsule-Deltas``) and references the receiver cannot read get blocks whole; with the codec left to the link,
+deltas that pay are picked after a trial, and ``--no-deltas`` and codecs given override the pick. The ext4
 source (same path in the parent) needs debugfs: tests/tools/test_hcp_deltas_ext4.py."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import random
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from capsule import transfer
 from capsule.agentclient import AgentClient
 from capsule.store import Store
 from capsule.store.objectio import has_object
-from capsule.transfer import extmap, pushing
+from capsule.transfer import deltapick, extmap, pushing
 from hashcache import delta
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.hcp import Expectation, ProtocolError, decode_indices, encode_indices
@@ -118,7 +121,8 @@ def test_what_a_receiver_takes_is_bounded():
 
 def _layer(store: Store, blocks: dict[int, bytes], parent: str | None) -> str:
     leaf = store.new_leaf_path()
-    write_layer(leaf, virtual_size=SIZE, backing=str(store.layer_path(parent)) if parent else None,
+    write_layer(leaf, virtual_size=max(SIZE, (max(blocks) + 1) * BLOCK_SIZE),
+                backing=str(store.layer_path(parent)) if parent else None,
                 records=[(i, False) for i in sorted(blocks)], read_block=blocks.__getitem__)
     row = store.seal_layer(leaf, parent)
     with store.catalogue.transaction():
@@ -126,18 +130,19 @@ def _layer(store: Store, blocks: dict[int, bytes], parent: str | None) -> str:
     return row.id
 
 
-def _versions(seed: int = 7) -> tuple[dict[int, bytes], dict[int, bytes]]:
-    """A parent's blocks and its child's: each of the child's a near copy of the parent's block there."""
+def _versions(seed: int = 7, blocks: int = BLOCKS, every: int = 2) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    """A parent's blocks and its child's: each of the child's (every ``every``-th block) a near copy of the
+    parent's block there."""
     rng = random.Random(seed)
-    base = {i: rng.randbytes(BLOCK_SIZE) for i in range(BLOCKS)}
-    child = {i: _near(base[i], rng, 3) for i in range(0, BLOCKS, 2)}
+    base = {i: rng.randbytes(BLOCK_SIZE) for i in range(blocks)}
+    child = {i: _near(base[i], rng, 3) for i in range(0, blocks, every)}
     return base, child
 
 
 @contextlib.contextmanager
-def _pair(tmp_path: Path, seed: int = 7):
+def _pair(tmp_path: Path, seed: int = 7, blocks: int = BLOCKS, every: int = 2):
     """A source store with a root layer and a child of it; the receiving agent's store holds the root."""
-    base, child = _versions(seed)
+    base, child = _versions(seed, blocks, every)
     src = Store.open(tmp_path / "src")
     root = _layer(src, base, None)
     top = _layer(src, child, root)
@@ -151,13 +156,17 @@ def _pair(tmp_path: Path, seed: int = 7):
 
 class _Count:
     """A transport wrapper: the receiver's answers to delta uploads, summed; ``hide`` drops the header by
-    which a receiver offers deltas (an older release)."""
+    which a receiver offers deltas (an older release); ``rate``: bytes/s of a slow link the uploads take."""
 
-    def __init__(self, inner, hide: bool = False) -> None:
-        self.inner, self.url, self.hide = inner, inner.url, hide
+    def __init__(self, inner, hide: bool = False, rate: float | None = None) -> None:
+        self.inner, self.url, self.hide, self.rate = inner, inner.url, hide, rate
         self.rebuilt = self.unresolved = self.delta_uploads = 0
+        self.link = threading.Lock()
 
     def call(self, call):
+        if self.rate:   # a slow link, one for all requests: an upload takes its bytes' time on it
+            with self.link:
+                time.sleep(len(call.content) / self.rate)
         reply = self.inner.call(call)
         if call.path.endswith("/begin") and self.hide:
             reply.headers.pop(delta.DELTAS_HEADER, None)
@@ -228,16 +237,29 @@ def test_blocks_whose_references_the_receiver_cannot_read_are_sent_again_whole(t
     assert seen.unresolved == len(child) and seen.rebuilt == 0 and report.delta_blocks == 0
 
 
-def test_a_push_with_the_codec_left_to_the_link_gets_no_deltas(tmp_path):
-    """Deltas are made where a stream codec is given (bytes over speed); the codec the link picks is left
-    alone (a fast link sends whole blocks sooner than deltas are made)."""
-    with _pair(tmp_path) as (src, agent, _root, top, _child):
-        counter = _Count(in_process(agent.app, TOKEN, stream=False))
-        client = AgentClient("http://dst.example", TOKEN, transport=counter)
-        report = pushing._push_object(src, client, "layer", top, "layer", transfer.Options(), transfer.Progress())
-        client.close()
+def test_with_the_codec_left_to_the_link_deltas_that_pay_are_picked(tmp_path):
+    """No codec given, a link of 4 MB/s: once the link is measured, a trial on a slice's first blocks
+    finds deltas of near copies (a fiftieth of their bytes) sooner than whole random blocks, and the pick
+    sends the later slices' as deltas too, saying so in the report."""
+    with _pair(tmp_path, blocks=4 * deltapick.SLICE_BLOCKS, every=1) as (src, agent, _root, top, child):
+        report, seen = _push(src, agent, top, wrap={"rate": 4e6}, xz=False)
         assert _installed(tmp_path / "dst", top)
-    assert report is not None and report.delta_blocks == 0 and counter.delta_uploads == 0
+    fig = report.delta_figures
+    print(f"deltas {report.deltas}: {fig}; {report.delta_blocks} blocks as deltas of {len(child)}")
+    assert report.deltas == "used" and fig["with_s_per_mb"] < fig["without_s_per_mb"], (report.deltas, fig)
+    assert deltapick.SLICE_BLOCKS < report.delta_blocks == seen.rebuilt, (report.delta_blocks, vars(seen))
+
+
+def test_no_deltas_and_codecs_given_override_the_link_pick(tmp_path):
+    """``--no-deltas`` and a frame codec given (zstd -3) send no delta; a stream codec given sends every
+    block that pays as one, with no trial."""
+    for label, opts, expect in (("off", {"deltas": False}, 0), ("z3", {"xz": False, "level": 3}, 0),
+                                ("z19", {"xz": False, "level": 19}, BLOCKS // 2)):
+        with _pair(tmp_path / label) as (src, agent, _root, top, _child):
+            report, seen = _push(src, agent, top, **opts)
+            assert _installed(tmp_path / label / "dst", top)
+        assert report.delta_blocks == seen.rebuilt == expect, (label, report, vars(seen))
+        assert report.deltas == ("given" if expect else ""), (label, report.deltas)
 
 
 def test_a_delta_whose_result_fails_its_hash_is_refused_and_keeps_nothing(tmp_path):
