@@ -54,3 +54,10 @@ def typed_lines(store: Store, name: str) -> list[str]:
     with guestx.agent(store, name, "test") as ga:
         r = guestx.run(ga, name, "test", ["sh", "-c", f"cat {TYPED} 2>/dev/null; true"])
     return r["stdout"].splitlines()
+
+
+def pointer_at(store: Store, name: str) -> tuple[int, int]:
+    """Where the guest's X server has its pointer (x, y), read through the guest agent."""
+    from capsule.console import pointer
+
+    return pointer.position(store, name)

@@ -1,10 +1,11 @@
 """The desktop image moved live between the compose hosts (two libvirts, so the moves are live) from the page, as
-its owner lives with it. At work (host A) a line is typed into its terminal; the Migrate button sends it home
-(host B) live; the console follows it there and takes a second line; the clipboard box pastes a third, and what the
-guest copies comes back to the browser. The next morning, A's page brings it back from B with Bring here, live;
-the console opens on it at A and takes a fourth line. Each time the lines are read back in the guest, through its
-guest agent, on the host it runs on then, and a screenshot of the page is kept. The guest's resolution follows the
-console panel's size all along, through the guest agent of the host it runs on."""
+its owner lives with it. At work (host A) the clipboard box reaches the guest and a line is typed into its
+terminal; the Migrate button sends it home (host B) live; the console follows it there, the pointer lands where
+the browser's is, and the terminal takes a second line; the clipboard box pastes a third, and what the guest
+copies comes back to the browser. The next morning, A's page brings it back from B with Bring here, live; the
+console opens on it at A and takes a fourth line. Each time the lines are read back in the guest, through its
+guest agent, on the host it runs on then, and a screenshot of the page is kept. The guest's resolution follows
+the console panel's size all along, through the guest agent of the host it runs on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from testkit.desktop import AT, CANVAS, CONSOLE_IN_VIEW, TEE, TYPED
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401 - fixture
+from tests.browser.test_desktop_console import AIM, NEAR
 from tests.helpers.dashboard import open_console, sign_in
 from tests.hosts.conftest import hosts, known_as  # noqa: F401 - fixture
 from tests.wait import wait_until
@@ -83,6 +85,21 @@ def _into_terminal(page, host, name: str) -> None:
     page.wait_for_timeout(500)
 
 
+def _pointer_lands(page, host, name: str) -> None:
+    """The browser's pointer at three points of the (relayed) console's canvas: the guest's X server, asked
+    through the guest agent where the guest runs, has its pointer within NEAR pixels of the same guest pixel."""
+    page.evaluate(CONSOLE_IN_VIEW)
+    for fx, fy in ((0.1, 0.1), (0.5, 0.5), (0.9, 0.8)):
+        aim = page.evaluate(AIM, [fx, fy])
+        page.mouse.move(aim["x"] + (4 if fx < 0.5 else -4), aim["y"] + (4 if fy < 0.5 else -4))
+        page.mouse.move(aim["x"], aim["y"], steps=2)
+        want = (aim["gx"], aim["gy"])
+        wait_until(lambda want=want: max(abs(g - w) for g, w in zip(host.desktop("pointer_at", name), want,
+                                                                      strict=True)) <= NEAR,
+                   20, lambda aim=aim: f"the guest's pointer near {aim}: at {host.desktop('pointer_at', name)}",
+                   interval=0.5)
+
+
 def _lines(host, name: str) -> list[str]:
     return host.desktop("typed_lines", name)
 
@@ -122,7 +139,11 @@ def test_the_desktop_moves_live_home_and_is_brought_back(desk, browser, tmp_path
     row = open_console(page, name, timeout_ms=60_000)
     _console_fits(page)
 
-    # at work: a line into the terminal
+    # at work: the clipboard box reaches the guest here, and a line goes into the terminal
+    page.fill("#console-clip-text", "copied in the browser at work")
+    page.click("#console-clip-send")
+    expect(page.locator("#console-clip-state")).to_have_attribute("data-state", "sent", timeout=30_000)
+    assert a.api("GET", f"/api/capsules/{name}/clipboard")["text"] == "copied in the browser at work"
     _into_terminal(page, a, name)
     page.keyboard.type(TEE, delay=20)
     page.keyboard.press("Enter")
@@ -149,6 +170,7 @@ def test_the_desktop_moves_live_home_and_is_brought_back(desk, browser, tmp_path
     # the followed console's screen follows the panel there too (set by home, through this host's agent)
     page.set_viewport_size({"width": 1440, "height": 900})
     _console_fits(page)
+    _pointer_lands(page, b, name)
     _into_terminal(page, b, name)
     _type_line(page, b, name, LINES[1], LINES[:2])
 
