@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import image_stores, median, table, temp_workdir, write_result  # noqa: E402
-from bench.console_latency import BACKSPACE, CHROMIUM, _page_sample, _sample, direct, through_agent  # noqa: E402
+from bench.console_latency import BACKSPACE, _page_sample, _sample, direct, through_agent  # noqa: E402
 from bench.dashboard_migrate import _cli  # noqa: E402
 from bench.rfb import KEY_A  # noqa: E402
 from capsule import capsules, hosts, lifecycle  # noqa: E402
@@ -51,6 +51,7 @@ from capsule.console import guestx  # noqa: E402
 from capsule.imagebuild.desktop import DESKTOP_MARKER, USER  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from testkit.chromium import CHROMIUM  # noqa: E402
 from tests.helpers.dashboard import open_console, sign_in  # noqa: E402
 
 NAME = "desk"
@@ -188,7 +189,7 @@ def main() -> None:
             lifecycle.start(a, NAME, timeout=BOOT_TIMEOUT)
             _terminal(a)
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                             args=["--no-sandbox"] if os.geteuid() == 0 else [])
                 at = "a"                                         # where the capsule runs
                 for i in range(args.runs):

@@ -37,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.click_to_console import WATCH, _stats  # noqa: E402
 from bench.common import median, table, temp_workdir, write_result  # noqa: E402
-from bench.console_latency import BACKSPACE, CHROMIUM, _page_sample, _sample, through_agent  # noqa: E402
+from bench.console_latency import BACKSPACE, _page_sample, _sample, through_agent  # noqa: E402
 from bench.rfb import KEY_A  # noqa: E402
 from capsule import capsules, transfer  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from scripts import composehosts as hc  # noqa: E402
+from testkit.chromium import CHROMIUM  # noqa: E402
 from testkit.desktop import AT, CONSOLE_IN_VIEW  # noqa: E402
 from testkit.images import IMAGE_HOME, make_store  # noqa: E402
 from tests.helpers.dashboard import open_console, sign_in  # noqa: E402
@@ -146,7 +147,7 @@ def main() -> None:
                 local.close()
         a.capsule("start", name, "--timeout", str(int(BOOT_TIMEOUT)), timeout=BOOT_TIMEOUT + 300)
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                         args=["--no-sandbox"] if os.geteuid() == 0 else [])
             at = "a"                                         # where the capsule runs
             for i in range(args.runs):

@@ -40,8 +40,8 @@ from capsule.console import screen  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
 from capsule.store import Store  # noqa: E402
+from testkit.chromium import CHROMIUM  # noqa: E402
 
-CHROMIUM = os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium")
 NAME = "latency"
 BACKSPACE = 0xFF08
 # an interactive shell on tty1 (the screen), its cursor hidden: a typed key's echo is the only change
@@ -137,7 +137,7 @@ def in_page(agent: AgentProcess) -> Iterator[Any]:
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                     args=["--no-sandbox"] if os.geteuid() == 0 else [])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.add_init_script(WS_TIMES)

@@ -29,9 +29,9 @@ from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.migrate import migrate  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
+from testkit.chromium import CHROMIUM  # noqa: E402
 
 COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
-CHROMIUM = os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium")
 NAME = "bench"
 
 
@@ -88,7 +88,7 @@ def main() -> None:
                 assert lookup_domain(a.domain_name(NAME)) is not None
 
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                             args=["--no-sandbox"] if os.geteuid() == 0 else [])
                 page = browser.new_page()
                 page.goto(agent_a.url)

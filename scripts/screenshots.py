@@ -35,12 +35,12 @@ from capsule.agent.launch import AgentProcess
 from capsule.console.screen import screenshot
 from capsule.errors import Error
 from capsule.store import Store
+from testkit.chromium import CHROMIUM
 from testkit.desktop import AT, CANVAS, CONSOLE_IN_VIEW, TEE, TYPED, terminal_top_left, typed_lines
 from testkit.images import destroy_domains, ensure_image, image_store, make_store
 from tests.wait import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = Path(os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium"))
 VIEWPORT = {"width": 1280, "height": 800}
 NARROW = {"width": 1024, "height": 700}
 MAX_BYTES = 250 * 1024          # each picture at most this large

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from capsule import capsules, hosts
+from testkit.chromium import CHROMIUM
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
-CHROMIUM = Path(os.environ.get("CAPSULE_CHROMIUM", "/usr/bin/chromium"))
 SCREENSHOTS = os.environ.get("CAPSULE_SCREENSHOTS")  # a directory to keep the pages' pictures in
 
 
