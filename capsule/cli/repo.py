@@ -140,6 +140,25 @@ def forget(ref: Annotated[str, typer.Argument(help="NAME@V to drop from the repo
     emit({"version": ref, "records": names}, lambda: console.print(f"forgot {ref}"))
 
 
+@app.command(rich_help_panel=REPO)
+def unlock(url: Url, remove_all: Annotated[bool, typer.Option(
+        "--remove-all", help="Remove every lock, a live writer's too: only when no host uses the repository "
+                             "(a prune could then run beside a push).")] = False,
+           key_file: KeyFile = None, json: JsonOpt = False) -> None:
+    """Remove the locks of pushes and prunes that died (a crashed prune blocks every push until then).
+
+    A dead writer's lock: one not refreshed for 30 minutes, or one taken on this host by a process that is gone.
+
+    Pushes and prunes already pass over such locks, and prune removes them."""
+    json_flag(json)
+    repo = _open(url, key_file)
+    removed = repo.unlock(everything=remove_all)
+    emit({"removed": removed}, lambda: console.print(
+        f"removed {len(removed)} lock(s)" + "".join(
+            f"\n  {r['lock']}: {'prune' if r['exclusive'] else 'push, restore or check'} by {r['host']} pid "
+            f"{r['pid']}, {_when(r['time'] if isinstance(r['time'], (int, float)) else None)}" for r in removed)))
+
+
 @app.command(rich_help_panel=MOVING)
 def push(ref: Annotated[str, typer.Argument(help="NAME or NAME@V to store.")], url: Url,
          key_file: KeyFile = None, json: JsonOpt = False) -> None:

@@ -5,15 +5,14 @@ no writer's packs are taken for garbage before its index is written)."""
 from __future__ import annotations
 
 import struct
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from capsule.errors import CapsuleError, Error, IntegrityError, NotFound
+from capsule.errors import CapsuleError, IntegrityError, NotFound
 from capsule.names import parse_ref
 from capsule.repo.format import Entry, PackWriter, encode_index, new_id, open_blob, pack_name, read_pack_header
-from capsule.repo.repository import STALE_LOCK_SECONDS, Repository
+from capsule.repo.repository import Repository
 from capsule.repo.restore import read_manifest
 from hashcache.blocks import BLOCK_SIZE, hash_block
 
@@ -218,12 +217,5 @@ def prune(repo: Repository, *, dry_run: bool = False) -> dict[str, Any]:
         for name in repo.manifest_names() - used_manifests:
             repo.client.delete(repo.location.key(f"manifests/{name}"))
             out["manifests_deleted"] += 1
-        for name, _size in list(repo.names("locks")):
-            try:
-                body = repo.get_json(name, f"lock {name}")
-            except Error:
-                continue
-            if time.time() - float(body.get("time", 0)) > STALE_LOCK_SECONDS:
-                repo.client.delete(repo.location.key(name))
-                out["locks_deleted"] += 1
+        out["locks_deleted"] += len(repo.unlock())
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -22,6 +23,29 @@ FORMAT = 1
 STALE_LOCK_SECONDS = 30 * 60     # a lock not refreshed for this long is a dead writer's (restic's rule)
 REFRESH_LOCK_SECONDS = 5 * 60
 MAX_RECORD_BYTES = 64 * 1024 * 1024
+
+
+def stale(body: dict[str, Any], now: float | None = None) -> bool:
+    """Whether a lock (its JSON body) is a dead writer's: not refreshed for :data:`STALE_LOCK_SECONDS`, or taken on
+    this host by a process that no longer runs (restic's rules: a crashed prune frees the repository at once on its
+    own host, after half an hour elsewhere)."""
+    now = time.time() if now is None else now
+    try:
+        taken = float(body.get("time", 0))
+    except (TypeError, ValueError):
+        return True                   # a lock without a readable time holds nothing
+    if not math.isfinite(taken) or now - taken > STALE_LOCK_SECONDS:
+        return True
+    pid = body.get("pid")
+    if body.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False                  # it runs, as another user
+    return False
 
 
 def connect(url: str) -> S3Client:
@@ -183,7 +207,7 @@ class Repository:
         try:
             now = time.time()
             for other, body in self._locks():
-                if other == name or now - float(body.get("time", 0)) > STALE_LOCK_SECONDS:
+                if other == name or stale(body, now):
                     continue
                 if exclusive or body.get("exclusive"):
                     who = f"{body.get('host')} pid {body.get('pid')}"
@@ -192,8 +216,20 @@ class Repository:
                                    "is done")
             yield lock
         finally:
-            with suppress(Error):   # a lock left behind goes stale, and prune removes it
+            with suppress(Error):   # a lock left behind goes stale, and prune or unlock removes it
                 self.client.delete(self.location.key(name))
+
+    def unlock(self, everything: bool = False) -> list[dict[str, Any]]:
+        """Remove the locks of dead writers (:func:`stale`), or with ``everything`` every lock (only when no
+        Capsule uses the repository: a live writer's lock removed lets a prune run beside it). What was removed:
+        each lock's name, host, pid, time and whether it was exclusive."""
+        removed = []
+        for name, body in self._locks():
+            if everything or stale(body):
+                self.client.delete(self.location.key(name))
+                removed.append({"lock": name, "host": body.get("host"), "pid": body.get("pid"),
+                                "time": body.get("time"), "exclusive": bool(body.get("exclusive"))})
+        return removed
 
 
 @dataclass

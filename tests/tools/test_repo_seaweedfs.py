@@ -334,3 +334,43 @@ def test_scheduled_backups_copy_to_a_repository_keep_its_policy_and_verify(seawe
     checked = verifyjob.run(a, ["one"])
     there = next(h for h in checked.hosts if h.host == url)
     assert [(b.kind, b.id, b.backups) for b in there.broken] == [("pack", lost, ["one@4"])]
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_a_crashed_prunes_lock_is_passed_over_here_and_unlock_removes_dead_writers_locks(seaweed, stores):
+    """A prune killed on this host leaves its exclusive lock: a push passes over it at once (its process is
+    gone; before, every push was refused for half an hour). A live prune's lock on another host still refuses a
+    push. `repo unlock` removes only dead writers' locks; `--remove-all` removes that one too."""
+    import socket
+
+    a, _b, (one, _two) = stores
+    url = seaweed.url("unlock", "lab")
+    Repository.init(_client(seaweed, "unlock", "lab"), PASS)
+    repo = Repository.open(_client(seaweed, "unlock", "lab"), PASS)
+    crashed = {"exclusive": True, "host": socket.gethostname(), "pid": _dead_pid(), "time": time.time()}
+    repo.put_json("locks/" + "c" * 32, crashed)
+    assert push(a, one, repo).blocks_new > 0                       # passed over: its writer is gone
+    elsewhere = {"exclusive": True, "host": "another-host", "pid": os.getpid(), "time": time.time()}
+    repo.put_json("locks/" + "e" * 32, elsewhere)
+    repo.put_json("locks/" + "c" * 32, crashed)
+    with pytest.raises(Conflict, match="locked by another-host"):
+        push(a, one, repo)
+
+    env = dict(os.environ, **seaweed.env(), CAPSULE_REPO_PASSPHRASE=PASS.decode(), CAPSULE_HOME=str(a.home))
+
+    def unlock(*args: str) -> list[dict]:
+        proc = subprocess.run([sys.executable, "-m", "capsule.cli.main", "--json", "repo", "unlock", url, *args],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["removed"]
+
+    assert [r["lock"] for r in unlock()] == ["locks/" + "c" * 32]     # the dead one only
+    assert [n for n, _ in repo.names("locks")] == ["locks/" + "e" * 32]
+    assert [r["host"] for r in unlock("--remove-all")] == ["another-host"]
+    assert list(repo.names("locks")) == []
+    assert push(a, one, repo).objects_present == 4                  # free again
