@@ -166,6 +166,40 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"median": round(median(xs), 2), "p90": round(sorted(xs)[int(0.9 * (len(xs) - 1))], 2)}
 
 
+def report(name: str, title: str, head: dict[str, Any], page_runs: list[dict[str, Any]],
+           cli_runs: list[dict[str, Any]], latency: dict[str, dict[str, list[float]]], client: dict[str, str]) -> None:
+    """Write the result ``name`` (``head``, the runs, their medians, the latency samples and their statistics)
+    and print its two tables; ``client``: the VNC client's way in the latency samples and its label."""
+    def med(runs: list[dict[str, Any]], key: str) -> float:
+        return round(median([r[key] for r in runs]), 3)
+
+    result = head | {
+        "ram_bytes": 1 << 30, "image": "desktop", "page_seconds": page_runs, "cli_seconds": cli_runs,
+        "median_seconds": {"page_click_to_done": med(page_runs, "done"),
+                           "page_click_to_connected": med(page_runs, "connected"),
+                           "page_click_to_first_frame": med(page_runs, "frame"),
+                           "cli_process": med(cli_runs, "exited"), "cli_library": med(cli_runs, "library"),
+                           "cli_to_first_frame": med(cli_runs, "frame")},
+        "latency_ms": {when: {way: [round(x, 2) for x in xs] for way, xs in ways.items()}
+                       for when, ways in latency.items()},
+        "latency": {when: {way: _stats(xs) for way, xs in ways.items()} for when, ways in latency.items()},
+    }
+    m = result["median_seconds"]
+    result["page_vs_cli_first_frame"] = round(m["page_click_to_first_frame"] - m["cli_to_first_frame"], 3)
+    path = write_result(name, result)
+    table(f"{title}: median of {head['runs']} (seconds)", ["", "move done", "console there", "first frame"],
+          [["dashboard: click → (followed console)", f"{m['page_click_to_done']:.2f}",
+            f"{m['page_click_to_connected']:.2f}", f"{m['page_click_to_first_frame']:.2f}"],
+           ["capsule migrate + VNC client there", f"{m['cli_process']:.2f} (library {m['cli_library']:.2f})",
+            "–", f"{m['cli_to_first_frame']:.2f}"]])
+    lat = result["latency"]
+    table("console latency, key typed → screen changed (ms)", ["", "median before", "median after", "p90 after"],
+          [[label, f"{lat['before'][way]['median']:.1f}", f"{lat['after'][way]['median']:.1f}",
+            f"{lat['after'][way]['p90']:.1f}"]
+           for way, label in (*client.items(), ("page", "noVNC in the page (after: followed, relayed)"))])
+    print(f"page − CLI to first frame: {result['page_vs_cli_first_frame']:+.2f}s; written to {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="runs (each moves the capsule once from the page, once "
@@ -224,39 +258,10 @@ def main() -> None:
             agent_a.stop()
             agent_b.stop()
 
-    def med(runs: list[dict[str, Any]], key: str) -> float:
-        return round(median([r[key] for r in runs]), 3)
-
-    result = {
-        "runs": args.runs, "keys": args.keys, "ram_bytes": 1 << 30, "image": "desktop",
-        "kind": "offline full (one machine, one libvirtd: live refused by the pre-check)",
-        "page_seconds": page_runs, "cli_seconds": cli_runs,
-        "median_seconds": {"page_click_to_done": med(page_runs, "done"),
-                           "page_click_to_connected": med(page_runs, "connected"),
-                           "page_click_to_first_frame": med(page_runs, "frame"),
-                           "cli_process": med(cli_runs, "exited"), "cli_library": med(cli_runs, "library"),
-                           "cli_to_first_frame": med(cli_runs, "frame")},
-        "latency_ms": {when: {way: [round(x, 2) for x in xs] for way, xs in ways.items()}
-                       for when, ways in latency.items()},
-        "latency": {when: {way: _stats(xs) for way, xs in ways.items()} for when, ways in latency.items()},
-    }
-    m = result["median_seconds"]
-    result["page_vs_cli_first_frame"] = round(m["page_click_to_first_frame"] - m["cli_to_first_frame"], 3)
-    path = write_result("click_to_console", result)
-    table(f"desktop capsule moved between two agents on this machine: median of {args.runs} (seconds)",
-          ["", "move done", "console there", "first frame"],
-          [["dashboard: click → (followed console)", f"{m['page_click_to_done']:.2f}",
-            f"{m['page_click_to_connected']:.2f}", f"{m['page_click_to_first_frame']:.2f}"],
-           ["capsule migrate + VNC client there", f"{m['cli_process']:.2f} (library {m['cli_library']:.2f})",
-            "–", f"{m['cli_to_first_frame']:.2f}"]])
-    lat = result["latency"]
-    table("console latency, key typed → screen changed (ms)", ["", "median before", "median after", "p90 after"],
-          [[label, f"{lat['before'][way]['median']:.1f}", f"{lat['after'][way]['median']:.1f}",
-            f"{lat['after'][way]['p90']:.1f}"]
-           for way, label in (("direct", "VNC client on the unix socket"),
-                              ("page", "noVNC in the page (after: followed, relayed)"))])
-    print(f"page − CLI to first frame: {result['page_vs_cli_first_frame']:+.2f}s; written to {path}")
-
+    report("click_to_console", "desktop capsule moved between two agents on this machine",
+           {"runs": args.runs, "keys": args.keys,
+            "kind": "offline full (one machine, one libvirtd: live refused by the pre-check)"},
+           page_runs, cli_runs, latency, {"direct": "VNC client on the unix socket"})
 
 if __name__ == "__main__":
     main()

@@ -35,8 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.click_to_console import WATCH, _stats  # noqa: E402
-from bench.common import median, table, temp_workdir, write_result  # noqa: E402
+from bench.click_to_console import WATCH, report  # noqa: E402
+from bench.common import temp_workdir  # noqa: E402
 from bench.console_latency import BACKSPACE, _page_sample, _sample, through_agent  # noqa: E402
 from bench.rfb import KEY_A  # noqa: E402
 from capsule import capsules, transfer  # noqa: E402
@@ -178,39 +178,9 @@ def main() -> None:
         if not args.keep_hosts:
             PROJECT.compose("down", "--volumes", "--timeout", "5")
 
-    def med(runs: list[dict[str, Any]], key: str) -> float:
-        return round(median([r[key] for r in runs]), 3)
-
-    result = {
-        "runs": args.runs, "keys": args.keys, "ram_bytes": 1 << 30, "image": "desktop",
-        "kind": "live (the compose hosts: two libvirts), on loopback",
-        "page_seconds": page_runs, "cli_seconds": cli_runs,
-        "median_seconds": {"page_click_to_done": med(page_runs, "done"),
-                           "page_click_to_connected": med(page_runs, "connected"),
-                           "page_click_to_first_frame": med(page_runs, "frame"),
-                           "cli_process": med(cli_runs, "exited"), "cli_library": med(cli_runs, "library"),
-                           "cli_to_first_frame": med(cli_runs, "frame")},
-        "latency_ms": {when: {way: [round(x, 2) for x in xs] for way, xs in ways.items()}
-                       for when, ways in latency.items()},
-        "latency": {when: {way: _stats(xs) for way, xs in ways.items()} for when, ways in latency.items()},
-    }
-    m = result["median_seconds"]
-    result["page_vs_cli_first_frame"] = round(m["page_click_to_first_frame"] - m["cli_to_first_frame"], 3)
-    path = write_result("click_to_console_hosts", result)
-    table(f"desktop capsule moved live between the compose hosts: median of {args.runs} (seconds)",
-          ["", "move done", "console there", "first frame"],
-          [["dashboard: click → (followed console)", f"{m['page_click_to_done']:.2f}",
-            f"{m['page_click_to_connected']:.2f}", f"{m['page_click_to_first_frame']:.2f}"],
-           ["capsule migrate + VNC client there", f"{m['cli_process']:.2f} (library {m['cli_library']:.2f})",
-            "–", f"{m['cli_to_first_frame']:.2f}"]])
-    lat = result["latency"]
-    table("console latency, key typed → screen changed (ms)", ["", "median before", "median after", "p90 after"],
-          [[label, f"{lat['before'][way]['median']:.1f}", f"{lat['after'][way]['median']:.1f}",
-            f"{lat['after'][way]['p90']:.1f}"]
-           for way, label in (("agent", "VNC client through the capsule's host's agent"),
-                              ("page", "noVNC in the page (after: followed, relayed)"))])
-    print(f"page − CLI to first frame: {result['page_vs_cli_first_frame']:+.2f}s; written to {path}")
-
+    report("click_to_console_hosts", "desktop capsule moved live between the compose hosts",
+           {"runs": args.runs, "keys": args.keys, "kind": "live (the compose hosts: two libvirts), on loopback"},
+           page_runs, cli_runs, latency, {"agent": "VNC client through the capsule's host's agent"})
 
 if __name__ == "__main__":
     main()

@@ -14,15 +14,15 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from capsule.errors import IntegrityError, Unreachable
+from capsule.errors import Unreachable
 from capsule.lifecycle import demand
 from capsule.repo import pagein
 from capsule.repo.format import Entry
 from capsule.repo.repository import Repository
-from capsule.repo.restore import RestoreReport, find_version, read_manifest, restore_object
+from capsule.repo.restore import RestoreReport, read_manifest, restore_object, version_body
 from capsule.store import Store
 from capsule.store.objectio import has_object
-from capsule.transfer.records import record_version, validate
+from capsule.transfer.records import record_version
 
 Say = Callable[[str], None]
 
@@ -54,12 +54,7 @@ def prepare(store: Store, ref: str, repo: Repository, say: Say = lambda _m: None
     report = InstantReport(ref, repo.location.url)
     received = repo.client.received_bytes
     with repo.lock(reading=True) as lock:
-        _name, body = find_version(repo, ref)
-        try:
-            record = validate(body["record"])
-            objects = [(o["kind"], o["id"], o["role"], o["manifest"]) for o in body["objects"]]
-        except (KeyError, TypeError) as exc:
-            raise IntegrityError(f"the version record of {ref} is malformed: {exc}") from exc
+        record, objects = version_body(repo, ref)
         report.version = f"{record['capsule']}@{record['number']}"
         index: dict[bytes, Entry] | None = None
         files = RestoreReport(report.version, report.url)

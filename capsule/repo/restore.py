@@ -55,6 +55,18 @@ def find_version(repo: Repository, ref: str) -> tuple[str, dict[str, Any]]:
     return max(found, key=lambda nb: (nb[1]["record"]["number"], nb[1].get("pushed", 0)))
 
 
+def version_body(repo: Repository, ref: str) -> tuple[dict[str, Any], list[tuple[str, str, str, str]]]:
+    """The validated version record of ``NAME[@V]`` (:func:`find_version`) and its objects, each (kind, id,
+    role, manifest name); IntegrityError for a malformed record."""
+    _name, body = find_version(repo, ref)
+    try:
+        record = validate(body["record"])
+        objects = [(o["kind"], o["id"], o["role"], o["manifest"]) for o in body["objects"]]
+    except (KeyError, TypeError) as exc:
+        raise IntegrityError(f"the version record of {ref} is malformed: {exc}") from exc
+    return record, objects
+
+
 def read_manifest(repo: Repository, kind: str, oid: str, name: str) -> Manifest:
     what = f"the manifest of {kind} {oid[:12]} (manifests/{name})"
     raw = repo.get_sealed(f"manifests/{name}", what)
@@ -120,12 +132,7 @@ def restore(store: Store, ref: str, repo: Repository, progress: Callable[[str], 
     """Bring ``NAME[@V]`` from ``repo`` into ``store`` (only the objects the store lacks)."""
     t0 = time.monotonic()
     with repo.lock(reading=True) as lock:
-        _name, body = find_version(repo, ref)
-        try:
-            record = validate(body["record"])
-            objects = [(o["kind"], o["id"], o["role"], o["manifest"]) for o in body["objects"]]
-        except (KeyError, TypeError) as exc:
-            raise IntegrityError(f"the version record of {ref} is malformed: {exc}") from exc
+        record, objects = version_body(repo, ref)
         report = RestoreReport(f"{record['capsule']}@{record['number']}", repo.location.url)
         index: dict[bytes, Entry] | None = None
         for kind, oid, role, name in objects:
