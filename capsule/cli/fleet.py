@@ -186,6 +186,9 @@ def _run(action, title: str) -> pushing.PushReport:  # noqa: ANN001
         board.update(r)
 
     def human() -> None:
+        if report.via is not None:
+            console.print(f"via {report.via['url']}: this host uploaded {human_bytes(report.via['origin_sent_bytes'])}"
+                          " to it and sent nothing to any host")
         console.print(f"[bold]{title} {report.ref}[/]: " + " → ".join(
             f"{s.name} [{len(s.hosts)}]" for s in report.plan.stages))
         console.print(board.table())
@@ -249,19 +252,45 @@ def push(
                      "the automatic choice: the fewest bytes (new packages: 5-9 % fewer than --zstd-level 19, "
                      "about as slow to compress). Between hosts (fan-out) blocks go at --zstd-level, or at "
                      "levels picked by the link.")] = False,
+    via: Annotated[str | None, typer.Option(
+        "--via", help="Go through this repository (s3://HOST:PORT/BUCKET/PREFIX, or s3+http://… without TLS; "
+                      "made with `capsule repo init`): this host uploads the version to it once (only the blocks "
+                      "it lacks), and every host that gets it from no peer restores it from there, --parallel at "
+                      "a time, so this host's uplink no longer bounds the rollout. Its key opens with "
+                      "CAPSULE_REPO_PASSPHRASE, a prompt, or --key-file; S3 credentials as `capsule repo` reads "
+                      "them (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws/credentials). Each host is handed "
+                      "the opened key and the credentials for its one restore, over its agent's authenticated "
+                      "channel, and keeps them only in memory.")] = None,
+    key_file: Annotated[Path | None, typer.Option(
+        "--key-file", help="With --via: open the repository with this key file's bytes instead of a "
+                           "passphrase.")] = None,
     json: JsonOpt = False, host: OldHostOpt = None,
 ) -> None:
     """Roll a version out: canaries, then waves; hosts that have it pass it on (fan-out).
+
+    With --via REPO the repository stands in for this host as the source of last resort: this host sends the
+    version to the repository only, the hosts restore it from there or pull it from a peer that has it; the
+    report says, per host, where it came from ("repository" or a peer) and what this host uploaded.
 
     Examples:
 
       capsule fleet push web@4 --canary 1 --waves 50%,100%
 
       capsule fleet push web@4 --to edge1 --to edge2 --activate
+
+      capsule fleet push web@4 --via s3://store.example:8333/fleet/web --parallel 8
     """
     json_flag(json)
+    if key_file is not None and via is None:
+        raise InvalidInput("--key-file opens the repository of --via: give --via s3://HOST:PORT/BUCKET/PREFIX too")
     store = open_store()
     opts = _options(group, _hosts(store, to, host), canary, waves, max_failures, parallel, no_fanout, activate)
+    if via is not None:
+        from capsule.repo import crypto
+        from capsule.repo.s3 import parse_url
+
+        parse_url(via)                                  # a malformed URL before the passphrase is asked
+        opts.via, opts.via_secret = via, crypto.read_secret(key_file)
     topts = transfer.Options(level=zstd_level, xz=xz)
     _run(lambda on_event: pushing.push(store, ref, opts, on_event, transfer_opts=topts), "push")
 
