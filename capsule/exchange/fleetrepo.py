@@ -6,7 +6,8 @@ The request (``POST /v1/fleet/restore``)::
 
     {"repository": "s3://HOST:PORT/BUCKET/PREFIX" (or s3+http://…), "ref": "NAME@V",
      "key": {"id": KEY_ID, "master": base64 of the 64-byte master key},
-     "credentials": {"access_key": A, "secret_key": S, "session_token": T (optional)}}
+     "credentials": {"access_key": A, "secret_key": S, "session_token": T (optional)},
+     "region": R (optional: the origin's signing region, else this host's AWS_REGION or us-east-1)}
 
 Every field is checked before the repository is contacted: the URL's scheme, host, port and bucket, the
 version ref, the key's id and size, the credentials' lengths and characters; an unknown field is refused.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -33,11 +35,13 @@ if TYPE_CHECKING:
     from capsule.store import Store
 
 FIELDS = frozenset({"repository", "ref", "key", "credentials"})
+OPTIONAL = frozenset({"region"})
 MAX_URL = 1024
 MAX_ACCESS_KEY = 128
 MAX_SECRET_KEY = 256
 MAX_SESSION_TOKEN = 4096
 MASTER_BYTES = 64
+_REGION = re.compile(r"[a-z0-9-]{1,32}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class RestoreRequest:
     key_id: str
     key: MasterKey = field(repr=False)
     credentials: Credentials = field(repr=False)
+    region: str | None = None
 
 
 def _text(value: Any, what: str, lo: int, hi: int) -> str:
@@ -106,7 +111,7 @@ def parse_restore_request(req: Any) -> RestoreRequest:
     """The checked fields of a restore request, or InvalidName saying what is wrong (before any contact)."""
     if not isinstance(req, dict):
         raise InvalidName("malformed restore request: expected a JSON object")
-    unknown = set(req) - FIELDS
+    unknown = set(req) - FIELDS - OPTIONAL
     if unknown:
         raise InvalidName(f"unknown field(s) in a restore request: {', '.join(sorted(map(str, unknown)))[:200]}")
     missing = FIELDS - set(req)
@@ -118,7 +123,10 @@ def parse_restore_request(req: Any) -> RestoreRequest:
     if not isinstance(ref, str) or len(ref) > 80 or parse_ref(ref).version is None:
         raise InvalidName(f"a restore request names one version (NAME@V), not {str(ref)[:80]!r}")
     key_id, key = _key(req["key"])
-    return RestoreRequest(location, ref, key_id, key, _credentials(req["credentials"]))
+    region = req.get("region")
+    if region is not None and (not isinstance(region, str) or not _REGION.fullmatch(region)):
+        raise InvalidName("region must be 1 to 32 lower-case letters, digits or '-' (like eu-west-1)")
+    return RestoreRequest(location, ref, key_id, key, _credentials(req["credentials"]), region)
 
 
 def restore_from(store: Store, req: Any, activity: Activity) -> RestoreReport:
@@ -129,7 +137,7 @@ def restore_from(store: Store, req: Any, activity: Activity) -> RestoreReport:
     from capsule.repo.s3 import S3Client
 
     r = parse_restore_request(req)
-    client = S3Client(r.location, r.credentials)
+    client = S3Client(r.location, r.credentials, region=r.region)
     try:
         repo = Repository(client, r.key, r.key_id, {})
         try:

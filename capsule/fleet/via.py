@@ -59,7 +59,7 @@ class Via:
             creds["session_token"] = self.credentials.session_token
         master = base64.b64encode(self.repo.key.enc + self.repo.key.ids).decode()
         return {"repository": self.url, "ref": ref, "key": {"id": self.repo.key_id, "master": master},
-                "credentials": creds}
+                "credentials": creds, "region": self.repo.client.region}
 
     def restore_on(self, member: Member, ref: str) -> int:
         """The member's agent restores ``ref`` from the repository; the bytes it downloaded."""

@@ -5,6 +5,7 @@ a version this store lacks) is refused before anything is sent, to the hosts or 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -14,10 +15,12 @@ import pytest
 from typer.testing import CliRunner
 
 from capsule import audit, capsules
+from capsule.agentclient import AgentClient
 from capsule.cli.main import app as cli
-from capsule.errors import AuthFailed, NotFound, Unreachable
+from capsule.errors import AuthFailed, InvalidName, NotFound, Unreachable
 from capsule.fleet import hostops, members
 from capsule.fleet import push as pushing
+from capsule.fleet.via import Via
 from capsule.repo.repository import Repository
 from capsule.repo.s3 import Credentials, S3Client, parse_url
 from capsule.verify import verify
@@ -126,6 +129,19 @@ def test_bad_input_is_refused_before_anything_is_sent(fleet):
         pushing.push(fleet.origin, "web@7", pushing.PushOptions(via=fleet.url, via_secret=PASS.encode()))
     assert fleet.bucket() == before_bucket and fleet.holds() == before_hosts
     assert all(fleet.received(n) == [] for n in NAMES)
+    # a host handed a key that does not open the repository, or credentials the store refuses: nothing restored
+    via = Via.open(fleet.url, PASS.encode())
+    body = via.body("web@2")
+    via.close()
+    h1 = members.get(fleet.origin, "h1")
+    wrong_key = body | {"key": body["key"] | {"master": base64.b64encode(bytes(64)).decode()}}
+    wrong_creds = body | {"credentials": {"access_key": "nobody", "secret_key": "not-the-secret-key"}}
+    with AgentClient(h1.peer.url, h1.peer.token) as client:
+        with pytest.raises(InvalidName, match="key given does not open the repository"):
+            client.post_json("/v1/fleet/restore", wrong_key)
+        with pytest.raises(AuthFailed, match="object store refused the credentials"):
+            client.post_json("/v1/fleet/restore", wrong_creds)
+    assert fleet.bucket() == before_bucket and fleet.holds() == before_hosts
     # the same through the real entry point: one clear line, the error's exit code, nothing sent
     env = os.environ | {"CAPSULE_REPO_PASSPHRASE": "not the passphrase"}
     cmd = [sys.executable, "-m", "capsule.cli.main", "--home", str(fleet.origin.home), "fleet", "push", "web@2"]

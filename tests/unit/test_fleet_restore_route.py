@@ -24,7 +24,7 @@ SECRET_KEY = "the-s3-secret-key-0123456789"
 KEY_ID = "0123456789abcdef0123456789abcdef"
 GOOD = {"repository": "s3+http://127.0.0.1:9/fleet/web", "ref": "web@2",
         "key": {"id": KEY_ID, "master": MASTER_B64},
-        "credentials": {"access_key": "capsule", "secret_key": SECRET_KEY}}
+        "credentials": {"access_key": "capsule", "secret_key": SECRET_KEY}, "region": "us-east-1"}
 
 
 def _with(**changes):
@@ -67,6 +67,8 @@ BAD = {
     "secret key too long": _with(credentials__secret_key="s" * 300),
     "secret key not a string": _with(credentials__secret_key=7),
     "unknown credential": _with(credentials__region="x"),
+    "bad region": _with(region="EU West\n"),
+    "region not a string": _with(region=1),
 }
 
 
