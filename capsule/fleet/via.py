@@ -15,12 +15,14 @@ from typing import Any
 
 from capsule.agentclient import AgentClient
 from capsule.bounds import WIRE_BYTES
+from capsule.capsules import resolve
 from capsule.errors import AuthFailed, NotFound, TransferFailed, Unreachable
 from capsule.fleet.members import Member
 from capsule.repo import push as repo_push
 from capsule.repo.repository import Repository
 from capsule.repo.s3 import Credentials, S3Client, credentials_from_environment, parse_url
 from capsule.store import Store
+from capsule.transfer.records import version_record
 
 RESTORE_TIMEOUT = 3600.0
 
@@ -47,10 +49,26 @@ class Via:
             raise type(exc)(f"--via {location.url}: {exc}; nothing was sent to any host") from exc
         return cls(repo, credentials)
 
-    def upload(self, store: Store, ref: str) -> repo_push.PushReport:
-        """Store ``ref`` in the repository (only the blocks it lacks): the origin's one upload."""
+    def upload(self, store: Store, ref: str) -> repo_push.PushReport | None:
+        """Store ``ref`` in the repository (only the blocks it lacks): the origin's one upload. Nothing when the
+        repository's latest record of ``ref`` is this store's version already (an earlier rollout's)."""
+        if self.holds(store, ref):
+            return None
         self.uploaded = repo_push.push(store, ref, self.repo)
         return self.uploaded
+
+    def holds(self, store: Store, ref: str) -> bool:
+        """Whether the record the hosts would restore for ``ref`` is this store's version (same layers, memory)."""
+        from capsule.repo.restore import find_version
+
+        ours = version_record(store, resolve(store, ref))
+        try:
+            _name, body = find_version(self.repo, ref)
+        except NotFound:
+            return False
+        theirs = body.get("record") if isinstance(body, dict) else None
+        return isinstance(theirs, dict) and theirs.get("chains") == ours["chains"] \
+            and theirs.get("memory") == ours["memory"]
 
     def body(self, ref: str) -> dict[str, Any]:
         """The restore request for one host: the repository, the version, the opened key, the credentials."""

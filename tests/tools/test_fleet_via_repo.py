@@ -110,6 +110,12 @@ def test_rollout_via_the_repository_sends_nothing_from_the_origin_to_any_host(fl
         ours, theirs = fleet.origin.catalogue.version("web", 2), s.catalogue.version("web", 2)
         assert theirs is not None and theirs.chains == ours.chains, n
         assert verify(s).ok, n
+    # the repository's record is this version already: asked again, the origin uploads nothing
+    records = [n for n in fleet.bucket() if "/versions/" in n]
+    via = Via.open(fleet.url, PASS.encode())
+    assert via.upload(fleet.origin, "web@2") is None and via.report()["origin_sent_bytes"] == 0
+    via.close()
+    assert [n for n in fleet.bucket() if "/versions/" in n] == records and len(records) == 1
     # a rerun: every host holds it, nothing is sent, not even to the store
     r = runner.invoke(cli, ["--home", str(fleet.origin.home), "fleet", "push", "web@2", "--via", fleet.url, "--json"])
     assert r.exit_code == 0, r.output
