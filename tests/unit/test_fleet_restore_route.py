@@ -10,9 +10,12 @@ import socket
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capsule.agent.app import create_app
 from capsule.store import Store
+from tests.helpers.fuzzing import fuzz, json_values
 from tests.unit.test_accounts_agent import SECRET, TOKEN, accounts, bearer, make_home
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -136,3 +139,31 @@ def test_only_a_host_call_may_restore(agent, connects):
         r = client.post(ROUTE, json=GOOD, headers=bearer(tokens[who]))
         assert r.status_code == 503 and r.json()["error"] == "unreachable", (who, r.text)
     _nothing_kept(store, home)
+
+
+PATHS = ["repository", "ref", "key", "key__id", "key__master", "credentials", "credentials__access_key",
+         "credentials__secret_key", "credentials__session_token", "region", "extra"]
+
+
+@pytest.fixture(scope="module")
+def fuzzed_agent(tmp_path_factory):
+    home = make_home(tmp_path_factory.mktemp("fuzz"))
+    with TestClient(create_app(home, TOKEN)) as client:
+        yield client
+
+
+@fuzz
+@given(st.sampled_from(PATHS), json_values)
+def test_any_value_in_any_field_is_a_typed_answer_and_contacts_no_other_store(fuzzed_agent, path, value):
+    tried: list = []
+
+    def refuse(address, *args, **kw):  # noqa: ANN001, ANN002, ANN003
+        tried.append(address)
+        raise ConnectionRefusedError(111, "refused by the test")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket, "create_connection", refuse)
+        r = fuzzed_agent.post(ROUTE, json=_with(**{path: value}), headers=bearer(TOKEN))
+    assert (r.status_code, r.json()["error"]) in ((400, "invalid_name"), (503, "unreachable")), r.text[:300]
+    assert all(a[:2] == ("127.0.0.1", 9) for a in tried)
+    assert SECRET_KEY not in r.text and MASTER_B64 not in r.text
