@@ -121,6 +121,10 @@ def test_rollout_via_the_repository_sends_nothing_from_the_origin_to_any_host(fl
     assert r.exit_code == 0, r.output
     again = json.loads(r.output)
     assert {h["state"] for h in again["hosts"]} == {"already"} and again["via"]["origin_sent_bytes"] == 0
+    r = runner.invoke(cli, ["--home", str(fleet.origin.home), "fleet", "push", "web@2", "--via", fleet.url])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and f"via {fleet.url}: this host uploaded 0 B" in said, r.output
+    assert "sent nothing to any host" in said and "rollout complete" in said
 
 
 def test_bad_input_is_refused_before_anything_is_sent(fleet):
