@@ -71,8 +71,8 @@ def _location(url: Any) -> Location:
     except ValueError as exc:
         raise InvalidName(f"invalid repository URL {url!r}: {exc}") from exc
     if parts.username or parts.password:
-        raise InvalidName(f"invalid repository URL {url!r}: no user or password in it (credentials go in "
-                          "\"credentials\")")
+        raise InvalidName("invalid repository URL: no user or password in it (credentials go in "
+                          "\"credentials\"; the URL is not repeated here, it held one)")
     if port == 0:
         raise InvalidName(f"invalid repository URL {url!r}: port 0")
     location = parse_url(url)                    # scheme, bucket, prefix, no query or '..'

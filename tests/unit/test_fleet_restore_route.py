@@ -111,7 +111,7 @@ def test_bad_fields_are_refused_before_any_contact_and_never_echo_the_secrets(ag
     client, store, home = agent
     r = client.post(ROUTE, json=BAD[name], headers=bearer(TOKEN))
     assert r.status_code == 400 and r.json()["error"] == "invalid_name", r.text
-    assert SECRET_KEY not in r.text and MASTER_B64 not in r.text
+    assert SECRET_KEY not in r.text and MASTER_B64 not in r.text and "me:pw" not in r.text
     assert connects == []
     assert client.get("/v1/fleet/activity", headers=bearer(TOKEN)).json()["pulls"] == []
     _nothing_kept(store, home)
