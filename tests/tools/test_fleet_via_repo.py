@@ -125,6 +125,14 @@ def test_rollout_via_the_repository_sends_nothing_from_the_origin_to_any_host(fl
     said = " ".join(r.output.split())
     assert r.exit_code == 0 and f"via {fleet.url}: this host uploaded 0 B" in said, r.output
     assert "sent nothing to any host" in said and "rollout complete" in said
+    # rollback goes through the repository too: web@1's objects are all there, only its record is new
+    r = runner.invoke(cli, ["--home", str(fleet.origin.home), "fleet", "rollback", "web@1", "--via", fleet.url,
+                            "--parallel", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    back = json.loads(r.output)
+    assert {h["state"] for h in back["hosts"]} == {"done"} and "repository" in {h["source"] for h in back["hosts"]}
+    assert back["via"]["blocks_new"] == 0 and back["via"]["objects_present"] > 0
+    assert all("web@1" in fleet.holds()[n] and fleet.received(n) == [] for n in NAMES)
 
 
 def test_bad_input_is_refused_before_anything_is_sent(fleet):
