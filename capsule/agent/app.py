@@ -47,6 +47,9 @@ Fleet (capsule/exchange/fleet.py)::
     DELETE /v1/grants/self                       the calling grant ends (its job is done)
     POST /v1/fleet/pull                          {"source": URL, "token": T, "ref": "NAME@V", "fingerprint": F,
                                                  "zstd_level": 1..19 (optional: by the link)}: pull it
+    POST /v1/fleet/restore                       {"repository": s3://…, "ref": "NAME@V", "key": {"id", "master"},
+                                                 "credentials": {"access_key", "secret_key"}}: restore it from a
+                                                 repository (a rollout --via; capsule/exchange/fleetrepo.py)
     GET  /v1/fleet/activity                      this agent's recent pulls and what it served
     POST /v1/capsules/{name}/activate?version=V  run NAME@V here (a running older version is stopped)
     POST /v1/capsules/{name}/stop?discard=       stop it (keep its disk changes as a version, or drop them)
@@ -97,7 +100,7 @@ from capsule.agent.workers import Workers
 from capsule.backup import runner as backup_runner
 from capsule.backup.retention import Policy
 from capsule.errors import AuthFailed, Error, Internal, InvalidName
-from capsule.exchange import fleet, incoming, running, tunnel
+from capsule.exchange import fleet, fleetrepo, incoming, running, tunnel
 from capsule.exchange.receiving import (
     MAX_BLOCKS_UPLOAD,
     MAX_LACKING_UPLOAD,
@@ -363,6 +366,15 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         r = await act(request, fleet.pull_from, store, req, activity)
         return {"version": r.version, "source": r.url, "wire_bytes": r.wire_bytes, "recorded": r.recorded,
                 "objects": len(r.objects), "skipped": len(r.skipped)}
+
+    @app.post("/v1/fleet/restore")
+    async def fleet_restore(request: Request) -> dict[str, Any]:
+        """Restore NAME@V from a repository (a rollout --via: the repository is the source instead of the origin);
+        the key and credentials in the body serve this call only and are never written."""
+        req = await json_body(request, "restore request")
+        r = await act(request, fleetrepo.restore_from, store, req, activity)
+        return {"version": r.version, "source": r.url, "downloaded_bytes": r.downloaded_bytes,
+                "recorded": r.recorded, "objects": r.objects, "objects_present": r.objects_present}
 
     @app.post("/v1/grants/host")
     async def grant_host(request: Request) -> dict[str, Any]:

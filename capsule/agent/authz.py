@@ -91,6 +91,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/recv/{kind}/{oid}/commit"): RECEIVE,
     ("POST", "/v1/versions"): Rule(frozenset({"host"}), STAFF, grants=PUSHING, target="body"),
     ("POST", "/v1/fleet/pull"): HOST,
+    ("POST", "/v1/fleet/restore"): HOST,    # a rollout --via: the repository's key and S3 credentials in the body
     ("POST", "/v1/grants/host"): HOST,      # a user's token only: a grant never makes grants
     ("DELETE", "/v1/grants/self"): GRANT_ONLY,
     ("GET", "/v1/fleet/activity"): LOOK_OR_HOST,

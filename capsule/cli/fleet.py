@@ -186,6 +186,9 @@ def _run(action, title: str) -> pushing.PushReport:  # noqa: ANN001
         board.update(r)
 
     def human() -> None:
+        if report.via is not None:
+            console.print(f"via {report.via['url']}: this host uploaded {human_bytes(report.via['origin_sent_bytes'])}"
+                          " to it and sent nothing to any host")
         console.print(f"[bold]{title} {report.ref}[/]: " + " → ".join(
             f"{s.name} [{len(s.hosts)}]" for s in report.plan.stages))
         console.print(board.table())
@@ -220,6 +223,19 @@ def _options(group: str | None, hosts: list[str] | None, canary: int, waves: str
                                activate=activate)
 
 
+def _via(opts: pushing.PushOptions, via: str | None, key_file: Path | None) -> None:
+    """--via and --key-file into the options: the URL checked before the passphrase is asked."""
+    if via is None:
+        if key_file is not None:
+            raise InvalidInput("--key-file opens the repository of --via: give --via s3://HOST:PORT/BUCKET/PREFIX too")
+        return
+    from capsule.repo import crypto
+    from capsule.repo.s3 import parse_url
+
+    parse_url(via)
+    opts.via, opts.via_secret = via, crypto.read_secret(key_file)
+
+
 ToOpt = Annotated[list[str] | None, typer.Option("--to", help=f"Only this fleet host (repeatable): {PEER}.")]
 OldHostOpt = Annotated[list[str] | None, typer.Option("--host", hidden=True, help="The old spelling of --to.")]
 CanaryOpt = Annotated[int, typer.Option("--canary", help="Hosts that get it first, alone.")]
@@ -227,6 +243,18 @@ WavesOpt = Annotated[str, typer.Option("--waves", help="Cumulative shares of the
 MaxFailOpt = Annotated[int, typer.Option("--max-failures", help="Failed hosts tolerated; one more stops it.")]
 ParallelOpt = Annotated[int, typer.Option("--parallel", help="Transfers each sender runs at a time.")]
 NoFanoutOpt = Annotated[bool, typer.Option("--no-fanout", help="Only this host sends (no host passes it on).")]
+ViaOpt = Annotated[str | None, typer.Option(
+    "--via", help="Go through this repository (s3://HOST:PORT/BUCKET/PREFIX, or s3+http://… without TLS; "
+                  "made with `capsule repo init`): this host uploads the version to it once (only the blocks "
+                  "it lacks), and every host that gets it from no peer restores it from there, --parallel at "
+                  "a time, so this host's uplink no longer bounds the rollout. Its key opens with "
+                  "CAPSULE_REPO_PASSPHRASE, a prompt, or --key-file; S3 credentials as `capsule repo` reads "
+                  "them (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws/credentials). Each host is handed "
+                  "the opened key and the credentials for its one restore, over its agent's authenticated "
+                  "channel, and keeps them only in memory.")]
+KeyFileOpt = Annotated[Path | None, typer.Option(
+    "--key-file", help="With --via: open the repository with this key file's bytes instead of a "
+                       "passphrase.")]
 
 
 @app.command(rich_help_panel=ROLLOUTS)
@@ -249,19 +277,27 @@ def push(
                      "the automatic choice: the fewest bytes (new packages: 5-9 % fewer than --zstd-level 19, "
                      "about as slow to compress). Between hosts (fan-out) blocks go at --zstd-level, or at "
                      "levels picked by the link.")] = False,
+    via: ViaOpt = None, key_file: KeyFileOpt = None,
     json: JsonOpt = False, host: OldHostOpt = None,
 ) -> None:
     """Roll a version out: canaries, then waves; hosts that have it pass it on (fan-out).
+
+    With --via REPO the repository stands in for this host as the source of last resort: this host sends the
+    version to the repository only, the hosts restore it from there or pull it from a peer that has it; the
+    report says, per host, where it came from ("repository" or a peer) and what this host uploaded.
 
     Examples:
 
       capsule fleet push web@4 --canary 1 --waves 50%,100%
 
       capsule fleet push web@4 --to edge1 --to edge2 --activate
+
+      capsule fleet push web@4 --via s3://store.example:8333/fleet/web --parallel 8
     """
     json_flag(json)
     store = open_store()
     opts = _options(group, _hosts(store, to, host), canary, waves, max_failures, parallel, no_fanout, activate)
+    _via(opts, via, key_file)
     topts = transfer.Options(level=zstd_level, xz=xz)
     _run(lambda on_event: pushing.push(store, ref, opts, on_event, transfer_opts=topts), "push")
 
@@ -271,13 +307,15 @@ def rollback(
     ref: Annotated[str, typer.Argument(help="NAME@V: the fleet capsule's version to put back.")],
     group: GroupOpt = None, to: ToOpt = None, canary: CanaryOpt = 0, waves: WavesOpt = "100%",
     max_failures: MaxFailOpt = 0, parallel: ParallelOpt = 4, no_fanout: NoFanoutOpt = False,
-    json: JsonOpt = False, host: OldHostOpt = None,
+    via: ViaOpt = None, key_file: KeyFileOpt = None, json: JsonOpt = False, host: OldHostOpt = None,
 ) -> None:
     """Put an earlier version back: sent where missing, started where another version of it runs.
 
-    Example:
+    Examples:
 
       capsule fleet rollback web@3
+
+      capsule fleet rollback web@3 --via s3://store.example:8333/fleet/web
     """
     json_flag(json)
     versions = [t for t in to or [] if t.startswith("@")]
@@ -292,6 +330,7 @@ def rollback(
         raise InvalidInput(f"give the version to put back as NAME@V, e.g. {version.name}@3 (not {ref!r})")
     store = open_store()
     opts = _options(group, _hosts(store, to, host), canary, waves, max_failures, parallel, no_fanout, True)
+    _via(opts, via, key_file)
     _run(lambda on_event: pushing.rollback(store, version.name, f"@{version.version}", opts, on_event), "rollback")
 
 

@@ -22,10 +22,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from capsule.fleet.fanout import ORIGIN, Sources
+from capsule.fleet.fanout import ORIGIN, REPOSITORY, Sources
 from capsule.fleet.plan import Plan
 
-# (host, source: ORIGIN or a host, on_bytes(total wire bytes so far)) → wire bytes of the transfer
+# (host, source: ORIGIN, REPOSITORY or a host, on_bytes(total wire bytes so far)) → wire bytes of the transfer
 Transfer = Callable[[str, str, Callable[[int], None]], int]
 Activate = Callable[[str], str]   # host → what it did ("started NAME@V", "already running", …)
 MAX_WORKERS = 64
@@ -37,7 +37,7 @@ class HostResult:
     host: str
     stage: str
     state: str = "waiting"
-    source: str | None = None     # None: nothing sent; "origin" or the host it pulled from
+    source: str | None = None     # None: nothing sent; "origin", "repository" or the host it pulled from
     bytes: int = 0
     reason: str | None = None
     activation: str | None = None
@@ -70,7 +70,8 @@ class Rollout:
     def __init__(self, plan: Plan, *, transfer: Transfer, activate: Activate | None = None,
                  offline: dict[str, str] | None = None, already: set[str] | frozenset[str] = frozenset(),
                  holders: list[str] | None = None, parallel: int = 4, fanout: bool = True,
-                 max_failures: int = 0, on_event: Callable[[HostResult], None] = lambda _r: None) -> None:
+                 max_failures: int = 0, on_event: Callable[[HostResult], None] = lambda _r: None,
+                 last_resort: str = ORIGIN) -> None:
         if max_failures < 0:
             raise ValueError("max_failures must be 0 or more")
         self.plan = plan
@@ -78,7 +79,8 @@ class Rollout:
         self.activate = activate
         self.offline = offline or {}
         self.already = set(already)
-        self.sources = Sources(parallel, holders if holders is not None else sorted(self.already), fanout=fanout)
+        self.sources = Sources(parallel, holders if holders is not None else sorted(self.already), fanout=fanout,
+                               last_resort=last_resort)
         self.max_failures = max_failures
         self.on_event = on_event
         self.failures = 0
@@ -100,7 +102,8 @@ class Rollout:
 
     def _one(self, r: HostResult, source: str) -> None:
         t0 = time.monotonic()
-        self._set(r, state="sending", source="origin" if source == ORIGIN else source)
+        label = {ORIGIN: "origin", REPOSITORY: "repository"}.get(source, source)
+        self._set(r, state="sending", source=label)
         try:
             wire = self.transfer(r.host, source, lambda n: self._set(r, bytes=n))
             self._set(r, bytes=wire)

@@ -57,6 +57,7 @@ EXPECTED = {
     ("POST", "/v1/recv/{kind}/{oid}/commit"): "host",
     ("POST", "/v1/versions"): "host",
     ("POST", "/v1/fleet/pull"): "host",
+    ("POST", "/v1/fleet/restore"): "host",
     ("POST", "/v1/grants/host"): "host",
     ("DELETE", "/v1/grants/self"): "grant-only",
     ("GET", "/v1/fleet/activity"): "look-or-host",

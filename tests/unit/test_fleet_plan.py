@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from capsule.errors import InvalidName
-from capsule.fleet.fanout import ORIGIN, Sources, plan_tree
+from capsule.fleet.fanout import ORIGIN, REPOSITORY, Sources, plan_tree
 from capsule.fleet.plan import parse_waves, plan_stages
 from capsule.fleet.rollout import Rollout
 
@@ -79,6 +79,22 @@ def test_holders_serve_from_the_start_and_parallel_is_checked():
     for bad in (0, 65):
         with pytest.raises(InvalidName):
             Sources(bad)
+
+
+def test_via_a_repository_it_replaces_the_origin_bounded_by_parallel_and_peers_serve_first():
+    edges = plan_tree(HOSTS[:7], [], parallel=2, last_resort=REPOSITORY)
+    assert ORIGIN not in {e.source for e in edges}
+    for r in {e.round for e in edges}:          # the repository serves at most --parallel hosts at a time
+        assert sum(1 for e in edges if e.round == r and e.source == REPOSITORY) <= 2
+    assert [(e.host, e.source) for e in edges if e.round == 0] == [("h01", REPOSITORY), ("h02", REPOSITORY)]
+    round1 = [e.source for e in edges if e.round == 1]              # the holders' slots fill first
+    assert {s: round1.count(s) for s in round1} == {"h01": 2, "h02": 2, REPOSITORY: 1}
+    # a rollout labels where each host got it: "repository" or the peer
+    plan = plan_stages(HOSTS[:3], 0, [100])
+    got = Rollout(plan, transfer=lambda _h, _s, _b: 10, parallel=1, last_resort=REPOSITORY).run()
+    assert [r.source for r in got.results] == ["repository", "h01", "repository"]
+    with pytest.raises(InvalidName):
+        Sources(1, last_resort="h01")
 
 
 class FakeFleet:

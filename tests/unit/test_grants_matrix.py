@@ -55,6 +55,7 @@ EXPECTED = {
     ("POST", "/v1/recv/{kind}/{oid}/commit"): "receive",
     ("POST", "/v1/versions"): "receive",
     ("POST", "/v1/fleet/pull"): "staff",
+    ("POST", "/v1/fleet/restore"): "staff",
     ("POST", "/v1/grants/host"): "staff",
     ("DELETE", "/v1/grants/self"): "grant-only",
     ("GET", "/v1/fleet/activity"): "users",
