@@ -82,6 +82,7 @@ VERBS: dict[str, tuple[str, frozenset[str]]] = {
     "check": ("check a repository is whole (every block indexed, every pack present and intact)",
               frozenset({"repo"})),
     "forget": ("drop a version from a repository (prune frees its blocks)", frozenset({"repo"})),
+    "unlock": ("remove a repository's locks of pushes and prunes that died", frozenset({"repo"})),
     "gc": ("collect unreferenced objects", frozenset({TOP})),
     "verify": ("re-hash stored objects against their digests", frozenset({TOP, "backup"})),
     "doctor": ("check this host", frozenset({TOP})),
