@@ -41,7 +41,8 @@ def _pair(monkeypatch, guests: _Guests, disks: int = 1) -> tuple[PodPair, list[s
     monkeypatch.setattr(podpair.ops, "kill", guests.kill)
     monkeypatch.setattr(podpair, "destroy_domains", lambda s: closed.append("domains"))
     monkeypatch.setattr(PodPair, "_disks", lambda self, name: disks)
-    pair = PodPair("pa", "pb", pod_network=False, store=store, disks={"pa": 1, "pb": 1})   # type: ignore[arg-type]
+    pair = PodPair("pa", "pb", pod_network=False, fixtures=("pod_pair",), store=store,  # type: ignore[arg-type]
+                   disks={"pa": 1, "pb": 1})
     return pair, closed
 
 
@@ -70,8 +71,9 @@ def test_a_disk_left_on_a_capsule_sends_the_pair_away(monkeypatch):
 
 def test_a_pair_is_shut_down_after_the_last_test_that_asks_for_it(monkeypatch):
     closed: list[str] = []
-    pairs = {name: PodPair(name, name, pod_network=False, store=SimpleNamespace())   # type: ignore[arg-type]
-             for name in ("p1", "p2")}
+    store = SimpleNamespace()
+    pairs = {"p1": PodPair("a", "b", pod_network=False, fixtures=("p1", "p1_module"), store=store),  # type: ignore
+             "p2": PodPair("c", "d", pod_network=True, fixtures=("p2",), store=store)}  # type: ignore[arg-type]
 
     def closer(name: str):
         return lambda: (closed.append(name), setattr(pairs[name], "store", None))
@@ -79,12 +81,14 @@ def test_a_pair_is_shut_down_after_the_last_test_that_asks_for_it(monkeypatch):
     for name, pair in pairs.items():
         monkeypatch.setattr(pair, "close", closer(name))
     monkeypatch.setattr(podpair, "PAIRS", pairs)
-    items = [SimpleNamespace(fixturenames=names) for names in (["p1"], ["p2", "p1"], ["tmp_path"], ["p2"])]
+    items = [SimpleNamespace(fixturenames=names)
+             for names in (["p1"], ["p2", "p1"], ["p1_module"], ["tmp_path"], ["p2"])]
     podpair.release_unneeded(items, 0)
-    assert closed == []
     podpair.release_unneeded(items, 1)
-    assert closed == ["p1"]
+    assert closed == []    # p1 is still asked for, by its other fixture
     podpair.release_unneeded(items, 2)
     assert closed == ["p1"]
     podpair.release_unneeded(items, 3)
+    assert closed == ["p1"]
+    podpair.release_unneeded(items, 4)
     assert closed == ["p1", "p2"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class PodPair:
     a: str
     b: str
     pod_network: bool
+    fixtures: tuple[str, ...]   # the fixtures that hand it out (tests/vm/conftest.py)
     store: Store | None = None
     compiled: dict[str, list[str]] = field(default_factory=dict)
     disks: dict[str, int] = field(default_factory=dict)
@@ -53,9 +55,9 @@ class PodPair:
             try:
                 for name in self.names:
                     capsules.create(self.store, name, "debian", memory="512M", pod_network=self.pod_network)
-                    lifecycle.start(self.store, name, timeout=400)
-                    self.compiled[name] = Relay(self.store, name).sh(f"ls {PYCACHE}").split()
-                    self.disks[name] = self._disks(name)
+                with ThreadPoolExecutor(2) as pool:   # both boot at once (a TCG guest boots on one core)
+                    for done in [pool.submit(self._boot, name) for name in self.names]:
+                        done.result()
             except BaseException:
                 self.close()
                 raise
@@ -63,6 +65,12 @@ class PodPair:
             print(f"pod pair {self.a}, {self.b}{' (pod network)' if self.pod_network else ''}: "
                   f"booted in {self.boot_seconds:.1f} s")
         return self.store
+
+    def _boot(self, name: str) -> None:
+        assert self.store is not None
+        lifecycle.start(self.store, name, timeout=400)
+        self.compiled[name] = Relay(self.store, name).sh(f"ls {PYCACHE}").split()
+        self.disks[name] = self._disks(name)
 
     def _disks(self, name: str) -> int:
         assert self.store is not None
@@ -104,12 +112,12 @@ class PodPair:
 
 
 # the two pairs of a session: what the fixtures of the same names hand out
-PAIRS = {"pod_pair": PodPair("pa", "pb", pod_network=False),
-         "pod_network_pair": PodPair("na", "nb", pod_network=True)}
+PAIRS = {"pa": PodPair("pa", "pb", pod_network=False, fixtures=("pod_pair", "module_pod_pair")),
+         "na": PodPair("na", "nb", pod_network=True, fixtures=("pod_network_pair",))}
 
 
 def release_unneeded(items: list, done: int) -> None:
-    """Close every pair no test after ``items[done]`` asks for (its guests would only take CPU from the rest)."""
-    for fixture, pair in PAIRS.items():
-        if pair.store is not None and not any(fixture in it.fixturenames for it in items[done + 1:]):
+    """Close every pair no test after ``items[done]`` asks for (its guests would only hold memory and CPU)."""
+    for pair in PAIRS.values():
+        if pair.store is not None and not any(f in it.fixturenames for it in items[done + 1:] for f in pair.fixtures):
             pair.close()

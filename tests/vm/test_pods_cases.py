@@ -66,17 +66,12 @@ SECONDS: dict[str, tuple[float, float, float]] = {}   # per case: CRIU's dump, t
 
 
 @pytest.fixture(scope="module")
-def _seconds() -> Iterator[None]:
-    yield
+def pods(module_pod_pair) -> Iterator[Store]:
+    """One running Debian capsule for every case of the module: pa of the shared pair, with no pods when the
+    module starts; each case kills its pod (``_pod``), and the pair is made clean after the last."""
+    yield module_pod_pair.store
     for case, (dump, ck, rs) in SECONDS.items():
         print(f"{case:14} checkpoint {ck:5.2f} s (CRIU's dump {dump:5.2f} s)   restore {rs:5.2f} s")
-
-
-@pytest.fixture
-def pods(pod_pair, _seconds) -> Store:
-    """One running Debian capsule for every case of the module (pa of the shared pair: no pods at the start
-    of a case, every pod killed at its end)."""
-    return pod_pair.store
 
 
 def _ref(case: str) -> str:
