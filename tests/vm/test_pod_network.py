@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from capsule import capsules, lifecycle
+from capsule import lifecycle
 from capsule.pod import ops
 from capsule.pod.errors import PodAddressClash
 from capsule.pod.relay import Relay
@@ -87,12 +87,11 @@ def _gap(log: list[tuple[int, float]], after: int) -> float:
     return max(b - a for a, b in zip(times, times[1:], strict=False))
 
 
-def test_a_tcp_connection_survives_pod_migrate_between_two_capsules(debian_store, client_ns, tmp_path):
-    store = debian_store
+def test_a_tcp_connection_survives_pod_migrate_between_two_capsules(pod_network_pair, client_ns, tmp_path):
+    store = pod_network_pair.store   # na and nb: running, no pods (tests/vm/podpair.py)
     for name in ("na", "nb"):
-        v = capsules.create(store, name, "debian", memory="512M", pod_network=True)
-        assert v.config["pod_network"] is True
-        lifecycle.start(store, name, timeout=400)
+        inst = store.catalogue.instance(name)
+        assert inst is not None and store.catalogue.version(name, inst.version).config["pod_network"] is True
     Relay(store, "na").sh("cat > /root/pod-server.py", stdin=SERVER)
 
     # addresses are unique on the whole pod network: the second capsule's first pod does not get .2 again

@@ -6,6 +6,7 @@ the same host, and a migration there."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -71,11 +72,17 @@ def _install(store, capsule: str) -> None:
         Relay(store, capsule).sh(f"cat > /root/{name}", stdin=text)
 
 
-def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_store):
-    store = debian_store
-    for name in ("pa", "pb"):
-        capsules.create(store, name, "debian", memory="512M")
-    lifecycle.start(store, "pa", timeout=300)
+@pytest.fixture
+def peer(pod_pair) -> Iterator[list[str]]:
+    """The TCP peer's PIDs in capsule pa (it starts them); stopped at the end, its log removed."""
+    pids: list[str] = []
+    Relay(pod_pair.store, "pa").sh("rm -f /root/peer.log")
+    yield pids
+    Relay(pod_pair.store, "pa").sh(f"kill {' '.join(pids)} 2>/dev/null; rm -f /root/peer.log; true")
+
+
+def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(pod_pair, peer):
+    store = pod_pair.store   # pa and pb: running, no pods (tests/vm/podpair.py)
     _install(store, "pa")
 
     made = ops.create(store, "pa", "ctr", POD_CMD, ip="198.18.0.7/24")
@@ -109,7 +116,8 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
     with pytest.raises(PodAddressClash, match="198.18.0.7"):
         ops.create(store, "pa", "other", ["sleep", "100"], ip="198.18.0.7/24")
     # a TCP peer in the capsule, outside the pod, talks to it over the pod bridge
-    Relay(store, "pa").sh("setsid python3 /root/peer.py 198.18.0.7 /root/peer.log </dev/null >/dev/null 2>&1 &")
+    peer.append(Relay(store, "pa").sh(
+        "setsid python3 /root/peer.py 198.18.0.7 /root/peer.log </dev/null >/dev/null 2>&1 & echo $!").strip())
     talked = _peer_beyond(store, "pa", 5)[-1][0]
 
     # checkpoint: the pod stops at the dump, its image sealed here
@@ -144,9 +152,8 @@ def test_pod_lifecycle_checkpoint_restore_and_move_to_another_capsule(debian_sto
         ops.restore(store, ck.image, "pa")
 
     # a checkpoint that leaves it running, restored into a second capsule on this host
-    lifecycle.start(store, "pb", timeout=300)
-    # no pod call yet in pb: the pod layer was compiled when the image was built, not at its first call
-    compiled = Relay(store, "pb").sh("ls /usr/lib/python3/dist-packages/pods/__pycache__").split()
+    # pb as it booted, before any pod call: the pod layer was compiled when the image was built, not at its first call
+    compiled = pod_pair.compiled["pb"]
     assert {"ckpt.cpython-311.pyc", "podimage.cpython-311.pyc", "__main__.cpython-311.pyc"} <= set(compiled)
     _install(store, "pb")
     moving = ops.checkpoint(store, "pa/ctr", leave_running=True)

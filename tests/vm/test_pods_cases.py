@@ -1,8 +1,9 @@
-"""Laadan–Nieh's multi-process cases of a pod's checkpoint and restart, each its own test. One Debian capsule
-serves the module; each case is its own pod (its program: podcasekit), which sets its state up and reports
-it, is checkpointed (it dies) and restored in the same capsule, then goes on and reports what it found. The
-state must be exactly as it was and go on; where CRIU keeps less, the test pins what it keeps, and where it
-refuses, the test asserts that Capsule's error carries CRIU's own message and that the pod runs on.
+"""Laadan–Nieh's multi-process cases of a pod's checkpoint and restart, each its own test. One Debian capsule (pa
+of the pod tests' shared pair) serves the module; each case is its own pod (its program: podcasekit), which sets
+its state up and reports it, is checkpointed (it dies) and restored in the same capsule, then goes on and
+reports what it found. The state must be exactly as it was and go on; where CRIU keeps less, the test pins what
+it keeps, and where it refuses, the test asserts that Capsule's error carries CRIU's own message and that the
+pod runs on.
 
 What CRIU (3.17.1 in the Debian guest, kernel 6.1) does with each case:
 
@@ -48,37 +49,29 @@ from collections.abc import Iterator
 
 import pytest
 
-from capsule import capsules, lifecycle
 from capsule.errors import Error
 from capsule.pod import ops
 from capsule.pod.errors import CheckpointFailed
 from capsule.pod.relay import Relay
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store
-from testkit.images import destroy_domains, make_store
 from tests.vm.podcasekit import program
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(300)]
 
-CAPSULE = "cases"
+CAPSULE = "pa"   # the first capsule of the pod tests' shared pair (tests/vm/podpair.py)
 WAIT = "for i in $(seq 600); do [ -e {path} ] && exec cat {path}; sleep 0.1; done; echo 'no {path}' >&2; exit 1"
 GHOST = "Can't dump ghost file /dev/shm/pod-big of 4194304 size, increase limit"   # CRIU's refusal
 SECONDS: dict[str, tuple[float, float, float]] = {}   # per case: CRIU's dump, the checkpoint, the restore
 
 
 @pytest.fixture(scope="module")
-def pods(tmp_path_factory, debian_images) -> Iterator[Store]:
-    """One running Debian capsule for every case of the module."""
-    store = make_store(tmp_path_factory.mktemp("pod-cases") / "store", debian_images, "debian")
-    try:
-        capsules.create(store, CAPSULE, "debian", memory="512M")
-        lifecycle.start(store, CAPSULE, timeout=300)
-        yield store
-    finally:
-        for case, (dump, ck, rs) in SECONDS.items():
-            print(f"{case:14} checkpoint {ck:5.2f} s (CRIU's dump {dump:5.2f} s)   restore {rs:5.2f} s")
-        destroy_domains(store)
-        store.close()
+def pods(module_pod_pair) -> Iterator[Store]:
+    """One running Debian capsule for every case of the module: pa of the shared pair, with no pods when the
+    module starts; each case kills its pod (``_pod``), and the pair is made clean after the last."""
+    yield module_pod_pair.store
+    for case, (dump, ck, rs) in SECONDS.items():
+        print(f"{case:14} checkpoint {ck:5.2f} s (CRIU's dump {dump:5.2f} s)   restore {rs:5.2f} s")
 
 
 def _ref(case: str) -> str:

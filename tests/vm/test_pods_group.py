@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from capsule import capsules, hierarchy, lifecycle
+from capsule import hierarchy
 from capsule.pod import group, ops
 from capsule.pod.errors import PodNameInvalid, PodNotFound
 from capsule.pod.relay import Relay
@@ -61,41 +61,39 @@ def _beyond(store, ref: str, n: int, timeout: float = 120.0) -> list[int]:
     return got
 
 
-def test_two_pods_in_two_capsules_talking_over_tcp_checkpoint_and_restart_as_one_group(debian_store):
-    store = debian_store
-    for name in ("g1", "g2"):   # two capsules on this host's pod network: their pods share one segment
-        capsules.create(store, name, "debian", memory="512M", pod_network=True)
-        lifecycle.start(store, name, timeout=300)
-    Relay(store, "g1").sh("cat > /root/server.py", stdin=SERVER)
-    Relay(store, "g2").sh("cat > /root/client.py", stdin=CLIENT)
-    ops.create(store, "g1", "ping", ["python3", "/root/server.py"], ip="198.18.0.41/24")
+def test_two_pods_in_two_capsules_talking_over_tcp_checkpoint_and_restart_as_one_group(pod_network_pair):
+    # two capsules on this host's pod network, running, no pods (tests/vm/podpair.py): their pods share one segment
+    store = pod_network_pair.store
+    Relay(store, "na").sh("cat > /root/server.py", stdin=SERVER)
+    Relay(store, "nb").sh("cat > /root/client.py", stdin=CLIENT)
+    ops.create(store, "na", "ping", ["python3", "/root/server.py"], ip="198.18.0.41/24")
     time.sleep(1.0)
-    ops.create(store, "g2", "pong", ["python3", "/root/client.py", "198.18.0.41"], ip="198.18.0.42/24")
-    before = _beyond(store, "g2/pong", 20)[-1]
+    ops.create(store, "nb", "pong", ["python3", "/root/client.py", "198.18.0.41"], ip="198.18.0.42/24")
+    before = _beyond(store, "nb/pong", 20)[-1]
 
     # refused, nothing stops
     with pytest.raises(PodNameInvalid, match="twice"):
-        group.checkpoint_group(store, ["g1/ping", "g1/ping"])
+        group.checkpoint_group(store, ["na/ping", "na/ping"])
     with pytest.raises(PodNotFound):
-        group.checkpoint_group(store, ["g1/ping", "g1/nosuch"])
-    assert _beyond(store, "g2/pong", before)[-1] > before
+        group.checkpoint_group(store, ["na/ping", "na/nosuch"])
+    assert _beyond(store, "nb/pong", before)[-1] > before
 
-    made = group.checkpoint_group(store, ["g1/ping", "g2/pong"])
-    assert {(m["capsule"], m["pod"]) for m in made["members"]} == {("g1", "ping"), ("g2", "pong")}
-    assert ops.ls(store, "g1") == [] and ops.ls(store, "g2") == []
+    made = group.checkpoint_group(store, ["na/ping", "nb/pong"])
+    assert {(m["capsule"], m["pod"]) for m in made["members"]} == {("na", "ping"), ("nb", "pong")}
+    assert ops.ls(store, "na") == [] and ops.ls(store, "nb") == []
     hierarchy.gc(store, max_pending_age=0)
     assert store.file_path(made["group"]).exists(), "gc keeps group images"
 
     back = group.restore_group(store, made["group"][:10])
     assert {(m["pod"], m["state"]) for m in back["members"]} == {("ping", "running"), ("pong", "running")}
-    odd = _beyond(store, "g2/pong", _got(store, "g2/pong")[-1] + 20)
-    even = _got(store, "g1/ping")
+    odd = _beyond(store, "nb/pong", _got(store, "nb/pong")[-1] + 20)
+    even = _got(store, "na/ping")
     # no gap, no repeat, on either side, across the checkpoint and the restart
     assert odd == list(range(1, 2 * len(odd), 2)), odd[-30:]
     assert even == list(range(0, 2 * len(even), 2)), even[-30:]
     print(f"group checkpoint {made['seconds']:.2f} s (lock {made['lock_seconds']:.2f} s), restart "
           f"{back['seconds']:.2f} s; the counter went on to {odd[-1]}")
     with pytest.raises(PodNotFound, match="no pod 'other'"):
-        group.restore_group(store, made["group"], {"other": "g1"})
-    ops.kill(store, "g1/ping")
-    ops.kill(store, "g2/pong")
+        group.restore_group(store, made["group"], {"other": "na"})
+    ops.kill(store, "na/ping")
+    ops.kill(store, "nb/pong")
