@@ -15,6 +15,9 @@ from capsule.agent.launch import AgentProcess, free_port  # noqa: F401 - free_po
 from testkit.images import destroy_domains, ensure_image, image_store, make_store
 from tests.tiers import check_tiers, no_processes
 
+# the compose hosts' fixtures (hosts, seeded, fresh), one definition for every tier
+pytest_plugins = ["tests.helpers.composehosts"]
+
 
 def _cli_consoles_without_a_fixed_width() -> None:
     """The CLI's consoles (``capsule.cli.common``) take COLUMNS as a fixed width if it is set when they are

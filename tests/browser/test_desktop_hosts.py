@@ -18,8 +18,8 @@ import pytest
 from testkit.desktop import AT, CANVAS, CONSOLE_IN_VIEW, TEE, TYPED
 from tests.browser.test_dashboard import _shot, browser  # noqa: F401 - fixture
 from tests.browser.test_desktop_console import AIM, NEAR
+from tests.helpers.composehosts import known_as
 from tests.helpers.dashboard import open_console, sign_in
-from tests.hosts.conftest import hosts, known_as  # noqa: F401 - fixture
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(1500)]
@@ -41,7 +41,7 @@ RECORDER = """() => {
 
 
 @pytest.fixture(scope="module")
-def desk(hosts, desktop_images, tmp_path_factory) -> Iterator[tuple]:  # noqa: F811
+def desk(hosts, desktop_images, tmp_path_factory) -> Iterator[tuple]:
     """The desktop image's capsule (1 GiB) pushed to host A from a store here and started there; A and B know
     each other."""
     from capsule import capsules, transfer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.browser.test_dashboard import browser  # noqa: F401 - fixture
-from tests.hosts.conftest import fresh, hosts, known_as, seeded  # noqa: F401 - fixtures
+from tests.helpers.composehosts import known_as
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(1200)]
 

@@ -10,8 +10,6 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from tests.hosts.conftest import fresh  # noqa: F401 - fixture
-
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(600)]
 
 STATUS = ("for p in $(pgrep -f ' serve --user capsule'); do [ \"$p\" = $$ ] && continue; "
@@ -40,7 +38,7 @@ def test_the_agent_runs_unprivileged_and_keeps_its_store(seeded, which):
     assert strangers.strip() == "", strangers
 
 
-def test_the_unprivileged_agent_opens_the_serial_console_through_its_root_helper(fresh):  # noqa: F811
+def test_the_unprivileged_agent_opens_the_serial_console_through_its_root_helper(fresh):
     """QEMU's user owns a guest's serial pty (mode 0620): the agent, not root, gets its descriptor from the root
     helper, so the dashboard's serial console opens on these hosts and carries keys both ways."""
     a, _b, name = fresh

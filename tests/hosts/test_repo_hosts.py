@@ -12,7 +12,6 @@ import uuid
 import pytest
 
 from scripts.composehosts import TEST, wait_for
-from tests.hosts.conftest import fresh, hosts, seeded  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(600)]
 
@@ -20,7 +19,7 @@ PASSPHRASE = "a passphrase only these hosts know"
 WORD_BLOCK = 700      # the disk block the guest writes its word to (the tiny guest's root is in memory)
 
 
-def test_a_capsule_stored_by_a_is_restored_and_boots_on_b(fresh):  # noqa: F811
+def test_a_capsule_stored_by_a_is_restored_and_boots_on_b(fresh):
     a, b, name = fresh
     endpoint, identity = TEST.object_store()
     url = f"{endpoint}/capsules/t{uuid.uuid4().hex[:8]}"

@@ -1,5 +1,8 @@
-"""The `hosts` tier: two Capsule hosts in containers (docker-compose.yml), started once
-per session with fresh stores and shared by every test; each test uses capsules of its own."""
+"""The compose hosts as fixtures, for the `hosts` tier and the browser tests that need two libvirts: two Capsule
+hosts in containers (docker-compose.yml), started once per session with fresh stores and shared by every test;
+each test uses capsules of its own. Loaded for the whole suite by tests/conftest.py (``pytest_plugins``), so every
+tier shares one session's hosts: a test module must not import these fixtures (an imported fixture is a definition
+of its own, and a session fixture defined twice starts the hosts again, wiping what the first one seeded)."""
 
 from __future__ import annotations
 
