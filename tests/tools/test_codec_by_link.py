@@ -43,7 +43,9 @@ class Pause(transfer.Progress):
                 sys.stdin.readline()
 
 store = Store.open(Path(home))
-r = transfer.push(store, "cap", url, token, progress=Pause(), transport=HttpTransport(url, token, fingerprint=pin))
+# the codec alone: deltas, picked by the same link (tests/tools/test_delta_by_link.py), would take blocks from it
+r = transfer.push(store, "cap", url, token, transfer.Options(deltas=False), progress=Pause(),
+                  transport=HttpTransport(url, token, fingerprint=pin))
 print(json.dumps(r.as_dict()))
 """
 
