@@ -111,17 +111,23 @@ def _focus(page: Any) -> None:
     page.wait_for_timeout(500)
 
 
+def turns(page: Any, rfb: Any, way: str, keys: int) -> dict[str, list[float]]:
+    """``keys`` samples each of the page's console and the VNC client ``rfb`` (named ``way``), taking turns, keys
+    alternately ``a`` and BackSpace."""
+    out: dict[str, list[float]] = {way: [], "page": []}
+    arrivals: list[float] = []
+    for i in range(keys):
+        for j, w in enumerate((way, "page") if i % 2 == 0 else ("page", way)):
+            key = KEY_A if (2 * i + j) % 2 == 0 else BACKSPACE
+            out[w].append(_sample(rfb, key) if w == way else _page_sample(page, key, arrivals))
+            time.sleep(0.25)
+    return out
+
+
 def _latency(page: Any, store: Store, keys: int) -> dict[str, list[float]]:
     """``keys`` samples each of the page's console and a VNC client on the capsule's unix socket, taking turns."""
-    out: dict[str, list[float]] = {"direct": [], "page": []}
-    arrivals: list[float] = []
     with direct(store, NAME) as rfb:
-        for i in range(keys):
-            for j, way in enumerate(("direct", "page") if i % 2 == 0 else ("page", "direct")):
-                key = KEY_A if (2 * i + j) % 2 == 0 else BACKSPACE
-                out[way].append(_sample(rfb, key) if way == "direct" else _page_sample(page, key, arrivals))
-                time.sleep(0.25)
-    return out
+        return turns(page, rfb, "direct", keys)
 
 
 def _page_move(page: Any, to: str) -> dict[str, float]:

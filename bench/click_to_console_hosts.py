@@ -35,10 +35,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.click_to_console import WATCH, report  # noqa: E402
+from bench.click_to_console import WATCH, report, turns  # noqa: E402
 from bench.common import temp_workdir  # noqa: E402
-from bench.console_latency import BACKSPACE, _page_sample, _sample, through_agent  # noqa: E402
-from bench.rfb import KEY_A  # noqa: E402
+from bench.console_latency import through_agent  # noqa: E402
 from capsule import capsules, transfer  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from scripts import composehosts as hc  # noqa: E402
@@ -67,15 +66,8 @@ def _focus(page: Any, host: hc.Host, name: str) -> None:
 
 def _latency(page: Any, host: hc.Host, name: str, keys: int) -> dict[str, list[float]]:
     """``keys`` samples each of the page's console and a VNC client through ``host``'s agent, taking turns."""
-    out: dict[str, list[float]] = {"agent": [], "page": []}
-    arrivals: list[float] = []
     with through_agent(host, name) as rfb:
-        for i in range(keys):
-            for j, way in enumerate(("agent", "page") if i % 2 == 0 else ("page", "agent")):
-                key = KEY_A if (2 * i + j) % 2 == 0 else BACKSPACE
-                out[way].append(_sample(rfb, key) if way == "agent" else _page_sample(page, key, arrivals))
-                time.sleep(0.25)
-    return out
+        return turns(page, rfb, "agent", keys)
 
 
 def _page_move(page: Any, name: str, to: str) -> dict[str, float]:

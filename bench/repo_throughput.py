@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import image_stores, median, table, workdir, write_result  # noqa: E402
 from bench.repo_vs_restic import BUCKET, PASS, Restic, restic_version  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from capsule.store.catalogue import VersionRow  # noqa: E402
+from testkit.fleetkit import with_memory  # noqa: E402
 from testkit.payloads import text  # noqa: E402
 from testkit.seaweedfs import SeaweedCluster  # noqa: E402
 
@@ -35,25 +35,18 @@ MB = 1e6
 GOAL = 0.8       # Capsule's throughput at least this × restic's
 
 
-def with_memory(store: Store, name: str, mib: int) -> tuple[str, Path]:
+def bulk(store: Store, name: str, mib: int) -> tuple[str, Path]:
     """Capsule ``name`` (tiny image) with a new version whose memory image is ``mib`` MiB of alternating random and
     text pieces; its ref and the memory image's path."""
     from capsule import capsules
 
     capsules.create(store, name, "tiny")
     rng = random.Random(5)
-    path = store.temp_path(".mem")
-    with path.open("wb") as f:
-        for i in range(mib):
-            f.write(rng.randbytes(1 << 20) if i % 2 == 0 else text(1 << 20, seed=i))
-    row = store.seal_file(path, "memory")
-    v = store.catalogue.latest_version(name)
-    assert v is not None
-    with store.catalogue.transaction():
-        store.catalogue.add_file(row)
-        store.catalogue.add_version(VersionRow(name, v.number + 1, None, None, row.id, v.chains, v.config,
-                                               "throughput", time.time()))
-    return f"{name}@{v.number + 1}", store.file_path(row.id)
+    ref = with_memory(store, name, b"".join(rng.randbytes(1 << 20) if i % 2 == 0 else text(1 << 20, seed=i)
+                                             for i in range(mib)))
+    v = store.catalogue.version(name, int(ref.rsplit("@", 1)[1]))
+    assert v is not None and v.memory is not None
+    return ref, store.file_path(v.memory)
 
 
 def capsule_push(store: Store, ref: str, url: str, env: dict[str, str]) -> float:
@@ -78,7 +71,7 @@ def main() -> None:
     try:
         cluster.start()
         [store] = image_stores("tiny", work / "a")
-        ref, memory = with_memory(store, "bulk", args.mib)
+        ref, memory = bulk(store, "bulk", args.mib)
         size = memory.stat().st_size
         env = {**os.environ, **cluster.env(), "CAPSULE_REPO_PASSPHRASE": PASS.decode()}
         for i in range(args.runs):

@@ -38,3 +38,17 @@ def new_version(store: Store, name: str, size: int, seed: int, offset: int = 0,
             cat.add_layer(row)
             cat.add_version(version)
         return version
+
+
+def with_memory(store: Store, name: str, data: bytes) -> str:
+    """Give ``name`` a new version with ``data`` as its memory image (as a suspend would); its ref."""
+    path = store.temp_path(".mem")
+    path.write_bytes(data)
+    row = store.seal_file(path, "memory")
+    v = store.catalogue.latest_version(name)
+    assert v is not None
+    with store.catalogue.transaction():
+        store.catalogue.add_file(row)
+        store.catalogue.add_version(VersionRow(name, v.number + 1, None, None, row.id, v.chains, v.config,
+                                               "test", time.time()))
+    return f"{name}@{v.number + 1}"

@@ -28,12 +28,12 @@ from capsule.repo.format import PackWriter, encode_index, new_id, pack_name, rea
 from capsule.repo.push import push
 from capsule.repo.repository import Repository
 from capsule.repo.s3 import Credentials, S3Client, parse_url
-from capsule.store.catalogue import VersionRow
 from capsule.verify import verify
 from diskserver import DiskServer
 from diskserver.chain import Chain, RetrySpec
 from diskserver.errors import SourceUnavailable
 from diskserver.nbdclient import NbdClient
+from testkit.fleetkit import with_memory
 from testkit.images import make_store
 from testkit.seaweedfs import SeaweedCluster
 
@@ -60,25 +60,12 @@ def pushed(seaweed, tmp_path, tiny_images):
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images)
     capsules.create(a, "one", "tiny", memory="256M")
-    ref = _with_memory(a, "one", random.Random(27).randbytes(1 << 20))
+    ref = with_memory(a, "one", random.Random(27).randbytes(1 << 20))
     bucket = f"instant-{new_id()[:8]}"
     push(a, ref, Repository.init(_client(seaweed, bucket), PASS))
     yield a, b, ref, bucket
     a.close()
     b.close()
-
-
-def _with_memory(store, name: str, data: bytes) -> str:
-    """Give ``name`` a new version with ``data`` as its memory image (as a suspend would)."""
-    path = store.temp_path(".mem")
-    path.write_bytes(data)
-    row = store.seal_file(path, "memory")
-    v = store.catalogue.latest_version(name)
-    with store.catalogue.transaction():
-        store.catalogue.add_file(row)
-        store.catalogue.add_version(VersionRow(name, v.number + 1, None, None, row.id, v.chains, v.config,
-                                               "test", time.time()))
-    return f"{name}@{v.number + 1}"
 
 
 def _raw(path: Path, out: Path) -> bytes:

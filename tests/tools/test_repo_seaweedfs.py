@@ -25,6 +25,7 @@ from capsule.repo.s3 import Credentials, S3Client, parse_url
 from capsule.store.catalogue import VersionRow
 from capsule.store.objectio import BlockReader
 from capsule.verify import verify
+from testkit.fleetkit import with_memory
 from testkit.images import make_store
 from testkit.seaweedfs import SeaweedCluster
 
@@ -48,19 +49,6 @@ def _client(seaweed, bucket: str, prefix: str = "repo") -> S3Client:
     return S3Client(parse_url(seaweed.url(bucket, prefix)), Credentials(seaweed.access_key, seaweed.secret_key))
 
 
-def _with_memory(store, name: str, data: bytes) -> str:
-    """Give ``name`` a new version with ``data`` as its memory image (as a suspend would)."""
-    path = store.temp_path(".mem")
-    path.write_bytes(data)
-    row = store.seal_file(path, "memory")
-    v = store.catalogue.latest_version(name)
-    with store.catalogue.transaction():
-        store.catalogue.add_file(row)
-        store.catalogue.add_version(VersionRow(name, v.number + 1, None, None, row.id, v.chains, v.config,
-                                               "test", time.time()))
-    return f"{name}@{v.number + 1}"
-
-
 def _memories():
     rng = random.Random(1)
     blocks = [rng.randbytes(4096) for _ in range(MEMORY_BLOCKS)]
@@ -80,7 +68,7 @@ def stores(tmp_path, tiny_images):
     capsules.create(a, "one", "tiny", memory="256M")
     capsules.create(a, "two", "tiny", memory="256M")
     m1, m2 = _memories()
-    refs = _with_memory(a, "one", m1), _with_memory(a, "two", m2)
+    refs = with_memory(a, "one", m1), with_memory(a, "two", m2)
     yield a, b, refs
     a.close()
     b.close()
