@@ -33,7 +33,6 @@ socket).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ from capsule.console import guestx  # noqa: E402
 from capsule.imagebuild.desktop import DESKTOP_MARKER, USER  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from testkit.chromium import CHROMIUM  # noqa: E402
+from testkit.chromium import launch  # noqa: E402
 from tests.helpers.dashboard import open_console, sign_in  # noqa: E402
 
 NAME = "desk"
@@ -229,8 +228,7 @@ def main() -> None:
             lifecycle.start(a, NAME, timeout=BOOT_TIMEOUT)
             _terminal(a)
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                            args=["--no-sandbox"] if os.geteuid() == 0 else [])
+                browser = launch(p)
                 at = "a"                                         # where the capsule runs
                 for i in range(args.runs):
                     for way in (("page", "cli") if i % 2 == 0 else ("cli", "page")):

@@ -26,7 +26,6 @@ relayed through the source's agent to the destination's, and a VNC client throug
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import uuid
@@ -41,7 +40,7 @@ from bench.console_latency import through_agent  # noqa: E402
 from capsule import capsules, transfer  # noqa: E402
 from capsule.store import Store  # noqa: E402
 from scripts import composehosts as hc  # noqa: E402
-from testkit.chromium import CHROMIUM  # noqa: E402
+from testkit.chromium import launch  # noqa: E402
 from testkit.desktop import AT, CONSOLE_IN_VIEW  # noqa: E402
 from testkit.images import IMAGE_HOME, make_store  # noqa: E402
 from tests.helpers.dashboard import open_console, sign_in  # noqa: E402
@@ -139,8 +138,7 @@ def main() -> None:
                 local.close()
         a.capsule("start", name, "--timeout", str(int(BOOT_TIMEOUT)), timeout=BOOT_TIMEOUT + 300)
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                        args=["--no-sandbox"] if os.geteuid() == 0 else [])
+            browser = launch(p)
             at = "a"                                         # where the capsule runs
             for i in range(args.runs):
                 for way in (("page", "cli") if i % 2 == 0 else ("cli", "page")):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import time
@@ -40,7 +39,7 @@ from capsule.console import screen  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
 from capsule.store import Store  # noqa: E402
-from testkit.chromium import CHROMIUM  # noqa: E402
+from testkit.chromium import launch  # noqa: E402
 
 NAME = "latency"
 BACKSPACE = 0xFF08
@@ -137,8 +136,7 @@ def in_page(agent: AgentProcess) -> Iterator[Any]:
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                    args=["--no-sandbox"] if os.geteuid() == 0 else [])
+        browser = launch(p)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.add_init_script(WS_TIMES)
         page.goto(agent.url)

@@ -29,7 +29,7 @@ from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.migrate import migrate  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
-from testkit.chromium import CHROMIUM  # noqa: E402
+from testkit.chromium import launch  # noqa: E402
 
 COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
 NAME = "bench"
@@ -88,8 +88,7 @@ def main() -> None:
                 assert lookup_domain(a.domain_name(NAME)) is not None
 
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                            args=["--no-sandbox"] if os.geteuid() == 0 else [])
+                browser = launch(p)
                 page = browser.new_page()
                 page.goto(agent_a.url)
                 page.fill("#token", agent_a.token)
