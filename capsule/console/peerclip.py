@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from capsule import hosts
-from capsule.console import clipboard
+from capsule.console import clipboard, screensize
 from capsule.errors import TransferFailed
 from capsule.names import check_name
 from capsule.store import Store
@@ -62,4 +62,7 @@ def set_size(store: Store, host: str, name: str, width: int, height: int) -> tup
         answer = client.request("PUT", f"/api/capsules/{name}/screen-size",
                                 json_body={"width": width, "height": height}, idempotent=True).json()
     got = _fields(peer, answer, {"width": int, "height": int})
+    if not (0 < got["width"] <= screensize.MAX_SIZE[0] and 0 < got["height"] <= screensize.MAX_SIZE[1]):
+        raise TransferFailed(f"host {peer.name} answered a screen size of {got['width']}x{got['height']}, "
+                             f"outside 1x1 to {screensize.MAX_SIZE[0]}x{screensize.MAX_SIZE[1]}")
     return got["width"], got["height"]
