@@ -15,6 +15,7 @@ that is a selection, not the suite.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,11 +33,19 @@ def _is_selection(args: list[str]) -> bool:
                (ROOT / a.split("::")[0]).exists() for a in args)
 
 
+def _free_space(when: str) -> str:
+    """How much the temporary directory's disk has free: a full disk fails every tier at once."""
+    usage = shutil.disk_usage(tempfile.gettempdir())
+    return (f"== {when}: {usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB "
+            f"on {tempfile.gettempdir()}")
+
+
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest"]
     if _is_selection(args):
         return subprocess.call([*pytest, *args], cwd=ROOT)
     started = time.monotonic()
+    print(_free_space("before the suite"), flush=True)
     with tempfile.TemporaryFile("w+", prefix="capsule-light-tiers-") as log:
         # its own temporary directory root: two pytest sessions must not clean up each other's
         base = Path(tempfile.mkdtemp(prefix="capsule-light-tiers-"))
@@ -46,6 +55,7 @@ def main(args: list[str]) -> int:
             guest = subprocess.call([*pytest, *COMMON, *GUEST, *args], cwd=ROOT)
             print(f"\n== the guest tiers ended ({guest}) after {time.monotonic() - started:.0f} s; "
                   "waiting for the unit and tools tiers", flush=True)
+            print(_free_space("after the guest tiers"), flush=True)
             light_rc = light.wait()
         except BaseException:
             light.kill()
