@@ -83,6 +83,8 @@ _prefetch_override: bool | None = None
 _chain: Chain | None = None  # once opened
 _prefetch_stop = threading.Event()
 _prefetch_thread: threading.Thread | None = None
+PREFETCH_RESUME_FIRST = 2.0  # seconds before a prefetch paused by an unreachable source tries again, doubling
+PREFETCH_RESUME_MAX = 60.0
 log = logging.getLogger("diskserver")
 
 
@@ -158,13 +160,29 @@ def after_fork() -> None:
 
 
 def _run_prefetch(chain: Chain) -> None:
-    try:
-        n = chain.prefetch(stop_event=_prefetch_stop)
+    """Pull every remaining block in the background. A source out of reach for its retry window (a busy object
+    store, a peer restarting) pauses the prefetch, which resumes after a wait that doubles up to
+    ``PREFETCH_RESUME_MAX``: a layer is never left half-paged for good by one outage. Anything else (a wrong
+    block, a refused grant) stops it, logged."""
+    from diskserver.errors import SourceUnavailable
+
+    delay = PREFETCH_RESUME_FIRST
+    while not _prefetch_stop.is_set():
+        try:
+            n = chain.prefetch(stop_event=_prefetch_stop)
+        except SourceUnavailable as exc:
+            log.warning("prefetch paused: %s; it resumes in %g s", exc, delay)
+            if _prefetch_stop.wait(delay):
+                return
+            delay = min(delay * 2, PREFETCH_RESUME_MAX)
+            continue
+        except Exception as exc:  # noqa: BLE001
+            log.error("prefetch stopped: %s", exc)
+            return
         if not _prefetch_stop.is_set():
             chain.write_stats()
             log.info("prefetch finished: %d block(s) obtained; complete=%s", n, chain.complete())
-    except Exception as exc:  # noqa: BLE001
-        log.error("prefetch stopped: %s", exc)
+        return
 
 
 def cleanup() -> None:

@@ -262,6 +262,25 @@ def test_background_prefetch_inside_the_server(source, sockdir):
         assert convert(server.uri, b / "out.raw") == source.ref
 
 
+def test_background_prefetch_pauses_while_the_source_is_away_and_resumes(source, sockdir):
+    """A source out of reach for longer than its retry window pauses the server's prefetch; once it is back the
+    prefetch resumes and completes (before, it stopped for good and the layer was never localized)."""
+    b = host_b(source)
+    source.agent.stop()
+    spec = remote_spec(source, b, prefetch=True, prefetch_batch_blocks=64,
+                       retry=RetrySpec(seconds=0.3, initial_delay=0.05, max_delay=0.1, request_timeout=2.0))
+    with serve(spec, b, sockdir) as server:
+        wait_until(lambda: "prefetch paused" in server.log_tail(50), 30, "the prefetch to pause", interval=0.1)
+        assert not (server.stats() or {}).get("complete")
+        source.restart_agent()
+        s = wait_until(lambda: (st := server.stats()) and st["complete"] and st, 60,
+                       "the prefetch to resume and complete", interval=0.2)
+        assert s["prefetch_blocks"] == len(source.data_blocks())
+        assert "prefetch stopped" not in server.log_tail(200)
+        source.agent.stop()
+        assert convert(server.uri, b / "out.raw") == source.ref
+
+
 def test_start_failures_are_reported_with_the_log(source, sockdir, tmp_path):
     b = host_b(source)
     spec = remote_spec(source, b)
