@@ -189,9 +189,10 @@ def localize(store: Store) -> list[str]:
     """Turn every remote layer whose shadow is complete into a sealed local layer (rebuilt from the
     shadow and verified against its manifest, like a received layer). Returns the layers localized. A source
     nothing here reads from any more is told so: its grant ends (:func:`release_sources`)."""
-    before = sources_of(store)
-    done = _localize(store)
-    left = sources_of(store)
+    with store.lock(purpose="localize remote layers"):   # `capsule localize` beside the agent's localizer
+        before = sources_of(store)
+        done = _localize(store)
+        left = sources_of(store)
     release_sources(store, {url: pin for url, pin in before.items() if url not in left})
     return done
 

@@ -33,10 +33,15 @@ def receive_file(store: Store, work: Path, seed: int, role: str = "kernel", bloc
     return manifest.digest
 
 
+def layer_blocks(seed: int) -> dict[int, bytes]:
+    """The data blocks of :func:`receive_layer`'s layer of ``seed``, by index."""
+    return {0: bytes([seed % 251 + 1]) * BLOCK_SIZE, 5: bytes([seed % 251 + 2]) * BLOCK_SIZE}
+
+
 def receive_layer(store: Store, work: Path, seed: int, parent: str | None = None) -> str:
     """A small qcow2 layer (two data blocks, one zero block) over ``parent``; returns its id."""
     src = work / f"layer-{seed}.qcow2"
-    blocks = {0: bytes([seed % 251 + 1]) * BLOCK_SIZE, 5: bytes([seed % 251 + 2]) * BLOCK_SIZE}
+    blocks = layer_blocks(seed)
     write_layer(src, virtual_size=64 * BLOCK_SIZE, backing=f"{parent}.qcow2" if parent else None,
                 records=[(0, False), (3, True), (5, False)], read_block=lambda i: blocks[i])
     manifest = manifest_of_layer(src, parent)

@@ -1,0 +1,69 @@
+"""The localizer of ``capsule serve``: remote layers whose blocks have all arrived become local by themselves.
+
+A demand-paged start (``capsule start NAME --from PEER|s3://…``, a live move's disks) leaves remote layers whose
+blocks arrive as the guest reads them and, with ``--prefetch``, in the background. Once a layer's shadow is
+complete nothing more comes from its source, but the layer stays remote, and the source's grant or the
+repository's key stays on this host, until :func:`capsule.lifecycle.demand.localize` makes it an ordinary
+layer. ``capsule localize`` does that on request; this thread does it every ``POLL`` seconds inside the agent,
+so an instant restore is localized in the background with nobody watching.
+
+A round that fails (a shadow block that does not match its manifest, a full disk) is logged and tried again at
+the next round; the layer stays remote and keeps being served from its shadow and its source."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from capsule.errors import Error
+from capsule.lifecycle import demand
+from capsule.store import Store
+
+log = logging.getLogger("capsule.localizer")
+POLL = 10.0       # seconds between rounds
+
+
+class Localizer:
+    def __init__(self, store: Store, *, poll: float = POLL) -> None:
+        self.store = store
+        self.poll = poll
+        self.localized: list[str] = []     # every layer this localizer made local, oldest first
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> list[str]:
+        """One round: localize what is complete; returns the layers localized (none when a round fails)."""
+        if not any(demand.remote_dir(self.store).glob("*.json")):
+            return []
+        try:
+            done = demand.localize(self.store)
+        except (Error, OSError) as exc:
+            self.last_error = str(exc)
+            log.warning("localizing remote layers failed (tried again in %g s): %s", self.poll, exc)
+            return []
+        self.last_error = None
+        if done:
+            self.localized += done
+            log.info("localized %d remote layer(s): %s", len(done), ", ".join(lid[:12] for lid in done))
+        return done
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            self.tick()
+
+    def start(self) -> Localizer:
+        self._thread = threading.Thread(target=self._run, name="capsule-localizer", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def start_in_serve(home: Path) -> Localizer:
+    """The localizer of ``capsule serve``: its own store handle, a daemon thread."""
+    return Localizer(Store.open(home)).start()
