@@ -45,7 +45,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
 
 
-def _port_pair() -> int:
+def port_pair() -> int:
     """A loopback port free together with its gRPC port (+10000)."""
     for _ in range(200):
         with socket.socket() as s:
@@ -106,24 +106,24 @@ class SeaweedCluster:
         s3_config.write_text(json.dumps({"identities": [{
             "name": "capsule", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        self.master_port = _port_pair()
+        self.master_port = port_pair()
         (self.workdir / "master").mkdir(exist_ok=True)
         self._run("master", "master", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={self.master_port}",
                   f"-mdir={self.workdir / 'master'}", "-volumeSizeLimitMB=64",
                   f"-defaultReplication={self.replication}")
         master = f"127.0.0.1:{self.master_port}"
         for i in range(self.volumes):
-            port = _port_pair()
+            port = port_pair()
             self.volume_ports.append(port)
             d = self.workdir / f"volume{i}"
             d.mkdir(exist_ok=True)
             self._run(f"volume{i}", "volume", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={port}",
                       f"-dir={d}", f"-mserver={master}", "-max=100", "-dataCenter=dc1", f"-rack=rack{i}")
-        self.filer_port = _port_pair()
+        self.filer_port = port_pair()
         (self.workdir / "filer").mkdir(exist_ok=True)
         self._run("filer", "filer", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={self.filer_port}",
                   f"-master={master}", f"-defaultStoreDir={self.workdir / 'filer'}")
-        self.s3_port = self.fixed_s3_port or _port_pair()
+        self.s3_port = self.fixed_s3_port or port_pair()
         self._run("s3", "s3", "-ip.bind=127.0.0.1", f"-port={self.s3_port}",
                   f"-filer=127.0.0.1:{self.filer_port}", f"-config={s3_config}", "-port.iceberg=0",
                   "-port.lance=0")
@@ -190,6 +190,7 @@ class SeaweedCluster:
 
 
 CREDENTIALS = "credentials.json"
+SERVE_REPLICATION = "010"     # the compose file's object store: a copy in each of its two racks
 
 
 def serve(workdir: Path, s3_port: int) -> None:
@@ -206,8 +207,10 @@ def serve(workdir: Path, s3_port: int) -> None:
         tmp.rename(creds)
     keys = json.loads(creds.read_text())
     (workdir / "ready").unlink(missing_ok=True)
+    # "010": each volume also on the volume server of the other rack, so losing one loses nothing (what
+    # tests/tools/test_repo_seaweedfs.py's lost-volume-server test checks); "000" would lose its volumes
     cluster = SeaweedCluster(workdir, s3_port=s3_port, access_key=keys["AWS_ACCESS_KEY_ID"],
-                             secret_key=keys["AWS_SECRET_ACCESS_KEY"])
+                             secret_key=keys["AWS_SECRET_ACCESS_KEY"], replication=SERVE_REPLICATION)
     stopping = False
 
     def stop(*_: object) -> None:
@@ -221,10 +224,15 @@ def serve(workdir: Path, s3_port: int) -> None:
     print(f"SeaweedFS: S3 on {cluster.endpoint}, master {cluster.master_port}, volumes {cluster.volume_ports}",
           flush=True)
     try:
+        told: set[str] = set()
         while not stopping:
-            if any(p.poll() is not None for p in cluster.procs):
-                down = [r for p, r in zip(cluster.procs, cluster.roles, strict=True) if p.poll() is not None]
-                raise SystemExit(f"SeaweedFS's {', '.join(down)} exited: see {workdir}/*.log")
+            down = {r for p, r in zip(cluster.procs, cluster.roles, strict=True) if p.poll() is not None}
+            if down - {r for r in cluster.roles if r.startswith("volume")}:
+                raise SystemExit(f"SeaweedFS's {', '.join(sorted(down))} exited: see {workdir}/*.log")
+            for role in sorted(down - told):     # its replicas serve what it held: reads go on, degraded
+                print(f"SeaweedFS's {role} exited (see {workdir}/{role}.log); its volumes' replicas serve on, "
+                      "and writes that need both racks fail until it is back", flush=True)
+            told |= down
             time.sleep(1)
     finally:
         (workdir / "ready").unlink(missing_ok=True)

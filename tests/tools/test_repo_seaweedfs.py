@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +28,8 @@ from capsule.store.objectio import BlockReader
 from capsule.verify import verify
 from testkit.fleetkit import with_memory
 from testkit.images import make_store
-from testkit.seaweedfs import SeaweedCluster
+from testkit.seaweedfs import ROOT, SeaweedCluster, port_pair
+from tests.wait import wait_until
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(300)]
 
@@ -264,20 +266,49 @@ def test_two_hosts_push_at_once_and_prune_waits_for_them(seaweed, stores, tmp_pa
     print(f"\nconcurrent pushes: {pruned}")
 
 
-def test_a_lost_volume_server_loses_nothing_with_replication_010(tmp_path_factory, stores):
-    """SeaweedFS replication "010": each volume has a copy on a volume server in another rack; with one of the
-    two volume servers gone, every pack still reads back."""
+def _pid_of(workdir, role: str) -> int:
+    """The pid of the SeaweedFS server ``role`` (``volume0`` …) whose data is under ``workdir``."""
+    for proc in os.listdir("/proc"):
+        if proc.isdigit():
+            try:
+                with open(f"/proc/{proc}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if f"-dir={workdir / role}".encode() in args:
+                return int(proc)
+    raise AssertionError(f"no SeaweedFS {role} runs under {workdir}")
+
+
+def test_the_compose_object_store_loses_a_volume_server_and_nothing_else(tmp_path_factory, stores):
+    """The compose file's object store, as it runs there (``python -m testkit.seaweedfs serve``): replication
+    "010", each volume also on the volume server of the other rack. One of its two volume servers killed: the
+    service goes on, every pack still reads back and a version restores (with "000" the same loss fails the
+    read)."""
     a, b, (one, _two) = stores
-    cluster = SeaweedCluster(tmp_path_factory.mktemp("seaweedfs-010"), replication="010")
-    cluster.start()
+    work = tmp_path_factory.mktemp("seaweedfs-serve")
+    port = port_pair()
+    with open(work / "serve.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "testkit.seaweedfs", "serve", str(work), str(port)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        repo = Repository.init(_client(cluster, "replicated"), PASS)
+        wait_until(lambda: (work / "ready").exists() or proc.poll() is not None, 240,
+                   lambda: f"the object store to be ready: {(work / 'serve.log').read_text()[-2000:]}")
+        assert proc.poll() is None, (work / "serve.log").read_text()
+        keys = json.loads((work / "credentials.json").read_text())
+        client = S3Client(parse_url(f"s3+http://127.0.0.1:{port}/replicated/repo"),
+                          Credentials(keys["AWS_ACCESS_KEY_ID"], keys["AWS_SECRET_ACCESS_KEY"]), timeout=30)
+        repo = Repository.init(client, PASS)
         push(a, one, repo)
-        cluster.kill("volume0")
+        os.kill(_pid_of(work, "volume0"), signal.SIGKILL)
+        wait_until(lambda: "volume0 exited" in (work / "serve.log").read_text(), 30,
+                   "the service to notice its lost volume server")
+        assert proc.poll() is None                          # the service goes on, degraded
         assert maintain.check(repo, read_data=True).ok
         assert restore(b, one, repo).recorded
     finally:
-        cluster.remove()
+        proc.terminate()
+        proc.wait(60)
 
 
 def test_scheduled_backups_copy_to_a_repository_keep_its_policy_and_verify(seaweed, stores, monkeypatch):
