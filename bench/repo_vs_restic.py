@@ -57,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import image_stores, table, workdir, write_result  # noqa: E402
+from bench.common import RESULTS, image_stores, table, workdir, write_result  # noqa: E402
 from capsule import capsules, hosts, lifecycle, qemuimg, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
@@ -340,6 +340,50 @@ def _series_table(rows: list[dict[str, Any]], tot: dict[str, Any]) -> None:
               _mb(tot["hcp"]["wire_bytes"]), f"{tot['hcp']['seconds']:.1f}"]])
 
 
+def chart(result: dict[str, Any], path: Path) -> None:
+    """B5's chart: what each store grew by per snapshot (left), and the ten capsules against one (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["series"]
+    xs = [r["snapshot"] for r in rows]
+    shown = [("Capsule repository (S3)", lambda r: r["capsule_repo"]["bucket_growth_bytes"], "tab:blue"),
+             ("restic 0.14 (same S3)", lambda r: r["restic"]["bucket_growth_bytes"], "tab:red"),
+             ("HCP to a backup host, on the wire", lambda r: r["hcp"]["wire_bytes"], "tab:green")]
+    fig, (ax, ten_ax) = plt.subplots(1, 2, figsize=(13, 5.4), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / len(shown)
+    for k, (label, value, colour) in enumerate(shown):
+        ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], [value(r) / 1e6 for r in rows], width, label=label,
+               color=colour, zorder=2)
+    ax.set_xticks(xs)
+    ax.set_xlabel("snapshot (0: the first, full one)")
+    ax.set_ylabel("MB stored (HCP: sent)")
+    ax.set_title("stored per snapshot")
+    ax.grid(axis="y", alpha=0.3, zorder=0)
+    tot = result["totals"]
+    ax.legend(title=f"the series: Capsule {tot['capsule_repo']['bucket_bytes'] / 1e6:.1f} MB, restic "
+                    f"{tot['restic']['bucket_bytes'] / 1e6:.1f} MB", fontsize=8, title_fontsize=8)
+    ten = result.get("ten_capsules")
+    if ten:
+        bars = [("one", ten["one"]["bucket_bytes"]), ("ten, one\nrepository", ten["ten"]["bucket_bytes"]),
+                ("ten\ncopies", ten["ten_times_one_bytes"])]
+        ten_ax.bar([b[0] for b in bars], [b[1] / 1e6 for b in bars], color=["tab:blue", "tab:blue", "tab:grey"],
+                   zorder=2)
+        ten_ax.axhline(ten["goal"] * ten["one"]["bucket_bytes"] / 1e6, color="black", ls="--", lw=1,
+                       label=f"goal: {ten['goal']} × one")
+        ten_ax.set_title(f"ten from one image: {ten['ratio_to_one']:.2f} × one", fontsize=10)
+        ten_ax.set_ylabel("MB stored")
+        ten_ax.grid(axis="y", alpha=0.3, zorder=0)
+        ten_ax.legend(fontsize=8)
+    else:
+        ten_ax.axis("off")
+    fig.suptitle("B5: the S3 repository against restic (one SeaweedFS cluster, the same data)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--snapshots", type=int, default=6, help="snapshots after the first (default 6)")
@@ -351,7 +395,13 @@ def main() -> None:
     ap.add_argument("--ten-mib", type=int, default=4, help="random MiB each of the ten capsules writes")
     ap.add_argument("--no-ten", action="store_true", help="leave out the ten-capsule repository")
     ap.add_argument("--no-series", action="store_true", help="leave out the series (only the ten capsules)")
+    ap.add_argument("--replot", action="store_true", help="only draw the chart again from the JSON result")
     args = ap.parse_args()
+    png = RESULTS / "repo_vs_restic.png"
+    if args.replot:
+        chart(json.loads((RESULTS / "repo_vs_restic.json").read_text()), png)
+        print(f"→ {png}")
+        return
     if shutil.which("restic") is None and not args.no_series:
         sys.exit("the restic peer needs restic: apt-get install restic")
     work = workdir("capsule-b5-")
@@ -367,6 +417,9 @@ def main() -> None:
                   "goals": goals(rows, tot) if rows else {}, "ten_capsules": ten,
                   "note": "bytes; MB = 10^6; times taken on a loaded 2-core machine; bucket figures are sums of "
                           "object sizes under each prefix (S3 list)"}
+        if rows:
+            chart(result, png)
+            result["chart"] = png.name
         path = write_result("repo_vs_restic", result)
         print_tables(rows, tot, ten)
         if rows:
