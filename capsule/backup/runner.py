@@ -195,10 +195,11 @@ class Restored:
                 "seconds": self.start.seconds if self.start else None}
 
 
-def restore(store: Store, ref: str, *, as_name: str | None = None, start: bool = True,
+def restore(store: Store, ref: str, *, as_name: str | None = None, start: bool = True, prefetch: bool = False,
             say: Say = _quiet) -> Restored:
     """Start backup ``NAME@V`` as a new capsule (``as_name``: derive, then start) or as the new latest
-    version of the same capsule (which must not be running: stop or suspend it first)."""
+    version of the same capsule (which must not be running: stop or suspend it first). ``prefetch``: layers
+    that are remote (a backup started straight from a repository) are pulled whole in the background."""
     r = parse_ref(ref)
     if r.version is None:
         raise Conflict(f"give the backup to restore as NAME@V (see `capsule backup ls {r.name}` or "
@@ -220,5 +221,5 @@ def restore(store: Store, ref: str, *, as_name: str | None = None, start: bool =
                                      chains=[list(c) for c in source.chains], config=dict(source.config),
                                      note=f"restored from {ref}", created=time.time())
                 cat.add_version(version)
-    started = lifecycle.start(store, version.ref, say=say) if start else None
+    started = lifecycle.start(store, version.ref, prefetch=prefetch, say=say) if start else None
     return Restored(ref, name, version, started)

@@ -16,6 +16,7 @@ from capsule.backup import jobs, runner, verifyjob
 from capsule.backup.retention import Policy
 from capsule.cli import grammar
 from capsule.cli.common import JsonOpt, console, emit, json_flag, known_host_name, open_store, progress
+from capsule.cli.runtime import KeyFileOpt
 from capsule.errors import Conflict, InvalidInput
 from capsule.repo import backups as repo_backups
 from capsule.units import human
@@ -264,18 +265,51 @@ def restore(
                                                              "running). Without it the backup becomes NAME's "
                                                              "new latest version and starts (NAME must be "
                                                              "stopped or suspended).")] = None,
+    source: Annotated[str | None, typer.Option("--from", help="A capsule repository's URL, "
+                                                              "s3://HOST:PORT/BUCKET/PREFIX (s3+http://… without "
+                                                              "TLS): the backup comes from there, onto a host that "
+                                                              "may never have held it.")] = None,
+    live: Annotated[bool, typer.Option("--live", help="With --from: start it at once, its disks paged in from the "
+                                                      "repository as the guest reads them and the rest pulled in "
+                                                      "the background (without it, the whole backup is "
+                                                      "downloaded first).")] = False,
+    key_file: KeyFileOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Start a backup: as a new capsule (--as NEW), or as the new latest version of the same capsule.
+    """Start a backup: as a new capsule (--as NEW), or as the new latest version of the same capsule. With
+    --from a repository, the backup comes from there first; with --live it boots at once and its disks follow.
 
     Examples:
 
       capsule backup restore desk@12 --as desk-tuesday
 
       capsule suspend desk && capsule backup restore desk@12
+
+      capsule backup restore desk@12 --from s3://store:8333/backups/office --live
     """
     json_flag(json)
+    if source is None and (live or key_file is not None):
+        raise InvalidInput("--live and --key-file restore a backup from a repository: give --from "
+                           "s3://HOST:PORT/BUCKET/PREFIX too; nothing was changed")
+    if source is not None and not repo_backups.is_repository(source):
+        raise InvalidInput(f"--from {source!r}: a backup restores from a capsule repository "
+                           "s3://HOST:PORT/BUCKET/PREFIX (s3+http://… without TLS); a backup host's copy starts "
+                           "with `capsule start NAME@V --from HOST`; nothing was changed")
     store = open_store()
+    if source is not None:
+        from capsule.repo import crypto
+        from capsule.repo.repository import Repository, connect
+
+        repo = Repository.open(connect(source), crypto.read_secret(key_file))
+        with progress(f"restoring {ref} from {repo.location.url}") as say:
+            came = repo_backups.restore_from(store, ref, repo, as_name=as_name, live=live, say=say)
+        data = came.as_dict()
+        paged = (f"; {len(data['remote_layers'])} layer(s) paged in from the repository, the rest following"
+                 if live else "")
+        emit(data, lambda: console.print(
+            f"restored {ref} from {data['from']} as [bold]{data['version']}[/], running ({data['mode']}, "
+            f"{data['seconds']:.1f}s): {human(data['downloaded_bytes'])} downloaded first{paged}"))
+        return
     with progress(f"restoring {ref}") as say:
         r = runner.restore(store, ref, as_name=as_name, say=say)
     data = r.as_dict()

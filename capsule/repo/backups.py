@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 from capsule.errors import Conflict, Error
@@ -30,6 +32,46 @@ def is_repository(target: str | None) -> bool:
 def check_target(url: str) -> str:
     """The URL, checked (InvalidName if malformed); the repository itself is opened at the first copy."""
     return parse_url(url).url
+
+
+@dataclass
+class RestoredFrom:
+    """A backup restored from a repository: what came from there, and the restore (``backup.runner.Restored``)."""
+
+    url: str
+    live: bool
+    brought: Any              # repo.restore.RestoreReport (whole) or repo.instant.InstantReport (live)
+    restored: Any             # backup.runner.Restored
+
+    def as_dict(self) -> dict[str, Any]:
+        b = self.brought
+        return {**self.restored.as_dict(), "from": self.url, "live": self.live,
+                "downloaded_bytes": b.downloaded_bytes, "remote_layers": getattr(b, "remote_layers", [])}
+
+
+def restore_from(store: Any, ref: str, repo: Repository, *, as_name: str | None = None, live: bool = False,
+                 say: Callable[[str], None] = lambda _m: None) -> RestoredFrom:
+    """``capsule backup restore NAME@V --from REPO``: the backup's version comes from the repository, then it is
+    restored as ``backup restore`` restores one held here (as the capsule's new latest version, or ``as_name``).
+    Whole: every object the store lacks is downloaded first. ``live``: only its kernel, initrd and memory image
+    are, its disks are paged in from the repository as the guest reads them and the rest is prefetched (the
+    agent localizes it); if the start fails the repository's key leaves this host again."""
+    from capsule.backup import runner
+    from capsule.lifecycle import demand
+    from capsule.repo import instant
+    from capsule.repo.restore import restore as bring_whole
+
+    if not live:
+        whole = bring_whole(store, ref, repo, say)
+        return RestoredFrom(repo.location.url, False, whole,
+                            runner.restore(store, whole.version, as_name=as_name, say=say))
+    prepared = instant.prepare(store, ref, repo, say)
+    try:
+        restored = runner.restore(store, prepared.version, as_name=as_name, prefetch=True, say=say)
+    except BaseException:
+        demand.release_sources(store, {prepared.url: None})   # no run reads from it: its key leaves this host
+        raise
+    return RestoredFrom(prepared.url, True, prepared, restored)
 
 
 def open_for_jobs(url: str) -> Repository:

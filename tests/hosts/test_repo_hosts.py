@@ -1,8 +1,9 @@
 """The capsule repository shared by the compose hosts through the compose file's object store (a real SeaweedFS
 cluster: a master, two volume servers, a filer and its S3 gateway, a service of its own): a capsule stored in it
-by host A, with what its guest wrote, is restored at once on host B, which never held it (its disk paged in from
-the repository as the guest reads it, the rest prefetched in the background, then made local by B's agent with
-nobody asking); a capsule derived from it, stored from B, uploads none of the objects A stored."""
+by host A, with what its guest wrote, is restored at once on host B, which never held it (`backup restore --from
+REPO --live`: its disk paged in from the repository as the guest reads it, the rest prefetched in the background,
+then made local by B's agent with nobody asking); a capsule derived from it, stored from B, uploads none of the
+objects A stored."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def test_a_capsule_stored_by_a_is_restored_and_boots_on_b(fresh):
     assert name not in b.states()
     listed = b.capsule("repo", "ls", url, env=env)
     assert version in str(listed), listed
-    started = b.capsule("start", version, "--from", url, "--prefetch", env=env, timeout=300)
-    assert started["remote_layers"], started                     # its disk's layers: in the repository
+    # the backup restored live: it boots at once as the capsule's new version, its disk paged in from there
+    started = b.capsule("backup", "restore", version, "--from", url, "--live", env=env, timeout=300)
+    assert started["live"] and started["remote_layers"], started   # its disk's layers: in the repository
+    assert started["capsule"] == name and started["version"] != version and b.state(name) == "running"
     assert b.guest(name, f"dd if=/dev/vda bs=4096 skip={WORD_BLOCK} count=1 2>/dev/null | head -c 32") == word
     # the rest arrives in the background; B's agent makes the layers local, and the repository's key leaves B
     remote = {f"{lid}.json" for lid in started["remote_layers"]}
@@ -54,7 +57,7 @@ def test_a_capsule_stored_by_a_is_restored_and_boots_on_b(fresh):
     except ComposeError as exc:       # what B's disk server said: the prefetch's progress and errors
         log = b.sh(f'tail -n 30 "$CAPSULE_HOME"/instances/{name}/disk*.diskserver.log || true')
         raise AssertionError(f"{exc}\n{log}") from exc
-    key = "token-" + hashlib.sha256(started["url"].encode()).hexdigest()[:16]
+    key = "token-" + hashlib.sha256(started["from"].encode()).hexdigest()[:16]
     assert key not in b.sh('ls "$CAPSULE_HOME/remote"').split()            # the repository's key left B
     b.capsule("stop", name, "--force")
 

@@ -1,7 +1,8 @@
 """Instant restore (issue 27): the tiny capsule pushed from host A into a repository on a real SeaweedFS cluster
 boots on host B, which never held it, with ``capsule start NAME@V --from s3+http://…``: its disk blocks come
 from the repository's packs only as the guest reads them; once the rest is prefetched and localized the
-capsule runs with the repository gone.
+capsule runs with the repository gone. On a third host, ``capsule backup restore NAME@V --from s3+http://…``
+(not live) brings the whole version first and runs it as the capsule's new latest version.
 
 Figures (printed): the time from the command to the guest's boot marker, and the bytes on the link to the
 repository ÷ the bytes the guest read through the disk server (its counters, ``wire_bytes / guest_bytes``)."""
@@ -38,12 +39,27 @@ def test_instant_restore_boots_a_capsule_this_host_never_held(tmp_path, tiny_ima
     cluster.start()
     a = make_store(tmp_path / "a", tiny_images, "tiny")
     b = make_store(tmp_path / "b", tiny_images)          # not even the image
+    c = make_store(tmp_path / "c", tiny_images)
     try:
         capsules.create(a, "cap", "tiny", memory="256M")
         url = cluster.url("vault", "lab")
         client = S3Client(parse_url(url), Credentials(cluster.access_key, cluster.secret_key))
         push(a, "cap@1", Repository.init(client, PASS.encode()))
         chain = a.catalogue.latest_version("cap").chains[0]
+
+        # `backup restore --from` without --live, on a third host: the whole backup comes first, then it is the
+        # capsule's new latest version there, running on local layers
+        env_c = dict(os.environ, **cluster.env(), CAPSULE_HOME=str(c.home), CAPSULE_REPO_PASSPHRASE=PASS,
+                     COLUMNS="400")
+        restored = subprocess.run([sys.executable, "-m", "capsule.cli.main", "backup", "restore", "cap@1", "--from",
+                                   url, "--json"], capture_output=True, text=True, env=env_c, timeout=180)
+        assert restored.returncode == 0, restored.stderr
+        whole = json.loads(restored.stdout)
+        assert whole["version"] == "cap@2" and not whole["live"] and whole["remote_layers"] == [], whole
+        assert whole["downloaded_bytes"] > 0 and all(c.layer_path(lid).exists() for lid in chain)
+        assert not any(demand.is_remote(c, lid) for lid in chain)
+        assert run(c, "cap", "echo whole-$((6*7))") == "whole-42"
+        lifecycle.stop(c, "cap", force=True)
 
         env = dict(os.environ, **cluster.env(), CAPSULE_HOME=str(b.home), CAPSULE_REPO_PASSPHRASE=PASS,
                    COLUMNS="400")
@@ -84,9 +100,12 @@ def test_instant_restore_boots_a_capsule_this_host_never_held(tmp_path, tiny_ima
         assert run(b, "cap", "echo again") == "again"
         lifecycle.stop(b, "cap", force=True)
         assert verify(b).ok
+
     finally:
-        if b.catalogue.instance("cap") is not None:
-            lifecycle.stop(b, "cap", force=True)
+        for store in (b, c):
+            if store.catalogue.instance("cap") is not None:
+                lifecycle.stop(store, "cap", force=True)
         cluster.remove()
         a.close()
         b.close()
+        c.close()
