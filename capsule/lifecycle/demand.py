@@ -185,11 +185,23 @@ def layer_progress(store: Store, layer_id: str) -> tuple[int, int]:
         return len(data) - len(sh.missing(data)), len(data)
 
 
-def localize(store: Store) -> list[str]:
+def complete_layers(store: Store) -> list[str]:
+    """The remote layers whose shadows hold every data block: what :func:`localize` would make local now."""
+    done = []
+    for info_path in sorted(remote_dir(store).glob("*.json")):
+        with contextlib.suppress(OSError, ValueError, Error):
+            present, total = layer_progress(store, info_path.stem)
+            if present == total:
+                done.append(info_path.stem)
+    return done
+
+
+def localize(store: Store, lock_timeout: float | None = -1.0) -> list[str]:
     """Turn every remote layer whose shadow is complete into a sealed local layer (rebuilt from the
     shadow and verified against its manifest, like a received layer). Returns the layers localized. A source
-    nothing here reads from any more is told so: its grant ends (:func:`release_sources`)."""
-    with store.lock(purpose="localize remote layers"):   # `capsule localize` beside the agent's localizer
+    nothing here reads from any more is told so: its grant ends (:func:`release_sources`). ``lock_timeout``:
+    how long to wait for the store's lock (as :meth:`Store.lock`; LockTimeout after it)."""
+    with store.lock(lock_timeout, purpose="localize remote layers"):   # `capsule localize` beside the localizer
         before = sources_of(store)
         done = _localize(store)
         left = sources_of(store)

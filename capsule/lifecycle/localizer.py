@@ -19,9 +19,11 @@ from pathlib import Path
 from capsule.errors import Error
 from capsule.lifecycle import demand
 from capsule.store import Store
+from capsule.store.locks import LockTimeout
 
 log = logging.getLogger("capsule.localizer")
 POLL = 10.0       # seconds between rounds
+LOCK_WAIT = 2.0   # seconds a round waits for the store's lock
 
 
 class Localizer:
@@ -34,11 +36,16 @@ class Localizer:
         self._thread: threading.Thread | None = None
 
     def tick(self) -> list[str]:
-        """One round: localize what is complete; returns the layers localized (none when a round fails)."""
-        if not any(demand.remote_dir(self.store).glob("*.json")):
+        """One round: localize what is complete; returns the layers localized (none when a round fails). The
+        store's lock is taken only when a layer is complete, and a store busy with other work for
+        ``LOCK_WAIT`` seconds leaves the round to the next one."""
+        if not demand.complete_layers(self.store):
             return []
         try:
-            done = demand.localize(self.store)
+            done = demand.localize(self.store, lock_timeout=LOCK_WAIT)
+        except LockTimeout as exc:
+            log.info("the store is busy; localizing waits for the next round: %s", exc)
+            return []
         except (Error, OSError) as exc:
             self.last_error = str(exc)
             log.warning("localizing remote layers failed (tried again in %g s): %s", self.poll, exc)

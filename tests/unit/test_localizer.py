@@ -7,6 +7,7 @@ another, its shadow filled by hand as a disk server would fill it."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -80,3 +81,38 @@ def test_a_wrong_block_fails_the_round_and_a_later_round_heals(stores, caplog):
     _arrive(here, manifest, blocks)                             # the right blocks (a disk server fetched again)
     assert localizer.tick() == [lid] and localizer.last_error is None
     assert not demand.is_remote(here, lid)
+
+
+def test_a_busy_store_leaves_the_round_to_the_next_and_an_incomplete_layer_takes_no_lock(stores, monkeypatch):
+    source, here, lid, manifest = stores
+    monkeypatch.setattr("capsule.lifecycle.localizer.LOCK_WAIT", 0.2)
+    localizer = Localizer(here)
+    taken: list[str] = []
+    real_lock = here.lock
+
+    def counting_lock(*args, **kw):
+        taken.append(kw.get("purpose", ""))
+        return real_lock(*args, **kw)
+
+    monkeypatch.setattr(here, "lock", counting_lock)
+    assert localizer.tick() == [] and taken == []                # nothing complete: no lock taken
+    _arrive(here, manifest, layer_blocks(SEED))
+    holder = Store.open(here.home)                              # another process's work holds the store's lock
+    done = threading.Event()
+    held = threading.Event()
+
+    def hold() -> None:
+        with holder.lock(purpose="other work"):
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        held.wait(10)
+        assert localizer.tick() == [] and localizer.last_error is None and demand.is_remote(here, lid)
+    finally:
+        done.set()
+        t.join(10)
+        holder.close()
+    assert localizer.tick() == [lid]
