@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pods import pod, podimage
+from pods import pod, podimage, timerfds
 from pods.init import mountpoints
 from pods.names import BRIDGE, PodError, check_name, host_veth
 
@@ -24,6 +24,10 @@ WORK = Path("/var/lib/pods")
 CRIU_COMMON = ["--tcp-established", "--network-lock", "nftables", "--file-locks", "--manage-cgroups=soft",
                "-v2"]
 IMAGE_FORMAT = 2
+# A deleted file a pod still holds open or mapped (POSIX shm after shm_unlink, a temporary file unlinked at
+# once) is carried in the image up to this size; CRIU's own default is 1 MiB, which refused a 4 MiB shm
+# segment. Larger ones are refused with CRIU's words and what to do about them.
+GHOST_LIMIT = 64 << 20
 DUMP_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,30}-[0-9]{8}T[0-9]{6}-[0-9]{1,10}")
 READS_FORMATS = (1, 2)  # format 1: tar | zstd -3, before the images dedup
 
@@ -112,7 +116,11 @@ def _criu(args: list[str], log: Path, what: str, timeout: float, restoring: bool
         if log.exists():
             errs = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln]
             tail = "; ".join(errs[-4:])
-        raise PodError(f"criu {what} failed (exit {r.returncode}): {tail or r.stderr.strip()}", "criu_failed")
+        hint = ""
+        if "ghost file" in tail and "increase limit" in tail:
+            hint = (f" (a deleted file the pod still holds is larger than the {GHOST_LIMIT >> 20} MiB a pod image "
+                    "carries: close or truncate it, or keep it under a name, then checkpoint again)")
+        raise PodError(f"criu {what} failed (exit {r.returncode}): {tail or r.stderr.strip()}{hint}", "criu_failed")
 
 
 def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0, to: str | None = None
@@ -143,7 +151,8 @@ def checkpoint(name: str, leave_running: bool = False, timeout: float = 120.0, t
     t0 = time.monotonic()
     keep = False
     try:
-        args = ["dump", "-t", str(rec["init_pid"]), "-D", str(images), *CRIU_COMMON]
+        args = ["dump", "-t", str(rec["init_pid"]), "-D", str(images), *CRIU_COMMON,
+                "--ghost-limit", str(GHOST_LIMIT)]
         args.append("--leave-running" if leave_running else "--leave-stopped")
         _criu(args, images / "dump.log", "dump", timeout)
         dumped = time.monotonic() - t0
@@ -276,6 +285,8 @@ def _restore_from(images: Path, meta: dict[str, Any], timeout: float, steps: Ste
         raise
     steps.lap("criu")
     init_pid = int(pidfile.read_text())
+    with contextlib.suppress(OSError, ValueError):   # CRIU restores a due periodic timerfd disarmed
+        timerfds.rearm(int(p) for p in (pod.cgroup_of(name) / "cgroup.procs").read_text().split())
     pod.sh(["ip", "link", "set", veth, "up"], "bring the pod's veth up")
     pod.unlock_and_announce(init_pid, meta["ip"])
     steps.lap("network")

@@ -203,16 +203,18 @@ import mmap
 
 def case():
     fd = os.open("/dev/shm/pod-big", os.O_RDWR | os.O_CREAT, 0o600)   # shm_open, mmap, shm_unlink
-    os.ftruncate(fd, 4 << 20)
-    shared = mmap.mmap(fd, 4 << 20)
+    os.ftruncate(fd, SIZE)
+    shared = mmap.mmap(fd, SIZE)
     os.close(fd)
     os.unlink("/dev/shm/pod-big")                 # only the mapping holds it now
     shared[:12] = b"still mapped"
+    shared[-4:] = b"tail"
     yield {"size": len(shared)}
-    yield {"marker": shared[:12].decode()}
+    yield {"marker": shared[:12].decode(), "tail": shared[-4:].decode()}
 
 run(case)
 """
+GHOST_LIMIT_MIB = 64    # pods/ckpt.py's GHOST_LIMIT: what a pod image carries of a deleted file
 
 
 LOCKS = r"""
@@ -250,7 +252,9 @@ run(case)
 """
 
 
-CASES = {"pipes": PIPES, "unix": UNIX, "unix-pending": UNIX_PENDING, "shm": SHM, "shm-unlinked": SHM_UNLINKED,
+CASES = {"pipes": PIPES, "unix": UNIX, "unix-pending": UNIX_PENDING, "shm": SHM,
+         "shm-unlinked": SHM_UNLINKED.replace("SIZE", "(4 << 20)"),
+         "shm-unlinked-huge": SHM_UNLINKED.replace("SIZE", f"({GHOST_LIMIT_MIB + 1} << 20)"),
          "locks": LOCKS, **podcasekit_state.CASES}
 
 
