@@ -46,8 +46,11 @@ def ensure_image(store, kind: str) -> None:
 
 
 def destroy_domains(store) -> None:
+    """After a test: destroy the store's libvirt domains, and stop the disk servers its instances had (a
+    demand-paged run's outlive the process that started them, as they must for a running guest)."""
     import libvirt
 
+    from capsule.lifecycle import demand
     from capsule.runtime.connection import connect
 
     conn = connect()
@@ -55,6 +58,8 @@ def destroy_domains(store) -> None:
         if dom.name().startswith(f"capsule-{store.id}-"):
             with contextlib.suppress(libvirt.libvirtError):
                 dom.destroy()
+    for inst_dir in sorted(store.instances_dir.glob("*")):
+        demand.stop_servers(inst_dir)
 
 
 def make_store(path: Path, source, *images_to_import: str):
