@@ -7,7 +7,6 @@ another, its shadow filled by hand as a disk server would fill it."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from capsule.store import Store
 from capsule.store.objectio import object_manifest
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.shadow import Shadow
+from tests.helpers.locks import lock_held
 from tests.helpers.received import layer_blocks, receive_layer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -97,22 +97,10 @@ def test_a_busy_store_leaves_the_round_to_the_next_and_an_incomplete_layer_takes
     monkeypatch.setattr(here, "lock", counting_lock)
     assert localizer.tick() == [] and taken == []                # nothing complete: no lock taken
     _arrive(here, manifest, layer_blocks(SEED))
-    holder = Store.open(here.home)                              # another process's work holds the store's lock
-    done = threading.Event()
-    held = threading.Event()
-
-    def hold() -> None:
-        with holder.lock(purpose="other work"):
-            held.set()
-            done.wait(10)
-
-    t = threading.Thread(target=hold)
-    t.start()
+    holder = Store.open(here.home)                              # other work holds the store's lock
     try:
-        held.wait(10)
-        assert localizer.tick() == [] and localizer.last_error is None and demand.is_remote(here, lid)
+        with lock_held(holder):
+            assert localizer.tick() == [] and localizer.last_error is None and demand.is_remote(here, lid)
     finally:
-        done.set()
-        t.join(10)
         holder.close()
     assert localizer.tick() == [lid]

@@ -13,6 +13,7 @@ import pytest
 
 from capsule.store import Store
 from capsule.store.locks import LockTimeout, lock_for
+from tests.helpers.locks import lock_held
 
 
 @pytest.fixture
@@ -170,21 +171,8 @@ def test_a_wait_for_another_process_times_out_too(store, monkeypatch):
 @pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_opening_a_store_does_not_wait_for_its_lock(store, monkeypatch):
-    held, go = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with store.lock(purpose="a long suspend"):
-            held.set()
-            go.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    try:
-        assert held.wait(10)
+    with lock_held(store, "a long suspend"):
         monkeypatch.setenv("CAPSULE_LOCK_TIMEOUT", "0.2")
         other = Store.open(store.home)          # `capsule ls` while the agent suspends
         assert other.id == store.id
         other.close()
-    finally:
-        go.set()
-        t.join(10)
