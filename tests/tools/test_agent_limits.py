@@ -226,7 +226,11 @@ def test_a_body_trickled_a_byte_at_a_time_is_cut_off_with_408(tmp_path):
         assert got.startswith(b"HTTP/1.1 408 "), got[:200]
         assert "slower than 64 bytes/s" in _json_of(got)["detail"]
         assert time.monotonic() - started < 5
-        assert _read_reply(s, 5.0) == b""
+        try:
+            rest = _read_reply(s, 5.0)
+        except ConnectionResetError:      # closed too: a space sent after its answer draws a reset, not a FIN
+            rest = b""
+        assert rest == b""
         assert _info(agent).status_code == 200
 
 
