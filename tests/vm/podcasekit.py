@@ -8,6 +8,7 @@ the two the pod is checkpointed (it dies) and restored, so the second half runs 
 
 from __future__ import annotations
 
+from pods.ckpt import GHOST_LIMIT  # what a pod image carries of a deleted file
 from tests.vm import podcasekit_state
 
 PRELUDE = r"""
@@ -214,7 +215,6 @@ def case():
 
 run(case)
 """
-GHOST_LIMIT_MIB = 64    # pods/ckpt.py's GHOST_LIMIT: what a pod image carries of a deleted file
 
 
 LOCKS = r"""
@@ -254,7 +254,7 @@ run(case)
 
 CASES = {"pipes": PIPES, "unix": UNIX, "unix-pending": UNIX_PENDING, "shm": SHM,
          "shm-unlinked": SHM_UNLINKED.replace("SIZE", "(4 << 20)"),
-         "shm-unlinked-huge": SHM_UNLINKED.replace("SIZE", f"({GHOST_LIMIT_MIB + 1} << 20)"),
+         "shm-unlinked-huge": SHM_UNLINKED.replace("SIZE", f"({(GHOST_LIMIT >> 20) + 1} << 20)"),
          "locks": LOCKS, **podcasekit_state.CASES}
 
 
