@@ -186,6 +186,28 @@ def test_a_start_that_fails_takes_the_repository_key_away_again(seaweed, pushed,
     assert not demand.token_path(b, url).exists()                      # … but the key is not left behind
 
 
+def test_a_backup_restored_live_that_fails_to_start_takes_the_repository_key_away_again(seaweed, pushed,
+                                                                                      monkeypatch):
+    """`backup restore --from REPO --live` (repo.backups.restore_from): the same guarantee as `start --from`."""
+    from capsule import lifecycle
+    from capsule.errors import RuntimeFailure
+    from capsule.repo import backups as repo_backups
+
+    _a, b, ref, bucket = pushed
+
+    def fails(*_args, **_kw):
+        raise RuntimeFailure("booting failed (simulated)")
+
+    monkeypatch.setattr(lifecycle, "start", fails)
+    with pytest.raises(RuntimeFailure, match="simulated"):
+        repo_backups.restore_from(b, ref, Repository.open(_client(seaweed, bucket), PASS), live=True)
+    url = parse_url(seaweed.url(bucket, "repo")).url
+    latest = b.catalogue.latest_version("one")
+    assert latest.note == f"restored from {ref}"                       # the backup became its latest version …
+    assert all(demand.is_remote(b, lid) for lid in latest.chains[0])   # … on layers still in the repository
+    assert not demand.token_path(b, url).exists()                      # … but the key is not left behind
+
+
 def test_cli_errors_name_the_problem_and_change_nothing(seaweed, pushed):
     a, b, ref, bucket = pushed
     url = seaweed.url(bucket, "repo")
