@@ -13,11 +13,11 @@ the next round; the layer stays remote and keeps being served from its shadow an
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 from capsule.errors import Error
 from capsule.lifecycle import demand
+from capsule.periodic import Periodic
 from capsule.store import Store
 from capsule.store.locks import LockTimeout
 
@@ -26,14 +26,14 @@ POLL = 10.0       # seconds between rounds
 LOCK_WAIT = 2.0   # seconds a round waits for the store's lock
 
 
-class Localizer:
+class Localizer(Periodic):
+    thread_name = "capsule-localizer"
+
     def __init__(self, store: Store, *, poll: float = POLL) -> None:
+        super().__init__(poll)
         self.store = store
-        self.poll = poll
         self.localized: list[str] = []     # every layer this localizer made local, oldest first
         self.last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def tick(self) -> list[str]:
         """One round: localize what is complete; returns the layers localized (none when a round fails). The
@@ -56,19 +56,8 @@ class Localizer:
             log.info("localized %d remote layer(s): %s", len(done), ", ".join(lid[:12] for lid in done))
         return done
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll):
-            self.tick()
-
-    def start(self) -> Localizer:
-        self._thread = threading.Thread(target=self._run, name="capsule-localizer", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    def round(self) -> None:
+        self.tick()
 
 
 def start_in_serve(home: Path) -> Localizer:
