@@ -8,6 +8,9 @@ It runs an asyncio loop in a thread and forwards every connection to ``target``.
 - ``half_open()``: keep connections open but forward nothing either way (a peer that stops answering);
 - ``pass_through()``: forward again.
 
+``up_rate`` (bytes/s, None: unlimited) paces what goes client→target over all connections together: a slow
+link's bottleneck, so that a phase of a transfer lasts long enough to cut the link during it.
+
 ``up`` and ``down`` count the bytes forwarded client→target and target→client (TLS records included: the
 proxy forwards bytes, it does not terminate TLS; ``url`` is ``https://…`` unless ``tls=False``).
 
@@ -50,6 +53,8 @@ class FaultProxy:
         self.resets = 0                    # times the proxy reset its connections
         self.reset_after: int | None = None  # reset once this many bytes went through (up + down)
         self.on_reset: Callable[[], None] | None = None
+        self.up_rate: float | None = None  # bytes/s client→target, all connections together
+        self._up_free = 0.0                # loop time at which the paced link is free again
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._passing: asyncio.Event | None = None
@@ -163,6 +168,14 @@ class FaultProxy:
             self._writers.discard(w)
             w.transport.abort()
 
+    async def _pace(self, n: int) -> None:
+        assert self.up_rate
+        now = self._loop.time()
+        start = max(now, self._up_free)
+        self._up_free = start + n / self.up_rate
+        if self._up_free > now:
+            await asyncio.sleep(self._up_free - now)
+
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, way: str,
                     generation: int = 0) -> None:
         assert self._passing is not None
@@ -177,6 +190,8 @@ class FaultProxy:
                     await self._passing.wait()
                 if self.mode == RESET or writer.transport.is_closing():
                     return
+                if way == "up" and self.up_rate:
+                    await self._pace(len(data))
                 writer.write(data)
                 await writer.drain()
                 setattr(self, way, getattr(self, way) + len(data))

@@ -37,6 +37,7 @@ Live moves (the destination side of `capsule migrate`, capsule/exchange/incoming
     POST /v1/live/check                          {capsule, type, cpu, host} → {refusals, postcopy, host}
     POST /v1/live/prepare                        {capsule, version, xml, disks, tunnel} → {id, domain, xml}
     POST /v1/live/{id}/finish, .../abort         the guest runs here / what prepare made is removed
+    POST /v1/live/{id}/recover                   a post-copy that lost its link: QEMU here listens again
 
 Fleet (capsule/exchange/fleet.py)::
 
@@ -357,6 +358,16 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
     @app.post("/v1/live/{mid}/abort")
     async def live_abort(request: Request, mid: str) -> dict[str, Any]:
         return await act(request, incoming.abort, store, mid)
+
+    @app.post("/v1/live/{mid}/recover")
+    async def live_recover(request: Request, mid: str) -> dict[str, Any]:
+        caller = authz.caller_of(request)
+        who = caller.principal.who if caller is not None else ""
+
+        def channel(session: str) -> Path:     # the session's, if this caller opened it (NotFound, Forbidden)
+            return app.state.tunnels.get(session, who).channels[tunnel.DEDUP_KIND].path
+
+        return await act(request, incoming.recover, store, mid, channel)
 
     # -- fleet (capsule/exchange/fleet.py) -------------------------------------------------------------
     @app.post("/v1/fleet/pull")

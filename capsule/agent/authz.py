@@ -114,6 +114,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/live/prepare"): Rule(frozenset({"capsules", "host"}), STAFF),
     ("POST", "/v1/live/{mid}/finish"): Rule(frozenset({"capsules", "host"}), STAFF),
     ("POST", "/v1/live/{mid}/abort"): Rule(frozenset({"capsules", "host"}), STAFF),
+    ("POST", "/v1/live/{mid}/recover"): Rule(frozenset({"capsules", "host"}), STAFF),
     # -- the dashboard (dashboard.py) --
     ("POST", "/api/session"): Rule(public=True),           # sign-in: audited, bounded (sessions.Attempts)
     ("GET", "/api/session"): ANY,

@@ -163,6 +163,8 @@ def serve(home: Path, listen: str, token_file: Path, ident: Identity | None = No
     start_in_serve(home)  # scheduled backups run inside the agent (capsule/backup/scheduler.py)
     from capsule.lifecycle import localizer
     localizer.start_in_serve(home)  # complete remote layers become local (capsule/lifecycle/localizer.py)
+    from capsule.exchange import stranded
+    stranded.start_in_serve(home)   # an incoming post-copy whose link never returned goes (exchange/stranded.py)
     http_protocol, ws_protocol = guarded_protocols(limits)  # per-client connections, slow headers, WS messages
     uvicorn.run(BodyLimit(app, limits.max_body), host=host, port=port,
                 log_level=os.environ.get("CAPSULE_LOG_LEVEL", "warning"),

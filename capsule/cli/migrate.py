@@ -107,10 +107,15 @@ def migrate(
                                              "may pause at the switchover (0.01 to 60).")] = 1.0,
     postcopy: Annotated[bool, typer.Option("--postcopy", help="Live: allow post-copy, switched to when pre-copy "
                                                               "does not converge (the guest runs there while its "
-                                                              "last pages follow). If the link or the destination "
-                                                              "fails during post-copy, the guest restarts at the "
-                                                              "source from its disks at T0; memory since T0 is "
-                                                              "lost. Off by default.")] = False,
+                                                              "last pages follow). If the link breaks during "
+                                                              "post-copy, the guest waits there and the post-copy "
+                                                              "resumes when the link returns (--recover-timeout); "
+                                                              "else the guest boots again here from its disks as "
+                                                              "they were at the switchover. Off by default.")]
+    = False,
+    recover_timeout: Annotated[float, typer.Option("--recover-timeout", metavar="SECONDS", help="Post-copy: how "
+                                                   "long to wait for a broken link to return (1 to 3600).")]
+    = 120.0,
     mode: Annotated[str | None, typer.Option("--mode", help="An offline move (implies --offline): full: push, then "
                                                             "start there | demand: push the memory image, start "
                                                             "there, disk blocks paged in from here.")] = None,
@@ -161,6 +166,7 @@ def migrate(
         from capsule import bounds
 
         max_pause = float(bounds.check(lib.MAX_PAUSE, max_pause, "--max-pause"))
+        recover_timeout = float(bounds.check(lib.RECOVER_TIMEOUT, recover_timeout, "--recover-timeout"))
     peer = resolve_peer(store, to, token_file, fingerprint)
     if check:
         _check(store, name, peer)
@@ -189,7 +195,7 @@ def migrate(
                             balloon_method=balloon_method, source_url=source_url, source_token=source_token,
                             prefetch=prefetch, on_event=show, cancel=cancel, to_name=peer.label,
                             fingerprint=peer.fingerprint, source_fingerprint=source_fingerprint, live=not offline,
-                            max_pause=max_pause, postcopy=postcopy)
+                            max_pause=max_pause, postcopy=postcopy, recover_timeout=recover_timeout)
         except Error as exc:
             if source_token is not None and source_token_file is None and getattr(exc, "restored", True):
                 from capsule.accounts import grants

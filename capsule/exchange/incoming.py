@@ -5,6 +5,7 @@
     POST /v1/live/prepare               {capsule, version, xml, disks, tunnel}: an instance ready to receive it
     POST /v1/live/{id}/finish           the guest arrived and runs: it is this host's running instance
     POST /v1/live/{id}/abort            the move stopped: what prepare made is removed
+    POST /v1/live/{id}/recover          its post-copy lost its link: QEMU here listens again to resume it
 
 ``prepare`` makes the instance directory and an empty qcow2 leaf over each of the version's disks (the
 version was pushed first) at this store's own paths, records the instance (so ``start`` and gc leave it
@@ -32,17 +33,18 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import libvirt
 
 from capsule import qemuimg
-from capsule.bounds import VERSION, check
+from capsule.bounds import VERSION, Bound, check
 from capsule.errors import Conflict, Error, InvalidName, NotFound, RuntimeFailure
 from capsule.lifecycle import memimage
 from capsule.names import check_name
-from capsule.runtime import restorexml
+from capsule.runtime import qmp, restorexml
 from capsule.runtime.connection import connect, host_uuid, lookup_domain
 from capsule.store import Store, claims
 from capsule.store.catalogue import InstanceRow
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 MARK = "incoming.json"           # in the instance directory while a move is under way
 MAX_XML = 256 * 1024
 _MOVE_ID = re.compile(r"[0-9a-f]{32}")
+APPARMOR = "/sys/module/apparmor/parameters/enabled"
+RECOVER = Bound(0, 3600, integer=False, unit="seconds")   # a source's recover timeout (capsule.migrate.recover)
 
 
 def refusal(reason: str, detail: str) -> dict[str, str]:
@@ -128,6 +132,9 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
     if session is not None and (not isinstance(session, str) or not _MOVE_ID.fullmatch(session)):
         raise InvalidName("malformed live move request: tunnel must be a tunnel session's id (32 hexadecimal "
                           "digits)")
+    recover = req.get("recover_timeout")
+    if recover is not None:
+        recover = float(check(RECOVER, recover, "recover_timeout"))
     with claims.claim(store, name, "receiving a live move"), store.lock(purpose=f"receiving {name}"):
         cat = store.catalogue
         version = cat.version(name, number)
@@ -159,10 +166,12 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
                                          disks=leaves,
                                          console_log=log, agent_socket=inst_dir / "agent.sock")
             xml, accel = restorexml.rebuild(saved_xml, spec)
+            if recovery_possible():
+                xml = qmp.with_monitor(xml, inst_dir / qmp.MONITOR)   # a post-copy that loses its link resumes
             memimage.grant(store, spec, version.chains)
             mid = secrets.token_hex(16)
             (inst_dir / MARK).write_text(json.dumps({"id": mid, "version": number, "since": time.time(),
-                                                      "tunnel": session}))
+                                                      "tunnel": session, "recover_timeout": recover}))
             with cat.transaction():
                 cat.add_instance(InstanceRow(capsule=name, version=number, domain=domain,
                                              leaves=[str(p) for p in leaves], chains=version.chains, accel=accel,
@@ -173,6 +182,49 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
             shutil.rmtree(inst_dir, ignore_errors=True)
             raise
     return {"id": mid, "domain": domain, "xml": xml, "postcopy": postcopy_ready()}
+
+
+def failed_postcopy(dom: libvirt.virDomain) -> bool:
+    """Whether ``dom`` is the arriving half of a post-copy that lost its link (libvirt: running, or paused,
+    post-copy failed)."""
+    try:
+        state, reason = dom.state()
+    except libvirt.libvirtError:
+        return False
+    return (state, reason) in ((libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED),
+                               (libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_POSTCOPY_FAILED))
+
+
+def recover(store: Store, mid: str, channel: Callable[[str], Path]) -> dict[str, Any]:
+    """The post-copy of move ``mid`` lost its link: QEMU here listens again (``migrate-recover``) at the path of
+    its tunnel session's migration channel (``channel(session)``: this host's own choice, raising when the
+    session ended or another token opened it), for the source's QEMU to resume the post-copy through a new
+    connection (:mod:`capsule.migrate.recover`). libvirt completes the migration by itself once QEMU does."""
+    with store.lock(purpose="recovering a live move's post-copy"):
+        inst = _find(store, mid)
+        mark = json.loads((Path(inst.dir) / MARK).read_text())
+    dom = lookup_domain(inst.domain)
+    if dom is None or not failed_postcopy(dom):
+        raise Conflict(f"the move of {inst.capsule} is not a post-copy waiting for its link here")
+    session = mark.get("tunnel")
+    if not isinstance(session, str):
+        raise Conflict(f"the move of {inst.capsule} names no tunnel session: its post-copy cannot resume")
+    path = channel(session)
+    monitor = Path(inst.dir) / qmp.MONITOR
+    if not monitor.exists():
+        raise Conflict(f"{inst.capsule} arrived here without a monitor to resume its post-copy with (AppArmor "
+                       "confines QEMU on this host, or the instance's path is too long for a socket)")
+    qmp.over_socket(monitor, "migrate-recover", uri=f"unix:{path}")
+    return {"capsule": inst.capsule, "listening": True}
+
+
+def recovery_possible() -> bool:
+    """Whether QEMU here may open the monitor a post-copy's recovery needs (:func:`qmp.with_monitor`): not where
+    AppArmor confines it (libvirt's profile for a domain names only the files of its XML)."""
+    try:
+        return Path(APPARMOR).read_text().strip() != "Y"
+    except OSError:
+        return True
 
 
 def _source_name(xml: str) -> str:
@@ -217,11 +269,11 @@ def abort(store: Store, mid: str) -> dict[str, Any]:
     destroyed)."""
     with store.lock(purpose="aborting a live move"):
         inst = _find(store, mid)
-        _remove(store, inst)
+        remove(store, inst)
     return {"capsule": inst.capsule, "aborted": True}
 
 
-def _remove(store: Store, inst: InstanceRow) -> None:
+def remove(store: Store, inst: InstanceRow) -> None:
     """(Store lock held.) What prepare made for ``inst`` goes: its arriving domain, its row, leaves, directory."""
     dom = lookup_domain(inst.domain)
     if dom is not None:
@@ -238,7 +290,7 @@ def _remove(store: Store, inst: InstanceRow) -> None:
     shutil.rmtree(inst.dir, ignore_errors=True)
 
 
-def _unfinished(store: Store) -> list[tuple[InstanceRow, dict[str, Any]]]:
+def unfinished(store: Store) -> list[tuple[InstanceRow, dict[str, Any]]]:
     out = []
     for inst in store.catalogue.instances():
         with contextlib.suppress(OSError, ValueError):
@@ -250,15 +302,17 @@ def _unfinished(store: Store) -> list[tuple[InstanceRow, dict[str, Any]]]:
 
 def _runs_here(inst: InstanceRow) -> bool:
     """The arriving guest already runs here: the switchover happened (its source stopped it), or post-copy
-    started. Destroying it would lose the machine; it is kept, as this host's instance."""
+    started. Destroying it would lose the machine; it is kept, as this host's instance. Not a post-copy that lost
+    its link (:mod:`capsule.exchange.stranded`): that half lacks pages only its source holds, and the source
+    starts the capsule again itself when the move cannot go on (its session ended)."""
     dom = lookup_domain(inst.domain)
     if dom is None:
         return False
     try:
-        state, _reason = dom.state()
+        state, reason = dom.state()
     except libvirt.libvirtError:
         return False
-    return bool(state == libvirt.VIR_DOMAIN_RUNNING)
+    return bool(state == libvirt.VIR_DOMAIN_RUNNING and reason != libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED)
 
 
 def sweep(store: Store, session: str | None = None) -> list[str]:
@@ -266,11 +320,11 @@ def sweep(store: Store, session: str | None = None) -> list[str]:
     stream of theirs is left), or those whose tunnel session ``session`` ended. The capsules' names. A move whose
     guest already runs here (its source went away between the switchover and ``finish``) is never removed: it
     is adopted as this host's instance, as ``finish`` would have."""
-    if session is None and not _unfinished(store):
+    if session is None and not unfinished(store):
         return []
     gone = []
     with store.lock(timeout=None, purpose="removing unfinished live moves"):
-        for inst, mark in _unfinished(store):
+        for inst, mark in unfinished(store):
             if session is not None and mark.get("tunnel") != session:
                 continue
             if _runs_here(inst):
@@ -278,7 +332,7 @@ def sweep(store: Store, session: str | None = None) -> list[str]:
                 log.warning("%s arrived and runs here although its move never finished: kept as this host's "
                             "instance", inst.capsule)
                 continue
-            _remove(store, inst)
+            remove(store, inst)
             gone.append(inst.capsule)
     return gone
 

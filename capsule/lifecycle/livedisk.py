@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import libvirt
-import libvirt_qemu
 
 from capsule import qemuimg
 from capsule.errors import Conflict, Error, RuntimeFailure
 from capsule.lifecycle.instances import USER_NETWORK
-from capsule.runtime import guestaccess
+from capsule.runtime import guestaccess, qmp
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store, claims
 from capsule.store.catalogue import InstanceRow, LayerRow, VersionRow
@@ -103,13 +102,6 @@ def _snapshot_xml(targets: list[str], new: list[Path]) -> str:
     return f"<domainsnapshot><disks>{disks}</disks></domainsnapshot>"
 
 
-def _qmp(dom: libvirt.virDomain, cmd: str, **args: object) -> object:
-    reply = json.loads(libvirt_qemu.qemuMonitorCommand(dom, json.dumps({"execute": cmd, "arguments": args}), 0))
-    if "error" in reply:
-        raise RuntimeFailure(f"QEMU {cmd}: {reply['error'].get('desc', reply['error'])}")
-    return reply.get("return")
-
-
 def _own_file(node: dict) -> str | None:
     """The file a qcow2 node reads: its ``file`` name, or in a ``json:`` description the file child's."""
     name = node.get("file") or ""
@@ -122,12 +114,12 @@ def _own_file(node: dict) -> str | None:
 
 def _repoint(dom: libvirt.virDomain, leaf: Path, backing: str) -> None:
     """Set the backing file name in the header of ``leaf``, which QEMU has open as a disk's top."""
-    nodes = _qmp(dom, "query-named-block-nodes", flat=True)
+    nodes = qmp.command(dom, "query-named-block-nodes", flat=True)
     assert isinstance(nodes, list)
     node = next((n["node-name"] for n in nodes if n.get("drv") == "qcow2" and _own_file(n) == str(leaf)), None)
     if node is None:
         raise RuntimeFailure(f"QEMU has no node for {leaf.name}")
-    _qmp(dom, "change-backing-file", device=node, **{"image-node-name": node, "backing-file": backing})
+    qmp.command(dom, "change-backing-file", device=node, **{"image-node-name": node, "backing-file": backing})
 
 
 def _commit_back(store: Store, dom: libvirt.virDomain, target: str, old_leaf: Path) -> None:

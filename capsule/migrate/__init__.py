@@ -18,6 +18,7 @@ and ``migrate.migrate(...)``.
 from capsule.migrate.move import (
     MAX_PAUSE,
     MODES,
+    RECOVER_TIMEOUT,
     MigrateResult,
     MigrationCancelled,
     MigrationFailed,
@@ -26,5 +27,5 @@ from capsule.migrate.move import (
     migrate,
 )
 
-__all__ = ["MAX_PAUSE", "MODES", "MigrateResult", "MigrationCancelled", "MigrationFailed", "Reached", "Steps",
-           "migrate"]
+__all__ = ["MAX_PAUSE", "MODES", "MigrateResult", "MigrationCancelled", "MigrationFailed", "RECOVER_TIMEOUT", "Reached",
+           "Steps", "migrate"]

@@ -36,22 +36,22 @@ from capsule import transfer
 from capsule.agentclient import AgentClient
 from capsule.errors import Cancelled, Conflict, Error, RuntimeFailure
 from capsule.lifecycle import SealResult, livedisk
-from capsule.migrate import memrefs
+from capsule.migrate import jobwatch, memrefs, recover
 from capsule.migrate import precheck as checks
-from capsule.migrate.progress import LIVE_PHASES, CancelToken, Snapshot, Tracker, planned
+from capsule.migrate.jobwatch import LiveFigures
+from capsule.migrate.progress import CancelToken, Snapshot, Tracker, planned
 from capsule.migrate.switchover import SwitchoverRate
 from capsule.migrate.tunnel import Tunnels, open_tunnels
 from capsule.runtime.connection import lookup_domain
 from capsule.store import Store, claims
 
 NOTE = "live move: disks at T0"
-POLL = 0.5              # seconds between two looks at libvirt's job
-STALL_ROUNDS = 1        # pre-copy rounds without what remains shrinking: it does not converge
-MIN_ROUNDS_FOR_STALL = 2
 QEMU_SHARE = 0.5        # of --max-pause, QEMU's downtime limit (qemu_downtime_ms)
 THROTTLE_INITIAL = 50   # % of the vCPUs' time auto-converge takes first from a guest whose rounds do not shrink
 THROTTLE_INCREMENT = 20  # % more at each round that still does not (QEMU's defaults: 20 and 10)
 TUNNEL_TTL = 600.0      # seconds the other host admits the move's connections (libvirt opens them at the start)
+RECOVER_TIMEOUT = 120.0  # seconds a post-copy whose link broke waits for it to return (--recover-timeout)
+RECOVER_CALL = 15.0     # seconds one call asking the other host to listen again may take
 
 
 @dataclass(frozen=True)
@@ -68,30 +68,6 @@ class Routes:
         if t.libvirt_uri is None or t.migration_uri is None or t.disks_uri is None:
             raise Conflict("the tunnel to the other host lacks a channel for the migration's streams")
         return cls(t.libvirt_uri, t.migration_uri, t.disks_uri)
-
-
-@dataclass
-class LiveFigures:
-    pause_ms: int | None = None          # libvirt's downtime, measured by the other host
-    memory_bytes: int = 0                # memory sent by libvirt
-    disk_bytes: int = 0                  # the disks' writes since T0, sent by libvirt
-    rounds: int = 0                      # pre-copy iterations
-    postcopy: bool = False               # post-copy was started
-    tunnel_bytes: int = 0                # bytes that crossed the tunnels, both ways (libvirt's streams on the link)
-    seconds: float = 0.0                 # libvirt's part (from the prepare to the end)
-    memory_refs: int = 0                 # pages sent as references to blocks the other host holds (the codec)
-    memory_raw_pages: int = 0            # pages sent themselves, compressed
-    memory_wire_bytes: int = 0           # the migration stream's bytes on the link (0: the codec was not used)
-    switchover_rate: int | None = None   # bytes/s QEMU was last told it can send in the pause (switchover.py)
-
-    def record_memory(self, tunnels: Any) -> None:
-        """The memory codec's figures, from the :class:`~capsule.migrate.tunnel.Tunnels` the move used."""
-        m = tunnels.memory
-        self.memory_refs, self.memory_raw_pages = m.refs + m.recent, m.raw_pages
-        self.memory_wire_bytes = m.wire_bytes
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class LiveRefused(Conflict):
@@ -119,7 +95,8 @@ def refuse(name: str, refusals: list[checks.Refusal]) -> LiveRefused:
 
 
 def move(store: Store, name: str, to: str, token: str, *, max_pause: float, postcopy: bool, pin: str | None,
-         tracker: Tracker, cancel: CancelToken, say: Callable[[str], None]) -> Moved:
+         tracker: Tracker, cancel: CancelToken, say: Callable[[str], None],
+         recover_timeout: float = RECOVER_TIMEOUT) -> Moved:
     """The live move itself (see the module's text); raises :class:`LiveRefused`, or the failure with the
     guest still running here unless the other host may run it (see :func:`capsule.migrate.move.migrate`)."""
     tracker.enter("precheck", f"checking {name} here and at {to}")
@@ -146,10 +123,18 @@ def move(store: Store, name: str, to: str, token: str, *, max_pause: float, post
         pushed = transfer.push(store, version.ref, to, token, progress=tracker, check=cancel.check, fingerprint=pin)
         cancel.check()
         result = SealResult(version, sealed.layers, None, 0.0, sealed.pause)
-        remote, figures = _migrate(store, name, target, sealed.instance, version, max_pause, postcopy,
-                                   tracker, cancel, say)
-        _end_here(store, sealed.instance)
-    return Moved(result, pushed, remote, figures)
+        try:
+            remote, figures = _migrate(store, name, target, sealed.instance, version, max_pause, postcopy,
+                                       tracker, cancel, say, recover_timeout)
+        except recover.PostcopyLost as lost:
+            gave_up = lost
+        else:
+            _end_here(store, sealed.instance)
+            return Moved(result, pushed, remote, figures)
+    ref = recover.start_here(store, name, say)      # (unclaimed: it stops and starts the capsule itself)
+    raise recover.PostcopyLost(f"{gave_up}; {name} was started again here from its disks as they were at the "
+                               f"switchover ({ref}): what it held only in memory, and what it did at {to} after the "
+                               f"switchover, is lost") from gave_up
 
 
 def _disk_bytes(store: Store, chains: list[list[str]]) -> int:
@@ -158,8 +143,8 @@ def _disk_bytes(store: Store, chains: list[list[str]]) -> int:
 
 
 def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version: Any, max_pause: float,
-             postcopy: bool, tracker: Tracker, cancel: CancelToken,
-             say: Callable[[str], None]) -> tuple[dict[str, Any], LiveFigures]:
+             postcopy: bool, tracker: Tracker, cancel: CancelToken, say: Callable[[str], None],
+             recover_timeout: float) -> tuple[dict[str, Any], LiveFigures]:
     dom = lookup_domain(inst.domain)
     if dom is None:
         raise Conflict(f"{name}'s domain {inst.domain} is gone: nothing to move")
@@ -168,16 +153,19 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
     sizes = [store.catalogue.layer(chain[-1]).virtual_size for chain in version.chains]  # type: ignore[union-attr]
     with AgentClient(target.url, target.token, timeout=120.0, fingerprint=target.fingerprint) as client:
         say("opening the tunnel to the other host")
-        tunnels = open_tunnels(target, ttl=TUNNEL_TTL, dedup=memrefs.dedup_terms(store, version, client))
+        tunnels = open_tunnels(target, ttl=TUNNEL_TTL + recover_timeout,   # (a resumed post-copy connects anew)
+                               dedup=memrefs.dedup_terms(store, version, client))
     try:
         with AgentClient(target.url, target.token, timeout=120.0, fingerprint=target.fingerprint) as client:
             prep = client.post_json("/v1/live/prepare", {"capsule": name, "version": inst.version, "xml": xml,
-                                                         "disks": sizes, "tunnel": tunnels.session})
+                                                         "disks": sizes, "tunnel": tunnels.session,
+                                                         "recover_timeout": recover_timeout})
             mid = str(prep.get("id", ""))
             try:
                 link = lambda: tunnels.bytes_sent + tunnels.bytes_received  # noqa: E731
                 figures = _run_job(dom, Routes.of(tunnels), prep, targets, max_pause, postcopy, tracker, cancel,
-                                   say, link, _switchover(dom, tunnels))
+                                   say, link, _switchover(dom, tunnels), recover_timeout,
+                                   lambda: _listen_there(target, mid))
             except BaseException as exc:
                 gone = None
                 try:
@@ -186,7 +174,8 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
                     gone = err
                     say(f"the other host could not remove what it prepared (it does when the tunnel ends or its "
                         f"agent starts again): {err}")
-                if isinstance(exc, RuntimeFailure):     # libvirt only says that its stream ended
+                if isinstance(exc, RuntimeFailure) and not isinstance(exc, recover.PostcopyLost):
+                    # libvirt only says that its stream ended
                     broke = _tunnel_errors(tunnels)
                     if broke or gone is not None:
                         why = broke[-1] if broke else f"its agent does not answer ({gone})"
@@ -206,6 +195,13 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
         figures.pause_ms = remote["downtime_ms"]
         tracker.pause(figures.pause_ms)
     return remote, figures
+
+
+def _listen_there(target: checks.Target, mid: str) -> object:
+    """The other host's QEMU listens again for a post-copy that lost its link (a short call: the link may be
+    down still, and the next try comes soon)."""
+    with AgentClient(target.url, target.token, timeout=RECOVER_CALL, fingerprint=target.fingerprint) as client:
+        return client.post_json(f"/v1/live/{mid}/recover", {})
 
 
 ERRORS_SETTLE = 2.0   # seconds a failed move waits for the tunnel's threads to record why its link broke
@@ -272,8 +268,10 @@ def _switchover(dom: libvirt.virDomain, tunnels: Tunnels) -> SwitchoverRate:
 
 def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], targets: list[str], max_pause: float,
              postcopy: bool, tracker: Tracker, cancel: CancelToken, say: Callable[[str], None],
-             link: Callable[[], int], switchover: SwitchoverRate) -> LiveFigures:
-    """libvirt's migration in a thread, its job watched: progress, cancel, switchover, post-copy."""
+             link: Callable[[], int], switchover: SwitchoverRate, recover_timeout: float,
+             listen_there: Callable[[], object]) -> LiveFigures:
+    """libvirt's migration in a thread, its job watched: progress, cancel, switchover, post-copy; a post-copy whose
+    link breaks is resumed when it returns (:mod:`capsule.migrate.recover`)."""
     flags = migrate_flags(postcopy)
     params = migrate_params(route, prep, targets, postcopy)
     dom.migrateSetMaxDowntime(qemu_downtime_ms(max_pause), 0)
@@ -289,90 +287,29 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
     t0 = time.monotonic()
     worker = threading.Thread(target=run, name="live-migrate", daemon=True)
     worker.start()
-    figures = _watch(dom, worker, postcopy, tracker, cancel, say, errors, link, switchover)
+    figures = jobwatch.watch(dom, worker, postcopy, tracker, cancel, say, errors, link, switchover)
+    if errors and figures.postcopy and recover.failed_postcopy(dom):
+        detail = _detail(errors[0])
+        figures.link_breaks += 1
+        say(f"the link broke during post-copy ({detail}): the guest waits at the other host for its last pages; "
+            f"resuming when the link returns (at most {recover_timeout:.0f} s)")
+        tracker.note(f"the link broke during post-copy: waiting up to {recover_timeout:.0f} s for it to return")
+        recover.resume(dom, lambda: recover.attempt(dom, route.migration_uri, listen_there, say),
+                       timeout=recover_timeout, say=say,
+                       watch=lambda w, errs: jobwatch.watch(dom, w, True, tracker, cancel, say, errs, link, switchover,
+                                                    figures))
+        errors.clear()
     figures.seconds = time.monotonic() - t0
     if errors:
         exc = errors[0]
         if cancel.cancelled and not cancel.committed:
             raise Cancelled("the migration was cancelled") from exc
-        detail = exc.get_error_message() if isinstance(exc, libvirt.libvirtError) else str(exc)
-        raise RuntimeFailure(f"libvirt's migration failed: {detail}") from exc
+        raise RuntimeFailure(f"libvirt's migration failed: {_detail(exc)}") from exc
     return figures
 
 
-def _watch(dom: libvirt.virDomain, worker: threading.Thread, postcopy: bool, tracker: Tracker,
-           cancel: CancelToken, say: Callable[[str], None], errors: list[BaseException],
-           link: Callable[[], int], switchover: SwitchoverRate) -> LiveFigures:
-    figures = LiveFigures()
-    base = tracker.wire_bytes
-    best: int | None = None
-    stalled = 0
-    last_round = -1
-    round_start = 0
-    aborted = False
-    while worker.is_alive():
-        worker.join(POLL)
-        if not worker.is_alive():
-            break
-        if cancel.cancelled and not cancel.committed and not aborted:
-            say("cancelling: the guest runs on here")
-            with contextlib.suppress(libvirt.libvirtError):
-                dom.abortJob()
-            aborted = True
-            continue
-        try:
-            stats = dom.jobStats(0)
-            state, reason = dom.state()
-        except libvirt.libvirtError:
-            continue
-        it = stats.get("memory_iteration")
-        processed = int(stats.get("memory_processed", 0))
-        if it is not None and it != last_round:
-            last_round, round_start = it, processed
-            remaining = stats.get("memory_remaining")
-            if remaining is not None and it >= MIN_ROUNDS_FOR_STALL:
-                if best is None or remaining < best * 0.9:
-                    best, stalled = remaining, 0
-                else:
-                    stalled += 1
-        if state == libvirt.VIR_DOMAIN_RUNNING and not figures.postcopy and not aborted:
-            figures.switchover_rate = switchover.tick() or figures.switchover_rate
-        figures.memory_bytes = max(figures.memory_bytes, processed)
-        figures.disk_bytes = max(figures.disk_bytes, int(stats.get("disk_processed", 0)))
-        figures.rounds = max(figures.rounds, int(it or 0))
-        rate = stats.get("memory_dirty_rate")
-        tracker.job(iteration=it, round_bytes=processed - round_start, dirty_rate=None if rate is None else int(rate),
-                    remaining=stats.get("memory_remaining"), disk_bytes=figures.disk_bytes,
-                    wire=base + link())
-        if state == libvirt.VIR_DOMAIN_PAUSED and not figures.postcopy and not aborted and _commit(cancel):
-            tracker.no_return()
-            tracker.enter("switchover", "the guest pauses here and resumes there")
-        if postcopy and not figures.postcopy and not aborted and stalled >= STALL_ROUNDS \
-                and state == libvirt.VIR_DOMAIN_RUNNING and _commit(cancel):
-            _start_postcopy(dom, tracker, say)
-            figures.postcopy = True
-    if not aborted and not errors and _commit(cancel):
-        tracker.no_return()
-        tracker.enter("switchover")
-    return figures
-
-
-def _commit(cancel: CancelToken) -> bool:
-    try:
-        cancel.commit()
-    except Cancelled:
-        return False
-    return True
-
-
-def _start_postcopy(dom: libvirt.virDomain, tracker: Tracker, say: Callable[[str], None]) -> None:
-    why = ("pre-copy does not converge: post-copy, as asked (if the link or the other host fails now, the guest "
-           "restarts here from its disks at T0; memory since T0 is lost)")
-    say(why)
-    tracker.replan(LIVE_PHASES)
-    tracker.no_return()
-    tracker.enter("postcopy", why)
-    dom.migrateStartPostCopy(0)
+def _detail(exc: BaseException) -> str:
+    return exc.get_error_message() if isinstance(exc, libvirt.libvirtError) else str(exc)
 
 
 def _end_here(store: Store, inst: Any) -> None:

@@ -36,6 +36,7 @@ from hashcache.bounds import Bound
 
 MODES = ("full", "demand")
 MAX_PAUSE = Bound(0.01, 60, integer=False, unit="seconds")   # a live move's longest pause (libvirt's max downtime)
+RECOVER_TIMEOUT = Bound(1, 3600, integer=False, unit="seconds")   # a post-copy's wait for its broken link
 
 
 @dataclass
@@ -139,7 +140,7 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
             on_event: Callable[[Snapshot], None] = lambda _s: None, cancel: CancelToken | None = None,
             to_name: str | None = None, steps: Steps | None = None, fingerprint: str | None = None,
             source_fingerprint: str | None = None, live: bool = False, max_pause: float = 1.0,
-            postcopy: bool = False) -> MigrateResult:
+            postcopy: bool = False, recover_timeout: float = 120.0) -> MigrateResult:
     """Move the running capsule ``name`` to the agent at ``to`` (over https its certificate pinned to
     ``fingerprint``, else to the known host's at ``to``; in demand mode the other host pins this one's
     ``source_fingerprint``, by default this store's own host key). ``on_event`` gets a :class:`Snapshot` as
@@ -148,11 +149,13 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
 
     ``live``: the guest keeps running here while it moves and pauses at most ``max_pause`` seconds (see
     :mod:`capsule.migrate.live`; ``postcopy``: asked for, switch to post-copy when pre-copy does not converge —
-    if the link or the other host fails during post-copy, the guest restarts here from its disks at T0, its
-    memory since T0 lost); ``mode`` and ballooning do not apply (:mod:`capsule.migrate.choice` decides which
+    if the link breaks during post-copy, the post-copy resumes when it returns within ``recover_timeout`` seconds,
+    else the guest boots here from its disks as they were at the switchover, see :mod:`capsule.migrate.recover`);
+    ``mode`` and ballooning do not apply (:mod:`capsule.migrate.choice` decides which
     kind a request asks for)."""
     if live:
-        return _migrate_live(store, name, to, token, max_pause=max_pause, postcopy=postcopy, say=say,
+        return _migrate_live(store, name, to, token, max_pause=max_pause, postcopy=postcopy,
+                             recover_timeout=recover_timeout, say=say,
                              on_event=on_event, cancel=cancel, to_name=to_name, fingerprint=fingerprint)
     if mode not in MODES:
         raise InvalidName(f"unknown migration mode {mode!r}: choose full or demand")
@@ -224,18 +227,21 @@ def migrate(store: Store, name: str, to: str, token: str, *, mode: str = "full",
 
 
 def _migrate_live(store: Store, name: str, to: str, token: str, *, max_pause: float, postcopy: bool,
+                  recover_timeout: float,
                   say: Callable[[str], None], on_event: Callable[[Snapshot], None], cancel: CancelToken | None,
                   to_name: str | None, fingerprint: str | None) -> MigrateResult:
     from capsule import bounds, hosts
     from capsule.migrate import live
 
     max_pause = float(bounds.check(MAX_PAUSE, max_pause, "max pause"))
+    recover_timeout = float(bounds.check(RECOVER_TIMEOUT, recover_timeout, "recover timeout"))
     pin = hosts.pin_for(store, to, fingerprint)
     cancel = cancel or CancelToken()
     tracker = Tracker(name, to_name or to, planned("live", postcopy), on_event)
     t0 = time.monotonic()
     try:
         moved = live.move(store, name, to, token, max_pause=max_pause, postcopy=postcopy, pin=pin,
+                          recover_timeout=recover_timeout,
                           tracker=tracker, cancel=cancel, say=say)
     except live.LiveRefused as exc:
         tracker.finish("failed", "source", str(exc))

@@ -185,6 +185,11 @@ class Tracker(transfer.Progress):
                                           else max(prev.round_bytes, round_bytes))
             self._emit(**changes)
 
+    def note(self, message: str) -> None:
+        """What happens now, within the phase (a post-copy waiting for its link)."""
+        with self._lock:
+            self._emit(message=message, force=True)
+
     def pause(self, ms: int) -> None:
         with self._lock:
             self._emit(pause_ms=ms, force=True)

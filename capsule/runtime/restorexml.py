@@ -9,7 +9,8 @@ few implicit devices libvirt adds itself, which carry no host path).
 
 Before that, every element and attribute of the image's XML is checked against an allow-list; anything else
 (a hostdev, a filesystem, another emulator, an extra disk, a network interface other than the pod uplink on the
-host's pod bridge, qemu:commandline, ...) is refused with an :class:`IntegrityError` naming it.
+host's pod bridge, qemu:commandline other than a live move's recovery monitor, ...) is refused with an
+:class:`IntegrityError` naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from capsule.errors import IntegrityError
 from capsule.runtime.domainxml import AGENT_CHANNEL, MachineSpec, build
 from capsule.runtime.podnet import BRIDGE as POD_BRIDGE
+from capsule.runtime.qmp import MONITOR
 from pods.names import UPLINK_MAC_PREFIX
 
 
@@ -104,6 +106,9 @@ DOMAIN = Node(attrs={"type": r"qemu|kvm", "id": None}, children={
     "seclabel": Node(attrs={"type": r"dynamic|static|none", "model": r"dac|selinux|apparmor", "relabel": r"yes|no"},
                      children={"label": Node(text=None), "imagelabel": Node(text=None)}),
     "devices": Node(children=DEVICES),
+    # a live move's destination adds a QMP monitor of its own (qmp.with_monitor): never used here
+    "qemu:commandline": Node(children={"qemu:arg": Node(attrs={
+        "value": r"-qmp|unix:/[A-Za-z0-9_./+-]{1,255}/" + re.escape(MONITOR) + r",server=on,wait=off"})}),
 })
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from scripts.composehosts import ComposeError, wait_for
 from testkit import guestclock  # (the offsets: Host.guest_offset, sampled in the host)
+from testkit.faultproxy import FaultProxy
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(900)]
 
@@ -159,3 +160,125 @@ def test_a_capsule_that_does_not_run_is_refused_by_the_check(fresh):
     assert [r["reason"] for r in body["refusals"]] == ["not_running"]
     assert f"capsule start {name}" in body["refusals"][0]["detail"]
     assert failed.returncode == 5
+
+
+# -- post-copy whose link breaks (capsule/migrate/recover.py, capsule/exchange/stranded.py) -------------------
+LINK_RATE = 4 << 20   # bytes/s A→B through the fault proxy: post-copy lasts long enough to cut the link during it
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _domstate(host, domain: str) -> str:
+    return host.sh(f"virsh -c qemu:///system domstate --reason {domain} 2>&1 || true").strip()
+
+
+def _start_postcopy_move(a, b, name: str, proxy, recover_timeout: int, disk_writer: bool = False):
+    """A live move of ``name`` through ``proxy`` that must fall back to post-copy (a dirtier, a pause budget
+    it cannot meet); returns the CLI's process once the guest runs at B by post-copy. ``disk_writer``: the guest
+    also writes its disk throughout (a numbered line every half second, synced)."""
+    a.capsule("start", name)
+    a.guest(name, "echo written-before > /root/before; sync")
+    a.guest(name, COUNTER)
+    a.guest(name, DIRTIER)
+    if disk_writer:
+        a.guest(name, MARK_BEFORE)
+        a.guest(name, DISK_WRITER)
+    time.sleep(2)
+    dom = a.domain(name)
+    proc = a.capsule_background("migrate", name, "--to", proxy.url, "--postcopy", "--max-pause", "0.01",
+                                "--recover-timeout", str(recover_timeout), token=b.token)
+    wait_for(lambda: "post-copy" in _domstate(a, dom) or proc.poll() is not None, 600, "post-copy to start")
+    assert proc.poll() is None, proc.communicate()
+    # the guest runs at B (its device state arrived): from here on QEMU pauses a post-copy whose link breaks
+    # (before it, a cut fails B's incoming QEMU, and only the source's disks remain: the second test's path)
+    there = b.states()[name]["domain"]
+    wait_for(lambda: _domstate(b, there) == "running (post-copy)" or proc.poll() is not None, 120,
+             "the guest to run at B by post-copy")
+    assert proc.poll() is None, proc.communicate()
+    return proc, dom
+
+
+def test_a_link_cut_during_post_copy_pauses_the_move_and_it_resumes_when_the_link_returns(fresh):
+    a, b, name = fresh
+    with FaultProxy("127.0.0.1", _port(b.url), tls=False) as proxy:
+        proxy.up_rate = LINK_RATE
+        proc, dom = _start_postcopy_move(a, b, name, proxy, recover_timeout=300)
+        try:
+            proxy.reset()                                      # the link goes: both halves wait
+            wait_for(lambda: "post-copy failed" in _domstate(a, dom), 120, "the source to see the post-copy fail")
+            there = b.states()[name]["domain"]
+            wait_for(lambda: "post-copy failed" in _domstate(b, there), 60, "the destination to see it fail")
+            assert proc.poll() is None, "the move gave up while the link was down"
+            time.sleep(5)
+            proxy.pass_through()                               # the link returns: the post-copy resumes
+            out, err = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, out + err
+    moved = json.loads(out)
+    live = moved["live"]
+    print(f"\npost-copy with its link cut for 5 s: {moved['seconds']} s, paused {live['pause_ms']} ms, "
+          f"{live['tunnel_bytes']} B on the link")
+    assert live["postcopy"] and live["link_breaks"] == 1, live
+    assert any("link broke during post-copy" in (e.get("message") or "") for e in moved["events"]), moved["events"]
+    time.sleep(1)
+    rows = _counter(b, name)                               # the guest's memory, whole: its counter went on
+    assert all(y[0] == x[0] + 1 for x, y in zip(rows, rows[1:], strict=False)), "the counter jumped"
+    assert all(y[1] >= x[1] for x, y in zip(rows, rows[1:], strict=False)), "the guest's clock went back"
+    assert b.guest(name, "cat /root/before") == "written-before"
+    assert b.state(name) == "running" and a.states()[name]["domain"] is None
+    b.capsule("stop", name, "--force")
+
+
+# the tiny guest's files live in memory: what it keeps on its disk is raw blocks of /dev/vda. A numbered block
+# every half second from block DURING+1 on, each synced before the next (and the marker written before T0 at
+# BEFORE), read back as the first line of each block
+BEFORE, DURING, READ_BACK = 600, 600, 300
+DISK_WRITER = (f"(i=0; while :; do i=$((i+1)); echo $i | dd of=/dev/vda bs=4096 seek=$(({DURING}+i)) conv=notrunc "
+               "2>/dev/null; sync; sleep 0.5; done) >/dev/null 2>&1 &")
+MARK_BEFORE = f"echo written-before | dd of=/dev/vda bs=4096 seek={BEFORE} conv=notrunc 2>/dev/null; sync"
+
+
+def _blocks_written(host, name: str) -> list[str]:
+    out = host.guest(name, f"for i in $(seq 1 {READ_BACK}); do dd if=/dev/vda bs=4096 skip=$(({DURING}+i)) "
+                           "count=1 2>/dev/null | head -n1 | tr -dc '0-9'; echo; done", timeout=120)
+    return out.splitlines()
+
+
+def test_a_link_that_never_returns_during_post_copy_starts_the_guest_again_at_the_source(fresh):
+    a, b, name = fresh
+    with FaultProxy("127.0.0.1", _port(b.url), tls=False) as proxy:
+        proxy.up_rate = LINK_RATE
+        proc, dom = _start_postcopy_move(a, b, name, proxy, recover_timeout=15, disk_writer=True)
+        try:
+            proxy.reset()                                      # ... and never comes back while the source waits
+            there = b.states()[name]["domain"]
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    said = " ".join((out + err).split())
+    print(f"\npost-copy whose link never returned: {said[-800:]}")
+    assert proc.returncode != 0, out
+    assert "did not return within 15 s" in said and "started again here from its disks" in said, said
+    # the source runs it again from its disks as they were at the switchover: what only its memory held (files,
+    # the counter) is not there; what it wrote to its disk before T0 is, and so is what it wrote after T0 up to
+    # the switchover (numbered blocks 1, 2, ... k with none missing, then none): a new version of its disks
+    assert a.state(name) == "running" and a.states()[name]["domain"]
+    assert a.guest(name, "test -e /dev/shm/counter && echo kept || echo gone") == "gone"
+    before = a.guest(name, f"dd if=/dev/vda bs=4096 skip={BEFORE} count=1 2>/dev/null | head -n1")
+    assert before == "written-before"
+    written = _blocks_written(a, name)
+    k = next((i for i, x in enumerate(written) if x.strip() != str(i + 1)), len(written))
+    assert 0 < k < len(written), written
+    print(f"kept at the source: {k} numbered blocks written after T0, up to the switchover")
+    assert _note(a, name) == "live move: disks at the switchover (post-copy lost)"
+    # the other host removes its half by itself once its own wait is over (15 s and its margin), link or not
+    wait_for(lambda: name not in b.states() or b.states()[name]["domain"] is None, 120,
+             "the destination to remove its stranded half")
+    assert _files_there(b, name) == ""
+    assert there not in b.sh("virsh -c qemu:///system list --all --name").split()
+    a.capsule("stop", name, "--force")

@@ -70,7 +70,7 @@ EXPECTED = {
     ("GET", "/v1/pods"): "look-staff-or-host",
     ("POST", "/v1/pods/restore"): "host",
     **{("POST", path): "host" for path in ("/v1/live/check", "/v1/live/prepare", "/v1/live/{mid}/finish",
-                                           "/v1/live/{mid}/abort")},
+                                           "/v1/live/{mid}/abort", "/v1/live/{mid}/recover")},
     ("GET", "/api/capsules/{name}/migrate/check"): "act",
     **{(m, "/api/capsules/{name}/clipboard"): "act" for m in ("GET", "PUT")},
     ("PUT", "/api/capsules/{name}/screen-size"): "act",

@@ -68,7 +68,7 @@ EXPECTED = {
     ("GET", "/v1/pods"): "staff",
     ("POST", "/v1/pods/restore"): "staff",
     **{("POST", path): "staff" for path in ("/v1/live/check", "/v1/live/prepare", "/v1/live/{mid}/finish",
-                                            "/v1/live/{mid}/abort")},
+                                            "/v1/live/{mid}/abort", "/v1/live/{mid}/recover")},
     ("GET", "/api/capsules/{name}/migrate/check"): "act",
     ("GET", "/api/capsules/{name}/clipboard"): "act",
     ("PUT", "/api/capsules/{name}/clipboard"): "act",
