@@ -56,9 +56,9 @@ class MigrateIn(BaseModel):
                                                 "named); false: suspend it here first, as `--offline`")
     max_pause: float = Field(1.0, ge=0.01, le=60, allow_inf_nan=False,
                              description="Live: the longest the guest may pause at the switchover, in seconds")
-    postcopy: bool = Field(False, description="Live: allow post-copy when pre-copy does not converge (if the link "
-                                              "or the destination fails during post-copy, the guest restarts here "
-                                              "from its disks at T0; memory since T0 is lost)")
+    postcopy: bool = Field(False, description="Live: allow post-copy when pre-copy does not converge (a link that "
+                                              "breaks during post-copy is waited for, 120 s; if it does not return "
+                                              "the guest boots here from its disks as they were at the switchover)")
     mode: Literal["full", "demand"] | None = Field(None, description="An offline move's mode (naming it makes the "
                                                                      "move offline; full when offline and none)")
     balloon: bool = Field(False, description="Balloon before suspending (makes the move offline)")

@@ -116,8 +116,8 @@ def _commit(cancel: CancelToken) -> bool:
 
 
 def _start_postcopy(dom: libvirt.virDomain, tracker: Tracker, say: Callable[[str], None]) -> None:
-    why = ("pre-copy does not converge: post-copy, as asked (if the link or the other host fails now, the guest "
-           "restarts here from its disks at T0; memory since T0 is lost)")
+    why = ("pre-copy does not converge: post-copy, as asked (if the link breaks now, the guest waits there for it "
+           "to return; if it does not, the guest boots here from its disks as they are at the switchover)")
     say(why)
     tracker.replan(LIVE_PHASES)
     tracker.no_return()

@@ -12,8 +12,9 @@ switchover (at most ``max_pause`` seconds, libvirt's max downtime).
 4. libvirt migrates it (``migrateToURI3``, peer to peer, through the tunnels): memory in pre-copy rounds while
    the guest runs, and only the disks' writes since T0 (each disk's new top leaf, over NBD); it switches over
    when what remains fits ``max_pause``. Only with ``postcopy`` (asked for) may it switch to post-copy when
-   pre-copy does not converge: the guest runs there while its last pages follow — if the link or the other host
-   fails then, the guest is lost there and restarts here from its disks at T0 (memory since T0 is lost);
+   pre-copy does not converge: the guest runs there while its last pages follow — if the link breaks then, the
+   post-copy resumes when it returns within ``recover_timeout``, else the guest boots here from its disks as they
+   were at the switchover (:mod:`capsule.migrate.recover`);
 5. the other host adopts the guest as its instance (``finish``); here the instance ends (T0 stays, as
    history), and the tunnels close. Cancelled (or failed, the link cut) before the switchover: libvirt's job is
    aborted, the guest runs on here, and the other host removes what it prepared (``abort``; or by itself when
