@@ -302,9 +302,9 @@ def unfinished(store: Store) -> list[tuple[InstanceRow, dict[str, Any]]]:
 
 def _runs_here(inst: InstanceRow) -> bool:
     """The arriving guest already runs here: the switchover happened (its source stopped it), or post-copy
-    started. Destroying it would lose the machine; it is kept, as this host's instance. Not a post-copy that lost
-    its link (:mod:`capsule.exchange.stranded`): that half lacks pages only its source holds, and the source
-    starts the capsule again itself when the move cannot go on (its session ended)."""
+    started. Destroying it would lose the machine; it is kept, as this host's instance. Not a post-copy still
+    under way or one that lost its link (:mod:`capsule.exchange.stranded`): with its session gone it can never
+    complete (it lacks pages only its source holds), and its source starts the capsule again itself."""
     dom = lookup_domain(inst.domain)
     if dom is None:
         return False
@@ -312,7 +312,8 @@ def _runs_here(inst: InstanceRow) -> bool:
         state, reason = dom.state()
     except libvirt.libvirtError:
         return False
-    return bool(state == libvirt.VIR_DOMAIN_RUNNING and reason != libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED)
+    return bool(state == libvirt.VIR_DOMAIN_RUNNING and reason not in (libvirt.VIR_DOMAIN_RUNNING_POSTCOPY,
+                                                                       libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED))
 
 
 def sweep(store: Store, session: str | None = None) -> list[str]:

@@ -299,11 +299,13 @@ async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.Stre
     ``decoder``: what the source sends is the memory codec's frames (a stream it refuses is cut: its reason
     goes to ``errors`` and the WebSocket is closed with 1011)."""
     ended = {"in": False, "out": False}
+    cut = {"in": False}     # the source went away without ending its stream: a broken link, not an end
 
     async def inward(scope: anyio.CancelScope) -> None:      # the source's bytes → the target
         while True:
             msg = await ws.receive()
             if msg["type"] == "websocket.disconnect":
+                cut["in"] = not ended["in"]
                 break
             data = msg.get("bytes")
             if data is None:
@@ -354,9 +356,15 @@ async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.Stre
             tg.start_soon(inward, tg.cancel_scope)
             tg.start_soon(outward, tg.cancel_scope)
     except* (OSError, WebSocketDisconnect, RuntimeError):
-        pass        # either end went away (the task group raises them grouped): the connection ends
+        cut["in"] = not ended["in"]     # either end went away (the task group raises them grouped)
     finally:
-        writer.close()
+        if cut["in"]:
+            # a cut stream is cut here too, at once: a graceful close would wait for the target to read what is
+            # still buffered, and a QEMU that does not read (its post-copy blocked on a page that will not come)
+            # would never see its link break, so never pause its post-copy for it to be resumed
+            writer.transport.abort()
+        else:
+            writer.close()
         if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
-            with anyio.CancelScope(shield=True), contextlib.suppress(RuntimeError, OSError):
+            with anyio.CancelScope(shield=True), contextlib.suppress(RuntimeError, OSError, WebSocketDisconnect):
                 await ws.close(1000)

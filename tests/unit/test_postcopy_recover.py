@@ -109,11 +109,13 @@ def test_a_stranded_half_is_never_adopted_as_a_running_guest_when_its_session_en
                                                                                    monkeypatch):
     """The agent starts again (its tunnel sessions are gone: the post-copy cannot resume): a half that lacks pages
     only its source holds is removed, where a guest that arrived whole is kept (test_live_move)."""
-    d = _half_moved(home, tmp_path, "f" * 32)
-    dom = Domain(FAILED_THERE)
-    monkeypatch.setattr(incoming, "lookup_domain", lambda _name: dom)
-    create_app(home, TOKEN)
-    assert dom.destroyed and not d.exists() and _moves(home) == []
+    for i, state in enumerate((FAILED_THERE, (libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_POSTCOPY))):
+        (tmp_path / str(i)).mkdir()
+        d = _half_moved(home, tmp_path / str(i), "f" * 32)
+        dom = Domain(state)
+        monkeypatch.setattr(incoming, "lookup_domain", lambda _name, dom=dom: dom)
+        create_app(home, TOKEN)
+        assert dom.destroyed and not d.exists() and _moves(home) == [], state
 
 
 def test_the_prepare_request_bounds_the_recover_timeout(home):  # noqa: F811
