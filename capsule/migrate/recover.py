@@ -134,9 +134,15 @@ def _active(dom: libvirt.virDomain) -> bool:
 
 
 def _interrupt(dom: libvirt.virDomain, worker: threading.Thread) -> None:
-    if worker.is_alive():
-        with contextlib.suppress(libvirt.libvirtError):
-            dom.abortJobFlags(libvirt.VIR_DOMAIN_ABORT_JOB_POSTCOPY)
+    """A try still under way at the deadline is paused again: by libvirt, else by QEMU itself (the try was
+    QEMU's, which libvirt may not count as its job), so that the try's wait for its end ends."""
+    if not worker.is_alive():
+        return
+    try:
+        dom.abortJobFlags(libvirt.VIR_DOMAIN_ABORT_JOB_POSTCOPY)
+    except libvirt.libvirtError:
+        with contextlib.suppress(RuntimeFailure):
+            qmp.command(dom, "migrate-pause")
 
 
 def _state(dom: libvirt.virDomain) -> str:

@@ -323,3 +323,25 @@ def test_a_monitor_of_its_own_is_spoken_to_as_qmp_events_skipped_errors_named(tm
     server.close()
     with pytest.raises(RuntimeFailure, match="does not answer"):
         qmp.over_socket(path, "migrate-recover", timeout=1)
+
+
+def test_a_try_libvirt_will_not_interrupt_is_paused_by_qemu_itself(monkeypatch):
+    """The try was QEMU's (a QMP ``migrate`` with ``resume``): libvirt may refuse to abort it as its job."""
+    dom = Domain(FAILED_HERE)
+    release = threading.Event()
+
+    def hangs(uri, params, flags):
+        dom.attempts.append(flags)
+        release.wait(10)
+        raise libvirt.libvirtError("paused again")
+
+    def refuses(flags):
+        raise libvirt.libvirtError("no job to abort")
+
+    dom.migrateToURI3 = hangs  # type: ignore[method-assign]
+    dom.abortJobFlags = refuses  # type: ignore[method-assign]
+    sent: list[str] = []
+    monkeypatch.setattr(recover.qmp, "command", lambda _d, cmd, **a: (sent.append(cmd), release.set()))
+    with pytest.raises(recover.PostcopyLost):
+        _resume(dom, 0.5, [])
+    assert sent == ["migrate-pause"] and len(dom.attempts) == 1
