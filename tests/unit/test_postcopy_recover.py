@@ -159,16 +159,22 @@ def test_a_guest_no_longer_waiting_for_its_post_copy_is_not_resumed():
     assert dom.attempts == []
 
 
-def test_an_attempt_still_under_way_at_the_deadline_is_interrupted():
-    dom = Domain(FAILED_HERE)
+def _hanging(dom: Domain) -> threading.Event:
+    """``dom``'s tries hang until the event is set (a link that half works), then fail."""
     release = threading.Event()
 
     def hangs(uri, params, flags):
         dom.attempts.append(flags)
         release.wait(10)
-        raise libvirt.libvirtError("interrupted")
+        raise libvirt.libvirtError("paused again")
 
     dom.migrateToURI3 = hangs  # type: ignore[method-assign]
+    return release
+
+
+def test_an_attempt_still_under_way_at_the_deadline_is_interrupted():
+    dom = Domain(FAILED_HERE)
+    release = _hanging(dom)
     dom.abortJobFlags = lambda flags: (release.set(), setattr(dom, "interrupted", dom.interrupted + 1))  # type: ignore
     with pytest.raises(recover.PostcopyLost):
         _resume(dom, 0.5, [])
@@ -328,17 +334,11 @@ def test_a_monitor_of_its_own_is_spoken_to_as_qmp_events_skipped_errors_named(tm
 def test_a_try_libvirt_will_not_interrupt_is_paused_by_qemu_itself(monkeypatch):
     """The try was QEMU's (a QMP ``migrate`` with ``resume``): libvirt may refuse to abort it as its job."""
     dom = Domain(FAILED_HERE)
-    release = threading.Event()
-
-    def hangs(uri, params, flags):
-        dom.attempts.append(flags)
-        release.wait(10)
-        raise libvirt.libvirtError("paused again")
+    release = _hanging(dom)
 
     def refuses(flags):
         raise libvirt.libvirtError("no job to abort")
 
-    dom.migrateToURI3 = hangs  # type: ignore[method-assign]
     dom.abortJobFlags = refuses  # type: ignore[method-assign]
     sent: list[str] = []
     monkeypatch.setattr(recover.qmp, "command", lambda _d, cmd, **a: (sent.append(cmd), release.set()))
