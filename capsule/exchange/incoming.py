@@ -45,7 +45,7 @@ from capsule.errors import Conflict, Error, InvalidName, NotFound, RuntimeFailur
 from capsule.lifecycle import memimage
 from capsule.names import check_name
 from capsule.runtime import qmp, restorexml
-from capsule.runtime.connection import connect, host_uuid, lookup_domain
+from capsule.runtime.connection import connect, host_uuid, lookup_domain, postcopy_failed, state_of
 from capsule.store import Store, claims
 from capsule.store.catalogue import InstanceRow
 from capsule.store.fsutil import make_private_dir
@@ -184,17 +184,6 @@ def prepare(store: Store, req: Any) -> dict[str, Any]:
     return {"id": mid, "domain": domain, "xml": xml, "postcopy": postcopy_ready()}
 
 
-def failed_postcopy(dom: libvirt.virDomain) -> bool:
-    """Whether ``dom`` is the arriving half of a post-copy that lost its link (libvirt: running, or paused,
-    post-copy failed)."""
-    try:
-        state, reason = dom.state()
-    except libvirt.libvirtError:
-        return False
-    return (state, reason) in ((libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED),
-                               (libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_POSTCOPY_FAILED))
-
-
 def recover(store: Store, mid: str, channel: Callable[[str], Path]) -> dict[str, Any]:
     """The post-copy of move ``mid`` lost its link: QEMU here listens again (``migrate-recover``) at the path of
     its tunnel session's migration channel (``channel(session)``: this host's own choice, raising when the
@@ -204,7 +193,7 @@ def recover(store: Store, mid: str, channel: Callable[[str], Path]) -> dict[str,
         inst = _find(store, mid)
         mark = json.loads((Path(inst.dir) / MARK).read_text())
     dom = lookup_domain(inst.domain)
-    if dom is None or not failed_postcopy(dom):
+    if dom is None or not postcopy_failed(dom, incoming=True):
         raise Conflict(f"the move of {inst.capsule} is not a post-copy waiting for its link here")
     session = mark.get("tunnel")
     if not isinstance(session, str):
@@ -306,14 +295,9 @@ def _runs_here(inst: InstanceRow) -> bool:
     under way or one that lost its link (:mod:`capsule.exchange.stranded`): with its session gone it can never
     complete (it lacks pages only its source holds), and its source starts the capsule again itself."""
     dom = lookup_domain(inst.domain)
-    if dom is None:
-        return False
-    try:
-        state, reason = dom.state()
-    except libvirt.libvirtError:
-        return False
-    return bool(state == libvirt.VIR_DOMAIN_RUNNING and reason not in (libvirt.VIR_DOMAIN_RUNNING_POSTCOPY,
-                                                                       libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED))
+    now = state_of(dom) if dom is not None else None
+    return now is not None and now[0] == libvirt.VIR_DOMAIN_RUNNING and now[1] not in (
+        libvirt.VIR_DOMAIN_RUNNING_POSTCOPY, libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED)
 
 
 def sweep(store: Store, session: str | None = None) -> list[str]:

@@ -23,7 +23,7 @@ from capsule import bounds
 from capsule.errors import Error
 from capsule.exchange import incoming
 from capsule.periodic import Periodic
-from capsule.runtime.connection import lookup_domain
+from capsule.runtime.connection import lookup_domain, postcopy_failed
 from capsule.store import Store
 from capsule.store.locks import LockTimeout
 
@@ -52,7 +52,7 @@ def tick(store: Store, now: float | None = None) -> list[str]:
     for inst, mark in incoming.unfinished(store):
         dom = lookup_domain(inst.domain)
         path = Path(inst.dir) / incoming.MARK
-        if dom is None or not incoming.failed_postcopy(dom):
+        if dom is None or not postcopy_failed(dom, incoming=True):
             if SINCE in mark:                      # it recovered: its wait starts again at the next break
                 mark.pop(SINCE)
                 _write(path, mark)
@@ -69,7 +69,7 @@ def tick(store: Store, now: float | None = None) -> list[str]:
         with store.lock(timeout=LOCK_WAIT, purpose=f"removing the stranded post-copy of {inst.capsule}"):
             still = [i for i, _m in incoming.unfinished(store) if i.capsule == inst.capsule]
             dom = lookup_domain(inst.domain)
-            if still and dom is not None and incoming.failed_postcopy(dom):
+            if still and dom is not None and postcopy_failed(dom, incoming=True):
                 incoming.remove(store, still[0])
                 gone.append(inst.capsule)
                 log.warning("removed the half of %s that arrived by post-copy: its link did not return within "

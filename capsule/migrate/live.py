@@ -43,7 +43,7 @@ from capsule.migrate.jobwatch import LiveFigures
 from capsule.migrate.progress import CancelToken, Snapshot, Tracker, planned
 from capsule.migrate.switchover import SwitchoverRate
 from capsule.migrate.tunnel import Tunnels, open_tunnels
-from capsule.runtime.connection import lookup_domain
+from capsule.runtime.connection import lookup_domain, postcopy_failed
 from capsule.store import Store, claims
 
 NOTE = "live move: disks at T0"
@@ -289,7 +289,7 @@ def _run_job(dom: libvirt.virDomain, route: Routes, prep: dict[str, Any], target
     worker = threading.Thread(target=run, name="live-migrate", daemon=True)
     worker.start()
     figures = jobwatch.watch(dom, worker, postcopy, tracker, cancel, say, errors, link, switchover)
-    if errors and figures.postcopy and recover.failed_postcopy(dom):
+    if errors and figures.postcopy and postcopy_failed(dom, incoming=False):
         detail = _detail(errors[0])
         figures.link_breaks += 1
         say(f"the link broke during post-copy ({detail}): the guest waits at the other host for its last pages; "

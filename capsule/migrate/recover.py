@@ -33,6 +33,7 @@ import libvirt
 from capsule.errors import RuntimeFailure
 from capsule.lifecycle import instances
 from capsule.runtime import qmp
+from capsule.runtime.connection import postcopy_failed
 from capsule.store import Store
 
 RETRY = 3.0                 # seconds between two attempts to resume
@@ -44,15 +45,6 @@ class PostcopyLost(RuntimeFailure):
     """The link broke during post-copy and did not return within the recover timeout."""
 
     code = "postcopy_lost"
-
-
-def failed_postcopy(dom: libvirt.virDomain) -> bool:
-    """Whether libvirt holds ``dom`` (here, the source) in a post-copy that lost its link."""
-    try:
-        state, reason = dom.state()
-    except libvirt.libvirtError:
-        return False
-    return bool(state == libvirt.VIR_DOMAIN_PAUSED and reason == libvirt.VIR_DOMAIN_PAUSED_POSTCOPY_FAILED)
 
 
 def resume(dom: libvirt.virDomain, attempt: Callable[[], None], *, timeout: float, say: Callable[[str], None],
@@ -69,7 +61,7 @@ def resume(dom: libvirt.virDomain, attempt: Callable[[], None], *, timeout: floa
         if time.monotonic() >= deadline:
             raise PostcopyLost(f"the link to the other host did not return within {timeout:.0f} s of post-copy "
                                f"({attempts} attempts to resume; the last: {last})")
-        if not failed_postcopy(dom):
+        if not postcopy_failed(dom, incoming=False):
             raise RuntimeFailure("the post-copy cannot be resumed: the guest here is no longer waiting for it "
                                  f"(libvirt: {_state(dom)})")
         attempts += 1
@@ -167,4 +159,4 @@ def start_here(store: Store, name: str, say: Callable[[str], None]) -> str:
     return ref
 
 
-__all__ = ["NOTE", "PostcopyLost", "failed_postcopy", "resume", "start_here"]
+__all__ = ["NOTE", "PostcopyLost", "resume", "start_here"]

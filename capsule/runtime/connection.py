@@ -53,6 +53,25 @@ def lookup_domain(name: str) -> libvirt.virDomain | None:
         raise
 
 
+def state_of(dom: libvirt.virDomain) -> tuple[int, int] | None:
+    """libvirt's (state, reason) of ``dom``; None when libvirt cannot say (the domain went away)."""
+    try:
+        state, reason = dom.state()
+    except libvirt.libvirtError:
+        return None
+    return state, reason
+
+
+def postcopy_failed(dom: libvirt.virDomain, *, incoming: bool) -> bool:
+    """Whether libvirt holds ``dom`` in a post-copy that lost its link: at the source paused (post-copy failed); at
+    the destination (``incoming``) running or paused (post-copy failed), its vCPUs waiting on pages still at the
+    source."""
+    failed = [(libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_POSTCOPY_FAILED)]
+    if incoming:
+        failed.append((libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_POSTCOPY_FAILED))
+    return state_of(dom) in failed
+
+
 def host_uuid() -> str | None:
     """libvirt's host UUID here (``<host><uuid>`` of its capabilities: ``host_uuid`` in libvirtd.conf, else the
     machine's SMBIOS UUID), lower case; None when libvirt does not answer or names none."""
