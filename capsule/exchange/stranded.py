@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def tick(store: Store, now: float | None = None) -> list[str]:
                 _write(path, mark)
             continue
         since = mark.get(SINCE)
-        if not isinstance(since, (int, float)):
+        if not isinstance(since, (int, float)) or not math.isfinite(since) or since > now:
             mark[SINCE] = now
             _write(path, mark)
             log.warning("the post-copy of %s lost its link: it is removed here unless it resumes within %.0f s",

@@ -79,6 +79,10 @@ def test_a_stranded_half_waits_the_sources_timeout_and_its_margin_then_goes(home
         # within the source's 20 s and the margin: kept, its source may still resume it
         assert stranded.tick(store, now=1000.0 + 20 + stranded.MARGIN - 1) == [] and d.exists()
         assert not dom.destroyed
+        for bad in (float("nan"), 10**12):        # a mark that makes no sense starts the wait again, never ends it
+            (d / incoming.MARK).write_text(json.dumps(_mark(d) | {stranded.SINCE: bad}))
+            assert stranded.tick(store, now=5000.0) == [] and _mark(d)[stranded.SINCE] == 5000.0
+        (d / incoming.MARK).write_text(json.dumps(_mark(d) | {stranded.SINCE: 1000.0}))
         assert stranded.tick(store, now=1000.0 + 20 + stranded.MARGIN + 1) == [SECRET]
         assert dom.destroyed and not d.exists() and store.catalogue.instance(SECRET) is None
     finally:
