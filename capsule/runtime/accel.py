@@ -49,6 +49,9 @@ def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str,
         return False, "/dev/kvm does not exist"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False, "/dev/kvm is not accessible"
+    missing = [str(f) for f in (kernel, initrd) if not f.is_file()]
+    if missing:
+        return False, f"the KVM probe's kernel or initrd is missing ({', '.join(missing)})"
     name = f"capsule-kvm-probe-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="capsule-probe-") as tmp:
         log = Path(tmp) / "console.log"
