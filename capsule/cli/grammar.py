@@ -83,6 +83,7 @@ VERBS: dict[str, tuple[str, frozenset[str]]] = {
               frozenset({"repo"})),
     "forget": ("drop a version from a repository (prune frees its blocks)", frozenset({"repo"})),
     "unlock": ("remove a repository's locks of pushes and prunes that died", frozenset({"repo"})),
+    "upgrade": ("make a repository the newest format (what is stored stays as it is)", frozenset({"repo"})),
     "gc": ("collect unreferenced objects", frozenset({TOP})),
     "verify": ("re-hash stored objects against their digests", frozenset({TOP, "backup"})),
     "doctor": ("check this host", frozenset({TOP})),

@@ -1,5 +1,5 @@
 """CLI verbs for capsule repositories on S3-compatible object storage: repo init, ls, check, stats, prune,
-push, restore, forget, and repo key add, rm, ls. Each is one library call (capsule.repo)."""
+upgrade, push, restore, forget, and repo key add, rm, ls. Each is one library call (capsule.repo)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,20 @@ def prune(url: Url, dry_run: Annotated[bool, typer.Option("--dry-run", help="Say
     emit(r, lambda: console.print(
         f"{'would free' if dry_run else 'freed'} {human(max(0, r['bytes_freed']))}: {r['packs_deleted']} pack(s) "
         f"deleted, {r['packs_repacked']} repacked into {r['packs_written']}"))
+
+
+@app.command(rich_help_panel=REPO)
+def upgrade(url: Url, key_file: KeyFile = None, json: JsonOpt = False) -> None:
+    """Make a format-1 repository format 2, where new blocks are stored 16 neighbours to a blob.
+
+    Format 2 stores less: neighbouring blocks compress together, and one seal and one header entry serve
+    16 blocks. Nothing stored is rewritten; new pushes write format 2. A Capsule that reads only format 1
+    refuses the repository afterwards, so upgrade Capsule on every host that uses it first. It runs
+    alone in the repository, under its exclusive lock."""
+    json_flag(json)
+    r = _open(url, key_file).upgrade()
+    emit(r, lambda: console.print(f"{r['url']}: format {r['from']} → {r['format']}" if r["upgraded"]
+                                  else f"{r['url']} is format {r['format']} already"))
 
 
 @app.command(rich_help_panel=REPO)

@@ -11,7 +11,18 @@ from typing import Any
 
 from capsule.errors import CapsuleError, IntegrityError, NotFound
 from capsule.names import parse_ref
-from capsule.repo.format import Entry, PackWriter, encode_index, new_id, open_blob, pack_name, read_pack_header
+from capsule.repo.format import (
+    Entry,
+    PackWriter,
+    Place,
+    Range,
+    blobs_of,
+    encode_index,
+    new_id,
+    open_range,
+    pack_name,
+    read_pack_header,
+)
 from capsule.repo.repository import Repository
 from capsule.repo.restore import read_manifest
 from hashcache.blocks import BLOCK_SIZE, hash_block
@@ -67,7 +78,8 @@ def stats(repo: Repository) -> dict[str, Any]:
     index, _ = repo.load_index()
     _users, _h, _p, raw = _used(repo)
     stored = sum(n for _c, n in totals.values())
-    return {"url": repo.location.url, "versions": totals["versions"][0], "packs": totals["packs"][0],
+    return {"url": repo.location.url, "format": repo.config.get("format"), "versions": totals["versions"][0],
+            "packs": totals["packs"][0],
             "pack_bytes": totals["packs"][1], "indexes": totals["index"][0], "manifests": totals["manifests"][0],
             "keys": totals["keys"][0], "blocks": len(index), "stored_bytes": stored,
             "referenced_raw_bytes": raw, "dedup_ratio": round(raw / stored, 3) if stored else 0.0}
@@ -125,10 +137,10 @@ def check(repo: Repository, *, read_data: bool = False) -> CheckReport:
                     report.read_bytes += len(data)
                     header = read_pack_header(repo.key, pack, data)
                     for bid, entry in by_pack[pack].items():
-                        if header.get(bid) != (entry.offset, entry.length):
+                        if header.get(bid) != entry.place:
                             raise IntegrityError(f"pack {pack}: its header and the index disagree")
-                        block = open_blob(repo.key, bid, data[entry.offset:entry.offset + entry.length],
-                                          f"a block in pack {pack}", BLOCK_SIZE)
+                    whole = Range(pack, 0, len(data), tuple(by_pack[pack].items()))
+                    for bid, block in open_range(repo.key, whole, data, f"a block in pack {pack}").items():
                         if bid in hashes and hash_block(block) != hashes[bid]:
                             raise IntegrityError(f"pack {pack}: a block does not match its hash")
                 except (IntegrityError, struct.error) as exc:
@@ -171,13 +183,15 @@ def prune(repo: Repository, *, dry_run: bool = False) -> dict[str, Any]:
         missing = [bid for bid in users if bid not in index or index[bid].pack not in packs]
         if missing:
             raise IntegrityError(f"prune refused: {len(missing)} used block(s) are missing (`capsule repo check`)")
-        keep: dict[str, dict[bytes, tuple[int, int]]] = {}
+        keep: dict[str, dict[bytes, Place]] = {}
         drop: list[str] = [p for p in packs if p not in by_pack]        # a dead writer's, never indexed
-        repack: dict[str, list[bytes]] = {}
+        repack: dict[str, list[tuple[tuple[int, int], dict[bytes, int]]]] = {}
         for pack, entries in by_pack.items():
-            used = [bid for bid in entries if bid in users]
-            if len(used) == len(entries):
-                keep[pack] = {bid: (e.offset, e.length) for bid, e in entries.items()}
+            places = {bid: e.place for bid, e in entries.items()}
+            blobs = blobs_of(places)
+            used = [(at, members) for at, members in blobs.items() if any(bid in users for bid in members)]
+            if len(used) == len(blobs):        # a blob is kept whole while any of its blocks is used
+                keep[pack] = places
             else:
                 drop.append(pack)
                 if used:
@@ -199,11 +213,10 @@ def prune(repo: Repository, *, dry_run: bool = False) -> dict[str, Any]:
                 out["bytes_freed"] -= len(body)
                 writer = PackWriter(repo.key)
 
-        for pack, bids in repack.items():
+        for pack, used_blobs in repack.items():
             data = repo.client.get(repo.location.key(pack_name(pack)))
-            for bid in bids:
-                e = index[bid]
-                writer.add_sealed(bid, data[e.offset:e.offset + e.length])
+            for (off, n), members in used_blobs:
+                writer.add_sealed(members, data[off:off + n])
                 if writer.size >= repo.pack_size:
                     flush()
         flush()

@@ -14,7 +14,9 @@ What it needs sits beside the remote layer's manifest, written before the disk s
   keyed block id and where its blob is (pack, offset, length), so the disk server reads no repository index.
 
 A read is grouped into ranged GETs (neighbouring blobs of a pack in one GET, :func:`capsule.repo.format.ranges`),
-fetched a few at a time, each blob opened (AES-GCM with its block id as associated data) and decompressed.
+fetched a few at a time, each blob opened (AES-GCM) and decompressed, each block checked against its keyed id.
+A format-2 blob holds up to 16 neighbouring blocks: the last :data:`CACHED_BLOBS` opened are kept, so the
+guest's next read of a neighbour costs no second GET.
 A pack a prune has removed since (its blobs repacked elsewhere) makes the source read the repository's indexes
 again and retry from the blobs' new places."""
 
@@ -26,27 +28,29 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from capsule.errors import AuthFailed, Error, IntegrityError, NotFound, Unreachable
 from capsule.repo.crypto import MasterKey
-from capsule.repo.format import Entry, Range, open_blob, pack_name, ranges
+from capsule.repo.format import SINGLE, Entry, Range, block_of, open_range, pack_name, ranges
 from capsule.repo.repository import Repository
 from capsule.repo.s3 import Credentials, S3Client, parse_url
 from diskserver.chain.spec import RetrySpec
 from diskserver.errors import SourceError, SourceUnavailable
 from diskserver.source import ReadResult
 from hashcache.atomic import write_atomic
-from hashcache.blocks import BLOCK_SIZE
 from hashcache.manifest import Manifest
 
 OPENER = "capsule.repo.pagein:open_source"
 SECRET_FORMAT = 1
-PLACES_MAGIC = b"CPL1"
-PLACE = struct.Struct("<Q32s16sII")    # block index, block id, pack id, blob offset, blob length
+PLACES_MAGIC, PLACES1_MAGIC = b"CPL2", b"CPL1"
+PLACE = struct.Struct("<Q32s16sIIh")   # block index, block id, pack id, blob offset, blob length, slot
+PLACE1 = struct.Struct("<Q32s16sII")   # CPL1, a Capsule before format 2's blobs: no slot
 GET_HEADERS = 1024                     # request and answer headers of one ranged GET, roughly (SigV4 is wordy)
 PARALLEL_GETS = 4
+CACHED_BLOBS = 256                     # opened format-2 blobs kept (at most 64 KiB each by default)
 
 
 def secret_text(repo: Repository) -> str:
@@ -74,7 +78,7 @@ def write_places(path: Path, manifest: Manifest, key: MasterKey, index: dict[byt
         if entry is None:
             missing += 1
             continue
-        parts.append(PLACE.pack(i, bid, bytes.fromhex(entry.pack), entry.offset, entry.length))
+        parts.append(PLACE.pack(i, bid, bytes.fromhex(entry.pack), entry.offset, entry.length, entry.slot))
     if missing:
         raise IntegrityError(f"layer {manifest.digest[:12]}: {missing} of its blocks are in no index of the "
                              "repository (`capsule repo check`)")
@@ -89,9 +93,16 @@ def read_places(path: Path) -> dict[int, tuple[bytes, Entry]]:
         raise SourceError(f"the places of a layer paged from a repository ({path}) cannot be read: "
                           f"{exc.strerror}; start the version again with `capsule start NAME@V --from URL`") from exc
     body = data[len(PLACES_MAGIC):]
+    if data.startswith(PLACES1_MAGIC) and not len(body) % PLACE1.size:
+        return {i: (bid, Entry(pack.hex(), off, n)) for i, bid, pack, off, n in PLACE1.iter_unpack(body)}
     if not data.startswith(PLACES_MAGIC) or len(body) % PLACE.size:
         raise SourceError(f"{path} is not a layer's places file (truncated or foreign)")
-    return {i: (bid, Entry(pack.hex(), off, n)) for i, bid, pack, off, n in PLACE.iter_unpack(body)}
+    out = {}
+    for i, bid, pack, off, n, slot in PLACE.iter_unpack(body):
+        if slot < SINGLE:
+            raise SourceError(f"{path} is not a layer's places file (a slot of {slot})")
+        out[i] = (bid, Entry(pack.hex(), off, n, slot))
+    return out
 
 
 def _read_secret(url: str, secret_file: str) -> tuple[MasterKey, Credentials, str | None]:
@@ -127,6 +138,7 @@ class RepoSource:
         self._places: dict[str, dict[int, tuple[bytes, Entry]]] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._blobs: OrderedDict[tuple[str, int], bytes] = OrderedDict()    # (pack, offset) → content
 
     def __repr__(self) -> str:
         return f"RepoSource({self.url!r})"
@@ -153,7 +165,7 @@ class RepoSource:
                               "holds for it") from None
         got: dict[bytes, bytes] = {}
         wire = attempts = 0
-        todo = ranges(wanted)
+        todo = ranges(self._from_cache(layer_id, wanted, got))
         for round_ in range(2):
             results = self._get_all(layer_id, todo)
             moved = []
@@ -164,8 +176,7 @@ class RepoSource:
                 data, tries = outcome
                 wire += len(data) + GET_HEADERS * tries
                 attempts += tries
-                for bid, entry in r.items:
-                    got[bid] = self._open(layer_id, r, data, bid, entry)
+                got.update(self._open(layer_id, r, data))
             if not moved:
                 break
             if round_:
@@ -174,12 +185,35 @@ class RepoSource:
             todo = self._relocate(layer_id, moved)
         return ReadResult([got[bid] for bid, _entry in wanted], wire, attempts)
 
-    def _open(self, layer_id: str, r: Range, data: bytes, bid: bytes, entry: Entry) -> bytes:
+    def _from_cache(self, layer_id: str, wanted: list[tuple[bytes, Entry]], got: dict[bytes, bytes]
+                    ) -> list[tuple[bytes, Entry]]:
+        """Take what opened blobs hold into ``got``; the rest, still to fetch."""
+        rest = []
+        for bid, entry in wanted:
+            with self._lock:
+                content = self._blobs.get((entry.pack, entry.offset)) if entry.slot != SINGLE else None
+            if content is None:
+                rest.append((bid, entry))
+                continue
+            try:
+                got[bid] = block_of(self.repo.key, bid, content, entry.slot, f"a block of layer {layer_id[:12]}")
+            except IntegrityError as exc:
+                raise SourceError(f"source {self.url}: {exc}") from exc
+        return rest
+
+    def _open(self, layer_id: str, r: Range, data: bytes) -> dict[bytes, bytes]:
+        opened: dict[int, bytes] = {}
         try:
-            return open_blob(self.repo.key, bid, r.blob(data, entry), f"a block of layer {layer_id[:12]} in pack "
-                             f"{r.pack}", BLOCK_SIZE)
+            blocks = open_range(self.repo.key, r, data, f"a block of layer {layer_id[:12]} in pack {r.pack}", opened)
         except IntegrityError as exc:
             raise SourceError(f"source {self.url}: {exc}") from exc
+        with self._lock:
+            for offset, content in opened.items():
+                self._blobs[(r.pack, offset)] = content
+                self._blobs.move_to_end((r.pack, offset))
+            while len(self._blobs) > CACHED_BLOBS:
+                self._blobs.popitem(last=False)
+        return blocks
 
     def _get_all(self, layer_id: str, todo: list[Range]) -> list[tuple[bytes, int] | NotFound]:
         if len(todo) == 1:

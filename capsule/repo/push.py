@@ -8,7 +8,6 @@ then the version record, in that order — a record is visible only once everyth
 from __future__ import annotations
 
 import socket
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,7 +17,16 @@ import zstandard
 
 from capsule.capsules import resolve
 from capsule.errors import Conflict, IntegrityError, NotFound
-from capsule.repo.format import Entry, PackWriter, encode_index, is_id, pack_name, read_pack_header_only
+from capsule.repo.format import (
+    Entry,
+    PackWriter,
+    Place,
+    encode_index,
+    is_id,
+    pack_name,
+    pack_trailer,
+    read_pack_header_only,
+)
 from capsule.repo.repository import Lock, Repository
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest
@@ -66,15 +74,36 @@ class _Session:
         self.report = report
         self.progress = progress
         self.pack = PackWriter(repo.key)
-        self.packs: dict[str, dict[bytes, tuple[int, int]]] = {}
+        self.packs: dict[str, dict[bytes, Place]] = {}
+        self.group_size = repo.blob_blocks
+        self.group: list[tuple[bytes, bytes]] = []
 
     def add(self, block_id: bytes, data: bytes) -> None:
-        self.pack.add(block_id, data)
+        """One new block; neighbours are gathered into one blob (format 2) until :meth:`end_group`."""
         self.known.add(block_id)
+        if self.group_size == 1:
+            self.pack.add(block_id, data)
+        else:
+            self.group.append((block_id, data))
+            if len(self.group) < self.group_size:
+                return
+            self._seal_group()
+        if self.pack.size >= self.repo.pack_size:
+            self.flush()
+
+    def _seal_group(self) -> None:
+        if self.group:
+            self.pack.add_group(self.group)
+            self.group = []
+
+    def end_group(self) -> None:
+        """Seal the blocks gathered so far (an object's last ones: a blob holds one object's blocks)."""
+        self._seal_group()
         if self.pack.size >= self.repo.pack_size:
             self.flush()
 
     def flush(self) -> None:
+        self._seal_group()
         if not len(self.pack):
             return
         body = self.pack.finish()
@@ -109,6 +138,7 @@ def _push_object(session: _Session, store: Store, kind: str, oid: str) -> bytes:
                 session.add(bid, data)
                 report.blocks_new += 1
                 report.new_bytes += BLOCK_SIZE
+    session.end_group()
     return manifest.to_bytes()
 
 
@@ -124,10 +154,9 @@ def adopt_unindexed(repo: Repository, index: dict[bytes, Entry], session: _Sessi
             continue
         try:
             key = repo.location.key(name)
-            (hlen,) = struct.unpack("<I", repo.client.get(key, size - 4, 4))
-            if hlen > size - 4:
-                continue
-            header = read_pack_header_only(repo.key, pack, repo.client.get(key, size - 4 - hlen, hlen), size - 4 - hlen)
+            tail = min(8, size)
+            start, hlen = pack_trailer(repo.client.get(key, size - tail, tail), size, pack)
+            header = read_pack_header_only(repo.key, pack, repo.client.get(key, start, hlen), start)
         except (IntegrityError, NotFound):
             continue      # damaged, or gone since the listing: `repo check` and prune deal with it
         session.packs[pack] = header

@@ -16,10 +16,11 @@ import zstandard
 
 from capsule.errors import AlreadyExists, AuthFailed, Conflict, Error, IntegrityError, NotFound, Unreachable
 from capsule.repo import crypto
-from capsule.repo.format import PACK_SIZE, Entry, decode_index, is_id, new_id
+from capsule.repo.format import BLOB_BLOCKS, MAX_BLOB_BLOCKS, PACK_SIZE, Entry, decode_index, is_id, new_id
 from capsule.repo.s3 import Location, S3Client, credentials_from_environment, parse_url
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)       # what this Capsule reads (and writes, as the config says)
 STALE_LOCK_SECONDS = 30 * 60     # a lock not refreshed for this long is a dead writer's (restic's rule)
 REFRESH_LOCK_SECONDS = 5 * 60
 MAX_RECORD_BYTES = 64 * 1024 * 1024
@@ -67,12 +68,25 @@ class Repository:
     def pack_size(self) -> int:
         return int(self.config.get("pack_size", PACK_SIZE))
 
+    @property
+    def blob_blocks(self) -> int:
+        """Blocks a new blob holds: 1 in a format-1 repository (one block a blob, sealed with its id)."""
+        if self.config.get("format") == 1:
+            return 1
+        value = self.config.get("blob_blocks", BLOB_BLOCKS)
+        if type(value) is not int or not 1 <= value <= MAX_BLOB_BLOCKS:
+            raise IntegrityError(f"{self.location.url}: its config's blob_blocks {value!r} is not 1 to "
+                                 f"{MAX_BLOB_BLOCKS}")
+        return value
+
     # -- making and opening --------------------------------------------------------
     @classmethod
-    def init(cls, client: S3Client, secret: bytes, *, pack_size: int = PACK_SIZE, scrypt_n: int = crypto.SCRYPT_N
-             ) -> Repository:
+    def init(cls, client: S3Client, secret: bytes, *, pack_size: int = PACK_SIZE, blob_blocks: int = BLOB_BLOCKS,
+             scrypt_n: int = crypto.SCRYPT_N, fmt: int = FORMAT) -> Repository:
         """A new repository at the client's location (the bucket is made if missing); AlreadyExists if one is
-        there."""
+        there. ``fmt`` 1 makes one that Capsules before format 2 can use too."""
+        if fmt not in FORMATS:
+            raise ValueError(f"repository format {fmt} is not one of {FORMATS}")
         if not client.bucket_exists():
             client.create_bucket()
         loc = client.location
@@ -81,7 +95,9 @@ class Repository:
         master = crypto.MasterKey.new()
         key_id = new_id()
         client.put(loc.key(f"keys/{key_id}"), crypto.seal_master(master, secret, key_id, n=scrypt_n))
-        config = {"format": FORMAT, "id": new_id(), "created": time.time(), "pack_size": pack_size}
+        config = {"format": fmt, "id": new_id(), "created": time.time(), "pack_size": pack_size}
+        if fmt >= 2:
+            config["blob_blocks"] = blob_blocks
         repo = cls(client, master, key_id, config)
         repo.put_json("config", config)   # last: a repository exists once it has one
         return repo
@@ -100,11 +116,24 @@ class Repository:
             if master is not None:
                 repo = cls(client, master, key_id, {})
                 repo.config = repo.get_json("config", "the repository's config")
-                if repo.config.get("format") != FORMAT:
-                    raise IntegrityError(f"{loc.url}: repository format {repo.config.get('format')} is not "
-                                         f"{FORMAT}, the one this Capsule reads")
+                if repo.config.get("format") not in FORMATS:
+                    raise IntegrityError(f"{loc.url}: repository format {repo.config.get('format')} is not one "
+                                         f"this Capsule reads ({', '.join(map(str, FORMATS))}): upgrade Capsule")
                 return repo
         raise AuthFailed(f"wrong passphrase or key file: no key of the repository at {loc.url} opens with it")
+
+    def upgrade(self) -> dict[str, Any]:
+        """Make a format-1 repository format 2: new blobs hold up to :data:`BLOB_BLOCKS` blocks compressed
+        together. Nothing already stored is rewritten (this Capsule reads both); a Capsule that reads only
+        format 1 refuses the repository from then on, so upgrade every host first. Under the exclusive lock."""
+        before = self.config.get("format")
+        if before == FORMAT:
+            return {"url": self.location.url, "format": FORMAT, "upgraded": False}
+        with self.lock(exclusive=True):
+            config = dict(self.config, format=FORMAT, blob_blocks=BLOB_BLOCKS, upgraded=time.time())
+            self.put_json("config", config)     # one PUT: readers see the old config or the new, whole
+            self.config = config
+        return {"url": self.location.url, "format": FORMAT, "from": before, "upgraded": True}
 
     # -- sealed objects ------------------------------------------------------------
     def put_sealed(self, name: str, data: bytes) -> int:

@@ -15,13 +15,13 @@ import zstandard
 
 from capsule.errors import IntegrityError, NotFound, Unreachable
 from capsule.names import parse_ref
-from capsule.repo.format import Entry, open_blob, pack_name, ranges
+from capsule.repo.format import Entry, open_range, pack_name, ranges
 from capsule.repo.repository import Repository
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
 from capsule.store.objectio import has_object, install_received, object_path, open_shadow
 from capsule.transfer.records import record_version, validate
-from hashcache.blocks import BLOCK_SIZE, hash_block
+from hashcache.blocks import hash_block
 from hashcache.errors import HashcacheError
 from hashcache.manifest import Manifest
 
@@ -90,8 +90,8 @@ def fetch_blocks(repo: Repository, wanted: dict[bytes, Entry], accept: Callable[
             raise IntegrityError(f"pack {r.pack} is missing from the repository (`capsule repo check` names "
                                  "the versions that need it)") from exc
         got += len(data)
-        for bid, entry in r.items:
-            accept(bid, open_blob(repo.key, bid, r.blob(data, entry), f"a block in pack {r.pack}", BLOCK_SIZE))
+        for bid, block in open_range(repo.key, r, data, f"a block in pack {r.pack}").items():
+            accept(bid, block)
     return got
 
 

@@ -24,7 +24,7 @@ import pytest
 from capsule import capsules, watch
 from capsule.lifecycle import demand
 from capsule.repo import instant
-from capsule.repo.format import PackWriter, encode_index, new_id, pack_name, read_pack_header
+from capsule.repo.format import PackWriter, Place, blobs_of, encode_index, new_id, pack_name, read_pack_header
 from capsule.repo.push import push
 from capsule.repo.repository import Repository
 from capsule.repo.s3 import Credentials, S3Client, parse_url
@@ -96,12 +96,12 @@ def _repack(repo: Repository) -> None:
     """What a prune does to a partly used pack: its blobs copied, still sealed, into a new pack, one new index
     replacing the old ones, then the old packs deleted."""
     index, names = repo.load_index()
-    new: dict[str, dict[bytes, tuple[int, int]]] = {}
+    new: dict[str, dict[bytes, Place]] = {}
     for pack in sorted({e.pack for e in index.values()}):
         data = repo.client.get(repo.location.key(pack_name(pack)))
         writer = PackWriter(repo.key)
-        for bid, (off, n) in read_pack_header(repo.key, pack, data).items():
-            writer.add_sealed(bid, data[off:off + n])
+        for (off, n), members in blobs_of(read_pack_header(repo.key, pack, data)).items():
+            writer.add_sealed(members, data[off:off + n])
         repo.client.put(repo.location.key(pack_name(writer.id)), writer.finish())
         new[writer.id] = writer.entries
     repo.put_sealed(f"index/{new_id()}", encode_index(new))

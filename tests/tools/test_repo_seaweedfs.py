@@ -18,7 +18,7 @@ import pytest
 from capsule import capsules
 from capsule.errors import AuthFailed, Conflict, Error
 from capsule.repo import maintain
-from capsule.repo.format import pack_name
+from capsule.repo.format import PACK2_MAGIC, pack_name
 from capsule.repo.push import push
 from capsule.repo.repository import Repository
 from capsule.repo.restore import restore
@@ -122,20 +122,23 @@ def test_nothing_in_the_bucket_is_readable(seaweed, stores):
         assert not any(n in body for n in needles), f"{key} holds plaintext"
 
 
-def test_forget_prune_and_check_name_bad_packs(seaweed, stores):
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_forget_prune_and_check_name_bad_packs(seaweed, stores, fmt):
     a, b, (one, two) = stores
-    url = seaweed.url("prune", "repo")
-    repo = Repository.init(_client(seaweed, "prune"), PASS)
+    bucket = f"prune{fmt}"
+    url = seaweed.url(bucket, "repo")
+    repo = Repository.init(_client(seaweed, bucket), PASS, fmt=fmt)
     push(a, one, repo)
     push(a, two, repo)
     before = maintain.stats(repo)
-    maintain.forget(repo, one)
+    maintain.forget(repo, two)
     pruned = maintain.prune(repo)
     after = maintain.stats(repo)
-    # one's 8 blocks that two does not share are gone: their packs were repacked without them
+    # two's 8 blocks that one does not share are gone: their pack was repacked without them (in format 2
+    # they are one blob of their own: a blob goes when none of its blocks is used)
     assert pruned["packs_repacked"] >= 1 and after["blocks"] == before["blocks"] - CHANGED
     assert after["versions"] == 1 and maintain.check(repo, read_data=True).ok
-    assert restore(b, two, repo).recorded
+    assert restore(b, one, repo).recorded
 
     index, _ = repo.load_index()
     packs = sorted({e.pack for e in index.values()})
@@ -152,13 +155,47 @@ def test_forget_prune_and_check_name_bad_packs(seaweed, stores):
                            timeout=120)
     assert quick.returncode == 6, quick.stderr
     report = json.loads(quick.stdout)
-    assert list(report["bad_packs"]) == [packs[1]] and report["bad_packs"][packs[1]] == [two]
+    assert list(report["bad_packs"]) == [packs[1]] and report["bad_packs"][packs[1]] == [one]
     full = subprocess.run([*cli, "repo", "check", url, "--read-data", "--json"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert full.returncode == 6
     report = json.loads(full.stdout)
     assert sorted(report["bad_packs"]) == sorted(packs[:2])
-    assert any(packs[0] in e and "damaged" in e and two in e for e in report["errors"])
+    assert any(packs[0] in e and "damaged" in e and one in e for e in report["errors"])
+
+
+def test_a_format_1_repository_upgraded_keeps_its_packs_and_stores_new_blocks_in_groups(seaweed, stores):
+    a, b, (one, two) = stores
+    url = seaweed.url("upgrade", "repo")
+    repo = Repository.init(_client(seaweed, "upgrade"), PASS, fmt=1)
+    first = push(a, one, repo)
+    raw = _client(seaweed, "upgrade", "")
+    old = {k: raw.get(k) for k, _ in raw.list("repo/packs/")}
+    assert old and not any(body.endswith(PACK2_MAGIC) for body in old.values())
+
+    env = dict(os.environ, **seaweed.env(), CAPSULE_REPO_PASSPHRASE=PASS.decode(), CAPSULE_HOME=str(a.home))
+    cli = [sys.executable, "-m", "capsule.cli.main", "repo", "upgrade", url, "--json"]
+    done = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"url": url, "format": 2, "from": 1, "upgraded": True}
+    repo = Repository.open(_client(seaweed, "upgrade"), PASS)
+    second = push(a, two, repo)
+    assert second.blocks_new == CHANGED
+    new = {k: raw.get(k) for k, _ in raw.list("repo/packs/") if k not in old}
+    assert len(new) == 1 and next(iter(new.values())).endswith(PACK2_MAGIC)
+    assert {k: raw.get(k) for k in old} == old                    # nothing stored was rewritten
+    assert maintain.check(repo, read_data=True).ok and maintain.stats(repo)["format"] == 2
+
+    got = restore(b, two, repo)                   # blocks from both kinds of pack
+    va, vb = a.catalogue.latest_version("two"), b.catalogue.latest_version("two")
+    assert got.recorded and b.file_path(vb.memory).read_bytes() == a.file_path(va.memory).read_bytes()
+    maintain.forget(repo, two)
+    maintain.prune(repo)
+    assert maintain.check(repo, read_data=True).ok and len(repo.load_index()[0]) == first.blocks_new
+
+    fresh = push(a, one, Repository.init(_client(seaweed, "upgrade2"), PASS))
+    print(f"\n{one} stored in format 1: {first.uploaded_bytes} B; in format 2: {fresh.uploaded_bytes} B")
+    assert fresh.blocks_new == first.blocks_new and fresh.uploaded_bytes < first.uploaded_bytes
 
 
 def test_cli_init_push_keys_and_wrong_passphrase(seaweed, stores, tmp_path):

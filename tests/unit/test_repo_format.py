@@ -7,14 +7,30 @@ from __future__ import annotations
 
 import contextlib
 import random
+import struct
 
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capsule.errors import AlreadyExists, AuthFailed, Conflict, IntegrityError, InvalidName, NotFound
 from capsule.repo import crypto
-from capsule.repo.format import PackWriter, decode_index, encode_index, open_blob, read_pack_header
+from capsule.repo.format import (
+    NO_ID,
+    PACK2_MAGIC,
+    SINGLE,
+    Entry,
+    PackWriter,
+    Place,
+    Range,
+    blobs_of,
+    decode_index,
+    encode_index,
+    open_blob,
+    open_range,
+    read_pack_header,
+)
 from capsule.repo.repository import Repository
 from capsule.repo.s3 import Location, parse_url
 from hashcache.blocks import hash_block
@@ -22,6 +38,7 @@ from hashcache.blocks import hash_block
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 FAST_N = 2**10     # scrypt's cost in these tests (the default is 2**15)
+_KEY = crypto.MasterKey.new()
 
 
 class MemoryBucket:
@@ -102,10 +119,11 @@ def test_pack_round_trip_and_a_flipped_byte_is_refused():
     body = writer.finish()
     header = read_pack_header(key, writer.id, body)
     assert header == writer.entries
-    for bid, (off, n) in header.items():
-        assert open_blob(key, bid, body[off:off + n], "blob", 4096) == blocks[bid]
+    assert not body.endswith(PACK2_MAGIC)           # single blobs only: a pack format 1 reads
+    for bid, (off, n, slot) in header.items():
+        assert slot == SINGLE and open_blob(key, bid, body[off:off + n], "blob", 4096) == blocks[bid]
     assert not any(data in body for data in blocks.values() if len(set(data)) > 1)   # no block in clear
-    bid, (off, n) = next(iter(header.items()))
+    bid, (off, n, _slot) = next(iter(header.items()))
     flipped = bytearray(body[off:off + n])
     flipped[n // 2] ^= 0x40
     with pytest.raises(IntegrityError, match="tampered"):
@@ -118,18 +136,82 @@ def test_pack_round_trip_and_a_flipped_byte_is_refused():
 
 
 def test_index_round_trip():
-    entries = {"ab" * 16: {bytes([i]) * 32: (i * 100, 90) for i in range(5)}, "cd" * 16: {b"\xff" * 32: (0, 50)}}
-    index = decode_index(encode_index(entries), "index x")
+    entries = {"ab" * 16: {bytes([i]) * 32: Place(i * 100, 90) for i in range(5)},
+               "cd" * 16: {b"\xff" * 32: Place(0, 50)}}
+    encoded = encode_index(entries)
+    index = decode_index(encoded, "index x")
     assert len(index) == 6 and index[b"\xff" * 32].pack == "cd" * 16 and index[bytes([3]) * 32].offset == 300
+    assert zstandard.ZstdDecompressor().decompress(encoded).startswith(b"CIX1")   # format 1 where it can be
+
+
+def _group_pack(key, count=40, group=16):
+    rng = random.Random(5)
+    blocks = [rng.randbytes(2048) * 2 if i % 3 else bytes([i]) * 4096 for i in range(count)]
+    ids = [key.block_id(hash_block(b)) for b in blocks]
+    writer = PackWriter(key)
+    writer.add(key.block_id(hash_block(b"s" * 4096)), b"s" * 4096)       # a format-1 blob beside groups
+    for start in range(0, count, group):
+        writer.add_group(list(zip(ids[start:start + group], blocks[start:start + group], strict=True)))
+    return writer, writer.finish(), dict(zip(ids, blocks, strict=True))
+
+
+def test_a_pack_of_groups_round_trips_and_each_block_is_checked_against_its_id():
+    key = crypto.MasterKey.new()
+    writer, body, blocks = _group_pack(key)
+    assert body.endswith(PACK2_MAGIC)
+    header = read_pack_header(key, writer.id, body)
+    assert header == writer.entries and len(header) == 41
+    assert sorted({p.slot for p in header.values()}) == [SINGLE, *range(16)]
+    assert len({(p.offset, p.length) for p in header.values()}) == 4      # 16 + 16 + 8 blocks and the single
+    items = tuple((bid, Entry(writer.id, *p)) for bid, p in header.items())
+    opened: dict[int, bytes] = {}
+    got = open_range(key, Range(writer.id, 0, len(body), items), body, "pack", opened)
+    assert {bid: got[bid] for bid in blocks} == blocks and len(opened) == 3
+    # sixteen blocks compressed together take less than sixteen compressed one by one
+    single = PackWriter(key)
+    for bid, data in blocks.items():
+        single.add(bid, data)
+    assert len(body) < len(single.finish())
+    # a blob's slot pointed at another block (a moved blob, or an index that lies) is caught
+    bid, place = next((b, p) for b, p in header.items() if p.slot == 3)
+    with pytest.raises(IntegrityError, match="not the one its id names"):
+        open_range(key, Range(writer.id, 0, len(body), ((bid, Entry(writer.id, place.offset, place.length, 4)),)),
+                   body, "pack")
+    flipped = bytearray(body)
+    flipped[place.offset + place.length // 2] ^= 1
+    with pytest.raises(IntegrityError, match="tampered"):
+        open_range(key, Range(writer.id, 0, len(body), ((bid, Entry(writer.id, *place)),)), bytes(flipped), "pack")
+
+
+def test_index_of_groups_with_a_hole_and_a_copied_format_1_blob():
+    key = crypto.MasterKey.new()
+    writer, body, blocks = _group_pack(key)
+    places = dict(writer.entries)
+    gone = next(b for b, p in places.items() if p.slot == 2)
+    del places[gone]                                    # listed in another pack by a later index
+    encoded = encode_index({writer.id: places, "cd" * 16: {b"\x01" * 32: Place(0, 77)}})
+    raw = zstandard.ZstdDecompressor().decompress(encoded)
+    assert raw.startswith(b"CIX2") and NO_ID in raw
+    index = decode_index(encoded, "index x")
+    assert gone not in index and len(index) == 41
+    assert {b: e.place for b, e in index.items() if e.pack == writer.id} == places
+    assert index[b"\x01" * 32] == Entry("cd" * 16, 0, 77, SINGLE)
+    copy = PackWriter(key)                              # prune's repacking: blobs moved unopened
+    for (off, n), members in blobs_of(writer.entries).items():
+        copy.add_sealed(members, body[off:off + n])
+    moved = copy.finish()
+    header = read_pack_header(key, copy.id, moved)
+    items = tuple((b, Entry(copy.id, *p)) for b, p in header.items())
+    got = open_range(key, Range(copy.id, 0, len(moved), items), moved, "pack")
+    assert {b: got[b] for b in blocks} == blocks
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=600))
 def test_hostile_index_bytes_raise_integrity_errors_only(data):
-    import zstandard
-
     for candidate in (data, zstandard.ZstdCompressor().compress(data),
-                      zstandard.ZstdCompressor().compress(b"CIX1" + data)):
+                      zstandard.ZstdCompressor().compress(b"CIX1" + data),
+                      zstandard.ZstdCompressor().compress(b"CIX2" + data)):
         with contextlib.suppress(IntegrityError):
             decode_index(candidate, "index x")
 
@@ -137,12 +219,23 @@ def test_hostile_index_bytes_raise_integrity_errors_only(data):
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=400), st.integers(min_value=0, max_value=2**32 - 1))
 def test_hostile_pack_bytes_raise_integrity_errors_only(data, hlen):
-    import struct
-
     key = crypto.MasterKey.new()
-    for candidate in (data, data + struct.pack("<I", hlen), data + struct.pack("<I", min(hlen, len(data)))):
+    for candidate in (data, data + struct.pack("<I", hlen), data + struct.pack("<I", min(hlen, len(data))),
+                      data + struct.pack("<I", min(hlen, len(data))) + PACK2_MAGIC):
         with pytest.raises(IntegrityError):
             read_pack_header(key, "ab" * 16, candidate)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400))
+def test_hostile_format_2_headers_sealed_with_the_key_raise_integrity_errors_only(data):
+    """What a key holder gone wrong could write: a sealed header of any bytes after the CPH2 magic."""
+    key = _KEY
+    sealed = key.seal(b"CPH2" + data, "pack-header/" + "ab" * 16)
+    body = bytes(1000) + sealed + struct.pack("<I", len(sealed)) + PACK2_MAGIC
+    with contextlib.suppress(IntegrityError):
+        for place in read_pack_header(key, "ab" * 16, body).values():
+            assert place.offset + place.length <= 1000 and -1 <= place.slot < 64
 
 
 def test_init_open_and_wrong_passphrase(bucket):
@@ -232,6 +325,7 @@ def test_a_long_push_keeps_its_lock_fresh(bucket, monkeypatch):
 
     repo = _init(bucket)
     monkeypatch.setattr(Repository, "pack_size", property(lambda self: 8192))
+    monkeypatch.setattr(Repository, "blob_blocks", property(lambda self: 2))     # a pack: two random blocks
     writes = []
     with repo.lock() as lock:
         real_put = bucket.put
@@ -250,3 +344,25 @@ def test_credentials_never_show_their_secret():
 
     shown = repr(Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI-secret", "session-token"))
     assert "AKIDEXAMPLE" in shown and "secret" not in shown and "session-token" not in shown
+
+
+def test_a_format_1_repository_is_upgraded_in_place_and_a_newer_format_is_refused(bucket):
+    repo = Repository.init(bucket, b"pass one", scrypt_n=FAST_N, fmt=1)
+    assert repo.blob_blocks == 1 and "blob_blocks" not in repo.config
+    # a push at work: the upgrade waits for it, as prune does
+    with repo.lock(), pytest.raises(Conflict, match="locked"):
+        Repository.open(bucket, b"pass one").upgrade()
+    assert Repository.open(bucket, b"pass one").config["format"] == 1
+    done = repo.upgrade()
+    assert done["upgraded"] and done["from"] == 1 and done["format"] == 2
+    again = Repository.open(bucket, b"pass one")
+    assert again.config["format"] == 2 and again.blob_blocks == 16 and again.config["id"] == repo.config["id"]
+    assert not again.upgrade()["upgraded"]
+    assert not [k for k in bucket.objects if "/locks/" in k]
+    again.put_json("config", dict(again.config, format=3))
+    with pytest.raises(IntegrityError, match="format 3 is not one this Capsule reads.*upgrade Capsule"):
+        Repository.open(bucket, b"pass one")
+    for bad in (0, 65, "16", None):
+        again.put_json("config", dict(again.config, format=2, blob_blocks=bad))
+        with pytest.raises(IntegrityError, match="blob_blocks"):
+            _ = Repository.open(bucket, b"pass one").blob_blocks
