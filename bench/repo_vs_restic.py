@@ -6,8 +6,9 @@ further snapshot, the guest writes ``--disk-mib`` of random data to its disk (a 
 ``--memory-mib`` random file into its RAM-backed /tmp (dropping the one of two steps before), while a
 counter ticks. Each snapshot (``capsule snapshot``: the memory image and the disk's new layer) is stored:
 
-- Capsule's repository (``capsule repo push`` to ``s3+http://…/BUCKET/capsule``): only the 4 KiB blocks
-  the repository lacks, each compressed (zstd) and sealed (AES-256-GCM), in packs of a few MiB;
+- Capsule's repository (``capsule repo push`` to ``s3+http://…/BUCKET/capsule``, format 2): only the 4 KiB
+  blocks the repository lacks, up to 16 neighbours compressed (zstd) and sealed (AES-256-GCM) together as one
+  blob, in packs of a few MiB;
 - restic 0.14 (Debian's; repository format 2, compression ``auto``) to ``s3:…/BUCKET/restic`` on the same
   S3 gateway, backing up the same disk (flattened to a raw image, as a restic user would see it) and the
   same files (the memory image, the kernel and the initrd a Capsule version holds), one ``restic backup``
@@ -26,7 +27,7 @@ Figures per snapshot (bytes; times taken on a shared, loaded machine and only in
   host;
 - the time each store took (restic's excludes flattening the disk, which is shown apart; Capsule's block
   hashes are made when the snapshot is sealed, which ``snapshot_seconds`` holds);
-- ``blob_overhead_bytes`` (Capsule): what its new 4 KiB blocks cost beside their compressed bytes (seal,
+- ``blob_overhead_bytes`` (Capsule): what its new 4 KiB blocks cost beside their compressed bytes (seals,
   codec byte, pack-header and index entries), to read the first, full snapshot's figure by; ``by_folder``
   (both repositories): the bucket's bytes after the snapshot by the folder below the prefix.
 
@@ -76,10 +77,11 @@ BUCKET = "bench-b5"
 PASS = b"b5 benchmark passphrase"
 MB = 1e6
 GOAL_TEN = 1.3
-# what each new 4 KiB block costs the repository beside its (compressed) bytes: the seal (magic, nonce, tag)
-# and codec byte, its entry in its pack's header and in the session's index (block ids are random: the
-# index's zstd cannot shrink them)
-BLOB_OVERHEAD = 4 + 12 + 16 + 1 + 40 + 40
+# what new blocks cost the repository beside their (compressed) bytes (block ids are random: the index's zstd
+# cannot shrink them). Format 2: per blob the seal (magic, nonce, tag), the codec byte and its place in the
+# pack's header and in the session's index; per block its id in both. Format 1: 113 bytes a block.
+BLOB_OVERHEAD = 4 + 12 + 16 + 1 + 10 + 10
+BLOCK_OVERHEAD = 32 + 32
 COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done) >/dev/null 2>&1 &"
 
 
@@ -193,7 +195,8 @@ def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) ->
             row["capsule_repo"] = {"uploaded_bytes": rep.uploaded_bytes, "bucket_growth_bytes": after - before,
                                    "bucket_bytes": after, "bucket_objects": objects, "blocks_new": rep.blocks_new,
                                    "blocks_known": rep.blocks_known, "packs": rep.packs, "seconds": rep.seconds,
-                                   "blob_overhead_bytes": rep.blocks_new * BLOB_OVERHEAD,
+                                   "blobs": rep.blobs,
+                                   "blob_overhead_bytes": rep.blobs * BLOB_OVERHEAD + rep.blocks_new * BLOCK_OVERHEAD,
                                    "new_raw_bytes": rep.new_bytes, "by_folder": bucket_folders(client, "capsule")}
             # restic, the same disk (flattened) and memory image
             t1 = time.monotonic()

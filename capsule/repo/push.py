@@ -48,6 +48,7 @@ class PushReport:
     blocks_known: int = 0         # … already held (in a pack from any host, or earlier in this push)
     raw_bytes: int = 0            # the bytes of ``blocks``
     new_bytes: int = 0            # the bytes of ``blocks_new`` before compression and sealing
+    blobs: int = 0                # sealed blobs holding them (format 2: up to 16 blocks each)
     packs: int = 0
     packs_adopted: int = 0        # unindexed packs of an interrupted push, whose blocks were not sent again
     uploaded_bytes: int = 0       # every object body sent to the store (packs, index, manifests, record, lock)
@@ -83,6 +84,7 @@ class _Session:
         self.known.add(block_id)
         if self.group_size == 1:
             self.pack.add(block_id, data)
+            self.report.blobs += 1
         else:
             self.group.append((block_id, data))
             if len(self.group) < self.group_size:
@@ -94,6 +96,7 @@ class _Session:
     def _seal_group(self) -> None:
         if self.group:
             self.pack.add_group(self.group)
+            self.report.blobs += 1
             self.group = []
 
     def end_group(self) -> None:
