@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def test_a_probe_image_without_its_files_is_answered_tcg_with_the_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(accel.os.path, "exists", lambda p: True if p == "/dev/kvm" else False)
+    monkeypatch.setattr(accel.os.path, "exists", lambda p: p == "/dev/kvm")
     monkeypatch.setattr(accel.os, "access", lambda p, mode: True)
     kernel, initrd = tmp_path / "files" / "k", tmp_path / "files" / "i"
     ok, why = accel.probe_kvm(kernel, initrd, "console=ttyS0", "MARK", timeout=1)
