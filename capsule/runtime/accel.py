@@ -49,9 +49,6 @@ def probe_kvm(kernel: Path, initrd: Path, cmdline: str, marker: str,
         return False, "/dev/kvm does not exist"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False, "/dev/kvm is not accessible"
-    missing = [str(f) for f in (kernel, initrd) if not f.is_file()]
-    if missing:
-        return False, f"the KVM probe's kernel or initrd is missing ({', '.join(missing)})"
     name = f"capsule-kvm-probe-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="capsule-probe-") as tmp:
         log = Path(tmp) / "console.log"
@@ -102,6 +99,10 @@ def decide(cache: Path, probe_image: tuple[Path, Path, str, str] | None, refresh
     if probe_image is None:
         decision = AccelDecision("tcg", "no probe image yet (capsule image build tiny) - using TCG", boot, time.time())
         return decision  # not cached: probe once the image exists
+    missing = [str(f) for f in probe_image[:2] if not Path(f).is_file()]
+    if missing:         # a store that records the image without its files: not cached either
+        return AccelDecision("tcg", f"the KVM probe's kernel or initrd is missing ({', '.join(missing)}) - using "
+                             "TCG", boot, time.time())
     ok, why = probe_kvm(*probe_image)
     decision = AccelDecision("kvm" if ok else "tcg", why, boot, time.time())
     write_atomic(cache, json.dumps(asdict(decision)).encode(), durable=False)
