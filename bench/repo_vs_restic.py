@@ -52,6 +52,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -159,25 +160,83 @@ def step(i: int, disk_mib: int, memory_mib: int) -> str:
             f"rm -f /tmp/m{i - 2}; sync; echo ok")
 
 
+@dataclass
+class ThreeWays:
+    """Where each snapshot of a series is stored: Capsule's repository (``client``'s prefix ``capsule``),
+    restic (prefix ``restic``, fed from ``src``), and HCP to the backup host ``b`` behind ``agent``."""
+
+    client: S3Client
+    repo: Repository
+    restic: Restic
+    src: Path
+    agent: AgentProcess
+    b: Store
+    seen: set[str] = field(default_factory=set)
+
+    @classmethod
+    def make(cls, cluster: SeaweedCluster, work: Path, agent: AgentProcess, b: Store) -> ThreeWays:
+        client = S3Client(parse_url(cluster.url(BUCKET, "capsule")), Credentials(cluster.access_key,
+                                                                                cluster.secret_key))
+        src = work / "restic-src"
+        src.mkdir()
+        return cls(client, Repository.init(client, PASS), Restic(cluster, "restic", work), src, agent, b)
+
+    def store(self, a: Store, v: VersionRow) -> dict[str, Any]:
+        """Store version ``v`` of ``a`` three ways; each way's figures."""
+        client = self.client
+        row: dict[str, Any] = {}
+        before, _ = bucket_bytes(client, "capsule")
+        rep = repo_push(a, v.ref, self.repo)
+        after, objects = bucket_bytes(client, "capsule")
+        row["capsule_repo"] = {"uploaded_bytes": rep.uploaded_bytes, "bucket_growth_bytes": after - before,
+                               "bucket_bytes": after, "bucket_objects": objects, "blocks_new": rep.blocks_new,
+                               "blocks_known": rep.blocks_known, "packs": rep.packs, "seconds": rep.seconds,
+                               "blobs": rep.blobs,
+                               "blob_overhead_bytes": rep.blobs * BLOB_OVERHEAD + rep.blocks_new * BLOCK_OVERHEAD,
+                               "new_raw_bytes": rep.new_bytes, "by_folder": bucket_folders(client, "capsule")}
+        # restic, the same disk (flattened) and memory image
+        t1 = time.monotonic()
+        for k, chain in enumerate(v.chains):
+            disk = self.src / f"disk{k}.raw"
+            disk.unlink(missing_ok=True)
+            qemuimg.flatten_to_raw(a.layer_path(chain[-1]), disk)
+        assert v.memory is not None
+        for fid, role in objects_of(version_record(a, v))[1]:     # the memory image, kernel and initrd
+            (self.src / role).unlink(missing_ok=True)
+            os.link(a.file_path(fid), self.src / role)
+        flatten = time.monotonic() - t1
+        before, _ = bucket_bytes(client, "restic")
+        res = self.restic.backup(self.src)
+        after, objects = bucket_bytes(client, "restic")
+        row["restic"] = {**res, "bucket_growth_bytes": after - before, "bucket_bytes": after,
+                         "by_folder": bucket_folders(client, "restic"),
+                         "bucket_objects": objects, "flatten_seconds": round(flatten, 2)}
+        # HCP to the backup host
+        hcp = transfer.push(a, v.ref, self.agent.url, self.agent.token)
+        row["hcp"] = {"wire_bytes": hcp.wire_bytes, "stored_bytes": host_stored(self.b, v, self.seen),
+                      "seconds": round(hcp.seconds, 2)}
+        row["memory_image_bytes"] = a.file_path(v.memory).stat().st_size
+        print(f"  capsule +{row['capsule_repo']['bucket_growth_bytes'] / MB:.2f} MB ({rep.seconds:.1f} s), "
+              f"restic +{row['restic']['bucket_growth_bytes'] / MB:.2f} MB ({res['seconds']:.1f} s), HCP wire "
+              f"{hcp.wire_bytes / MB:.2f} MB", flush=True)
+        return row
+
+
 def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) -> tuple[list[dict[str, Any]], Any]:
     a, b = image_stores("tiny", work / "a", work / "b")
     agent: AgentProcess | None = None
-    client = S3Client(parse_url(cluster.url(BUCKET, "capsule")), Credentials(cluster.access_key, cluster.secret_key))
+    ways: ThreeWays | None = None
     try:
         b.close()
         agent = AgentProcess(b.home, work / "b.token")
         hosts.add(a, HOST, agent.url, agent.token)   # (b's object paths are read below, closed)
-        repo = Repository.init(client, PASS)
-        restic = Restic(cluster, "restic", work)
-        src = work / "restic-src"
-        src.mkdir()
+        ways = ThreeWays.make(cluster, work, agent, b)
         capsules.create(a, NAME, "tiny", memory=args.memory)
         lifecycle.start(a, NAME, timeout=300)
         with ConsoleSession(a.domain_name(NAME)) as c:
             c.run(COUNTER)
         time.sleep(args.settle)
         rows: list[dict[str, Any]] = []
-        seen: set[str] = set()
         for i in range(args.snapshots + 1):
             if i > 0:
                 with ConsoleSession(a.domain_name(NAME)) as c:
@@ -186,48 +245,14 @@ def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) ->
             sealed, _resumed = lifecycle.snapshot(a, NAME, note=f"b5 snapshot {i}")
             v = sealed.version
             assert v is not None
-            row: dict[str, Any] = {"snapshot": i, "version": v.number,
-                                   "snapshot_seconds": round(time.monotonic() - t0, 2)}
-            # Capsule's repository
-            before, _ = bucket_bytes(client, "capsule")
-            rep = repo_push(a, v.ref, repo)
-            after, objects = bucket_bytes(client, "capsule")
-            row["capsule_repo"] = {"uploaded_bytes": rep.uploaded_bytes, "bucket_growth_bytes": after - before,
-                                   "bucket_bytes": after, "bucket_objects": objects, "blocks_new": rep.blocks_new,
-                                   "blocks_known": rep.blocks_known, "packs": rep.packs, "seconds": rep.seconds,
-                                   "blobs": rep.blobs,
-                                   "blob_overhead_bytes": rep.blobs * BLOB_OVERHEAD + rep.blocks_new * BLOCK_OVERHEAD,
-                                   "new_raw_bytes": rep.new_bytes, "by_folder": bucket_folders(client, "capsule")}
-            # restic, the same disk (flattened) and memory image
-            t1 = time.monotonic()
-            for k, chain in enumerate(v.chains):
-                disk = src / f"disk{k}.raw"
-                disk.unlink(missing_ok=True)
-                qemuimg.flatten_to_raw(a.layer_path(chain[-1]), disk)
-            assert v.memory is not None
-            for fid, role in objects_of(version_record(a, v))[1]:     # the memory image, kernel and initrd
-                (src / role).unlink(missing_ok=True)
-                os.link(a.file_path(fid), src / role)
-            flatten = time.monotonic() - t1
-            before, _ = bucket_bytes(client, "restic")
-            res = restic.backup(src)
-            after, objects = bucket_bytes(client, "restic")
-            row["restic"] = {**res, "bucket_growth_bytes": after - before, "bucket_bytes": after,
-                             "by_folder": bucket_folders(client, "restic"),
-                             "bucket_objects": objects, "flatten_seconds": round(flatten, 2)}
-            # HCP to the backup host
-            hcp = transfer.push(a, v.ref, agent.url, agent.token)
-            row["hcp"] = {"wire_bytes": hcp.wire_bytes, "stored_bytes": host_stored(b, v, seen),
-                          "seconds": round(hcp.seconds, 2)}
-            row["memory_image_bytes"] = a.file_path(v.memory).stat().st_size
-            rows.append(row)
-            print(f"snapshot {i}: capsule +{row['capsule_repo']['bucket_growth_bytes'] / MB:.2f} MB "
-                  f"({rep.seconds:.1f} s), restic +{row['restic']['bucket_growth_bytes'] / MB:.2f} MB "
-                  f"({res['seconds']:.1f} s), HCP wire {hcp.wire_bytes / MB:.2f} MB", flush=True)
+            print(f"snapshot {i}:", flush=True)
+            rows.append({"snapshot": i, "version": v.number, "snapshot_seconds": round(time.monotonic() - t0, 2),
+                         **ways.store(a, v)})
         lifecycle.stop(a, NAME, force=True)
-        return rows, {"capsule_repo_objects": bucket_bytes(client, "capsule")[1]}
+        return rows, {"capsule_repo_objects": bucket_bytes(ways.client, "capsule")[1]}
     finally:
-        client.close()
+        if ways is not None:
+            ways.client.close()
         if agent is not None:
             agent.stop()
         for s in (a, b):
@@ -320,7 +345,7 @@ def _mb(x: float) -> str:
 
 def print_tables(rows: list[dict[str, Any]], tot: dict[str, Any], ten: dict[str, Any] | None) -> None:
     if rows:
-        _series_table(rows, tot)
+        series_table(rows, tot)
     if ten is not None:
         table(f"B5: ten capsules from {ten['image']}, {ten['divergent_mib_each']} MiB of own writes each",
               ["repository", "bucket MB", "uploaded MB", "× one"],
@@ -330,7 +355,7 @@ def print_tables(rows: list[dict[str, Any]], tot: dict[str, Any], ten: dict[str,
                 f"{ten['ratio_to_one']:.2f} (goal ≤ {GOAL_TEN})"]])
 
 
-def _series_table(rows: list[dict[str, Any]], tot: dict[str, Any]) -> None:
+def series_table(rows: list[dict[str, Any]], tot: dict[str, Any]) -> None:
     table("B5: per snapshot, MB (10^6 bytes); seconds under load",
           ["snap", "capsule +MB", "up MB", "s", "restic +MB", "added MB", "s", "HCP +MB", "wire MB", "s"],
           [[r["snapshot"], _mb(r["capsule_repo"]["bucket_growth_bytes"]), _mb(r["capsule_repo"]["uploaded_bytes"]),
