@@ -32,8 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.backup_series import NAME, start_workload  # noqa: E402
-from bench.common import image_stores, workdir, write_result  # noqa: E402
-from bench.repo_vs_restic import HOST, ThreeWays, bucket_bytes, goals, restic_version, series_table, totals  # noqa: E402
+from bench.common import image_stores, write_result  # noqa: E402
+from bench.repo_vs_restic import (  # noqa: E402
+    HOST,
+    ThreeWays,
+    bucket_bytes,
+    goals,
+    restic_version,
+    seaweed_workdir,
+    series_table,
+    totals,
+)
 from capsule import capsules, hosts, lifecycle  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
@@ -107,10 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     if shutil.which("restic") is None:
         sys.exit("the restic peer needs restic: apt-get install restic")
-    work = workdir("capsule-b5d-")
-    cluster = SeaweedCluster(work / "seaweedfs")
-    try:
-        cluster.start()
+    with seaweed_workdir("capsule-b5d-") as (work, cluster):
         rows, objects = run(args, work, cluster)
         tot = totals(rows)
         result = {"guest": "debian with B4's office workload", "memory": args.memory, "minutes": args.minutes,
@@ -121,9 +127,6 @@ def main() -> None:
         path = write_result("repo_desktop_series", result)
         series_table(rows, tot)
         print(f"→ {path}")
-    finally:
-        cluster.remove()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,19 @@ class Restic:
                        if line.startswith("{") and '"summary"' in line)
         return {"data_added": summary["data_added"], "files_changed": summary["files_changed"],
                 "total_bytes_processed": summary["total_bytes_processed"], "seconds": round(seconds, 2)}
+
+
+@contextmanager
+def seaweed_workdir(prefix: str) -> Iterator[tuple[Path, SeaweedCluster]]:
+    """A work directory and a SeaweedFS cluster started in it; both removed at the end."""
+    work = workdir(prefix)
+    cluster = SeaweedCluster(work / "seaweedfs")
+    try:
+        cluster.start()
+        yield work, cluster
+    finally:
+        cluster.remove()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def restic_version() -> str:
@@ -432,10 +447,7 @@ def main() -> None:
         return
     if shutil.which("restic") is None and not args.no_series:
         sys.exit("the restic peer needs restic: apt-get install restic")
-    work = workdir("capsule-b5-")
-    cluster = SeaweedCluster(work / "seaweedfs")
-    try:
-        cluster.start()
+    with seaweed_workdir("capsule-b5-") as (work, cluster):
         rows, extra = run_series(args, work, cluster) if not args.no_series else ([], {})
         ten = None if args.no_ten else run_ten(args, work, cluster)
         tot = totals(rows) if rows else {}
@@ -453,9 +465,6 @@ def main() -> None:
         if rows:
             print(json.dumps(result["goals"], indent=1))
         print(f"→ {path}")
-    finally:
-        cluster.remove()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
