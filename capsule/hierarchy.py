@@ -14,7 +14,7 @@ import subprocess
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 from capsule import qemuimg
 from capsule.capsules import resolve
@@ -30,7 +30,8 @@ Say = Callable[[str], None]
 DEFAULT_PENDING_MAX_AGE = 24 * 3600.0
 
 
-def _copy_layer(store: Store, layer_id: str) -> Any:
+def copy_layer(store: Store, layer_id: str) -> Path:
+    """A writable copy of a layer's file, as a new leaf path (shares its extents where the file system can)."""
     tmp = store.new_leaf_path()
     proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(store.layer_path(layer_id)), str(tmp)],
                           capture_output=True, text=True, check=False)
@@ -84,7 +85,7 @@ def _fold(store: Store, parent_id: str, children: set[str], say: Say) -> dict[st
     new_rows: list[LayerRow] = []
     for child in sorted(children):
         say(f"folding {parent_id[:12]} into {child[:12]}")
-        tmp = _copy_layer(store, child)
+        tmp = copy_layer(store, child)
         try:
             qemuimg.rebase_safe(tmp, store.layer_path(grand) if grand else None)
             row = store.seal_layer(tmp, grand)
@@ -100,7 +101,7 @@ def _fold(store: Store, parent_id: str, children: set[str], say: Say) -> dict[st
             if layer.parent != old_parent or layer.id not in in_use or layer.id in mapping:
                 continue
             say(f"re-pointing {layer.id[:12]}")
-            tmp = _copy_layer(store, layer.id)
+            tmp = copy_layer(store, layer.id)
             try:
                 qemuimg.rebase_unsafe(tmp, store.layer_path(mapping[old_parent]))
                 row = store.seal_layer(tmp, mapping[old_parent])

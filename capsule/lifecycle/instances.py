@@ -17,7 +17,7 @@ from capsule.capsules import resolve
 from capsule.console.serial import log_size, wait_for_marker
 from capsule.errors import Conflict, IntegrityError, NotFound, RuntimeFailure, StorageFull
 from capsule.lifecycle import balloon as balloon_mod
-from capsule.lifecycle import demand, memimage, sealing
+from capsule.lifecycle import chaindepth, demand, memimage, sealing
 from capsule.names import parse_ref
 from capsule.runtime import podnet
 from capsule.runtime.accel import AccelDecision, decide, default_cache
@@ -186,10 +186,11 @@ def _make_instance(store: Store, ref: str, *, boot: bool, prefetch: bool, networ
             (inst_dir / USER_NETWORK).write_text(network)
         leaves: list[Path] = []
         try:
-            servers = demand.start_servers(store, inst_dir, version.chains, prefetch)
+            chains = chaindepth.shallow(store, version.chains, say)
+            servers = demand.start_servers(store, inst_dir, chains, prefetch)
             if servers:
                 say("disk server started: remote blocks are fetched as the guest reads them")
-            for i, chain in enumerate(version.chains):
+            for i, chain in enumerate(chains):
                 leaf = store.new_leaf_path()
                 if i in servers:
                     demand.create_leaf_over(leaf, servers[i])
@@ -204,7 +205,7 @@ def _make_instance(store: Store, ref: str, *, boot: bool, prefetch: bool, networ
                 say(f"restoring {version.ref} from its memory image")
                 restored = memimage.restore(store, version.ref, version.config, store.file_path(memory),
                                             name=domain, uuid=cap.uuid, disks=leaves, instance_dir=inst_dir,
-                                            disk_servers=sockets, chains=version.chains)
+                                            disk_servers=sockets, chains=chains)
                 accel, forked = restored.accel, restored.forked
             else:
                 mode = "boot"
@@ -216,17 +217,17 @@ def _make_instance(store: Store, ref: str, *, boot: bool, prefetch: bool, networ
                 if kernel_args:
                     spec.cmdline = f"{spec.cmdline} {kernel_args}"
                 say(f"booting {version.ref} ({accel})")
-                memimage.grant(store, spec, version.chains)
+                memimage.grant(store, spec, chains)
                 try:
                     connect().createXML(build(spec), 0)
                 except libvirt.libvirtError as exc:
                     raise RuntimeFailure(f"booting {version.ref} failed: {exc.get_error_message()}") from exc
             if servers:
-                urls = sorted({demand.remote_info(store, lid)["url"] for chain in version.chains for lid in chain
+                urls = sorted({demand.remote_info(store, lid)["url"] for chain in chains for lid in chain
                                if demand.is_remote(store, lid)})
                 watch.spawn(domain, urls, inst_dir / "watch.log", inst_dir)
             inst = InstanceRow(capsule=name, version=version.number, domain=domain,
-                               leaves=[str(p) for p in leaves], chains=version.chains, accel=accel,
+                               leaves=[str(p) for p in leaves], chains=chains, accel=accel,
                                dir=str(inst_dir), started=time.time())
             with cat.transaction():
                 cat.add_instance(inst)
