@@ -32,22 +32,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.backup_series import NAME, start_workload  # noqa: E402
-from bench.common import image_stores, write_result  # noqa: E402
+from bench.common import write_result  # noqa: E402
 from bench.repo_vs_restic import (  # noqa: E402
-    HOST,
     ThreeWays,
     bucket_bytes,
     goals,
     restic_version,
     seaweed_workdir,
     series_table,
+    source_and_ways,
     totals,
 )
-from capsule import capsules, hosts, lifecycle  # noqa: E402
-from capsule.agent.launch import AgentProcess  # noqa: E402
+from capsule import capsules, lifecycle  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
 from capsule.runtime.guestagent import wait_for_agent  # noqa: E402
-from testkit.images import destroy_domains  # noqa: E402
 from testkit.seaweedfs import SeaweedCluster  # noqa: E402
 
 
@@ -73,14 +71,7 @@ def snapshot(a: Any, ways: ThreeWays, label: str, index: int, t_start: float) ->
 
 
 def run(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) -> tuple[list[dict[str, Any]], int]:
-    a, b = image_stores("debian", work / "a", work / "b")
-    agent: AgentProcess | None = None
-    ways: ThreeWays | None = None
-    try:
-        b.close()
-        agent = AgentProcess(b.home, work / "b.token")
-        hosts.add(a, HOST, agent.url, agent.token)
-        ways = ThreeWays.make(cluster, work, agent, b)
+    with source_and_ways("debian", work, cluster) as (a, ways):
         capsules.create(a, NAME, "debian", memory=args.memory)
         lifecycle.start(a, NAME, timeout=300)
         wait_for_agent(a.instance_dir(NAME) / "agent.sock", timeout=120)
@@ -97,13 +88,6 @@ def run(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) -> tuple[
             rows.append(snapshot(a, ways, f"day {day}", len(rows), t_start))
         lifecycle.stop(a, NAME, force=True)
         return rows, bucket_bytes(ways.client, "capsule")[1]
-    finally:
-        if ways is not None:
-            ways.client.close()
-        if agent is not None:
-            agent.stop()
-        for s in (a, b):
-            destroy_domains(s)
 
 
 def main() -> None:

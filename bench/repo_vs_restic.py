@@ -237,8 +237,11 @@ class ThreeWays:
         return row
 
 
-def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) -> tuple[list[dict[str, Any]], Any]:
-    a, b = image_stores("tiny", work / "a", work / "b")
+@contextmanager
+def source_and_ways(image: str, work: Path, cluster: SeaweedCluster) -> Iterator[tuple[Store, ThreeWays]]:
+    """Store A holding ``image``, and the three ways its snapshots are stored (the backup host B, holding the
+    image too, behind its own agent); A's guests destroyed and B's agent stopped at the end."""
+    a, b = image_stores(image, work / "a", work / "b")
     agent: AgentProcess | None = None
     ways: ThreeWays | None = None
     try:
@@ -246,6 +249,18 @@ def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) ->
         agent = AgentProcess(b.home, work / "b.token")
         hosts.add(a, HOST, agent.url, agent.token)   # (b's object paths are read below, closed)
         ways = ThreeWays.make(cluster, work, agent, b)
+        yield a, ways
+    finally:
+        if ways is not None:
+            ways.client.close()
+        if agent is not None:
+            agent.stop()
+        for s in (a, b):
+            destroy_domains(s)
+
+
+def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) -> tuple[list[dict[str, Any]], Any]:
+    with source_and_ways("tiny", work, cluster) as (a, ways):
         capsules.create(a, NAME, "tiny", memory=args.memory)
         lifecycle.start(a, NAME, timeout=300)
         with ConsoleSession(a.domain_name(NAME)) as c:
@@ -265,13 +280,6 @@ def run_series(args: argparse.Namespace, work: Path, cluster: SeaweedCluster) ->
                          **ways.store(a, v)})
         lifecycle.stop(a, NAME, force=True)
         return rows, {"capsule_repo_objects": bucket_bytes(ways.client, "capsule")[1]}
-    finally:
-        if ways is not None:
-            ways.client.close()
-        if agent is not None:
-            agent.stop()
-        for s in (a, b):
-            destroy_domains(s)
 
 
 def derive_with_writes(store: Store, name: str, image: str, mib: int, seed: Path, k: int) -> VersionRow:
