@@ -42,6 +42,17 @@ def copy_layer(store: Store, layer_id: str) -> Path:
     return tmp
 
 
+def rebased_copy(store: Store, layer_id: str, onto: str | None) -> LayerRow:
+    """A new layer: ``layer_id`` rebased safely onto ``onto`` (or onto nothing), every block that differs
+    copied into it, so it reads as ``layer_id`` does. Sealed, not yet recorded."""
+    tmp = copy_layer(store, layer_id)
+    try:
+        qemuimg.rebase_safe(tmp, store.layer_path(onto) if onto else None)
+        return store.seal_layer(tmp, onto)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _protected_layers(store: Store, without: Collection[tuple[str, int]] = ()) -> set[str]:
     """Layers that must not be folded away: chain tops, image roots, and every
     layer a running instance's leaves stand on (ignoring versions ``without``)."""
@@ -85,12 +96,7 @@ def _fold(store: Store, parent_id: str, children: set[str], say: Say) -> dict[st
     new_rows: list[LayerRow] = []
     for child in sorted(children):
         say(f"folding {parent_id[:12]} into {child[:12]}")
-        tmp = copy_layer(store, child)
-        try:
-            qemuimg.rebase_safe(tmp, store.layer_path(grand) if grand else None)
-            row = store.seal_layer(tmp, grand)
-        finally:
-            tmp.unlink(missing_ok=True)
+        row = rebased_copy(store, child, grand)
         mapping[child] = row.id
         new_rows.append(row)
     # re-point descendants, parents before children

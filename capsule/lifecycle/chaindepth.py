@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from capsule import qemuimg
-from capsule.hierarchy import copy_layer
+from capsule.hierarchy import rebased_copy
 from capsule.lifecycle import demand
 from capsule.store import Store
 from capsule.store.catalogue import LayerRow
@@ -62,12 +61,7 @@ def shallow(store: Store, chains: list[list[str]], say: Say) -> list[list[str]]:
 
 def fold(store: Store, base: str, top: str) -> LayerRow:
     """A new layer over ``base`` that reads as ``top`` does (with every layer between), recorded."""
-    tmp = copy_layer(store, top)
-    try:
-        qemuimg.rebase_safe(tmp, store.layer_path(base))
-        row = store.seal_layer(tmp, base)
-    finally:
-        tmp.unlink(missing_ok=True)
+    row = rebased_copy(store, top, base)
     with store.catalogue.transaction():
         if store.catalogue.layer(row.id) is None:
             store.catalogue.add_layer(row)
