@@ -254,11 +254,15 @@ class PackWriter:
 
     def finish(self) -> bytes:
         if all(p.slot == SINGLE for p in self.entries.values()):
-            header = b"".join(ENTRY.pack(bid, p.offset, p.length) for bid, p in self.entries.items())
-            sealed = self.key.seal(header, f"pack-header/{self.id}")
+            sealed = self.key.seal(_encode_entries(self.entries), f"pack-header/{self.id}")
             return b"".join(self._parts) + sealed + struct.pack("<I", len(sealed))
         sealed = self.key.seal(HEADER2_MAGIC + _encode_blobs(self.entries), f"pack-header/{self.id}")
         return b"".join(self._parts) + sealed + struct.pack("<I", len(sealed)) + PACK2_MAGIC
+
+
+def _encode_entries(places: dict[bytes, Place]) -> bytes:
+    """Format 1's entries: ``block id | offset | length`` per (single-block) blob."""
+    return b"".join(ENTRY.pack(bid, p.offset, p.length) for bid, p in places.items())
 
 
 def blobs_of(places: dict[bytes, Place]) -> dict[tuple[int, int], dict[bytes, int]]:
@@ -359,7 +363,7 @@ def encode_index(packs: dict[str, dict[bytes, Place]]) -> bytes:
         parts = [INDEX_MAGIC, struct.pack("<I", len(packs))]
         for pack, places in packs.items():
             parts.append(bytes.fromhex(pack) + struct.pack("<I", len(places)))
-            parts.extend(ENTRY.pack(bid, p.offset, p.length) for bid, p in places.items())
+            parts.append(_encode_entries(places))
     else:
         parts = [INDEX2_MAGIC, struct.pack("<I", len(packs))]
         for pack, places in packs.items():
