@@ -7,6 +7,7 @@ then the version record, in that order — a record is visible only once everyth
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from capsule.repo.format import (
     read_pack_header_only,
 )
 from capsule.repo.repository import Lock, Repository
+from capsule.repo.uploads import Uploads
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest
 from capsule.transfer.records import objects_of, version_record
@@ -68,8 +70,9 @@ def _noop(_msg: str) -> None:
 
 class _Session:
     def __init__(self, repo: Repository, known: set[bytes], report: PushReport, progress: Progress,
-                 lock: Lock) -> None:
+                 lock: Lock, uploads: Uploads) -> None:
         self.repo = repo
+        self.uploads = uploads
         self.lock = lock
         self.known = known
         self.report = report
@@ -110,7 +113,7 @@ class _Session:
         if not len(self.pack):
             return
         body = self.pack.finish()
-        self.repo.client.put(self.repo.location.key(pack_name(self.pack.id)), body)
+        self.uploads.put(self.repo.location.key(pack_name(self.pack.id)), body)   # in the background
         self.packs[self.pack.id] = dict(self.pack.entries)
         self.report.packs += 1
         self.progress(f"{self.report.packs} pack(s), {self.report.blocks_new} new block(s)")
@@ -181,11 +184,13 @@ def push(store: Store, ref: str, repo: Repository, progress: Progress = _noop) -
         if not has_object(store, kind, oid):
             raise Conflict(f"{v.capsule}@{v.number}: its {kind} {oid[:12]} is not in this store (demand-paged "
                            "from a peer?): localize it first")
-    with repo.lock() as lock:
+    with contextlib.ExitStack() as stack:
+        lock = stack.enter_context(repo.lock())
         progress("reading the repository's indexes")
         index, _names = repo.load_index()
         present = repo.manifest_names()
-        session = _Session(repo, set(index), report, progress, lock)
+        uploads = stack.enter_context(Uploads(repo.client))
+        session = _Session(repo, set(index), report, progress, lock, uploads)
         adopt_unindexed(repo, index, session)
         manifests: dict[str, bytes] = {}
         objects = []
@@ -201,6 +206,7 @@ def push(store: Store, ref: str, repo: Repository, progress: Progress = _noop) -
             manifests[name] = _push_object(session, store, kind, oid)
             lock.refresh(if_due=True)
         session.flush()
+        uploads.wait()      # every pack stored before the index that names them
         if session.packs:
             repo.put_sealed(f"index/{_new_name()}", encode_index(session.packs))
         compressor = zstandard.ZstdCompressor(level=3)

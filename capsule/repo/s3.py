@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import hmac
 import os
+import threading
 import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -109,6 +110,7 @@ class S3Client:
         self._http = httpx.Client(base_url=location.endpoint, timeout=timeout)
         self.sent_bytes = 0        # request bodies (what was uploaded)
         self.received_bytes = 0    # response bodies
+        self._counting = threading.Lock()   # requests come from several threads (a push's uploads)
 
     def close(self) -> None:
         self._http.close()
@@ -147,8 +149,9 @@ class S3Client:
                                       content=body or None, headers=signed)
         except httpx.HTTPError as exc:
             raise Unreachable(f"the object store at {self.location.endpoint} cannot be reached: {exc}") from exc
-        self.sent_bytes += len(body)
-        self.received_bytes += len(resp.content)
+        with self._counting:
+            self.sent_bytes += len(body)
+            self.received_bytes += len(resp.content)
         if resp.status_code in ok:
             return resp
         code = _error_code(resp)

@@ -327,16 +327,18 @@ def test_a_long_push_keeps_its_lock_fresh(bucket, monkeypatch):
     monkeypatch.setattr(Repository, "pack_size", property(lambda self: 8192))
     monkeypatch.setattr(Repository, "blob_blocks", property(lambda self: 2))     # a pack: two random blocks
     writes = []
-    with repo.lock() as lock:
+    with repo.lock() as lock, push_mod.Uploads(bucket) as uploads:
         real_put = bucket.put
         monkeypatch.setattr(bucket, "put", lambda key, data: (writes.append(key), real_put(key, data)))
         monkeypatch.setattr(repository, "REFRESH_LOCK_SECONDS", 0.0)
         report = push_mod.PushReport("x@1", "url")
-        session = push_mod._Session(repo, set(), report, lambda _m: None, lock)
+        session = push_mod._Session(repo, set(), report, lambda _m: None, lock, uploads)
         for i in range(6):
             session.add(bytes([i]) * 32, random.Random(i).randbytes(4096))
         session.flush()
+        uploads.wait()
     assert report.packs == 3 and sum(1 for k in writes if k == f"repo/{lock.name}") == 3
+    assert sum(1 for k in writes if "/packs/" in k) == 3
 
 
 def test_credentials_never_show_their_secret():
