@@ -7,6 +7,7 @@ outside sane bounds is refused rather than computed (a doctored catalogue must n
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import secrets
@@ -63,4 +64,8 @@ def verify_password(password: str, stored: str) -> bool:
     return hmac.compare_digest(got, expected)
 
 
-DUMMY = hash_password("not-a-password-anyone-has")   # spent on unknown users, so timing tells nothing
+@functools.cache
+def dummy_hash() -> str:
+    """A hash to spend an unknown user's sign-in on, so timing tells nothing; made on first use (a scrypt at
+    import would cost every command, the CLI's included, some hundred milliseconds)."""
+    return hash_password("not-a-password-anyone-has")

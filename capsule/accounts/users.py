@@ -94,7 +94,7 @@ def check_password(store: Store, name: str, password: str) -> tuple[Principal, s
         rows = store.catalogue.query("SELECT * FROM users WHERE name=?", (name,))
     except Exception:  # noqa: BLE001 - a malformed name is just a failed sign-in
         rows = []
-    stored = rows[0]["password"] if rows and rows[0]["password"] else passwords.DUMMY
+    stored = rows[0]["password"] if rows and rows[0]["password"] else passwords.dummy_hash()
     ok = passwords.verify_password(password, stored) if isinstance(password, str) else False
     if not rows or not rows[0]["password"] or not ok:
         return None

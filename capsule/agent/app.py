@@ -81,7 +81,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsule import __version__ as capsule_version
-from capsule.accounts import grants
+from capsule.accounts import grants, passwords
 from capsule.agent import authz, dashboard, guard, protocol, tunnelapi
 from capsule.agent.auditlog import AuditLog
 from capsule.agent.bounded import (
@@ -140,6 +140,7 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
     app = FastAPI(title="Capsule host agent", version=capsule_version, docs_url=None, redoc_url=None)
     app.state.public_url = None     # the URL other hosts reach it at: set by `capsule serve` (serve.public_url)
     store = Store.open(home)
+    passwords.dummy_hash()          # made now: the first unknown user's sign-in costs no more than a known one's
     app.state.workers = work = Workers(limits or Limits())
     serve, act = work.serve, work.act   # HCP and receiving; capsule operations (counted per owner)
     objects = ObjectServer(store)
