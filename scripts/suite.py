@@ -1,10 +1,20 @@
-"""The whole test suite as `make test` runs it: the light tiers alongside the guest tiers.
+"""The whole test suite as `make test` runs it: three pytest processes at once.
 
-The `unit` and `tools` tiers (tests/unit/, tests/tools/) need little CPU while guests boot, and the `vm`,
-`hosts` and `browser` tiers spend most of their time waiting on TCG guests, so the two run as two pytest
-processes at once: the guest tiers in the foreground (their output as it comes), the light tiers in the
-background into a log that is printed when both have ended. Both get the same arguments, after the tier
-folders; the exit status is the worse of the two.
+A TCG guest runs on one core, so one pytest booting guests one after another leaves the other core mostly
+idle (vmstat over the hosts tier: 55 % idle). The suite runs:
+
+- ``vm``: the `vm` tier but its pod files;
+- ``hosts``: the `hosts` and `browser` tiers (the compose hosts are one session fixture, so every test that
+  uses them is in this process) and the pod files (tests/vm/test_pod*.py share two pairs of Debian guests,
+  tests/vm/podpair.py), about as long as ``vm``;
+- ``light``: the `unit` and `tools` tiers, which need little CPU while guests boot.
+
+The two guest processes' lines are printed as they come, each line led by its process's name; the light
+tiers' output is printed when all have ended. Each process has its own temporary directory root (two
+pytest sessions must not clean up each other's) and prints its 15 slowest tests. All get the same
+arguments, after their test folders; the exit status is the worst of the three. A process that failed keeps
+its temporary directory (its failed tests' files) and says where. The image store is shared:
+its builds take a lock (``testkit.images.ensure_image``).
 
     python scripts/suite.py [PYTEST_ARGS...]
 
@@ -19,13 +29,22 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 LIGHT = ["tests/unit", "tests/tools"]
-GUEST = ["tests/vm", "tests/hosts", "tests/browser"]
+PODS = "tests/vm/test_pod*.py"
 COMMON = ["-p", "no:cacheprovider", "--durations=15"]
+
+
+def guest_processes() -> dict[str, list[str]]:
+    """The two guest processes' arguments: test folders and files, and what the first leaves out."""
+    pods = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(PODS))
+    return {"vm": ["-v", "tests/vm", f"--ignore-glob={PODS}"],
+            "hosts": ["-v", "tests/hosts", "tests/browser", *pods]}
 
 
 def _is_selection(args: list[str]) -> bool:
@@ -40,33 +59,60 @@ def _free_space(when: str) -> str:
             f"on {tempfile.gettempdir()}")
 
 
+def _relay(name: str, stream: IO[str]) -> None:
+    """Print a guest process's lines as they come, each led by the process's name."""
+    width = max(map(len, guest_processes()))
+    for line in stream:
+        print(f"{name:<{width}} | {line}", end="", flush=True)
+
+
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest"]
     if _is_selection(args):
         return subprocess.call([*pytest, *args], cwd=ROOT)
     started = time.monotonic()
     print(_free_space("before the suite"), flush=True)
+    bases = {name: Path(tempfile.mkdtemp(prefix=f"capsule-{name}-")) for name in ("light", *guest_processes())}
+    running: dict[str, subprocess.Popen[str]] = {}
+    relays = []
+    rcs: dict[str, int] = {}
     with tempfile.TemporaryFile("w+", prefix="capsule-light-tiers-") as log:
-        # its own temporary directory root: two pytest sessions must not clean up each other's
-        base = Path(tempfile.mkdtemp(prefix="capsule-light-tiers-"))
-        light = subprocess.Popen([*pytest, *COMMON, f"--basetemp={base}", *LIGHT, *args], cwd=ROOT,
-                                 stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         try:
-            guest = subprocess.call([*pytest, *COMMON, *GUEST, *args], cwd=ROOT)
-            print(f"\n== the guest tiers ended ({guest}) after {time.monotonic() - started:.0f} s; "
-                  "waiting for the unit and tools tiers", flush=True)
+            running["light"] = subprocess.Popen([*pytest, *COMMON, f"--basetemp={bases['light']}", *LIGHT, *args],
+                                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                                env=os.environ.copy())
+            for name, folders in guest_processes().items():
+                proc = subprocess.Popen([*pytest, *COMMON, f"--basetemp={bases[name]}", *folders, *args], cwd=ROOT,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=os.environ.copy())
+                running[name] = proc
+                assert proc.stdout is not None
+                relay = threading.Thread(target=_relay, args=(name, proc.stdout), daemon=True)
+                relay.start()
+                relays.append(relay)
+            for name in guest_processes():
+                rcs[name] = running[name].wait()
+                print(f"\n== {name} ended ({rcs[name]}) after {time.monotonic() - started:.0f} s", flush=True)
+            for relay in relays:
+                relay.join()
             print(_free_space("after the guest tiers"), flush=True)
-            light_rc = light.wait()
+            rcs["light"] = running["light"].wait()
         except BaseException:
-            light.kill()
-            light.wait()
+            for proc in running.values():
+                proc.kill()
+                proc.wait()
             raise
+        finally:
+            for name, base in bases.items():     # a failed process's is kept: its failed tests' files are there
+                if rcs.get(name, 0) == 0:
+                    subprocess.call(["rm", "-rf", str(base)])
+                else:
+                    print(f"== {name}'s temporary files are kept in {base}", flush=True)
         log.seek(0)
         print("\n== the unit and tools tiers (run alongside)\n" + log.read(), flush=True)
-        subprocess.call(["rm", "-rf", str(base)])
-    print(f"== the suite: guest tiers {'passed' if guest == 0 else 'FAILED'}, unit and tools tiers "
-          f"{'passed' if light_rc == 0 else 'FAILED'}, {time.monotonic() - started:.0f} s in all", flush=True)
-    return guest or light_rc
+    verdict = ", ".join(f"{name} {'passed' if rc == 0 else 'FAILED'}" for name, rc in rcs.items())
+    print(f"== the suite: {verdict}, {time.monotonic() - started:.0f} s in all", flush=True)
+    return max(rcs.values(), key=lambda rc: rc != 0)
 
 
 if __name__ == "__main__":

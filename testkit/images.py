@@ -9,7 +9,9 @@ which runs unprivileged, must reach it: not under /root); else ``$XDG_CACHE_HOME
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,15 +36,28 @@ def image_store():
 
 def ensure_image(store, kind: str) -> None:
     """Build the image once; again when the guest agent (or, in Debian, the pod layer) it carries is not
-    the current one, or when the recipes (capsule/imagebuild/) changed."""
+    the current one, or when the recipes (capsule/imagebuild/) changed. One process builds at a time (the
+    suite's light tiers and its two guest workers share the store): the others wait, then find it built."""
     from capsule import images
     from capsule.imagebuild.common import agent_binary, agent_info, pod_layer_sha256, recipe_sha256
 
-    row = store.catalogue.image(kind)
-    stale = row is not None and (row.info.get("agent_sha256") != agent_info(agent_binary())["sha256"]
-                                 or row.info.get("recipe_sha256") != recipe_sha256()
-                                 or (kind == "debian" and row.info.get("pods_sha256") != pod_layer_sha256()))
-    images.build(store, kind, kind, rebuild=stale)
+    with _build_lock(store.home):
+        row = store.catalogue.image(kind)
+        stale = row is not None and (row.info.get("agent_sha256") != agent_info(agent_binary())["sha256"]
+                                     or row.info.get("recipe_sha256") != recipe_sha256()
+                                     or (kind == "debian" and row.info.get("pods_sha256") != pod_layer_sha256()))
+        images.build(store, kind, kind, rebuild=stale)
+
+
+@contextlib.contextmanager
+def _build_lock(home: Path) -> Iterator[None]:
+    """An exclusive lock beside the image store (not in it: a store holds only its own files)."""
+    with open(home.parent / f".{home.name}.build-lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def destroy_domains(store) -> None:
