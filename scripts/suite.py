@@ -3,10 +3,10 @@
 A TCG guest runs on one core, so one pytest booting guests one after another leaves the other core mostly
 idle (vmstat over the hosts tier: 55 % idle). The suite runs:
 
-- ``vm``: the `vm` tier but its pod files;
-- ``hosts``: the `hosts` and `browser` tiers (the compose hosts are one session fixture, so every test that
-  uses them is in this process) and the pod files (tests/vm/test_pod*.py share two pairs of Debian guests,
-  tests/vm/podpair.py), about as long as ``vm``;
+- ``hosts``: every guest-tier file that asks for a session's shared guests: the compose hosts (the `hosts`
+  tier, and browser tests on them) and the pod pairs (tests/vm/podpair.py: two pairs of Debian guests);
+  a second process would start them a second time;
+- ``vm``: every other file of the `vm` and `browser` tiers, about as long;
 - ``light``: the `unit` and `tools` tiers, which need little CPU while guests boot.
 
 The two guest processes' lines are printed as they come, each line led by its process's name; the light
@@ -24,6 +24,7 @@ that is a selection, not the suite.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -36,15 +37,25 @@ from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 LIGHT = ["tests/unit", "tests/tools"]
-PODS = "tests/vm/test_pod*.py"
+GUEST = ["tests/vm", "tests/hosts", "tests/browser"]
 COMMON = ["-p", "no:cacheprovider", "--durations=15"]
+# session fixtures of shared guests: the compose hosts (tests/helpers/composehosts.py) and the pod pairs
+SHARED = frozenset({"hosts", "seeded", "fresh", "pod_pair", "module_pod_pair", "pod_network_pair"})
+
+
+def fixtures_asked(path: Path) -> set[str]:
+    """Every parameter name of the file's functions: the fixtures its tests and its own fixtures ask for."""
+    tree = ast.parse(path.read_text())
+    return {a.arg for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for a in node.args.args}
 
 
 def guest_processes() -> dict[str, list[str]]:
-    """The two guest processes' arguments: test folders and files, and what the first leaves out."""
-    pods = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(PODS))
-    return {"vm": ["-v", "tests/vm", f"--ignore-glob={PODS}"],
-            "hosts": ["-v", "tests/hosts", "tests/browser", *pods]}
+    """The two guest processes' arguments: ``-v`` and their test files, each tier's in order."""
+    files = [p for folder in GUEST for p in sorted((ROOT / folder).glob("test_*.py"))]
+    shared = [p for p in files if fixtures_asked(p) & SHARED]
+    return {"vm": ["-v", *(str(p.relative_to(ROOT)) for p in files if p not in shared)],
+            "hosts": ["-v", *(str(p.relative_to(ROOT)) for p in shared)]}
 
 
 def _is_selection(args: list[str]) -> bool:

@@ -100,30 +100,6 @@ def test_wait_until_returns_the_value_or_fails_with_what_it_waited_for():
         wait_until(lambda: False, 0.05, lambda: "the moon (seen 0)", interval=0.01)
 
 
-def _suite_files(args: list[str]) -> set[str]:
-    """The test files one of scripts/suite.py's guest processes collects, from its folders, files and
-    ``--ignore-glob``."""
-    root = TESTS.parent
-    ignored = {str(p.relative_to(root)) for a in args if a.startswith("--ignore-glob=")
-               for p in root.glob(a.split("=", 1)[1])}
-    files = set()
-    for a in args:
-        if a.startswith("-"):
-            continue
-        path = root / a
-        found = sorted(path.glob("test_*.py")) if path.is_dir() else [path]
-        files.update(str(p.relative_to(root)) for p in found)
-    return files - ignored
-
-
-def _fixtures_asked(path) -> set[str]:
-    """Every parameter name of the file's functions: the fixtures its tests and its own fixtures ask for."""
-    import ast
-
-    tree = ast.parse(path.read_text())
-    return {a.arg for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-            for a in node.args.args}
-
 
 def test_the_suites_guest_processes_share_out_every_guest_file_once_and_keep_shared_guests_together():
     """scripts/suite.py runs the guest tiers as two processes: each guest-tier file is in exactly one, and
@@ -134,10 +110,10 @@ def test_the_suites_guest_processes_share_out_every_guest_file_once_and_keep_sha
         import suite
     finally:
         sys.path.remove(str(TESTS.parent / "scripts"))
-    processes = {name: _suite_files(args) for name, args in suite.guest_processes().items()}
+    processes = {name: [a for a in args if not a.startswith("-")] for name, args in suite.guest_processes().items()}
     every = {str(p.relative_to(TESTS.parent)) for tier in ("vm", "hosts", "browser")
              for p in (TESTS / tier).glob("test_*.py")}
     assert sorted(f for files in processes.values() for f in files) == sorted(every)
-    shared = {"hosts", "seeded", "fresh", "pod_pair", "module_pod_pair", "pod_network_pair"}
-    users = {f for f in every if _fixtures_asked(TESTS.parent / f) & shared}
-    assert users and users <= processes["hosts"], sorted(users - processes["hosts"])
+    users = {f for f in every if suite.fixtures_asked(TESTS.parent / f) & {"hosts", "seeded", "pod_pair"}}
+    assert {"tests/hosts/test_demo.py", "tests/vm/test_pods.py"} <= users <= set(processes["hosts"])
+    assert all(f.startswith(("tests/vm/", "tests/browser/")) for f in processes["vm"])
