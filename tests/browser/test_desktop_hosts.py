@@ -179,8 +179,14 @@ def test_the_desktop_moves_live_home_and_is_brought_back(desk, browser, tmp_path
     page.fill("#console-clip-text", LINES[2])
     page.click("#console-clip-send")
     expect(box).to_have_attribute("data-state", "sent", timeout=30_000)
+    assert b.api("GET", f"/api/capsules/{name}/clipboard")["text"] == LINES[2]
     _into_terminal(page, b, name)
-    page.keyboard.press("Shift+Insert")
+    # Shift held on its own first: a loaded machine once delivered Insert without it (an empty line was typed)
+    page.keyboard.down("Shift")
+    page.wait_for_timeout(200)
+    page.keyboard.press("Insert")
+    page.wait_for_timeout(200)
+    page.keyboard.up("Shift")
     page.keyboard.press("Enter")
     wait_until(lambda: _lines(b, name) == LINES[:3], 60, lambda: f"{LINES[:3]} in {TYPED}: {_lines(b, name)}",
                interval=1)

@@ -50,8 +50,13 @@ print(json.dumps(r.as_dict()))
 """
 
 
-def test_objects_after_the_link_slows_down_travel_in_another_codec(tmp_path, tiny_images):
-    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+ATTEMPTS = 3
+
+
+def _push_over_a_slowing_link(where: Path, tiny_images) -> list[dict]:
+    """A fresh pair of stores under ``where``; the push's objects as its report lists them, the receiver's
+    store checked to hold every one."""
+    a, b = Store.open(where / "a"), Store.open(where / "b")
     for s in (a, b):
         images.import_image(tiny_images, s, "tiny")
     capsules.create(a, "cap", "tiny", memory="256M")
@@ -59,10 +64,10 @@ def test_objects_after_the_link_slows_down_travel_in_another_codec(tmp_path, tin
         new_version(a, "cap", 2 * MiB, seed=k, offset=k * 2 * MiB, content=text(2 * MiB, k))
     a.close()
     b.close()
-    token_file = tmp_path / "b.token"
+    token_file = where / "b.token"
     with SlowLink(rate_kbit=200_000, rtt_ms=2) as link:
-        url, pin = link.agent_b(tmp_path / "b", token_file)
-        push = link.spawn_a([sys.executable, "-c", PUSH, str(tmp_path / "a"), url, token_file.read_text().strip(),
+        url, pin = link.agent_b(where / "b", token_file)
+        push = link.spawn_a([sys.executable, "-c", PUSH, str(where / "a"), url, token_file.read_text().strip(),
                              pin, str(SWITCH_AT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
         assert push.stdout is not None and push.stdin is not None
@@ -71,18 +76,31 @@ def test_objects_after_the_link_slows_down_travel_in_another_codec(tmp_path, tin
         link.set_rate(1000)
         out, err = push.communicate(b"go\n", timeout=150)
     assert push.returncode == 0, err.decode()[-3000:]
-    report = json.loads(out.decode().strip().splitlines()[-1])
-    objects = report["objects"]
+    objects = json.loads(out.decode().strip().splitlines()[-1])["objects"]
     assert len(objects) == LAYERS, objects
-    before = {o["codec"] for o in objects[:SWITCH_AT - 1]}
-    after = [o["codec"] for o in objects[SWITCH_AT:]]          # the first slow object starts with fast figures
-    assert after and all(c not in before for c in after), (before, after, objects)
     assert all(o["link_rate"] for o in objects)
     fast = min(o["link_rate"] for o in objects[1:SWITCH_AT - 1])
     assert all(o["link_rate"] < fast / 4 for o in objects[SWITCH_AT:]), objects
-    b = Store.open(tmp_path / "b")
+    b = Store.open(where / "b")
     try:
         assert b.catalogue.version("cap", LAYERS + 1) is not None
         assert all(has_object(b, "layer", o["id"]) for o in objects)   # verified against its digest when received
     finally:
         b.close()
+    return objects
+
+
+@pytest.mark.timeout(180 * ATTEMPTS)
+def test_objects_after_the_link_slows_down_travel_in_another_codec(tmp_path, tiny_images):
+    """Each codec's speed is measured as the push runs: on a CPU the suite's guests keep busy, zstd -16 may
+    be measured too slow to pay on the slow link, and zstd -3 is then rightly kept. The switch must be seen
+    in one of :data:`ATTEMPTS` pushes, each on fresh stores; every push's objects arrive whole."""
+    seen = []
+    for attempt in range(ATTEMPTS):
+        objects = _push_over_a_slowing_link(tmp_path / f"try{attempt}", tiny_images)
+        before = {o["codec"] for o in objects[:SWITCH_AT - 1]}
+        after = [o["codec"] for o in objects[SWITCH_AT:]]          # the first slow object starts with fast figures
+        seen.append((before, after))
+        if after and all(c not in before for c in after):
+            return
+    pytest.fail(f"the codec never changed after the link slowed down, in {ATTEMPTS} pushes: {seen}")
