@@ -70,9 +70,8 @@ def _free_space(when: str) -> str:
             f"on {tempfile.gettempdir()}")
 
 
-def _relay(name: str, stream: IO[str]) -> None:
+def _relay(name: str, width: int, stream: IO[str]) -> None:
     """Print a guest process's lines as they come, each led by the process's name."""
-    width = max(map(len, guest_processes()))
     for line in stream:
         print(f"{name:<{width}} | {line}", end="", flush=True)
 
@@ -83,7 +82,9 @@ def main(args: list[str]) -> int:
         return subprocess.call([*pytest, *args], cwd=ROOT)
     started = time.monotonic()
     print(_free_space("before the suite"), flush=True)
-    bases = {name: Path(tempfile.mkdtemp(prefix=f"capsule-{name}-")) for name in ("light", *guest_processes())}
+    guests = guest_processes()
+    width = max(map(len, guests))
+    bases = {name: Path(tempfile.mkdtemp(prefix=f"capsule-{name}-")) for name in ("light", *guests)}
     running: dict[str, subprocess.Popen[str]] = {}
     relays = []
     rcs: dict[str, int] = {}
@@ -92,16 +93,16 @@ def main(args: list[str]) -> int:
             running["light"] = subprocess.Popen([*pytest, *COMMON, f"--basetemp={bases['light']}", *LIGHT, *args],
                                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                                 env=os.environ.copy())
-            for name, folders in guest_processes().items():
+            for name, folders in guests.items():
                 proc = subprocess.Popen([*pytest, *COMMON, f"--basetemp={bases[name]}", *folders, *args], cwd=ROOT,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=os.environ.copy())
                 running[name] = proc
                 assert proc.stdout is not None
-                relay = threading.Thread(target=_relay, args=(name, proc.stdout), daemon=True)
+                relay = threading.Thread(target=_relay, args=(name, width, proc.stdout), daemon=True)
                 relay.start()
                 relays.append(relay)
-            for name in guest_processes():
+            for name in guests:
                 rcs[name] = running[name].wait()
                 print(f"\n== {name} ended ({rcs[name]}) after {time.monotonic() - started:.0f} s", flush=True)
             for relay in relays:
