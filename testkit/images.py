@@ -37,7 +37,7 @@ def image_store():
 def ensure_image(store, kind: str) -> None:
     """Build the image once; again when the guest agent (or, in Debian, the pod layer) it carries is not
     the current one, or when the recipes (capsule/imagebuild/) changed. One process builds at a time (the
-    suite's light tiers and its two guest workers share the store): the others wait, then find it built."""
+    suite's light tiers and its two guest processes share the store): the others wait, then find it built."""
     from capsule import images
     from capsule.imagebuild.common import agent_binary, agent_info, pod_layer_sha256, recipe_sha256
 

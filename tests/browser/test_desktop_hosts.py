@@ -181,7 +181,8 @@ def test_the_desktop_moves_live_home_and_is_brought_back(desk, browser, tmp_path
     expect(box).to_have_attribute("data-state", "sent", timeout=30_000)
     assert b.api("GET", f"/api/capsules/{name}/clipboard")["text"] == LINES[2]
     _into_terminal(page, b, name)
-    # Shift held on its own first: a loaded machine once delivered Insert without it (an empty line was typed)
+    # Shift held on its own first: on a loaded machine an empty line was once typed here, most likely Insert
+    # arriving without Shift
     page.keyboard.down("Shift")
     page.wait_for_timeout(200)
     page.keyboard.press("Insert")

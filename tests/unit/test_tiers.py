@@ -100,16 +100,12 @@ def test_wait_until_returns_the_value_or_fails_with_what_it_waited_for():
         wait_until(lambda: False, 0.05, lambda: "the moon (seen 0)", interval=0.01)
 
 
-
 def test_the_suites_guest_processes_share_out_every_guest_file_once_and_keep_shared_guests_together():
     """scripts/suite.py runs the guest tiers as two processes: each guest-tier file is in exactly one, and
     every file that asks for the compose hosts or the pod pairs (one session fixture each: two processes
     would start them twice) is in the one that runs them."""
-    sys.path.insert(0, str(TESTS.parent / "scripts"))
-    try:
-        import suite
-    finally:
-        sys.path.remove(str(TESTS.parent / "scripts"))
+    from scripts import suite
+
     processes = {name: [a for a in args if not a.startswith("-")] for name, args in suite.guest_processes().items()}
     every = {str(p.relative_to(TESTS.parent)) for tier in ("vm", "hosts", "browser")
              for p in (TESTS / tier).glob("test_*.py")}
