@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
@@ -70,10 +71,17 @@ def _free_space(when: str) -> str:
             f"on {tempfile.gettempdir()}")
 
 
-def _relay(name: str, width: int, stream: IO[str]) -> None:
-    """Print a guest process's lines as they come, each led by the process's name."""
+def _relay(name: str, width: int, stream: IO[str], failures: list[str]) -> None:
+    """Print a guest process's lines as they come, each led by the process's name; keep its failures."""
     for line in stream:
         print(f"{name:<{width}} | {line}", end="", flush=True)
+        failures.extend(_failures(name, [line]))
+
+
+def _failures(name: str, lines: Iterable[str]) -> list[str]:
+    """The short summary's ``FAILED``/``ERROR`` lines, cut to one line each: on CI pytest prints each failure's
+    whole message there, which can push the test's name out of a log's tail."""
+    return [f"{name} | {line.rstrip()[:200]}" for line in lines if line.startswith(("FAILED ", "ERROR "))]
 
 
 def main(args: list[str]) -> int:
@@ -88,6 +96,7 @@ def main(args: list[str]) -> int:
     running: dict[str, subprocess.Popen[str]] = {}
     relays = []
     rcs: dict[str, int] = {}
+    failures: list[str] = []
     with tempfile.TemporaryFile("w+", prefix="capsule-light-tiers-") as log:
         try:
             running["light"] = subprocess.Popen([*pytest, *COMMON, f"--basetemp={bases['light']}", *LIGHT, *args],
@@ -99,7 +108,8 @@ def main(args: list[str]) -> int:
                                         env=os.environ.copy())
                 running[name] = proc
                 assert proc.stdout is not None
-                relay = threading.Thread(target=_relay, args=(name, width, proc.stdout), daemon=True)
+                relay = threading.Thread(target=_relay, args=(name, width, proc.stdout, failures),
+                                         daemon=True)
                 relay.start()
                 relays.append(relay)
             for name in guests:
@@ -122,6 +132,10 @@ def main(args: list[str]) -> int:
                     print(f"== {name}'s temporary files are kept in {base}", flush=True)
         log.seek(0)
         print("\n== the unit and tools tiers (run alongside)\n" + log.read(), flush=True)
+        log.seek(0)
+        failures.extend(_failures("light", log))
+    for failure in failures:
+        print(f"== failed: {failure}", flush=True)
     verdict = ", ".join(f"{name} {'passed' if rc == 0 else 'FAILED'}" for name, rc in rcs.items())
     print(f"== the suite: {verdict}, {time.monotonic() - started:.0f} s in all", flush=True)
     return max(rcs.values(), key=lambda rc: rc != 0)

@@ -113,3 +113,15 @@ def test_the_suites_guest_processes_share_out_every_guest_file_once_and_keep_sha
     users = {f for f in every if suite.fixtures_asked(TESTS.parent / f) & {"hosts", "seeded", "pod_pair"}}
     assert {"tests/hosts/test_demo.py", "tests/vm/test_pods.py"} <= users <= set(processes["hosts"])
     assert all(f.startswith(("tests/vm/", "tests/browser/")) for f in processes["vm"])
+
+
+def test_the_suite_names_each_failed_test_in_one_line_at_its_end():
+    """On CI pytest prints a failure's whole message in its short summary; the suite's own last lines must
+    still name each failed test, whatever its message's length."""
+    from scripts import suite
+
+    log = ["tests/tools/test_x.py::test_a PASSED\n", "FAILED tests/tools/test_x.py::test_b - assert b'" +
+           "\\x00" * 500 + "'\n", "     b'\\x00\\x00'\n", "ERROR tests/unit/test_y.py::test_c - OSError\n"]
+    got = suite._failures("light", log)
+    assert got[0].startswith("light | FAILED tests/tools/test_x.py::test_b - assert") and len(got[0]) <= 208
+    assert got[1:] == ["light | ERROR tests/unit/test_y.py::test_c - OSError"]
