@@ -102,5 +102,11 @@ def test_objects_after_the_link_slows_down_travel_in_another_codec(tmp_path, tin
         after = [o["codec"] for o in objects[SWITCH_AT:]]          # the first slow object starts with fast figures
         seen.append((before, after))
         if after and all(c not in before for c in after):
+            # what the slow link carried of each object (a stream's history): less than the fast one did
+            slow, fast = (max(o["wire_bytes"] for o in objects[SWITCH_AT:]),
+                          min(o["wire_bytes"] for o in objects[:SWITCH_AT - 1]))
+            print(f"\n{after} after the link slowed down: at most {slow} B per object, against at least "
+                  f"{fast} B in {sorted(before)} before")
+            assert slow < fast, (slow, fast, objects)
             return
     pytest.fail(f"the codec never changed after the link slowed down, in {ATTEMPTS} pushes: {seen}")
