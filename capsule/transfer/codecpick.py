@@ -176,10 +176,10 @@ class CodecPicker:
         (None: not timed here, e.g. the serving side compressed them); ``sample``: zstd -3's ratio on a probe
         of this very batch (what :meth:`probe` answered), which tells how whole batches do against samples.
 
-        A stream's segments are judged against the samples' average where their own batch was not probed,
-        all but its ``first``: that one has no history yet, and judged by it alone a stream never shows what
-        its history saves (a push at 1 Mbit/s, whose text went as 0.35 of itself in a stream's first
-        segment and 0.06 in the next ones, went back to zstd -3 frames for good after the first)."""
+        A stream's ``first`` segment does not judge the stream: it has no history yet, and judged by it a
+        stream never shows what its history saves (a push at 1 Mbit/s, whose text went as 0.35 of itself in
+        a stream's first segment and 0.06 in the next ones, went back to zstd -3 frames for good after the
+        first). Its later segments are judged against their own batch (:meth:`yardstick`)."""
         if raw <= 0:
             return
         with self._lock:
@@ -188,10 +188,11 @@ class CodecPicker:
             self._batch_raw = _smooth(self._batch_raw, raw)
             m_rel = 1.0 if codec == ZSTD3 else m.rel
             stream = codec.is_stream(self.stream_level)
-            if stream:
-                sample = None if first else sample or self._sample_ratio
+            if stream and first:
+                sample = None
             if sample and m_rel and codec != NONE:
-                self._scale[stream] = _smooth(self._scale.get(stream), (wire / raw) / (m_rel * sample))
+                fresh = _fresh(m_rel, sample, self._sample_ratio)
+                self._scale[stream] = _smooth(self._scale.get(stream), (wire / raw) / fresh)
             if seconds is not None and codec != NONE:
                 m.speed = _smooth(m.speed, raw / max(seconds, 1e-6))
             m.batch = self._batches
@@ -230,6 +231,15 @@ class CodecPicker:
             with self._lock:
                 self._history = _smooth(self._history, min(1.0, after / reference))
         return reference / max(len(raw), 1)
+
+    @staticmethod
+    def yardstick(raw: bytes) -> float:
+        """zstd -3's ratio on the whole of ``raw``: what a stream's segment whose batch was not probed is
+        judged against (a few milliseconds for a segment of at most ``MAX_BATCH_BYTES``; streams are picked
+        where the link, not the CPU, is the limit). Against the probes' average, a stream's segment of
+        random data after text (its probes) was found twice as bad as frames, and the stream left for
+        good; against its first 256 KiB, one whose text gave way to random data half-way."""
+        return len(ZSTD3.encode(raw)) / max(len(raw), 1)
 
     def probe_due(self, allowed: Iterable[Codec]) -> Codec | None:
         """The candidate to measure on the next batch: one never probed first, then the one measured
@@ -360,6 +370,18 @@ class CodecPicker:
                 and costs[cur].seconds <= (1 + SWITCH) * costs[pick].seconds):
             return cur
         return pick
+
+
+def _fresh(rel: float, sample: float, average: float | None) -> float:
+    """What a codec whose probes made ``rel`` of zstd -3's bytes (on samples zstd -3 made ``average`` of
+    themselves) is expected to make, as a fresh stream, of a batch zstd -3 makes ``sample`` of: the same
+    share of what zstd -3 saves. So data zstd -3 cannot compress stays whole whatever the codec: as
+    ``rel * sample``, a stream's segment of random data after text (its probes) counted 1.5 times worse
+    than frames, and the stream was left for good."""
+    if average is None or average >= 1.0:
+        return rel * sample
+    saves = (1.0 - rel * average) / (1.0 - average)
+    return min(1.0, max(1.0 - (1.0 - sample) * saves, 1e-3))
 
 
 def _smooth(old: float | None, new: float) -> float:

@@ -237,8 +237,10 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                             data = b"".join(reader.read(batch))
                             c0 = time.perf_counter()
                             segment = encoder.segment(data)
-                            picker.record(used_codec, len(data), len(segment), time.perf_counter() - c0, sample,
-                                          first=segments == 0)
+                            seconds = time.perf_counter() - c0
+                            if sample is None and segments:     # its history shows against its own batch
+                                sample = picker.yardstick(data)
+                            picker.record(used_codec, len(data), len(segment), seconds, sample, first=segments == 0)
                             stream.submit((batch, segments, segment, used_codec, stream_id, None))
                             segments += 1
     finally:
