@@ -17,8 +17,9 @@ probes — a small sample of a batch compressed now and then only to measure (``
 ratio: what it made of a probe's sample against zstd -3 on the same sample (so candidates probed on
 different data are judged alike), scaled by what the codecs in use made of whole batches against the
 probes of those very batches, for streams and frames apart (a stream's history, a frame smaller or larger
-than a sample); until a stream is in use, its history is judged by zstd -3 on a sample after the end of
-the batch sent before it against on the sample alone.
+than a sample). A stream's segments after its first are judged against zstd -3 on their whole batch, probed
+or not, and its first (no history yet) not at all. Until a stream is in use, its history is judged by
+zstd -3 on a sample after the end of the batch sent before it against on the sample alone.
 
 An object stream lasts while its codec stays the pick: the sender asks again at every batch and, when
 another is expected ``LEAVE_STREAM`` faster (a stream's history is lost when it ends), waits for the
