@@ -44,6 +44,15 @@ class LiveFigures:
         self.memory_refs, self.memory_raw_pages = m.refs + m.recent, m.raw_pages
         self.memory_wire_bytes = m.wire_bytes
 
+    def pause_text(self) -> str:
+        """How long the guest was paused, as a user reads it: libvirt's downtime, which the other host does not
+        report after a post-copy that lost its link and was resumed."""
+        if self.pause_ms is not None:
+            return f"paused {self.pause_ms} ms"
+        if self.link_breaks:
+            return "paused for a time libvirt does not report after a resumed post-copy"
+        return "paused for a time libvirt did not report"
+
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 

@@ -264,7 +264,7 @@ def _migrate_live(store: Store, name: str, to: str, token: str, *, max_pause: fl
                   reached=Reached(known=False, sent_bytes=tracker.wire_bytes), cause=exc) from exc
     seconds = time.monotonic() - t0
     last = tracker.finish("done", "destination", f"{name} runs at {to_name or to} after {seconds:.1f}s "
-                          f"(paused {moved.figures.pause_ms} ms)")
+                          f"({moved.figures.pause_text()})")
     return MigrateResult("live", moved.sealed, moved.push, moved.remote, seconds, last, moved.figures)
 
 

@@ -347,3 +347,14 @@ def test_auto_converge_starts_harder_than_qemus_defaults_and_post_copy_is_not_th
     assert precopy[libvirt.VIR_MIGRATE_PARAM_AUTO_CONVERGE_INITIAL] >= 40
     assert precopy[libvirt.VIR_MIGRATE_PARAM_AUTO_CONVERGE_INCREMENT] >= 20
     assert libvirt.VIR_MIGRATE_PARAM_AUTO_CONVERGE_INITIAL not in postcopy
+
+
+def test_the_pause_reads_in_words_when_libvirt_did_not_report_it():
+    """After a post-copy that lost its link and was resumed, the other host's completed job has no downtime:
+    the move's last line says so instead of 'paused None ms'."""
+    from capsule.migrate.jobwatch import LiveFigures
+
+    assert LiveFigures(pause_ms=812).pause_text() == "paused 812 ms"
+    resumed = LiveFigures(postcopy=True, link_breaks=1).pause_text()
+    assert "None" not in resumed and "resumed post-copy" in resumed
+    assert "None" not in LiveFigures().pause_text()
