@@ -25,6 +25,7 @@ from capsule.repo.format import (
 )
 from capsule.repo.repository import Repository
 from capsule.repo.restore import read_manifest
+from capsule.repo.uploads import Uploads
 from hashcache.blocks import BLOCK_SIZE, hash_block
 
 
@@ -207,19 +208,21 @@ def prune(repo: Repository, *, dry_run: bool = False) -> dict[str, Any]:
             nonlocal writer
             if len(writer):
                 body = writer.finish()
-                repo.client.put(repo.location.key(pack_name(writer.id)), body)
+                uploads.put(repo.location.key(pack_name(writer.id)), body)
                 keep[writer.id] = dict(writer.entries)
                 out["packs_written"] += 1
                 out["bytes_freed"] -= len(body)
                 writer = PackWriter(repo.key)
 
-        for pack, used_blobs in repack.items():
-            data = repo.client.get(repo.location.key(pack_name(pack)))
-            for (off, n), members in used_blobs:
-                writer.add_sealed(members, data[off:off + n])
-                if writer.size >= repo.pack_size:
-                    flush()
-        flush()
+        with Uploads(repo.client) as uploads:      # the next old pack is read while the new ones go up
+            for pack, used_blobs in repack.items():
+                data = repo.client.get(repo.location.key(pack_name(pack)))
+                for (off, n), members in used_blobs:
+                    writer.add_sealed(members, data[off:off + n])
+                    if writer.size >= repo.pack_size:
+                        flush()
+            flush()
+            uploads.wait()                          # every new pack stored before an index names it
         if drop:
             repo.put_sealed(f"index/{new_id()}", encode_index(keep))
             for name in index_names:
