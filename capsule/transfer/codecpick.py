@@ -237,9 +237,10 @@ class CodecPicker:
     def yardstick(raw: bytes) -> float:
         """zstd -3's ratio on the whole of ``raw``: what a stream's segment whose batch was not probed is
         judged against (a few milliseconds for a segment of at most ``MAX_BATCH_BYTES``; streams are picked
-        where the link, not the CPU, is the limit). Against the probes' average, a stream's segment of
-        random data after text (its probes) was found twice as bad as frames, and the stream left for
-        good; against its first 256 KiB, one whose text gave way to random data half-way."""
+        where the link, not the CPU, is the limit). Judged against the probes' average, a stream's segment
+        of random data after text (what it was probed on) counted twice what was expected, and the stream
+        was left for good; judged against its first 256 KiB, so did one whose text gave way to random data
+        half-way."""
         return len(ZSTD3.encode(raw)) / max(len(raw), 1)
 
     def probe_due(self, allowed: Iterable[Codec]) -> Codec | None:
@@ -376,9 +377,9 @@ class CodecPicker:
 def _fresh(rel: float, sample: float, average: float | None) -> float:
     """What a codec whose probes made ``rel`` of zstd -3's bytes (on samples zstd -3 made ``average`` of
     themselves) is expected to make, as a fresh stream, of a batch zstd -3 makes ``sample`` of: the same
-    share of what zstd -3 saves. So data zstd -3 cannot compress stays whole whatever the codec: as
-    ``rel * sample``, a stream's segment of random data after text (its probes) counted 1.5 times worse
-    than frames, and the stream was left for good."""
+    share of what zstd -3 saves. So data zstd -3 cannot compress stays whole whatever the codec: expected
+    as ``rel * sample``, a zstd -19 stream's segment of random data after text (what it was probed on)
+    counted 1.5 times what was expected, more than frames send, and the stream was left for good."""
     if average is None or average >= 1.0:
         return rel * sample
     saves = (1.0 - rel * average) / (1.0 - average)
