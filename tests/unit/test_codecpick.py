@@ -258,7 +258,7 @@ def test_a_stream_is_judged_by_its_segments_with_history_each_against_its_own_ba
     """A stream's first segment has no history: it must not judge the stream (a push at 1 Mbit/s whose text
     went as 0.39 of itself in a stream's first segment and 0.06 in the next ones went back to zstd -3
     frames for good). Its later segments judge it, each against zstd -3 on its own batch: against the
-    probes' average, a batch of random data after text made streams look twice as bad as frames."""
+    probes' average, a batch of random data after text counted twice what was expected."""
     p = picker(125_000, {ZSTD3: (0.35, 300 * MB, 600 * MB), Z16: (0.25, 6 * MB, 600 * MB)})
     allowed = [NONE, ZSTD3, Z16]
     p.record(Z16, 1 << 16, int(0.39 * (1 << 16)), 0.01, sample=0.35, first=True)
