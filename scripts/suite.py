@@ -131,9 +131,9 @@ def main(args: list[str]) -> int:
                 else:
                     print(f"== {name}'s temporary files are kept in {base}", flush=True)
         log.seek(0)
-        print("\n== the unit and tools tiers (run alongside)\n" + log.read(), flush=True)
-        log.seek(0)
-        failures.extend(_failures("light", log))
+        light = log.read()
+        print("\n== the unit and tools tiers (run alongside)\n" + light, flush=True)
+        failures.extend(_failures("light", light.splitlines()))
     for failure in failures:
         print(f"== failed: {failure}", flush=True)
     verdict = ", ".join(f"{name} {'passed' if rc == 0 else 'FAILED'}" for name, rc in rcs.items())
