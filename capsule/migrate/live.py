@@ -35,6 +35,7 @@ import libvirt
 
 from capsule import transfer
 from capsule.agentclient import AgentClient
+from capsule.bounds import WIRE_BYTES, Bound
 from capsule.errors import Cancelled, Conflict, Error, RuntimeFailure
 from capsule.lifecycle import SealResult, livedisk
 from capsule.migrate import jobwatch, memrefs, recover
@@ -187,15 +188,26 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
         figures.record_memory(tunnels)
     finally:
         tunnels.close()
-    job = remote.get("job") if isinstance(remote.get("job"), dict) else {}
-    for key, attr in (("memory_processed", "memory_bytes"), ("disk_processed", "disk_bytes"),
-                      ("memory_iteration", "rounds")):
-        if isinstance(job.get(key), int):       # the completed job's own figures (a short job is seen once or never)
-            setattr(figures, attr, max(getattr(figures, attr), job[key]))
-    if isinstance(remote.get("downtime_ms"), int):
-        figures.pause_ms = remote["downtime_ms"]
-        tracker.pause(figures.pause_ms)
+    take_reported(remote, figures, tracker)
     return remote, figures
+
+
+ROUNDS = Bound(0, 10**9)                            # pre-copy iterations a peer may report
+PAUSE_MS = Bound(0, 86_400_000, unit="ms")          # a pause a peer may report: at most a day
+
+
+def take_reported(remote: dict[str, Any], figures: LiveFigures, tracker: Tracker) -> None:
+    """The other host's figures of the completed job (a short job is seen once or never while it runs), each
+    taken only within its bounds: they come from the network, and a figure out of bounds is left out (the move
+    itself is done)."""
+    job = remote.get("job") if isinstance(remote.get("job"), dict) else {}
+    for key, attr, bound in (("memory_processed", "memory_bytes", WIRE_BYTES),
+                             ("disk_processed", "disk_bytes", WIRE_BYTES), ("memory_iteration", "rounds", ROUNDS)):
+        if bound.contains(job.get(key)):
+            setattr(figures, attr, max(getattr(figures, attr), int(job[key])))
+    if PAUSE_MS.contains(remote.get("downtime_ms")):
+        figures.pause_ms = int(remote["downtime_ms"])
+        tracker.pause(figures.pause_ms)
 
 
 def _listen_there(target: checks.Target, mid: str) -> object:

@@ -358,3 +358,23 @@ def test_the_pause_reads_in_words_when_libvirt_did_not_report_it():
     resumed = LiveFigures(postcopy=True, link_breaks=1).pause_text()
     assert "None" not in resumed and "resumed post-copy" in resumed
     assert "None" not in LiveFigures().pause_text()
+
+
+@pytest.mark.parametrize("bad", [-1, 2**70, True, 1.5, float("nan"), "812", None])
+def test_the_other_hosts_figures_are_taken_only_within_their_bounds(bad):
+    """The completed job's figures come from the network: out of bounds, each is left out."""
+    from capsule.migrate.jobwatch import LiveFigures
+
+    events = []
+    tracker = Tracker("vm", "office", planned("live", False), events.append, min_interval=0)
+    good = LiveFigures()
+    live.take_reported({"downtime_ms": 812, "job": {"memory_processed": 5 << 20, "disk_processed": 7,
+                                                   "memory_iteration": 3}}, good, tracker)
+    assert (good.pause_ms, good.memory_bytes, good.disk_bytes, good.rounds) == (812, 5 << 20, 7, 3)
+    assert events[-1].pause_ms == 812
+    figures = LiveFigures(memory_bytes=10, rounds=2)
+    live.take_reported({"downtime_ms": bad, "job": {"memory_processed": bad, "disk_processed": bad,
+                                                    "memory_iteration": bad}}, figures, tracker)
+    assert (figures.pause_ms, figures.memory_bytes, figures.disk_bytes, figures.rounds) == (None, 10, 0, 2)
+    live.take_reported({"job": ["not", "a", "dict"]}, figures, tracker)
+    assert figures.memory_bytes == 10
