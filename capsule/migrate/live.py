@@ -200,7 +200,8 @@ def take_reported(remote: dict[str, Any], figures: LiveFigures, tracker: Tracker
     """The other host's figures of the completed job (a short job is seen once or never while it runs), each
     taken only within its bounds: they come from the network, and a figure out of bounds is left out (the move
     itself is done)."""
-    job = remote.get("job") if isinstance(remote.get("job"), dict) else {}
+    reported = remote.get("job")
+    job: dict[str, Any] = reported if isinstance(reported, dict) else {}
     for key, attr, bound in (("memory_processed", "memory_bytes", WIRE_BYTES),
                              ("disk_processed", "disk_bytes", WIRE_BYTES), ("memory_iteration", "rounds", ROUNDS)):
         if bound.contains(job.get(key)):
