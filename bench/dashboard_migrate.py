@@ -31,7 +31,7 @@ from capsule.migrate import migrate  # noqa: E402
 from capsule.runtime.connection import lookup_domain  # noqa: E402
 from testkit.chromium import launch  # noqa: E402
 
-COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
+COUNTER = "(i=0; : > /tmp/count; while true; do i=$((i+1)); echo $i 1<> /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
 NAME = "bench"
 
 

@@ -85,7 +85,7 @@ GOAL_TEN = 1.3
 # pack's header and in the session's index; per block its id in both. Format 1: 113 bytes a block.
 BLOB_OVERHEAD = 4 + 12 + 16 + 1 + 10 + 10
 BLOCK_OVERHEAD = 32 + 32
-COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done) >/dev/null 2>&1 &"
+COUNTER = "(i=0; : > /tmp/count; while true; do i=$((i+1)); echo $i 1<> /tmp/count; sleep 0.5; done) >/dev/null 2>&1 &"
 
 
 def bucket_bytes(client: S3Client, prefix: str) -> tuple[int, int]:

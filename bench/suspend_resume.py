@@ -24,7 +24,7 @@ from bench.common import median, table, temp_workdir, tiny_stores, write_result 
 from capsule import capsules, lifecycle  # noqa: E402
 from capsule.runtime.connection import libvirt_uri  # noqa: E402
 
-TOUCH = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
+TOUCH = "(i=0; : > /tmp/count; while true; do i=$((i+1)); echo $i 1<> /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
 
 
 def virsh(*args: str) -> float:

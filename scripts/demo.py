@@ -29,7 +29,7 @@ from capsule.units import human
 NAME = "demo"
 DESK = "desk"       # the desktop capsule the dashboard step starts (CAPSULE_DEMO_DESKTOP=0: none)
 # the counter also shows on the guest's screen (the dashboard's console) every second
-COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; "
+COUNTER = ("(i=0; : > /tmp/count; while true; do i=$((i+1)); echo $i 1<> /tmp/count; "
            "[ $((i % 5)) = 0 ] && echo \"capsule demo: counter $i\" > /dev/tty0; sleep 0.2; done) >/dev/null 2>&1 &")
 out = Console(highlight=False)
 

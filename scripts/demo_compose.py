@@ -33,7 +33,7 @@ from scripts.composehosts import DEMO, ComposeError, Host, docker_ready  # noqa:
 
 NAME = "demo"
 # counts in /tmp/count; every second a line on the screen too (the dashboard's console shows it going on)
-COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; "
+COUNTER = ("(i=0; : > /tmp/count; while true; do i=$((i+1)); echo $i 1<> /tmp/count; "
            "[ $((i % 5)) = 0 ] && echo \"capsule demo: counter $i\" > /dev/tty0; sleep 0.2; done) >/dev/null 2>&1 &")
 DSL_BPS = 370_000 / 8     # 384 kbit/s DSL, as TCP goodput (testkit/netlink.py measured 370 kbit/s)
 out = Console(highlight=False)

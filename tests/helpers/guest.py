@@ -7,7 +7,11 @@ import time
 from capsule.console.serial import ConsoleSession
 from capsule.store import Store
 
-COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &"
+# counts in /tmp/count five times a second. Each count overwrites the last in place (`1<>` does not
+# truncate, and the numbers only grow longer), so a reader never finds the file empty: not between two
+# writes, and not in a guest or pod frozen or checkpointed there.
+COUNT_LOOP = "i=0; : > /tmp/count; while true; do i=$((i+1)); echo $i 1<> /tmp/count; sleep 0.2; done"
+COUNTER = f"({COUNT_LOOP}) >/dev/null 2>&1 &"
 
 
 def guest(store: Store, capsule: str) -> ConsoleSession:

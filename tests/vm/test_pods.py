@@ -15,14 +15,14 @@ from capsule.errors import Conflict
 from capsule.pod import ops
 from capsule.pod.errors import PodAddressClash, PodExists, PodLayerMissing, PodNotFound, PodStateConflict
 from capsule.pod.relay import LEND_FROM_IN, Relay
+from tests.helpers.guest import COUNT_LOOP
 from tests.vm.podkit import NUMBERING_CLIENT, NUMBERING_SERVER
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 # the pod: a TCP server (each line numbered back) and a counter in /tmp
 SERVER = NUMBERING_SERVER
-POD_CMD = ["sh", "-c", "python3 /root/pod-server.py & "
-                       "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
+POD_CMD = ["sh", "-c", "python3 /root/pod-server.py & " + COUNT_LOOP]
 # the peer, outside the pod in the capsule: one connection, line i must come back as "i i"
 CLIENT = NUMBERING_CLIENT
 

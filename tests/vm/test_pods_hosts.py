@@ -19,12 +19,12 @@ from capsule.pod.errors import CriuUnsupported, PodAddressClash
 from capsule.pod.relay import Relay
 from testkit.images import destroy_domains, make_store
 from tests.conftest import Agent
+from tests.helpers.guest import COUNT_LOOP
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 HELD = 8 << 20  # random bytes a process of the pod holds: the image's pages, incompressible
-POD = ["sh", "-c", f"python3 -c 'import os, time; b = os.urandom({HELD}); time.sleep(1e9)' & "
-                   "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done"]
+POD = ["sh", "-c", f"python3 -c 'import os, time; b = os.urandom({HELD}); time.sleep(1e9)' & " + COUNT_LOOP]
 # a stand-in for a kernel CRIU refuses (none boots here): `criu check` fails as CRIU does on one
 FAKE_CRIU = """#!/bin/sh
 echo "Error (criu/cr-check.c:1462): Kernel doesn't support PTRACE_O_SUSPEND_SECCOMP" >&2
