@@ -61,8 +61,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from capsule import bounds
 from capsule.errors import EnvironmentProblem, Error, Forbidden, InvalidName, NotFound, Overloaded, Unreachable
+from capsule.migrate.memknown import Objects
 from capsule.migrate.memrefs import parse_objects
-from capsule.migrate.ramdedup import Decoder, Objects, Resolve
+from capsule.migrate.ramdedup import Decoder, Resolve
 from capsule.migrate.tunnel import CHUNK, DEDUP_KIND, DEFAULT_TTL, KINDS, QEMU_KINDS
 from capsule.runtime import guestaccess, guestfiles
 

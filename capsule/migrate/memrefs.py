@@ -17,12 +17,15 @@ import sys
 import threading
 from typing import Any
 
-from capsule.errors import Error, InvalidName
-from capsule.migrate.ramdedup import Known, Objects
+from capsule.errors import Error, IntegrityError, InvalidName
+from capsule.migrate.memknown import Known, Objects
+from capsule.migrate.ramstream import PAGE_SIZE
 from capsule.migrate.tunnel import Dedup
 from capsule.names import check_object_id
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest
+from hashcache.blocks import hash_block
+from hashcache.manifest import Manifest
 
 MAX_OBJECTS = 256                    # objects one move may name (a version's layers and a few memory images)
 
@@ -78,10 +81,48 @@ class StoreResolver:
 
     def __init__(self, store: Store, objects: Objects | None = None) -> None:
         self.store = store
-        self.objects = [(k, o) for k, o in objects or [] if has_object(store, k, o)]
+        self.named = list(objects or [])               # as the source numbers them (runs name them so)
+        self.objects = [(k, o) for k, o in self.named if has_object(store, k, o)]
         self._index: dict[int, tuple[int, int]] | None = None
         self._readers: dict[int, BlockReader] = {}
+        self._manifests: dict[int, Manifest] = {}
         self._lock = threading.Lock()
+
+    def blocks(self, obj: int, first: int, count: int) -> list[bytes]:
+        """Blocks ``first .. first+count`` of the object the source numbered ``obj``, each checked against its
+        manifest here; IntegrityError if the object is not held here, or a block is not listed or differs."""
+        if not 0 <= obj < len(self.named):
+            raise IntegrityError(f"the memory stream names object {obj} of the {len(self.named)} the source named")
+        kind, oid = self.named[obj]
+        with self._lock:
+            if obj not in self._manifests:
+                if (kind, oid) not in self.objects:
+                    raise IntegrityError(f"the memory stream refers to {kind} {oid[:12]}, which this host does not "
+                                         "hold: the move fails and the guest runs on at the source")
+                self._manifests[obj] = object_manifest(self.store, kind, oid)
+            m = self._manifests[obj]
+            hashes = [m.record(b) for b in range(first, first + count)]
+            bad = next((first + i for i, r in enumerate(hashes) if r is None or r[0]), None)
+            if bad is not None:
+                raise IntegrityError(f"the memory stream refers to block {bad} of {kind} {oid[:12]}, which holds no "
+                                     "data there")
+            try:
+                pages = self._reader(obj).read(list(range(first, first + count)))
+            except Error as exc:
+                raise IntegrityError(f"blocks {first}..{first + count - 1} of {kind} {oid[:12]} cannot be read here: "
+                                     f"{exc}") from None
+        for i, (page, record) in enumerate(zip(pages, hashes, strict=True)):
+            assert record is not None
+            if len(page) != PAGE_SIZE or hash_block(page) != record[1]:
+                raise IntegrityError(f"block {first + i} of {kind} {oid[:12]} read here does not match its manifest: "
+                                     "refused (the memory stream is not rebuilt from it)")
+        return pages
+
+    def _reader(self, obj: int) -> BlockReader:
+        if obj not in self._readers:
+            kind, oid = self.named[obj]
+            self._readers[obj] = BlockReader(self.store, kind, oid)
+        return self._readers[obj]
 
     def __call__(self, h: bytes) -> bytes | None:
         try:
@@ -97,17 +138,16 @@ class StoreResolver:
             if place is None:
                 return None
             obj, block = place
-            if obj not in self._readers:
-                kind, oid = self.objects[obj]
-                self._readers[obj] = BlockReader(self.store, kind, oid)
             try:
-                return self._readers[obj].read([block])[0]
+                return self._reader(obj).read([block])[0]
             except Error:
                 return None
 
     def _build(self) -> dict[int, tuple[int, int]]:
         index: dict[int, tuple[int, int]] = {}
-        for n, (kind, oid) in enumerate(self.objects):
+        for n, (kind, oid) in enumerate(self.named):
+            if (kind, oid) not in self.objects:
+                continue
             m = object_manifest(self.store, kind, oid)
             for block, zero, digest in m.records():
                 if not zero:

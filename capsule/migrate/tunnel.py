@@ -26,7 +26,8 @@ One call opens a whole tunnel set to a peer and gives what ``virsh migrate --p2p
   :class:`~capsule.migrate.ramdedup.Known` hashes) puts the memory codec on the ``qemu-migration`` channel:
   what QEMU writes there is encoded (:class:`~capsule.migrate.ramdedup.Encoder`, one per connection) if the
   peer answers that it decodes it (``Tunnels.dedup``); a peer that does not (an older release) gets the bytes
-  as they came. ``Tunnels.memory`` sums the codec's figures. The other direction is never touched.
+  as they came. Held pages go as runs of blocks by place to a peer naming ``memory-runs``, as hashes to one that
+  does not. ``Tunnels.memory`` sums the codec's figures. The other direction is never touched.
 
 A peer without the tunnel (an older release) is refused with :class:`~hashcache.errors.ProtocolMismatch` naming
 both releases."""
@@ -50,7 +51,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from capsule import __version__
 from capsule.agentclient import AgentClient
 from capsule.errors import EnvironmentProblem, Error, InvalidName, NotFound
-from capsule.migrate.ramdedup import Encoder, Known, Objects, Stats
+from capsule.migrate.memknown import Known, Objects
+from capsule.migrate.ramdedup import Encoder, Stats
 from capsule.migrate.sendqueue import MIN_NOT_SENT, SendQueue, set_bound
 from capsule.runtime import guestaccess
 from hashcache.transport import plain, protocol, tls
@@ -59,6 +61,7 @@ KINDS = ("libvirt", "qemu-migration", "qemu-disks")     # what a tunnel session'
 QEMU_KINDS = ("qemu-migration", "qemu-disks")           # those whose path the destination chooses and names
 DEDUP_KIND = "qemu-migration"                           # the channel the memory codec may be applied to
 DEDUP_FEATURE = "memory-dedup"                          # an agent that decodes it names this feature
+RUNS_FEATURE = "memory-runs"                            # ... and its runs of blocks by place (ramdedup.OP_BLOCKS)
 DEFAULT_TTL = 3600.0                                    # seconds a session admits new connections
 CHUNK = 1 << 16                                         # bytes of one frame at most (agents take up to 1 MiB)
 CONNECT_TIMEOUT = 30.0
@@ -97,12 +100,13 @@ class Tunnel:
     the agent at ``peer``. A context manager; :meth:`close` stops listening and ends every connection."""
 
     def __init__(self, peer: Endpoint, session: str, channel: str, path: Path, *,
-                 connect_timeout: float = CONNECT_TIMEOUT, known: Known | None = None) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, known: Known | None = None, runs: bool = False) -> None:
         plain.check(peer.url)
         self.peer, self.session, self.channel, self.path = peer, session, channel, Path(path)
         self.connect_timeout = connect_timeout
         self.counts = Counts()
         self.known = known                       # not None: each connection's bytes go through an Encoder
+        self.runs = runs                         # ... which sends held pages as runs of blocks (the peer decodes them)
         self.encoders: list[Encoder] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -237,7 +241,7 @@ class Tunnel:
     async def _pump(self, ws: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ended = {"out": False, "in": False}
 
-        encoder = None if self.known is None else Encoder(self.known)
+        encoder = None if self.known is None else Encoder(self.known, runs=self.runs)
         if encoder is not None:
             self.encoders.append(encoder)
 
@@ -396,6 +400,7 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
             protocol.require(client.peer, client.features, "tunnel", __version__, f"the agent at {peer.url}",
                              "a live move")
             raise
+        runs = RUNS_FEATURE in client.features
     try:
         session = str(answer["session"])
         remote = {k: str(answer["channels"][k]["path"]) for k in kinds if k in QEMU_KINDS}
@@ -418,7 +423,8 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
                     out.made_dirs.append(path.parent)
                 _entrance_dir(path.parent)
             out.tunnels[kind] = Tunnel(peer, session, kind, path,
-                                       known=dedup.known if out.dedup and kind == DEDUP_KIND and dedup else None)
+                                       known=dedup.known if out.dedup and kind == DEDUP_KIND and dedup else None,
+                                       runs=runs)
     except BaseException:
         out.close()
         raise

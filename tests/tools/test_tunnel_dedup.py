@@ -19,9 +19,10 @@ import pytest
 
 from capsule.agent.launch import AgentProcess
 from capsule.migrate.ramdedup import Known
-from capsule.migrate.tunnel import Dedup, open_tunnels
+from capsule.migrate.tunnel import CHUNK, Dedup, open_tunnels
 from capsule.store import Store
 from hashcache.blocks import hash_block
+from hashcache.manifest import manifest_of_file
 from tests.helpers.migstream import StreamWriter
 from tests.wait import wait_until
 
@@ -138,3 +139,56 @@ def test_without_dedup_the_bytes_cross_as_they_came(dest, tmp_path):
         assert not t.dedup and bytes(sink.data) == data
         wait_until(lambda: t.bytes_sent == len(data), 10, "every byte sent as it came")
         assert t.memory.wire_bytes == 0
+
+
+def _sealed(store: Store, pages: list[bytes], name: str) -> str:
+    """A memory image of ``pages`` sealed into ``store`` (its catalogue too): yesterday's, as the destination
+    holds it."""
+    f = store.home / "tmp" / name
+    f.parent.mkdir(exist_ok=True)
+    f.write_bytes(b"".join(pages))
+    row = store.seal_file(f, "memory")
+    store.catalogue.add_file(row)
+    return row.id
+
+
+def _guest_order(pages: list[bytes]) -> bytes:
+    w = StreamWriter().config().ram_start().ram_part()
+    for i, p in enumerate(pages):
+        w.page(p, offset=i * 4096)
+    return w.eos().ram_part(end=True).eos().device(3, "cpu", os.urandom(400)).end().bytes()
+
+
+def test_a_commute_sends_yesterdays_pages_as_runs_of_its_image_and_qemu_gets_the_exact_stream(dest, tmp_path):
+    agent, short, store = dest
+    yesterday = [os.urandom(4096) for _ in range(600)]
+    today = [os.urandom(4096) if i % 100 == 7 else p for i, p in enumerate(yesterday)]   # 6 pages changed
+    fid = _sealed(store, yesterday, "yesterday.mem")
+    known = Known.of_manifests([manifest_of_file(store.file_path(fid))])
+    data = _guest_order(today)
+    t, sink = _send(Dedup([("file", fid)], known), agent, short, data)
+    with t:
+        assert bytes(sink.data) == data
+        m = t.memory
+        # a run ends where a changed page is, and where a read of the tunnel ends (a call holds nothing back)
+        reads = -(-len(data) // CHUNK)
+        assert (m.refs, m.raw_pages) == (594, 6) and 7 <= m.runs <= 7 + reads
+        wait_until(lambda: t.bytes_sent == m.wire_bytes, 10, "the frames counted as sent")
+        # the 6 new pages and little else (as hashes, the held pages took 594 × (33 + 5) bytes more)
+        assert t.bytes_sent < 6 * 4096 + (7 + reads) * 60 + 3000, t.bytes_sent
+
+
+def test_a_run_of_an_image_the_destination_lacks_cuts_the_stream_naming_it(dest, tmp_path):
+    agent, short, store = dest
+    pages = [os.urandom(4096) for _ in range(20)]
+    elsewhere = Store.open(tmp_path / "elsewhere")       # the source believes the destination holds it
+    try:
+        fid = _sealed(elsewhere, pages, "other.mem")
+        known = Known.of_manifests([manifest_of_file(elsewhere.file_path(fid))])
+    finally:
+        elsewhere.close()
+    t, sink = _send(Dedup([("file", fid)], known), agent, short, _guest_order(pages))
+    with t:
+        assert len(sink.data) < len(_guest_order(pages)) - 20 * 4096 + 4096   # QEMU read a cut stream
+        wait_until(lambda: t.tunnels["qemu-migration"].errors, 10, "the reason at the source")
+        assert f"file {fid[:12]}, which this host does not hold" in " ".join(t.tunnels["qemu-migration"].errors)

@@ -121,9 +121,118 @@ def test_known_of_manifests_answers_the_blocks_of_the_objects(tmp_path):
     f = tmp_path / "obj"
     f.write_bytes(b"".join(blocks[:5]) + bytes(8192) + b"".join(blocks[5:]))
     known = Known.of_manifests([manifest_of_file(f)])
-    assert len(known) == 10 and known.nbytes == 80
+    assert len(known) == 10 and known.nbytes == 160           # a prefix and a place each
     assert all(hash_block(b) in known for b in blocks)
     assert hash_block(os.urandom(4096)) not in known and hash_block(bytes(4096)) not in known
+    # where each block is: object 0, its block index (the zero blocks 5 and 6 are holes, not listed)
+    assert [known.place(hash_block(b)) for b in blocks] == [(0, i) for i in (0, 1, 2, 3, 4, 7, 8, 9, 10, 11)]
+    assert known.place(hash_block(os.urandom(4096))) is None
+
+
+class Objects:
+    """The destination's side of runs, as memrefs.StoreResolver does it: blocks of numbered objects, each checked
+    against the object's manifest (the objects: files of this test's directory)."""
+
+    def __init__(self, files: list) -> None:
+        self.files = files
+        self.manifests = [manifest_of_file(f) for f in files]
+
+    def __call__(self, h: bytes) -> bytes | None:
+        return None
+
+    def blocks(self, obj: int, first: int, count: int) -> list[bytes]:
+        if not 0 <= obj < len(self.files):
+            raise IntegrityError(f"object {obj}")
+        data = self.files[obj].read_bytes()
+        pages = [data[b * 4096:(b + 1) * 4096] for b in range(first, first + count)]
+        for b, page in zip(range(first, first + count), pages, strict=True):
+            if self.manifests[obj].hash_of(b) != hash_block(page):
+                raise IntegrityError(f"block {b} of object {obj} does not match its manifest")
+        return pages
+
+
+def guest_order(pages: list[bytes], gap_at: int = -1) -> bytes:
+    """Pages at consecutive guest addresses, as a round sends them (a zero page at ``gap_at``'s place)."""
+    w = StreamWriter().config().ram_start().ram_part()
+    for i, p in enumerate(pages):
+        if i == gap_at:
+            w.zero(offset=i * 4096)
+        else:
+            w.page(p, offset=i * 4096)
+    w.eos().ram_part(end=True).eos()
+    return w.device(3, "cpu", os.urandom(500)).end().bytes()
+
+
+def _image(tmp_path, name: str, pages: list[bytes]):
+    f = tmp_path / name
+    f.write_bytes(b"".join(pages))
+    return f
+
+
+def test_held_pages_at_the_same_place_go_as_runs_of_blocks_and_come_back_exactly(tmp_path):
+    yesterday = [os.urandom(4096) for _ in range(300)]
+    today = list(yesterday)
+    for i in (50, 51, 200):                            # three pages changed since: literal
+        today[i] = os.urandom(4096)
+    other = [os.urandom(4096) for _ in range(4)]       # a page cached from a layer, out of order
+    today[120] = other[2]
+    files = [_image(tmp_path, "layer", other), _image(tmp_path, "yesterday", yesterday)]
+    known = Known.of_manifests(manifest_of_file(f) for f in files)
+    data = guest_order(today, gap_at=260)              # a page now zero: the run goes on past it? no: it ends
+    wire = {}
+    for runs in (False, True):
+        enc, dec = Encoder(known, runs=runs), Decoder(Objects(files))
+        frames = enc.encode(data) + enc.finish()
+        wire[runs] = len(frames)
+        if runs:
+            assert dec.decode(frames) == data
+            dec.finish()
+            assert (dec.stats.refs, dec.stats.raw_pages) == (296, 3)
+    assert (enc.stats.refs, enc.stats.raw_pages) == (296, 3)
+    # runs: 0-49, 52-119, 120 (the layer's block), 121-199, 201-259, 261-299: 6 runs of 19 bytes for 296 pages,
+    # where each page took an 8-byte header (a raw op of 5 bytes) and a 33-byte reference
+    assert enc.stats.runs == 6
+    assert wire[False] - wire[True] > 296 * (33 + 5) - 6 * 19 - 200, wire
+    assert wire[True] < 3 * 4096 + 6 * (19 + 5 + 8) + 2000, wire
+
+
+def test_runs_to_a_peer_without_places_fall_back_to_hashes():
+    held = [os.urandom(4096) for _ in range(10)]
+    known, store = known_of(held)                      # prefixes only: no places
+    enc, data = Encoder(known, runs=True), stream(held, [])
+    frames = enc.encode(data) + enc.finish()
+    assert enc.stats.refs == 10 and enc.stats.runs == 0
+    assert Decoder(store.get).decode(frames) == data
+
+
+def test_a_run_whose_block_differs_here_is_refused_naming_it(tmp_path):
+    pages = [os.urandom(4096) for _ in range(8)]
+    f = _image(tmp_path, "img", pages)
+    known = Known.of_manifests([manifest_of_file(f)])
+    enc = Encoder(known, runs=True)
+    frames = enc.encode(guest_order(pages)) + enc.finish()
+    objects = Objects([f])
+    f.write_bytes(b"".join(pages[:3]) + os.urandom(4096) + b"".join(pages[4:]))   # block 3 changed here
+    with pytest.raises(IntegrityError, match="block 3 of object 0"):
+        Decoder(objects).decode(frames)
+    with pytest.raises(IntegrityError, match="does not resolve"):
+        Decoder({}.get).decode(frames)                 # an end that resolves no places
+
+
+@pytest.mark.parametrize("run", [
+    ramdedup._RUN.pack(ramdedup.OP_BLOCKS, 0, 0, 0, 0),               # a run of nothing
+    ramdedup._RUN.pack(ramdedup.OP_BLOCKS, 0, 0, 0xFFFF_FFFF, 0x28),  # more pages than a batch makes
+    ramdedup._RUN.pack(ramdedup.OP_BLOCKS, 0, 0, 2, 0),               # pages without their headers
+    ramdedup._RUN.pack(ramdedup.OP_BLOCKS, 0, 0, 3, (1 << 64) - 4096 | 0x28),   # headers past 2⁶⁴
+    ramdedup._RUN.pack(ramdedup.OP_BLOCKS, 7, 0, 1, 0),               # an object never named
+    ramdedup._RUN.pack(ramdedup.OP_BLOCKS, 0, 1 << 30, 1, 0),         # beyond the object
+    ramdedup._RUN.pack(ramdedup.OP_BLOCKS, 0, 0, 1, 0)[:7],           # cut
+])
+def test_hostile_runs_are_refused_without_reading_much(tmp_path, run):
+    f = _image(tmp_path, "img", [os.urandom(4096) for _ in range(4)])
+    frame = ramdedup._HEAD.pack(ramdedup.BATCH, len(run), 0, 0) + run
+    peak = peak_allocation(lambda: pytest.raises(IntegrityError, Decoder(Objects([f])).decode, frame))
+    assert peak < 4 << 20
 
 
 def _valid_wire() -> bytes:
@@ -170,3 +279,32 @@ def test_a_truncated_stream_is_an_error_at_its_end():
     dec.decode(VALID[:-10])
     with pytest.raises(IntegrityError, match="ended inside a frame"):
         dec.finish()
+
+
+YESTERDAY = [bytes([i]) * 2048 + os.urandom(2048) for i in range(1, 41)]
+
+
+@fuzz
+@given(st.lists(st.tuples(st.integers(-3, 39), st.integers(0, 2)), max_size=120), st.integers(1, 70000))
+def test_fuzz_runs_come_back_exactly_however_pages_and_reads_fall(tmp_path_factory, picks, chunk):
+    """Pages of yesterday's image (by place), new pages, zero pages and repeats, at addresses in order or not,
+    cut into reads of any size: the stream comes back byte for byte."""
+    d = tmp_path_factory.mktemp("img")
+    f = _image(d, "yesterday", YESTERDAY)
+    known = Known.of_manifests([manifest_of_file(f)])
+    w = StreamWriter().config().ram_start().ram_part()
+    for i, (pick, step) in enumerate(picks):
+        offset = (i + step) * 4096                        # mostly consecutive, sometimes a gap or the same place
+        if pick == -3:
+            w.zero(offset=offset)
+        elif pick < 0:
+            w.page(os.urandom(4096) if pick == -1 else YESTERDAY[0], offset=offset)
+        else:
+            w.page(YESTERDAY[pick], offset=offset)
+    data = w.eos().ram_part(end=True).eos().device(3, "cpu", b"state").end().bytes()
+    enc, dec = Encoder(known, runs=True), Decoder(Objects([f]))
+    out = b"".join(dec.decode(enc.encode(data[i:i + chunk])) for i in range(0, len(data), chunk))
+    out += dec.decode(enc.finish())
+    dec.finish()
+    assert out == data
+    assert dec.stats.refs == enc.stats.refs and dec.stats.runs == enc.stats.runs

@@ -40,10 +40,11 @@ def test_a_guest_restored_from_the_decoded_stream_has_its_memory_and_disk_pages_
     resolver = memrefs.StoreResolver(store, objects)
     assert {("file", version.config["kernel"]), ("file", version.config["initrd"])} <= set(objects)
     layers = Encoder(memrefs.known_of(store, [o for o in objects if o[0] == "layer"]))   # without the boot files
-    encoder, plain, decoder = Encoder(known), Encoder(Known()), Decoder(resolver)
+    encoder, plain, decoder = Encoder(known, runs=True), Encoder(Known()), Decoder(resolver)
+    hashes, by_hash = Encoder(known), Decoder(memrefs.StoreResolver(store, objects))   # held pages as hashes
     parser = RamStream()
     out = tmp_path / "stream.bin"
-    raw, digest = [0], hashlib.sha256()                         # the stream's bytes and their digest
+    raw, digest, again = [0], hashlib.sha256(), hashlib.sha256()   # the stream's bytes, their digest twice
     with out.open("wb") as f:
         def sink(chunk: bytes) -> None:
             raw[0] += len(chunk)
@@ -51,6 +52,7 @@ def test_a_guest_restored_from_the_decoded_stream_has_its_memory_and_disk_pages_
             parser.feed(chunk)
             plain.encode(chunk)
             layers.encode(chunk)
+            again.update(by_hash.decode(hashes.encode(chunk)))
             f.write(decoder.decode(encoder.encode(chunk)))
 
         dom = lookup_domain(store.domain_name("m"))
@@ -59,19 +61,25 @@ def test_a_guest_restored_from_the_decoded_stream_has_its_memory_and_disk_pages_
         f.write(decoder.decode(encoder.finish()))
         plain.finish()
         layers.finish()
+        again.update(by_hash.decode(hashes.finish()))
         decoder.finish()
+        by_hash.finish()
     resolver.close()
+    assert again.digest() == digest.digest()                   # the stream rebuilt from hashes, byte for byte
     assert out.stat().st_size == raw[0]
     assert hashlib.sha256(out.read_bytes()).digest() == digest.digest()   # QEMU's stream, byte for byte
     assert parser.counts.reason == "device state"               # pages were parsed up to the device state
 
     d = encoder.stats
     print(f"\nstream {raw[0]} bytes, {parser.counts.pages} pages; zstd {plain.stats.wire_bytes}; "
-          f"dedup+zstd {d.wire_bytes} (refs {d.refs}, recent {d.recent}, raw pages {d.raw_pages}); "
+          f"dedup+zstd {d.wire_bytes} (refs {d.refs} in {d.runs} runs, recent {d.recent}, raw pages {d.raw_pages}); "
+          f"held pages as hashes instead {hashes.stats.wire_bytes}; "
           f"known {len(known)} hashes, {known.nbytes} bytes; refs to layers alone {layers.stats.refs}")
     assert d.refs >= copy_size // 4096                          # at least the tmpfs copy of disk blocks
     assert d.refs - layers.stats.refs >= 1000                   # the kernel file's pages (~3,500 of them)
     assert d.wire_bytes < plain.stats.wire_bytes - (copy_size // 2)
+    assert hashes.stats.refs == d.refs and d.runs < d.refs // 4   # the same pages held, most in runs
+    assert d.wire_bytes < hashes.stats.wire_bytes - d.refs * 30     # each costing far less than 33 + 5 bytes
 
     qemustream.restore_stream(dom, xml, out, tmp_path)
     assert run(store, "m", "md5sum /dev/shm/random /dev/shm/copy") == before   # its memory, intact
