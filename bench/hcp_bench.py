@@ -8,7 +8,8 @@
    receiver holds the previous version: HCP vs `zstd -3` of each object vs
    `rsync -z` of the same file against the previous version. Goal: HCP wire
    bytes <= 1.02 x zstd(novel blocks) + 32 bytes per block; time <= 1.05 x
-   bytes / link rate.
+   bytes / link rate. The same push with ``--no-like`` (the memory image's manifest on its own, not against
+   the previous version's, which the receiver holds) to a second receiver in the same state, same link.
 
     .venv/bin/python bench/hcp_bench.py [--rate-kbit 384] [--rtt-ms 20]
 """
@@ -21,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import zstandard  # noqa: E402
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import table, workdir, write_result  # noqa: E402
 from capsule import capsules, images, lifecycle, transfer  # noqa: E402
 from capsule.agent.launch import AgentProcess  # noqa: E402
 from capsule.console.serial import ConsoleSession  # noqa: E402
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--rate-kbit", type=int, default=384)
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="capsule-hcp-bench-"))
+    work = workdir("capsule-hcp-bench-")
     agents: list[AgentProcess] = []
     try:
         src = Store.open(IMAGE_HOME)
@@ -180,6 +180,14 @@ def main() -> None:
             if r.returncode != 0:
                 raise SystemExit(f"push over the shaped link failed: {r.stderr}")
             report = json.loads(r.stdout)
+            # the same push, the memory image's manifest on its own (--no-like), to C (it holds v2 as B did)
+            url_c, pin_c = link.agent_b(c.home, work / "c.token", port + 1)
+            env_c = dict(env, CAPSULE_TOKEN=(work / "c.token").read_text().strip())
+            r = link.exec_a([*CAPSULE, "--home", str(a.home), "push", v3.version.ref, "--to", url_c,
+                             "--fingerprint", pin_c, "--json", "--no-like"], capture_output=True, text=True, env=env_c)
+            if r.returncode != 0:
+                raise SystemExit(f"push --no-like over the shaped link failed: {r.stderr}")
+            plain = json.loads(r.stdout)
             # the peer: one plain HTTP download of as many bytes over the same link and proxy
             blob_dir = work / "blob"
             blob_dir.mkdir()
@@ -207,9 +215,13 @@ def main() -> None:
                      "zstd3_object_bytes": zstd_size(path), "rsync_z_vs_previous_bytes": rsync_bytes(path, prev, work),
                      "zstd3_novel_blocks_bytes": zn, "novel_blocks": n_novel, "nonzero_blocks": nonzero,
                      "goal_bytes": int(goal), "hcp_vs_goal": round(o["wire_bytes"] / goal, 3) if goal else None,
-                     "seconds": round(o["seconds"], 2), "commit_seconds": round(o["commit_seconds"], 2)}
+                     "seconds": round(o["seconds"], 2), "commit_seconds": round(o["commit_seconds"], 2),
+                     "like": o.get("like"),
+                     "hcp_wire_bytes_no_like": next((p["wire_bytes"] for p in plain["objects"] if p["id"] == oid),
+                                                    None)}
             objects.append(entry)
-            rows.append([entry["object"], entry["raw_bytes"], entry["hcp_wire_bytes"], entry["zstd3_object_bytes"],
+            rows.append([entry["object"], entry["raw_bytes"], entry["hcp_wire_bytes"],
+                         entry["hcp_wire_bytes_no_like"], entry["zstd3_object_bytes"],
                          entry["rsync_z_vs_previous_bytes"], entry["zstd3_novel_blocks_bytes"],
                          entry["hcp_vs_goal"]])
         total_wire = report["wire_bytes"]
@@ -230,7 +242,8 @@ def main() -> None:
               [[throughput["hcp_all_novel_MBps"], throughput["hcp_all_known_MBps"], throughput["zstd3_MBps"],
                 throughput["copy_MBps"]]])
         table(f"push of the next version over {args.rate_kbit} kbit/s, {args.rtt_ms:.0f} ms RTT (bytes)",
-              ["object", "raw", "HCP wire", "zstd -3", "rsync -z vs prev", "zstd novel", "HCP/goal"], rows)
+              ["object", "raw", "HCP wire", "--no-like", "zstd -3", "rsync -z vs prev", "zstd novel", "HCP/goal"],
+              rows)
         print(f"total {total_wire} B on the wire in {transfer_seconds:.1f}s ({link_seconds:.1f}s with start-up) = "
               f"{result['push_v3']['time_vs_bytes_over_rate']:.2f} x bytes/rate; a plain HTTP download of as many "
               f"bytes took {bulk_seconds:.1f}s ({result['push_v3']['time_vs_bulk_http']:.2f} x)  → {path}")

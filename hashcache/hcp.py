@@ -147,16 +147,27 @@ def _refuse_declared(payload: bytes, max_output_size: int, what: str) -> None:
                             "expected")
 
 
-def decompress_bounded(payload: bytes, max_output_size: int, what: str = "payload") -> bytes:
+def decompress_bounded(payload: bytes, max_output_size: int, what: str = "payload", *,
+                       dictionary: bytes | None = None) -> bytes:
     """zstd ``payload`` that must decompress to at most ``max_output_size`` bytes (a peer's); anything else
     is a ProtocolError. A frame may declare its content size, and zstandard allocates that much before
     it looks at ``max_output_size``: 14 bytes declaring 2^56 bytes were a MemoryError. Such a frame is
-    refused from its header."""
+    refused from its header. ``dictionary``: the raw content it was compressed against (:func:`compress_like`)."""
     _refuse_declared(payload, max_output_size, what)
     try:
+        if dictionary:
+            d = zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+            return zstandard.ZstdDecompressor(dict_data=d).decompress(payload, max_output_size=max_output_size)
         return _decompress(payload, max_output_size)
     except zstandard.ZstdError as exc:
         raise ProtocolError(f"bad zstd {what}: {exc}") from exc
+
+
+def compress_like(raw: bytes, dictionary: bytes, level: int = DEFAULT_LEVEL) -> bytes:
+    """zstd ``raw`` against ``dictionary`` (raw content the receiver holds too): what it shares costs a few bytes
+    a match. :func:`decompress_bounded` with the same ``dictionary`` reverses it."""
+    d = zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    return zstandard.ZstdCompressor(level=level, dict_data=d).compress(raw)
 
 
 def pack_blocks(blocks: Iterable[bytes], level: int = DEFAULT_LEVEL, compress: bool = True) -> bytes:
@@ -282,6 +293,18 @@ def compact_records(m: Manifest, start: int, count: int, hash_len: int = PREFIX_
         return raw
     step = RECORD_SIZE
     return b"".join(raw[o:o + 8 + hash_len] for o in range(0, len(raw), step))
+
+
+LIKE_RECORDS = 2 * MAX_PART_RECORDS   # records of a like manifest one part is compressed against, at most
+
+
+def like_records(m: Manifest, first: int, last: int, hash_len: int) -> bytes:
+    """The records of ``m`` for blocks ``first .. last`` (the first :data:`LIKE_RECORDS`), compacted to
+    ``hash_len``: what a manifest part for those blocks is compressed against where the receiver holds ``m``
+    (a push's *like*: an older memory image of the same capsule, whose records mostly recur at the same
+    places). Both ends make it the same way."""
+    start, count = m.records_between(first, last)
+    return compact_records(m, start, min(count, LIKE_RECORDS), hash_len)
 
 
 class Expectation:

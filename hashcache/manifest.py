@@ -174,6 +174,11 @@ class Manifest:
             raise ValueError(f"record_range({start}, {count}): start and count must be >= 0")
         return self.record_bytes[start * RECORD_SIZE : (start + count) * RECORD_SIZE]
 
+    def records_between(self, first: int, last: int) -> tuple[int, int]:
+        """``(start, count)``: the records of blocks ``first .. last`` (inclusive), for :meth:`record_range`."""
+        start = bisect_left(self._keys, first << 1)
+        return start, max(0, bisect_left(self._keys, (last + 1) << 1) - start)
+
     def _position(self, index: int) -> int | None:
         keys = self._keys
         pos = bisect_left(keys, index << 1)

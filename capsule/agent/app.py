@@ -16,6 +16,8 @@ HCP calls (stateless, §4.4.3)::
 Receiving (push) — state lives in the object's shadow on disk, not in memory::
 
     POST /v1/recv/{kind}/{id}/begin              body = zstd(manifest) → zstd(varint indices still needed)
+                                                 (?like=FILE&like_first=&like_last=&like_len=: the zstd is
+                                                 against that file's records of those blocks, held here)
     POST /v1/recv/{kind}/{id}/blocks             body = u32 n, n bytes of varint indices, zstd blocks
     POST /v1/recv/{kind}/{id}/lacking            body = varint indices of a batch → those not kept (varints):
                                                  an upload whose answer was lost is sent again only for these
@@ -121,7 +123,7 @@ from capsule.verify import users_of, verify_versions
 from hashcache import wirejson
 from hashcache.delta import DELTA_FORMAT, DELTAS_HEADER
 from hashcache.errors import error_class
-from hashcache.hcp import decode_stream_read, encode_indices, encode_stream_error
+from hashcache.hcp import PREFIX_SIZE, decode_stream_read, encode_indices, encode_stream_error
 
 MAX_VERIFY = 10_000       # versions in one verify request
 
@@ -282,9 +284,14 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
     # -- receiving: state lives on disk (capsule/exchange/receiving.py), none in the protocol ----------
     @app.post("/v1/recv/{kind}/{oid}/begin")
     async def recv_begin(kind: str, oid: str, request: Request, hash: bool = True, part: PartQuery = 0,
-                         parts: PartsQuery = 1) -> Response:
-        """Part ``part`` of ``parts`` of the manifest → the indices of the blocks still needed."""
-        data = decode_manifest_upload(await body(request, MAX_MANIFEST_UPLOAD))
+                         parts: PartsQuery = 1, like: str | None = None, like_first: RecordStartQuery = 0,
+                         like_last: RecordStartQuery = 0, like_len: HashLenQuery = PREFIX_SIZE) -> Response:
+        """Part ``part`` of ``parts`` of the manifest → the indices of the blocks still needed. ``like``: a file
+        held here whose records of blocks ``like_first .. like_last`` the part was compressed against."""
+        raw = await body(request, MAX_MANIFEST_UPLOAD)
+        dictionary = None if like is None else await serve(
+            inbox.like, like, like_first, like_last, like_len, authz.grant_of(request))
+        data = decode_manifest_upload(raw, dictionary)
         needed = await serve(functools.partial(inbox.begin, kind, oid, data, part=part, parts=parts, hash=hash,
                                                reader=authz.grant_of(request)))
         if needed is None:

@@ -19,10 +19,10 @@ from hashcache.transport import protocol
 
 Scope = MutableMapping[str, Any]
 ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
-FEATURES = ("tunnel", "live-move", "memory-dedup", "memory-runs")   # beyond the protocol: the byte tunnel
-                                     # (capsule/exchange/tunnel.py), receiving live moves
-                                     # (capsule/exchange/incoming.py), and the tunnel's memory codec
-                                     # (capsule/migrate/ramdedup.py) with its runs of blocks by place
+# beyond the protocol: the byte tunnel (capsule/exchange/tunnel.py), receiving live moves
+# (capsule/exchange/incoming.py), the tunnel's memory codec (capsule/migrate/ramdedup.py) with its runs of
+# blocks by place, and manifest parts compressed against a like file held here (hashcache.hcp.like_records)
+FEATURES = ("tunnel", "live-move", "memory-dedup", "memory-runs", "manifest-like")
 ANSWER = (protocol.HEADER.lower().encode(), protocol.answer(__version__).encode())
 NAMED = (protocol.FEATURES.lower().encode(), ",".join(FEATURES).encode())
 

@@ -67,6 +67,11 @@ NoDeltas = Annotated[bool, typer.Option("--no-deltas", help="Send every new bloc
                                                             "blocks sooner over the measured link (slow links); "
                                                             "with --xz or --zstd-level 10 and up wherever they cost "
                                                             "fewer bytes; with another codec given, never.")]
+NoLike = Annotated[bool, typer.Option("--no-like", help="Send the memory image's manifest on its own, not "
+                                                        "compressed against an older memory image of the same "
+                                                        "capsule that the receiver holds (by default it is, where "
+                                                        "the receiver holds one: a commute's manifest then costs "
+                                                        "a few KB, not about 1 MB per GiB of memory).")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
 
@@ -143,6 +148,7 @@ def push(
     token_file: TokenOpt = None, no_hash: NoHash = False, no_compress: NoCompress = False, zstd_level: ZstdLevel = None,
     xz: Xz = False, inflight: Inflight = 8, batch: Batch = 256, full_hashes: FullHashes = False,
     fingerprint: FingerprintOpt = None, json: JsonOpt = False, level: OldLevel = None, no_deltas: NoDeltas = False,
+    no_like: NoLike = False,
 ) -> None:
     """Send a capsule version to another host: only what it lacks travels (HCP).
 
@@ -154,6 +160,7 @@ def push(
     """
     json_flag(json)
     opts = _options(no_hash, no_compress, _zstd_level(level, zstd_level), inflight, batch, full_hashes, xz, no_deltas)
+    opts.like = not no_like
     store = open_store()
     peer = resolve_peer(store, to, token_file, fingerprint)
     r = _run(transfer.push, store, ref, peer.url, peer.token, opts, fingerprint=peer.fingerprint)

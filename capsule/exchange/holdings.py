@@ -103,6 +103,13 @@ def held_readable(store: Store, g: Grant) -> frozenset[tuple[str, str]]:
                      + [("file", fid) for fid in files if has_object(store, "file", fid)])
 
 
+def readable_file(store: Store, g: Grant | None, fid: str) -> bool:
+    """Whether file ``fid`` is held here and ``g`` may read it (None: a user's token, every object)."""
+    if not has_object(store, "file", fid):
+        return False
+    return g is None or fid in grants.readable(store, g)[1]
+
+
 def check_parent(store: Store, g: Grant | None, name: str, parent: str) -> None:
     """Refuse (:class:`Forbidden`) a layer whose manifest names a parent ``g`` may not read: deltas are rebuilt
     against it, and whether it is held here would be told."""

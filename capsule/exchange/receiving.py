@@ -30,21 +30,26 @@ from capsule.store.objectio import (
     check_kind,
     has_object,
     install_received,
+    object_manifest,
     object_path,
     open_shadow,
 )
 from hashcache import delta
 from hashcache.atomic import write_atomic
+from hashcache.blocks import BLOCK_SIZE
+from hashcache.bounds import MAX_OBJECT_SIZE
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import (
     MAX_BATCH,
     MAX_PART_RECORDS,
+    PREFIX_SIZE,
     Expectation,
     ProtocolError,
     Receiver,
     decode_indices,
     decompress_bounded,
     encode_indices,
+    like_records,
     unpack_blocks,
 )
 from hashcache.manifest import RECORD_SIZE
@@ -59,9 +64,9 @@ MAX_PARTS = 4096
 
 # -- the wire format of the receiving calls -------------------------------------------------------------
 
-def decode_manifest_upload(raw: bytes) -> bytes:
-    """A manifest part as uploaded (zstd)."""
-    return decompress_bounded(raw, MAX_MANIFEST_UPLOAD, "manifest")
+def decode_manifest_upload(raw: bytes, like: bytes | None = None) -> bytes:
+    """A manifest part as uploaded (zstd; against ``like``, the records of a like manifest, if given)."""
+    return decompress_bounded(raw, MAX_MANIFEST_UPLOAD, "manifest", dictionary=like)
 
 
 def encode_plan(needed: list[int]) -> bytes:
@@ -162,6 +167,18 @@ class Inbox:
         with open_shadow(self.store, kind, m, fresh=part == 0) as shadow:
             cache = holdings.lookup_for(self.store, reader) if hash else None
             return Receiver(m, shadow, self._name(kind, oid), cache, dedupe=hash).plan()
+
+    def like(self, fid: str, first: int, last: int, hash_len: int, reader: Grant | None = None) -> bytes:
+        """What a manifest part that names file ``fid`` as its *like* was compressed against: ``fid``'s records
+        of blocks ``first .. last`` (``hashcache.hcp.like_records``). Conflict if ``fid`` is not held here or
+        ``reader`` may not read it (the sender then sends the part without it)."""
+        check_object_id(fid)
+        if hash_len not in (PREFIX_SIZE, RECORD_SIZE - 8) or not 0 <= first <= last < MAX_OBJECT_SIZE // BLOCK_SIZE:
+            raise InvalidName(f"bad like span {first}..{last} or hash length {hash_len}")
+        if not holdings.readable_file(self.store, reader, fid):
+            raise Conflict(f"file {fid[:12]} is not held here (or not one this grant may read): send the manifest "
+                           "part without it")
+        return like_records(object_manifest(self.store, "file", fid), first, last, hash_len)
 
     def accept(self, kind: str, oid: str, indices: list[int], blocks: list[bytes]) -> int:
         """Keep blocks of a begun receive, each checked against its manifest hash. A wrong block raises

@@ -16,8 +16,6 @@ import time
 from typing import Any
 from weakref import WeakKeyDictionary
 
-import zstandard
-
 from capsule.agentclient import AgentClient
 from capsule.capsules import resolve
 from capsule.errors import CapsuleError, TransferFailed
@@ -27,6 +25,7 @@ from capsule.store.objectio import BlockReader, object_manifest
 from capsule.transfer import codecpick, deltapick, deltasend
 from capsule.transfer.codecpick import NONE, Codec, CodecPicker
 from capsule.transfer.deltapick import DeltaPick
+from capsule.transfer.manifestparts import PartSender, like_candidates
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import Pipeline
 from capsule.transfer.records import objects_of, version_record
@@ -65,15 +64,15 @@ STREAM_LEVEL = 10
 
 
 def _push_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
-                 progress: Progress, check: Check = never) -> ObjectReport | None:
+                 progress: Progress, check: Check = never, like: str | None = None) -> ObjectReport | None:
     """Send one object (:func:`_send_object`); an object stream the receiver lost (it restarted) is started
     again after a new plan, which leaves out every block it kept."""
     for _ in range(STREAM_ATTEMPTS - 1):
         try:
-            return _send_object(store, client, kind, oid, role, opts, progress, check)
+            return _send_object(store, client, kind, oid, role, opts, progress, check, like)
         except ObjectStreamLost:
             continue
-    return _send_object(store, client, kind, oid, role, opts, progress, check)  # a last loss is raised
+    return _send_object(store, client, kind, oid, role, opts, progress, check, like)  # a last loss is raised
 
 
 StreamEncoder = native.StreamEncoder | native.XzStreamEncoder
@@ -129,7 +128,7 @@ def _delta_pick(picker: CodecPicker) -> DeltaPick:
 
 
 def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
-                 progress: Progress, check: Check = never) -> ObjectReport | None:
+                 progress: Progress, check: Check = never, like: str | None = None) -> ObjectReport | None:
     """Send one object: its manifest in parts (the receiver plans each part
     while the next one and the blocks it already asked for are on the wire),
     then the blocks it asks for, then commit. Each batch's codec is the transfer's picker's
@@ -139,7 +138,8 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     stream, compressed here in order and sent one at a time. When the pick changes, the stream's segments
     in flight are waited for and the next batches go in frames or in a new stream. A layer whose parent
     the receiver holds sends the blocks it asks for a slice at a time, those that pay as deltas first
-    (``deltasend.py``: where ``deltapick.py`` finds they arrive sooner, or a stream codec was given)."""
+    (``deltasend.py``: where ``deltapick.py`` finds they arrive sooner, or a stream codec was given). ``like``:
+    a file the receiver holds that the manifest parts are compressed against (``manifestparts.py``)."""
     t0 = time.monotonic()
     wire0 = client.wire_bytes
     manifest = object_manifest(store, kind, oid)
@@ -179,6 +179,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
         progress.wire(client.wire_bytes)
 
     needed_total = 0
+    parts = PartSender(store, client, kind, oid, opts.hash_len, lookup=opts.hash, like=like)
     previous: list[int] = []
     similar: Similar | None = None
     try:
@@ -186,10 +187,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
                 Pipeline(send, 1, max_pending=2) as stream:
             for k, start in enumerate(starts):
                 part = Expectation.part_of(manifest, start, PART_RECORDS, opts.hash_len)
-                resp = client.request("POST", f"/v1/recv/{kind}/{oid}/begin",
-                                      content=zstandard.ZstdCompressor(level=3).compress(part.to_bytes()),
-                                      params={"hash": str(opts.hash).lower(), "part": k, "parts": len(starts)},
-                                      idempotent=True)   # a part sent again is taken as the same part
+                resp = parts.begin(part, k, len(starts))
                 if resp.headers.get("X-Capsule-Present"):
                     if k == 0:
                         progress.advance(raw_bytes)
@@ -253,6 +251,7 @@ def _send_object(store: Store, client: AgentClient, kind: str, oid: str, role: s
     report = ObjectReport(kind, oid, role, raw_bytes, 0, cache_bytes, stats.fetched_bytes, client.wire_bytes - wire0,
                           time.monotonic() - t0, time.monotonic() - t_commit).used(picker, used)
     report.delta_blocks, report.delta_bytes = stats.delta_blocks, stats.delta_bytes
+    report.like = parts.like_id if parts.liked else None
     if similar is not None:
         report.deltas = "given" if picker.forced is not None else _delta_pick(picker).decision or "unmeasured"
         report.delta_figures = dict(_delta_pick(picker).figures) if picker.forced is None else {}
@@ -273,10 +272,12 @@ def push(store: Store, ref: str, url: str, token: str, opts: Options | None = No
     record = version_record(store, version)
     report = TransferReport("push", version.ref, url)
     layers, files = objects_of(record)
+    likes = {version.memory: like_candidates(store, version.capsule, version.number, version.memory)
+             } if version.memory and opts.like else {}
     with agent_client(store, url, token, fingerprint, transport) as client:
         items = [] if files_only else [("layer", lid, "layer") for lid in layers]
         items = sorted(items + [("file", f, ro) for f, ro in files], key=lambda item: item[2] != "memory")
-        _push_items(store, client, report, items, opts, progress, check)
+        _push_items(store, client, report, items, opts, progress, check, likes)
         check()
         if not files_only:
             reply = client.post_json("/v1/versions", record)
@@ -287,11 +288,17 @@ def push(store: Store, ref: str, url: str, token: str, opts: Options | None = No
 
 
 def _push_items(store: Store, client: AgentClient, report: TransferReport, items: list[tuple[str, str, str]],
-                opts: Options, progress: Progress, check: Check) -> None:
-    """Send each (kind, id, role) the receiver lacks, in order; the others are counted as skipped."""
+                opts: Options, progress: Progress, check: Check, likes: dict[str, list[str]] | None = None) -> None:
+    """Send each (kind, id, role) the receiver lacks, in order; the others are counted as skipped. ``likes``:
+    per file, files whose manifest resembles its own, the best first: the first the receiver holds is its
+    like (``manifestparts.py``)."""
+    likes = likes or {}
+    asked = [oid for k, oid, _ in items if k == "file"]
+    asked += [c for cands in likes.values() for c in cands if c not in asked]
     missing = client.post_json("/v1/objects/missing", {"layers": [oid for k, oid, _ in items if k == "layer"],
-                                                       "files": [oid for k, oid, _ in items if k == "file"]})
+                                                       "files": asked})
     lacking = set(missing.get("layers", [])) | set(missing.get("files", []))
+    held = {oid: next((c for c in cands if c not in lacking), None) for oid, cands in likes.items()}
     for kind, oid, role in items:
         check()
         if oid not in lacking:
@@ -299,7 +306,7 @@ def _push_items(store: Store, client: AgentClient, report: TransferReport, items
             report.skipped.append(oid)
             continue
         progress.object(kind, oid, role, raw_size(store, kind, oid), False)
-        obj = _push_object(store, client, kind, oid, role, opts, progress, check)
+        obj = _push_object(store, client, kind, oid, role, opts, progress, check, held.get(oid))
         if obj is None:
             report.skipped.append(oid)
         else:

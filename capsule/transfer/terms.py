@@ -34,6 +34,7 @@ class Options:
     full_hashes: bool = False  # send whole 32-byte hashes instead of 8-byte prefixes + digest check
     xz: bool = False           # blocks as one xz (LZMA2) stream per object where the receiver takes it
     deltas: bool = True        # a layer's blocks as deltas against its parent's where they pay (deltapick.py)
+    like: bool = True          # a memory image's manifest against an older one the receiver holds (manifestparts.py)
     codec: CodecName = "auto"
 
     def __post_init__(self) -> None:
@@ -75,6 +76,7 @@ class ObjectReport:
     # that pays), else the link's pick last taken: "used", "declined" or "unmeasured"
     deltas: str = ""
     delta_figures: dict[str, float] = field(default_factory=dict)   # what that pick was taken on (per MB)
+    like: str | None = None          # the file its manifest parts were compressed against (manifestparts.py)
 
     def used(self, picker: CodecPicker, codecs: dict[str, int]) -> ObjectReport:
         """This report with the codecs ``codecs`` counts and the link rate ``picker`` picked them at."""

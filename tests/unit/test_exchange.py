@@ -13,13 +13,22 @@ import pytest
 
 from capsule.errors import Conflict, InvalidName, NotFound
 from capsule.exchange.leases import LeaseCache
-from capsule.exchange.receiving import Inbox, split_blocks_upload
+from capsule.exchange.receiving import Inbox, decode_manifest_upload, split_blocks_upload
 from capsule.exchange.serving import ObjectServer, missing
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, ReaderCache, has_object
 from hashcache.blocks import BLOCK_SIZE
 from hashcache.errors import ManifestMismatch
-from hashcache.hcp import PREFIX_SIZE, Expectation, ProtocolError, encode_indices, pack_blocks
+from hashcache.hcp import (
+    PREFIX_SIZE,
+    Expectation,
+    ProtocolError,
+    compact_records,
+    compress_like,
+    encode_indices,
+    like_records,
+    pack_blocks,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -440,3 +449,55 @@ def test_a_manifest_part_is_bounded_by_records_and_its_upload_by_bytes(two_store
     part = Expectation.part_of(m, 0, MAX_PART_RECORDS, PREFIX_SIZE).to_bytes()
     r = client.post(url + "?part=0&parts=2", content=zstandard.ZstdCompressor().compress(part), headers=headers)
     assert r.status_code == 200
+
+
+def test_a_part_compressed_against_a_like_is_read_against_the_same_records_here(two_stores):
+    a, b = two_stores
+    like, _ = _file_object(a, 5)
+    like_b, _ = _file_object(b, 5)                       # b holds the same image: the same id
+    assert like_b == like
+    oid, _ = _file_object(a, 6)                          # another image (other random blocks at some places)
+    m = a.file_manifest(oid)
+    part = Expectation.part_of(m, 40, 100, PREFIX_SIZE)
+    first, last = part.keys[0] >> 1, part.keys[-1] >> 1
+    records = like_records(a.file_manifest(like), first, last, PREFIX_SIZE)
+    assert records == compact_records(a.file_manifest(like), *a.file_manifest(like).records_between(first, last))
+    inbox = Inbox(b)
+    assert inbox.like(like, first, last, PREFIX_SIZE) == records          # both ends make it the same
+    body = compress_like(part.to_bytes(), records)
+    assert decode_manifest_upload(body, inbox.like(like, first, last, PREFIX_SIZE)) == part.to_bytes()
+    # a like not held here, one of a bad id, a bad span or hash length: refused before anything is read
+    with pytest.raises(Conflict, match="not held here"):
+        inbox.like(oid, first, last, PREFIX_SIZE)
+    for args in [("../x", 0, 1, 8), (like, 5, 4, 8), (like, 0, 1, 16), (like, -1, 1, 8), (like, 0, 1 << 60, 8)]:
+        with pytest.raises(InvalidName):
+            inbox.like(*args)
+    inbox.close()
+
+
+def test_records_between_is_the_records_of_those_blocks():
+    from hashcache.manifest import Manifest
+
+    indices = [0, 3, 4, 9, 200]
+    rec = b"".join((i << 1).to_bytes(8, "little") + bytes([i + 1]) * 32 for i in indices)
+    m = Manifest("file", "blake3", 4096, 201 * 4096, None, rec)
+    assert m.records_between(0, 200) == (0, 5)
+    assert m.records_between(1, 8) == (1, 2)        # blocks 3 and 4
+    assert m.records_between(5, 8) == (3, 0)
+    assert m.records_between(9, 9) == (3, 1)
+    assert m.records_between(201, 300) == (5, 0)
+
+
+def test_a_like_a_grant_may_not_read_is_refused_as_not_held(two_stores, monkeypatch):
+    from capsule.exchange import holdings
+
+    a, b = two_stores
+    like, _ = _file_object(b, 5)
+    grant = object()                                   # a grant whose objects are some other capsule's
+    monkeypatch.setattr(holdings.grants, "readable", lambda store, g: (frozenset(), frozenset({"f" * 64})))
+    inbox = Inbox(b)
+    with pytest.raises(Conflict, match="not held here"):
+        inbox.like(like, 0, 10, PREFIX_SIZE, grant)    # type: ignore[arg-type]
+    monkeypatch.setattr(holdings.grants, "readable", lambda store, g: (frozenset(), frozenset({like})))
+    assert inbox.like(like, 0, 10, PREFIX_SIZE, grant)  # type: ignore[arg-type]
+    inbox.close()
