@@ -296,6 +296,7 @@ def compact_records(m: Manifest, start: int, count: int, hash_len: int = PREFIX_
 
 
 LIKE_RECORDS = 2 * MAX_PART_RECORDS   # records of a like manifest one part is compressed against, at most
+LIKE_SPAN_HEADER = "X-Capsule-Like-Span"   # READ-HASH's answer: FIRST-LAST, the like's records it is against
 
 
 def like_records(m: Manifest, first: int, last: int, hash_len: int) -> bytes:

@@ -123,7 +123,13 @@ from capsule.verify import users_of, verify_versions
 from hashcache import wirejson
 from hashcache.delta import DELTA_FORMAT, DELTAS_HEADER
 from hashcache.errors import error_class
-from hashcache.hcp import PREFIX_SIZE, decode_stream_read, encode_indices, encode_stream_error
+from hashcache.hcp import (
+    LIKE_SPAN_HEADER,
+    PREFIX_SIZE,
+    decode_stream_read,
+    encode_indices,
+    encode_stream_error,
+)
 
 MAX_VERIFY = 10_000       # versions in one verify request
 
@@ -227,10 +233,13 @@ def create_app(home: Path, token: str, limits: Limits | None = None) -> FastAPI:
         return await serve(objects.lookup, kind, oid)
 
     @app.get("/v1/objects/{kind}/{oid}/records")
-    async def records(kind: str, oid: str, start: RecordStartQuery = 0, count: RecordCountQuery = MAX_RECORDS,
-                      hash_len: HashLenQuery = 32) -> Response:
-        payload, n = await serve(objects.records, kind, oid, start, count, hash_len)
-        return Response(payload, media_type="application/octet-stream", headers={"X-Capsule-Records": str(n)})
+    async def records(kind: str, oid: str, request: Request, start: RecordStartQuery = 0,
+                      count: RecordCountQuery = MAX_RECORDS, hash_len: HashLenQuery = 32,
+                      like: str | None = None) -> Response:
+        payload, n, span = await serve(objects.records, kind, oid, start, count, hash_len, like,
+                                       authz.grant_of(request))
+        headers = {"X-Capsule-Records": str(n), **({LIKE_SPAN_HEADER: span} if span else {})}
+        return Response(payload, media_type="application/octet-stream", headers=headers)
 
     @app.post("/v1/objects/{kind}/{oid}/read")
     async def read(kind: str, oid: str, request: Request, level: ZstdLevelQuery = 3, compress: bool = True) -> Response:

@@ -13,11 +13,20 @@ from capsule.accounts import grants
 from capsule.accounts.model import Grant
 from capsule.capsules import resolve
 from capsule.errors import InvalidName
+from capsule.exchange import holdings
 from capsule.names import check_name, check_object_id
 from capsule.store import Store
 from capsule.store.objectio import ReaderCache, has_object, object_manifest
 from capsule.transfer.records import version_record
-from hashcache.hcp import PREFIX_SIZE, compact_records, decode_indices, header_of, pack_blocks
+from hashcache.hcp import (
+    PREFIX_SIZE,
+    compact_records,
+    compress_like,
+    decode_indices,
+    header_of,
+    like_records,
+    pack_blocks,
+)
 from hashcache.manifest import Manifest
 
 MAX_RECORDS = 1 << 20
@@ -64,14 +73,24 @@ class ObjectServer:
             head["role"] = row.role if row else "memory"
         return head
 
-    def records(self, kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS,
-                hash_len: int = 32) -> tuple[bytes, int]:
-        """READ-HASH: (zstd of ``count`` records from ``start``, hashes cut to ``hash_len``; how many)."""
+    def records(self, kind: str, oid: str, start: int = 0, count: int = MAX_RECORDS, hash_len: int = 32,
+                like: str | None = None, reader: Grant | None = None) -> tuple[bytes, int, str | None]:
+        """READ-HASH: (zstd of ``count`` records from ``start``, hashes cut to ``hash_len``; how many; the span
+        ``FIRST-LAST`` of blocks whose records of file ``like`` the zstd was compressed against, or None). A
+        ``like`` this store does not hold, or ``reader`` may not read, is not used (``hashcache.hcp.like_records``:
+        the caller holds it and makes the same records)."""
         m = self.manifest(kind, oid)
         if start < 0 or count < 0 or count > MAX_RECORDS or hash_len not in (PREFIX_SIZE, 32):
             raise InvalidName(f"bad record range start={start} count={count} hash_len={hash_len}")
         n = min(count, max(0, len(m) - start))
-        return zstandard.ZstdCompressor(level=3).compress(compact_records(m, start, n, hash_len)), n
+        raw = compact_records(m, start, n, hash_len)
+        if like is not None and n and holdings.readable_file(self.store, reader, check_object_id(like)):
+            first, last = m.record_range(start, 1)[:8], m.record_range(start + n - 1, 1)[:8]
+            span = (int.from_bytes(first, "little") >> 1, int.from_bytes(last, "little") >> 1)
+            dictionary = like_records(self.manifest("file", like), *span, hash_len)
+            if dictionary:
+                return compress_like(raw, dictionary), n, f"{span[0]}-{span[1]}"
+        return zstandard.ZstdCompressor(level=3).compress(raw), n, None
 
     def indices(self, kind: str, oid: str, raw: bytes) -> list[int]:
         """The block indices of a READ request (varints), checked against the object's size."""

@@ -7,7 +7,12 @@ image is mostly what the capsule's older memory image held at the same places, s
 part is compressed against that image's records of the same blocks (``hashcache.hcp.like_records``), which
 the receiver makes the same way: the records that did not change cost a few bytes a run of them. The receiver
 checks the part as any (its records, then the object's digest at the end); a like it no longer holds, or may
-not read, answers Conflict, and the parts go plain from there. Only to an agent that names ``manifest-like``."""
+not read, answers Conflict, and the parts go plain from there. Only to an agent that names ``manifest-like``.
+
+A pull asks the same of READ-HASH (``?like=FILE``: the memory image of the nearest other version this store
+holds, :func:`held_like`); an agent that holds it too (and lets the caller read it) answers against its records
+of the chunk's blocks and says which (``X-Capsule-Like-Span: FIRST-LAST``, :func:`span_dictionary`), one that
+does not (or an older one) answers plain."""
 
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ import zstandard
 from capsule.agentclient import AgentClient
 from capsule.errors import Conflict
 from capsule.store import Store
-from capsule.store.objectio import object_manifest
-from hashcache.hcp import Expectation, compress_like, like_records
+from capsule.store.objectio import has_object, object_manifest
+from hashcache.hcp import Expectation, ProtocolError, compress_like, like_records
 from hashcache.manifest import Manifest
 from hashcache.transport.base import Reply
 
@@ -35,6 +40,25 @@ def like_candidates(store: Store, capsule: str, number: int, memory: str | None)
     others = sorted((v for v in store.catalogue.versions(capsule) if v.memory and v.memory != memory),
                     key=lambda v: (abs(v.number - number), -v.number))
     return list(dict.fromkeys(v.memory for v in others if v.memory))[:CANDIDATES]
+
+
+def held_like(store: Store, record: dict[str, Any]) -> str | None:
+    """For a version ``record`` this store fetches: the memory image of the nearest other version of its capsule
+    that this store holds (the *like* its memory image's records are asked against), or None."""
+    candidates = like_candidates(store, str(record.get("capsule")), int(record.get("number") or 0),
+                                 record.get("memory"))
+    return next((c for c in candidates if has_object(store, "file", c)), None)
+
+
+def span_dictionary(like: Manifest, span: str | None, hash_len: int, block_count: int) -> bytes | None:
+    """What a READ-HASH answer was compressed against, from its span header (a peer's: checked); None if the
+    answer is plain."""
+    if span is None:
+        return None
+    first, _, last = span.partition("-")
+    if not (first.isdigit() and last.isdigit() and int(first) <= int(last) < block_count):
+        raise ProtocolError(f"a malformed like span {span[:40]!r} for an object of {block_count} blocks")
+    return like_records(like, int(first), int(last), hash_len)
 
 
 class PartSender:

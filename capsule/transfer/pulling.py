@@ -19,9 +19,10 @@ from capsule.errors import TransferFailed
 from capsule.names import parse_ref
 from capsule.store import Store
 from capsule.store.fsutil import translating_enospc
-from capsule.store.objectio import has_object, install_received, object_path, open_shadow
+from capsule.store.objectio import has_object, install_received, object_manifest, object_path, open_shadow
 from capsule.transfer import codecpick
 from capsule.transfer.codecpick import NONE, CodecPicker
+from capsule.transfer.manifestparts import held_like, span_dictionary
 from capsule.transfer.pacing import Pacer
 from capsule.transfer.pipeline import run_batches
 from capsule.transfer.records import objects_of, record_version, validate
@@ -29,6 +30,7 @@ from capsule.transfer.terms import ObjectReport, Options, Progress, TransferRepo
 from hashcache.blocks import BLOCK_SIZE, hash_block
 from hashcache.errors import ManifestMismatch
 from hashcache.hcp import (
+    LIKE_SPAN_HEADER,
     Expectation,
     ProtocolError,
     Receiver,
@@ -39,6 +41,7 @@ from hashcache.hcp import (
     records_chunks,
     unpack_blocks,
 )
+from hashcache.manifest import Manifest
 from hashcache.shadow import Shadow
 from hashcache.transport import Transport
 
@@ -48,19 +51,26 @@ def _block_hash(expect: Expectation, index: int) -> bytes:
     return (expect.record(index) or (False, b""))[1]
 
 
-def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int) -> tuple[Expectation, dict]:
-    """LOOKUP, then READ-HASH in chunks: what the object must turn out to be."""
+def _fetch_expectation(client: AgentClient, kind: str, oid: str, hash_len: int,
+                       like: tuple[str, Manifest] | None = None) -> tuple[Expectation, dict]:
+    """LOOKUP, then READ-HASH in chunks: what the object must turn out to be (against ``like``, a file this store
+    holds, where the peer holds it too: ``manifestparts.py``)."""
     head = client.get_json(f"/v1/objects/{kind}/{oid}")
     try:  # the peer's numbers checked before any of them sizes a loop or a buffer
-        count = manifest_header(head)["count"]
+        header = manifest_header(head)
+        count, blocks = header["count"], -(-header["size"] // BLOCK_SIZE)
     except ProtocolError as exc:
         raise TransferFailed(f"{kind} {oid[:12]}: malformed LOOKUP reply from {client.url}: {exc}") from exc
     parts = []
     for start, n in records_chunks(count):
-        resp = client.request("GET", f"/v1/objects/{kind}/{oid}/records",
-                              params={"start": start, "count": n, "hash_len": hash_len})
+        params: dict[str, Any] = {"start": start, "count": n, "hash_len": hash_len}
+        if like is not None:
+            params["like"] = like[0]
+        resp = client.request("GET", f"/v1/objects/{kind}/{oid}/records", params=params)
         try:
-            part = decompress_bounded(resp.content, n * (8 + hash_len), "records")
+            against = span_dictionary(like[1], resp.headers.get(LIKE_SPAN_HEADER), hash_len, blocks) \
+                if like is not None else None
+            part = decompress_bounded(resp.content, n * (8 + hash_len), "records", dictionary=against)
         except ProtocolError as exc:
             raise TransferFailed(f"{kind} {oid[:12]}: bad manifest records from the peer: {exc}") from exc
         if len(part) != n * (8 + hash_len):   # each chunk whole, or the next is never asked for
@@ -89,13 +99,14 @@ PULL_CODECS = codecpick.candidates((), STREAM_LEVEL_PULL, streams=False)
 
 
 def _pull_object(store: Store, client: AgentClient, kind: str, oid: str, role: str, opts: Options,
-                 progress: Progress, picker: CodecPicker | None = None) -> ObjectReport:
+                 progress: Progress, picker: CodecPicker | None = None, like: str | None = None) -> ObjectReport:
     t0 = time.monotonic()
     picker = picker or opts.picker(STREAM_LEVEL_PULL)
     used: dict[str, int] = {}
     used_lock = threading.Lock()
     wire0 = client.wire_bytes
-    expect, head = _fetch_expectation(client, kind, oid, opts.hash_len)
+    liked = (like, object_manifest(store, "file", like)) if like and opts.like else None
+    expect, head = _fetch_expectation(client, kind, oid, opts.hash_len, liked)
     if kind == "file":
         role = head.get("role", role)
     name = f"{role if kind == 'file' else 'layer'} {oid[:12]}"
@@ -160,15 +171,18 @@ def _fetch_record(client: AgentClient, ref: str) -> dict[str, Any]:
 
 
 def _pull_missing(store: Store, client: AgentClient, report: TransferReport, items: list[tuple[str, str, str]],
-                  opts: Options, progress: Progress) -> None:
+                  opts: Options, progress: Progress, record: dict[str, Any] | None = None) -> None:
     """Pull each (kind, id, role) this store lacks; the rest are recorded as skipped. One codec picker
-    for them all: what the link and the data showed for one object counts for the next."""
+    for them all: what the link and the data showed for one object counts for the next. ``record``: the
+    version they are of (its memory image's records are asked against an older one held here)."""
     picker = opts.picker(STREAM_LEVEL_PULL)
+    like = held_like(store, record) if record is not None and record.get("memory") else None
     for kind, oid, role in items:
         if has_object(store, kind, oid):
             report.skipped.append(oid)
         else:
-            report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress, picker))
+            mine = like if record is not None and oid == record.get("memory") else None
+            report.objects.append(_pull_object(store, client, kind, oid, role, opts, progress, picker, mine))
 
 
 def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = None,
@@ -184,7 +198,7 @@ def pull(store: Store, url: str, ref: str, token: str, opts: Options | None = No
         report = TransferReport("pull", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
         _pull_missing(store, client, report, [("layer", lid, "layer") for lid in layers]
-                      + [("file", f, ro) for f, ro in files], opts, progress)
+                      + [("file", f, ro) for f, ro in files], opts, progress, record)
         _row, report.recorded = record_version(store, record)
         report.wire_bytes = client.wire_bytes
     report.seconds = time.monotonic() - t0
@@ -219,7 +233,7 @@ def run(store: Store, url: str, ref: str, token: str, *, prefetch: bool = False,
         record = _fetch_record(client, ref)
         report = TransferReport("run", f"{record['capsule']}@{record['number']}", url)
         layers, files = objects_of(record)
-        _pull_missing(store, client, report, [("file", f, ro) for f, ro in files], opts, progress)
+        _pull_missing(store, client, report, [("file", f, ro) for f, ro in files], opts, progress, record)
         remote: list[str] = []
         for lid in layers:
             if has_object(store, "layer", lid) or demand.is_remote(store, lid):

@@ -78,3 +78,24 @@ def test_a_like_the_receiver_lacks_leaves_the_parts_plain(stores, tmp_path):
     r = transfer.push(a, today, agent.url, agent.token)
     assert r.recorded and verify(b).ok
     assert [o.like for o in r.objects if o.role == "memory"] == [None]
+
+
+def test_a_pull_reads_the_records_against_the_memory_image_it_holds(stores, tmp_path):
+    a, [(b, agent_b), (c, agent_c)] = stores
+    yesterday = _version(a, 10, _memory(a, tmp_path, "y.mem", set(), b""))
+    today_mem = _memory(a, tmp_path, "t.mem", set(range(0, BLOCKS, 500)), os.urandom(16))
+    _version(a, 11, today_mem)
+    for agent in (agent_b, agent_c):
+        assert transfer.push(a, yesterday, agent.url, agent.token).recorded
+    agent_a = Agent(a.home, tmp_path / "a.token")
+    try:
+        liked = transfer.pull(b, agent_a.url, "cap@11", agent_a.token)
+        plain = transfer.pull(c, agent_a.url, "cap@11", agent_a.token, Options(like=False))
+    finally:
+        agent_a.stop()
+    [mem] = [o for o in liked.objects if o.role == "memory"]
+    [mem_plain] = [o for o in plain.objects if o.role == "memory"]
+    assert liked.recorded and verify(b).ok and b.file_manifest(today_mem).digest == today_mem
+    print(f"\npulled memory image of {BLOCKS} blocks: {mem_plain.wire_bytes} bytes with plain records, "
+          f"{mem.wire_bytes} against yesterday's")
+    assert mem.wire_bytes < mem_plain.wire_bytes - BLOCKS * 8

@@ -501,3 +501,33 @@ def test_a_like_a_grant_may_not_read_is_refused_as_not_held(two_stores, monkeypa
     monkeypatch.setattr(holdings.grants, "readable", lambda store, g: (frozenset(), frozenset({like})))
     assert inbox.like(like, 0, 10, PREFIX_SIZE, grant)  # type: ignore[arg-type]
     inbox.close()
+
+
+def test_read_hash_against_a_like_both_hold_and_plain_where_the_caller_may_not_read_it(two_stores, monkeypatch):
+    from capsule.exchange import holdings
+    from capsule.transfer.manifestparts import span_dictionary
+
+    a, b = two_stores
+    like, _ = _file_object(a, 5)
+    _file_object(b, 5)
+    oid, _ = _file_object(a, 6)
+    server = ObjectServer(a)
+    plain, n, span = server.records("file", oid, 10, 100, PREFIX_SIZE)
+    assert span is None
+    liked, n2, span = server.records("file", oid, 10, 100, PREFIX_SIZE, like)
+    assert n2 == n == 100 and span is not None
+    here = span_dictionary(b.file_manifest(like), span, PREFIX_SIZE, 300)          # the caller's side
+    from hashcache.hcp import decompress_bounded
+
+    assert decompress_bounded(liked, 100 * 16, dictionary=here) == decompress_bounded(plain, 100 * 16)
+    # a like the caller's grant may not read, or one not held here: plain, and nothing said of it
+    monkeypatch.setattr(holdings.grants, "readable", lambda store, g: (frozenset(), frozenset()))
+    assert server.records("file", oid, 10, 100, PREFIX_SIZE, like, object())[2] is None   # type: ignore[arg-type]
+    assert server.records("file", oid, 10, 100, PREFIX_SIZE, "e" * 64)[2] is None
+    with pytest.raises(InvalidName):
+        server.records("file", oid, 10, 100, PREFIX_SIZE, "../x")
+    # a peer's span is checked before it sizes anything
+    for bad in ("5", "9-5", "0-300", "-1-4", "a-b", "1-2-3"):
+        with pytest.raises(ProtocolError):
+            span_dictionary(b.file_manifest(like), bad, PREFIX_SIZE, 300)
+    server.close()
