@@ -71,7 +71,8 @@ NoLike = Annotated[bool, typer.Option("--no-like", help="Send the memory image's
                                                         "compressed against an older memory image of the same "
                                                         "capsule that the receiver holds (by default it is, where "
                                                         "the receiver holds one: a commute's manifest then costs "
-                                                        "a few KB, not about 1 MB per GiB of memory).")]
+                                                        "a few KB, not about 10 bytes per 4 KiB of memory in "
+                                                        "use).")]
 FullHashes = Annotated[bool, typer.Option("--full-hashes", help="Send whole 32-byte block hashes instead of "
                                                                 "8-byte prefixes checked by the object digest.")]
 
