@@ -95,12 +95,10 @@ class StoreResolver:
             raise IntegrityError(f"the memory stream names object {obj} of the {len(self.named)} the source named")
         kind, oid = self.named[obj]
         with self._lock:
-            if obj not in self._manifests:
-                if (kind, oid) not in self.objects:
-                    raise IntegrityError(f"the memory stream refers to {kind} {oid[:12]}, which this host does not "
-                                         "hold: the move fails and the guest runs on at the source")
-                self._manifests[obj] = object_manifest(self.store, kind, oid)
-            m = self._manifests[obj]
+            m = self._manifest(obj)
+            if m is None:
+                raise IntegrityError(f"the memory stream refers to {kind} {oid[:12]}, which this host does not "
+                                     "hold: the move fails and the guest runs on at the source")
             hashes = [m.record(b) for b in range(first, first + count)]
             bad = next((first + i for i, r in enumerate(hashes) if r is None or r[0]), None)
             if bad is not None:
@@ -117,6 +115,16 @@ class StoreResolver:
                 raise IntegrityError(f"block {first + i} of {kind} {oid[:12]} read here does not match its manifest: "
                                      "refused (the memory stream is not rebuilt from it)")
         return pages
+
+    def _manifest(self, obj: int) -> Manifest | None:
+        """The manifest of the object numbered ``obj``, read once; None if this store does not hold it (the caller
+        holds the lock)."""
+        if obj not in self._manifests:
+            kind, oid = self.named[obj]
+            if (kind, oid) not in self.objects:
+                return None
+            self._manifests[obj] = object_manifest(self.store, kind, oid)
+        return self._manifests[obj]
 
     def _reader(self, obj: int) -> BlockReader:
         if obj not in self._readers:
@@ -145,10 +153,10 @@ class StoreResolver:
 
     def _build(self) -> dict[int, tuple[int, int]]:
         index: dict[int, tuple[int, int]] = {}
-        for n, (kind, oid) in enumerate(self.named):
-            if (kind, oid) not in self.objects:
+        for n in range(len(self.named)):
+            m = self._manifest(n)
+            if m is None:
                 continue
-            m = object_manifest(self.store, kind, oid)
             for block, zero, digest in m.records():
                 if not zero:
                     index.setdefault(int.from_bytes(digest[:8], sys.byteorder), (n, block))
