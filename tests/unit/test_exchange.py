@@ -531,3 +531,21 @@ def test_read_hash_against_a_like_both_hold_and_plain_where_the_caller_may_not_r
         with pytest.raises(ProtocolError):
             span_dictionary(b.file_manifest(like), bad, PREFIX_SIZE, 300)
     server.close()
+
+
+@pytest.mark.parametrize("features, liked", [(frozenset(), False), (frozenset({"manifest-like"}), True)])
+def test_manifest_parts_go_against_a_like_only_to_a_receiver_that_names_it(two_stores, features, liked):
+    from types import SimpleNamespace
+
+    from capsule.transfer.manifestparts import PartSender
+
+    a, _b = two_stores
+    like, _ = _file_object(a, 5)
+    oid, _ = _file_object(a, 6)
+    sent: list[dict] = []
+    client = SimpleNamespace(features=features,
+                             request=lambda method, path, **kw: sent.append(kw["params"]) or SimpleNamespace())
+    parts = PartSender(a, client, "file", oid, PREFIX_SIZE, like=like)   # type: ignore[arg-type]
+    parts.begin(Expectation.part_of(a.file_manifest(oid), 0, 100, PREFIX_SIZE), 0, 1)
+    assert ("like" in sent[0]) is liked and parts.liked == int(liked)
+    assert sent[0]["part"] == 0 and sent[0]["parts"] == 1

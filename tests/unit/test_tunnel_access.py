@@ -5,6 +5,7 @@ tunnel is refused with both releases named."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import tempfile
@@ -205,13 +206,11 @@ def test_a_malformed_dedup_is_refused_and_makes_nothing(world, target, dedup):
     assert not world.app.state.tunnels._sessions   # noqa: SLF001
 
 
-def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
-    from capsule.migrate.ramdedup import Known
-    from capsule.migrate.tunnel import Dedup
-
-    bodies: list[dict] = []
-
-    async def older(scope, receive, send):    # the tunnel, but a body with "dedup" is malformed there
+@contextlib.contextmanager
+def _peer(features: str, bodies: list[dict]) -> Iterator[SimpleNamespace]:
+    """A peer's tunnel naming ``features``: a body with "dedup" is malformed there unless it names
+    memory-dedup; each request's body is kept in ``bodies``."""
+    async def app(scope, receive, send):
         import json
 
         body = b""
@@ -220,32 +219,53 @@ def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
-        headers = {protocol.HEADER: protocol.answer(__version__), protocol.FEATURES: "tunnel,live-move"}
+        headers = {protocol.HEADER: protocol.answer(__version__), protocol.FEATURES: features}
         req = json.loads(body or b"{}")
         bodies.append(req)
-        if scope["method"] == "POST" and "dedup" in req:
+        if scope["method"] == "POST" and "dedup" in req and "memory-dedup" not in features:
             reply = JSONResponse({"error": "invalid_name", "detail": "malformed tunnel request"}, 400, headers)
         else:
-            reply = JSONResponse({"session": "s" * 32, "expires_in": 60, "channels": {"libvirt": {"path": None},
-                                                                              "qemu-migration": {"path": "/x/q.sock"}}},
+            reply = JSONResponse({"session": "s" * 32, "expires_in": 60, "dedup": "dedup" in req,
+                                  "channels": {"libvirt": {"path": None}, "qemu-migration": {"path": "/x/q.sock"}}},
                                  200, headers)
         await reply(scope, receive, send)
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(older, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
     try:
-        peer = SimpleNamespace(url=f"http://127.0.0.1:{port}", token="t" * 20, fingerprint=None)
-        with open_tunnels(peer, ("libvirt", "qemu-migration"), local_dir=Path(tempfile.mkdtemp(dir="/tmp")),
-                          dedup=Dedup([], Known([1]))) as t:
-            assert not t.dedup and t.tunnels["qemu-migration"].known is None
-        assert "dedup" in bodies[0] and "dedup" not in bodies[1]
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", token="t" * 20, fingerprint=None)
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
+    from capsule.migrate.ramdedup import Known
+    from capsule.migrate.tunnel import Dedup
+
+    bodies: list[dict] = []
+    with _peer("tunnel,live-move", bodies) as peer, \
+            open_tunnels(peer, ("libvirt", "qemu-migration"), local_dir=Path(tempfile.mkdtemp(dir="/tmp")),
+                         dedup=Dedup([], Known([1]))) as t:
+        assert not t.dedup and t.tunnels["qemu-migration"].known is None
+    assert "dedup" in bodies[0] and "dedup" not in bodies[1]
+
+
+@pytest.mark.parametrize("features, runs", [("tunnel,live-move,memory-dedup", False),
+                                            ("tunnel,live-move,memory-dedup,memory-runs", True)])
+def test_held_pages_go_as_runs_only_to_a_peer_that_names_them(features, runs):
+    from capsule.migrate.ramdedup import Known
+    from capsule.migrate.tunnel import Dedup
+
+    with _peer(features, []) as peer, \
+            open_tunnels(peer, ("qemu-migration",), local_dir=Path(tempfile.mkdtemp(dir="/tmp")),
+                         dedup=Dedup([], Known([1]))) as t:
+        assert t.dedup and t.tunnels["qemu-migration"].known is not None
+        assert t.tunnels["qemu-migration"].runs is runs
 
 
 def test_a_tunnel_connection_holds_little_unsent_so_qemu_sees_the_link_rate():
