@@ -289,6 +289,7 @@ def test_a_live_move_throttles_a_guest_that_outruns_the_link_unless_post_copy_wa
     precopy, postcopy = migrate_flags(False), migrate_flags(True)
     for flags in (precopy, postcopy):
         assert flags & libvirt.VIR_MIGRATE_LIVE and flags & libvirt.VIR_MIGRATE_NON_SHARED_INC
+        assert flags & libvirt.VIR_MIGRATE_NON_SHARED_SYNCHRONOUS_WRITES   # nothing of the disks left to the pause
     assert precopy & libvirt.VIR_MIGRATE_AUTO_CONVERGE and not precopy & libvirt.VIR_MIGRATE_POSTCOPY
     assert postcopy & libvirt.VIR_MIGRATE_POSTCOPY and not postcopy & libvirt.VIR_MIGRATE_AUTO_CONVERGE
 
