@@ -234,7 +234,7 @@ def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty
             "downtime_ms": live.get("pause_ms"), "memory_processed_bytes": live.get("memory_bytes"),
             "memory_wire_bytes": live.get("memory_wire_bytes"), "memory_refs": live.get("memory_refs"),
             "memory_iterations": live.get("rounds"), "postcopy": live.get("postcopy"),
-            "switchover_rate": live.get("switchover_rate"),
+            "switchover_rate": live.get("switchover_rate"), "switchover": live.get("switchover"),
             "hcp_wire_bytes": (r["push"] or {}).get("wire_bytes"), "raw": r}
 
 

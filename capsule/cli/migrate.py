@@ -207,8 +207,9 @@ def migrate(
     if r.live is not None:
         data["live"] = r.live.as_dict()
         data["events"] = [e.as_dict() for e in events]
+        tail = r.live.switchover_text()
         emit(data, lambda: console.print(f"{name} now runs at {peer.label} (live) after {r.seconds:.2f}s, "
-                                         f"{r.live.pause_text()}"))
+                                         f"{r.live.pause_text()}" + (f"; {tail}" if tail else "")))
         return
     emit(data, lambda: console.print(f"{name} now runs at {peer.label} ({r.mode}, {r.remote.get('mode')}) after "
                                      f"{r.seconds:.2f}s"))

@@ -37,12 +37,15 @@ class LiveFigures:
     memory_wire_bytes: int = 0           # the migration stream's bytes on the link (0: the codec was not used)
     switchover_rate: int | None = None   # bytes/s QEMU was last told it can send in the pause (switchover.py)
     link_breaks: int = 0                 # times the link broke during post-copy and the post-copy was resumed
+    switchover: dict[str, Any] | None = None   # what the pre-copy switchover carried (switchover.Tail)
 
     def record_memory(self, tunnels: Any) -> None:
         """The memory codec's figures, from the :class:`~capsule.migrate.tunnel.Tunnels` the move used."""
         m = tunnels.memory
         self.memory_refs, self.memory_raw_pages = m.refs + m.recent, m.raw_pages
         self.memory_wire_bytes = m.wire_bytes
+        tail = tunnels.switchover
+        self.switchover = tail.as_dict() if tail is not None else None
 
     def pause_text(self) -> str:
         """How long the guest was paused, as a user reads it: libvirt's downtime, which the other host does not
@@ -52,6 +55,14 @@ class LiveFigures:
         if self.link_breaks:
             return "paused for a time libvirt does not report after a resumed post-copy"
         return "paused for a time libvirt did not report"
+
+    def switchover_text(self) -> str:
+        """What the switchover sent, as a user reads it ("" when the codec did not see one)."""
+        t = self.switchover
+        if not t:
+            return ""
+        return (f"the switchover sent {t['wire_bytes'] / 1000:.1f} kB for {t['memory_bytes'] / 1000:.1f} kB of the "
+                f"last pages and {t['device_bytes'] / 1000:.1f} kB of device state, in {t['seconds']:.2f}s")
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

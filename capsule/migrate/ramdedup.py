@@ -44,7 +44,7 @@ import zstandard
 
 from capsule.errors import IntegrityError
 from capsule.migrate.memknown import Known
-from capsule.migrate.ramstream import F_CONTINUE, F_PAGE, FLAGS_MASK, PAGE, PAGE_SIZE, RamStream
+from capsule.migrate.ramstream import F_CONTINUE, F_PAGE, FLAGS_MASK, PAGE, PAGE_SIZE, Counts, RamStream
 from hashcache.blocks import HASH_SIZE, hash_block
 
 WINDOW = 8192                      # pages both ends remember (the decoder: 32 MiB)
@@ -98,6 +98,11 @@ class Encoder:
         self._run: int | None = None             # the offset in _ops of the batch's open run, if any
         self._run_next = (0, 0)                  # ... the place its next page must have
         self._head = 0                           # the header (be64) the last raw run ended with: a page's own
+
+    @property
+    def parser_counts(self) -> Counts:
+        """What the stream's parser found so far (where the switchover began: ``end_at``)."""
+        return self._parser.counts
 
     def encode(self, data: bytes) -> bytes:
         self.stats.stream_bytes += len(data)

@@ -60,6 +60,9 @@ class Counts:
     zero_pages: int = 0                # ZERO records found
     sections: int = 0                  # ram sections parsed
     passthrough_at: int | None = None  # stream offset where parsing stopped (None: it never did)
+    end_at: int | None = None          # stream offset of the ram section's END in precopy: QEMU's last pass, the
+                                       # guest stopped (the switchover's own bytes follow)
+    device_at: int | None = None       # stream offset of the first device state (FULL section)
     reason: str = ""                   # why it stopped
     blocks: list[tuple[str, int]] = field(default_factory=list)   # RAM blocks (idstr, length)
 
@@ -112,6 +115,7 @@ class RamStream:
         self._ram_sid: int | None = None
         self._section = 0                # the section id being parsed (state ram)
         self._ignore_shared = False
+        self._packaged = False           # a PACKAGED command came: post-copy (its END is not the switchover)
 
     @property
     def passthrough(self) -> bool:
@@ -207,15 +211,20 @@ class RamStream:
             if sid != self._ram_sid:
                 raise _Unknown(f"a section {sid} other than ram")
             self._section, self._state = sid, "ram"
+            if kind == END and self.counts.end_at is None and not self._packaged:
+                self.counts.end_at = self._offset + c.pos - 5
         elif kind == COMMAND:
             cmd, length = c.be16(), c.be16()
             data = c.take(length)
             if cmd == CMD_PACKAGED:
+                self._packaged = True
                 if length != 4:
                     raise _Unknown("a PACKAGED command without its be32 length")
                 self._skip = struct.unpack(">I", data)[0]
                 self._state = "skip" if self._skip else "top"
         else:                                           # FULL (device state), EOF (then VMDESC), unknown types
+            if kind == FULL:
+                self.counts.device_at = self._offset + c.pos - 1
             raise _Unknown({FULL: "device state", EOF: "the end of the stream"}.get(kind, f"section type {kind}"))
         return None
 

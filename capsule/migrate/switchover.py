@@ -24,9 +24,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import libvirt
 import libvirt_qemu
+
+if TYPE_CHECKING:
+    from capsule.migrate.ramdedup import Encoder
 
 log = logging.getLogger(__name__)
 WINDOW = 5.0          # seconds of flow the rate is measured over
@@ -79,3 +84,49 @@ class SwitchoverRate:
             log.info("QEMU keeps its own switchover bandwidth: %s", reply["error"])
             return False
         return True
+
+
+@dataclass
+class Tail:
+    """What the switchover of a pre-copy move carried on the migration channel, and how long the tunnel took to
+    hand it to the link: from the ram section's END (QEMU's last pass, the guest stopped at the source) to the
+    stream's end. The pause also holds what follows it (libvirt's finish calls, the guest started there)."""
+
+    memory_bytes: int = 0          # QEMU's stream from the END to the first device state: the last dirty pages
+    device_bytes: int = 0          # QEMU's stream from the first device state to its end
+    wire_bytes: int = 0            # the codec's frames from the chunk holding the END on
+    seconds: float = 0.0           # from that chunk's arrival to the stream's last bytes handed to the link
+
+    def as_dict(self) -> dict[str, int | float]:
+        return {"memory_bytes": self.memory_bytes, "device_bytes": self.device_bytes,
+                "wire_bytes": self.wire_bytes, "seconds": round(self.seconds, 3)}
+
+
+class TailWatch:
+    """Follows one connection's memory codec (:class:`~capsule.migrate.ramdedup.Encoder`): :meth:`chunk` after
+    each chunk it encoded, :meth:`ended` once the stream's last bytes were handed to the link. :attr:`tail` is
+    None until a pre-copy switchover was seen (never in post-copy, whose END comes after the guest runs there)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.tail: Tail | None = None
+        self._wire_before = 0          # the codec's frames before the last chunk
+        self._wire_start = 0           # ... before the chunk holding the END
+        self._at = 0.0
+
+    def chunk(self, encoder: Encoder) -> None:
+        if self.tail is None and encoder.parser_counts.end_at is not None:
+            self.tail, self._at = Tail(), self.clock()
+            self._wire_start = self._wire_before
+        self._wire_before = encoder.stats.wire_bytes
+
+    def ended(self, encoder: Encoder) -> None:
+        if self.tail is None:
+            return
+        counts, stats = encoder.parser_counts, encoder.stats
+        end_at = counts.end_at or 0
+        device_at = counts.device_at if counts.device_at is not None else stats.stream_bytes
+        self.tail.memory_bytes = max(0, device_at - end_at)
+        self.tail.device_bytes = max(0, stats.stream_bytes - device_at)
+        self.tail.wire_bytes = stats.wire_bytes - self._wire_start
+        self.tail.seconds = self.clock() - self._at

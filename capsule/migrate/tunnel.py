@@ -54,6 +54,7 @@ from capsule.errors import EnvironmentProblem, Error, InvalidName, NotFound
 from capsule.migrate.memknown import Known, Objects
 from capsule.migrate.ramdedup import Encoder, Stats
 from capsule.migrate.sendqueue import MIN_NOT_SENT, SendQueue, set_bound
+from capsule.migrate.switchover import Tail, TailWatch
 from capsule.runtime import guestaccess
 from hashcache.transport import plain, protocol, tls
 
@@ -108,6 +109,7 @@ class Tunnel:
         self.known = known                       # not None: each connection's bytes go through an Encoder
         self.runs = runs                         # ... which sends held pages as runs of blocks (the peer decodes them)
         self.encoders: list[Encoder] = []
+        self.tails: list[TailWatch] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._failed: BaseException | None = None
@@ -140,6 +142,11 @@ class Tunnel:
         for e in list(self.encoders):
             total.add(e.stats)
         return total
+
+    @property
+    def switchover(self) -> Tail | None:
+        """What a pre-copy switchover carried on one of this entrance's connections (None: none was seen)."""
+        return next((w.tail for w in list(self.tails) if w.tail is not None), None)
 
     def __enter__(self) -> Tunnel:
         return self
@@ -242,8 +249,10 @@ class Tunnel:
         ended = {"out": False, "in": False}
 
         encoder = None if self.known is None else Encoder(self.known, runs=self.runs)
+        tail = TailWatch()
         if encoder is not None:
             self.encoders.append(encoder)
+            self.tails.append(tail)
 
         # the bytes this connection may leave unsent, and write at once, follow the link's rate (sendqueue.py):
         # what is queued when QEMU stops the guest must cross the link before the last pages
@@ -262,10 +271,15 @@ class Tunnel:
 
         async def outward() -> None:            # the local end's bytes → the peer
             while data := await reader.read(CHUNK):
-                await send(data if encoder is None else await asyncio.to_thread(encoder.encode, data))
+                if encoder is not None:
+                    data = await asyncio.to_thread(encoder.encode, data)
+                    tail.chunk(encoder)
+                await send(data)
             if encoder is not None:
                 await send(encoder.finish())
             await ws.send(b"")                  # a half-close: no more bytes this way
+            if encoder is not None:
+                tail.ended(encoder)
             ended["out"] = True
 
         async def inward() -> None:             # the peer's bytes → the local end
@@ -317,6 +331,12 @@ class Tunnels:
         """The memory codec's figures (all zero when it is not applied)."""
         t = self.tunnels.get(DEDUP_KIND)
         return t.memory if t is not None else Stats()
+
+    @property
+    def switchover(self) -> Tail | None:
+        """What the pre-copy switchover carried on the migration channel (None: not seen, or no codec)."""
+        t = self.tunnels.get(DEDUP_KIND)
+        return t.switchover if t is not None else None
 
     def _path(self, kind: str) -> Path | None:
         return self.tunnels[kind].path if kind in self.tunnels else None

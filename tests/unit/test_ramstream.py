@@ -108,3 +108,26 @@ def test_fuzz_any_bytes_come_back_exactly(data, sizes):
     p, out = parse(data, sizes)
     assert b"".join(d for _, d in out) == data
     assert all(len(d) == 4096 for k, d in out if k == PAGE)
+
+
+@pytest.mark.parametrize("sizes", [[], [1], [7, 4099], [3, 5000, 1, 13]])
+def test_the_switchover_and_the_device_state_are_found_where_they_begin(sizes):
+    ps = pages(6)
+    w = StreamWriter().config().ram_start().ram_part()
+    w.page(ps[0]).page(ps[1], offset=4096).eos()
+    end_at = len(w.bytes())
+    w.ram_part(end=True).page(ps[2]).page(ps[3], offset=8192).eos()
+    device_at = len(w.bytes())
+    w.device(3, "cpu", os.urandom(300)).end()
+    p, out = parse(w.bytes(), sizes)
+    assert (p.counts.end_at, p.counts.device_at) == (end_at, device_at)
+    assert b"".join(d for _, d in out) == w.bytes()
+
+
+def test_a_post_copy_stream_has_no_switchover_at_its_end():
+    ps = pages(3)
+    w = StreamWriter().config().ram_start().ram_part().page(ps[0]).eos()
+    w.packaged(StreamWriter(footers=True).device(5, "pci", os.urandom(100)).bytes()[8:])
+    w.ram_part(end=True).page(ps[1]).page(ps[2], offset=4096).eos().end()
+    p, _ = parse(w.bytes(), [100])
+    assert p.counts.end_at is None          # the guest ran at the other host long before this END

@@ -71,3 +71,56 @@ def test_the_pages_are_credited_at_most_twice_the_links_rate():
         wire[0] += 500_000
         s.tick()
     assert abs(told[-1] - 1_500_000) < 50_000
+
+
+def test_the_switchover_tail_counts_what_followed_the_guest_stopping():
+    import os
+
+    from capsule.migrate.ramdedup import Encoder
+    from capsule.migrate.switchover import TailWatch
+    from tests.helpers.migstream import StreamWriter
+
+    w = StreamWriter().config().ram_start().ram_part()
+    for i in range(40):
+        w.page(os.urandom(4096), offset=i * 4096)
+    w.eos()
+    before = len(w.bytes())
+    w.ram_part(end=True)
+    for i in range(3):
+        w.page(os.urandom(4096), offset=(100 + i) * 4096)
+    w.eos()
+    device_at = len(w.bytes())
+    w.device(3, "cpu", b"\1" * 3000).end()
+    data, now = w.bytes(), [0.0]
+    enc, watch = Encoder(), TailWatch(clock=lambda: now[0])
+    wire_before_end = 0
+    for at in range(0, len(data), 4096):
+        enc.encode(data[at:at + 4096])
+        watch.chunk(enc)
+        if at + 4096 <= before:
+            wire_before_end = enc.stats.wire_bytes
+        now[0] += 0.1
+    assert watch.tail is not None
+    enc.finish()
+    now[0] += 0.5
+    watch.ended(enc)
+    tail = watch.tail
+    assert tail.memory_bytes == device_at - before and tail.memory_bytes > 3 * 4096
+    assert tail.device_bytes == len(data) - device_at
+    # the frames from the chunk holding the END on: the 3 random pages at least, none of the 40 before it
+    assert 3 * 4096 < tail.wire_bytes <= enc.stats.wire_bytes - wire_before_end + 4096 + 64
+    assert tail.wire_bytes < 10 * 4096
+    assert tail.seconds > 0.5
+
+
+def test_no_tail_without_a_switchover():
+    from capsule.migrate.ramdedup import Encoder
+    from capsule.migrate.switchover import TailWatch
+    from tests.helpers.migstream import StreamWriter
+
+    enc, watch = Encoder(), TailWatch()
+    enc.encode(StreamWriter().config().ram_start().ram_part().page(b"\2" * 4096).eos().bytes())
+    watch.chunk(enc)
+    enc.finish()
+    watch.ended(enc)
+    assert watch.tail is None
