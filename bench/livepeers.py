@@ -235,6 +235,7 @@ def capsule_move(a: hc.Host, b: hc.Host, link: Link, name: str, kind: str, dirty
             "memory_wire_bytes": live.get("memory_wire_bytes"), "memory_refs": live.get("memory_refs"),
             "memory_iterations": live.get("rounds"), "postcopy": live.get("postcopy"),
             "switchover_rate": live.get("switchover_rate"), "switchover": live.get("switchover"),
+            "disks_raw_bytes": live.get("disks_raw_bytes"), "disks_wire_bytes": live.get("disks_wire_bytes"),
             "hcp_wire_bytes": (r["push"] or {}).get("wire_bytes"), "raw": r}
 
 

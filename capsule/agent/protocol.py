@@ -21,8 +21,9 @@ Scope = MutableMapping[str, Any]
 ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 # beyond the protocol: the byte tunnel (capsule/exchange/tunnel.py), receiving live moves
 # (capsule/exchange/incoming.py), the tunnel's memory codec (capsule/migrate/ramdedup.py) with its runs of
-# blocks by place, and manifest parts compressed against a like file held here (hashcache.hcp.like_records)
-FEATURES = ("tunnel", "live-move", "memory-dedup", "memory-runs", "manifest-like")
+# blocks by place, manifest parts compressed against a like file held here (hashcache.hcp.like_records), and a
+# tunnel channel's bytes packed with zstd (capsule/migrate/streampack.py)
+FEATURES = ("tunnel", "live-move", "memory-dedup", "memory-runs", "manifest-like", "tunnel-pack")
 ANSWER = (protocol.HEADER.lower().encode(), protocol.answer(__version__).encode())
 NAMED = (protocol.FEATURES.lower().encode(), ",".join(FEATURES).encode())
 

@@ -1,7 +1,7 @@
 """The agent's routes of the byte tunnel (what they do, who may call them, the frames: :mod:`capsule.exchange.tunnel`)::
 
-    POST   /v1/tunnel                      {"kinds": [KIND, ...], "ttl": S, "dedup": ...} → {"session", "expires_in",
-                                           "channels", "dedup"}
+    POST   /v1/tunnel                      {"kinds": [KIND, ...], "ttl": S, "dedup": ..., "pack": [KIND, ...]}
+                                           → {"session", "expires_in", "channels", "dedup", "pack"}
     WS     /v1/tunnel/{session}/{channel}  one connection to the channel's unix socket here, bytes both ways
     DELETE /v1/tunnel/{session}            the session and its connections end"""
 
@@ -19,7 +19,7 @@ from starlette.websockets import WebSocketState
 
 from capsule.agent import authz
 from capsule.errors import Error, Forbidden, InvalidName
-from capsule.exchange.tunnel import Registry, connect_target, parse_dedup, parse_open, pump
+from capsule.exchange.tunnel import Registry, connect_target, parse_dedup, parse_open, parse_pack, pump
 from hashcache import wirejson
 
 
@@ -47,7 +47,8 @@ def router(registry: Registry) -> APIRouter:
         except ValueError as exc:
             raise InvalidName(f"malformed tunnel request: {exc}") from exc
         kinds, ttl = parse_open(req)
-        s = await asyncio.to_thread(registry.open_kinds, kinds, _who(request), ttl, parse_dedup(req))
+        s = await asyncio.to_thread(registry.open_kinds, kinds, _who(request), ttl, parse_dedup(req),
+                                    parse_pack(req))
         return s.answer(time.monotonic())
 
     @api.delete("/{session}", summary="Close a tunnel session and its connections")

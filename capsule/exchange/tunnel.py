@@ -6,9 +6,10 @@ its NBD disk server. Each is carried over one WebSocket on this agent per connec
 :mod:`capsule.agent.tunnelapi`, thin shells over :class:`Registry` and :func:`pump`)::
 
     POST   /v1/tunnel                      {"kinds": ["libvirt", "qemu-migration", "qemu-disks"], "ttl": S,
-                                            "dedup": {"objects": [[KIND, ID], ...]}}   (dedup: optional)
+                                            "dedup": {"objects": [[KIND, ID], ...]},   (dedup: optional)
+                                            "pack": ["qemu-disks"]}                    (pack: optional)
                                            → {"session": ID, "expires_in": S, "channels": {KIND: {"path": P}},
-                                              "dedup": true|false}
+                                              "dedup": true|false, "pack": [KIND, ...]}
     WS     /v1/tunnel/{session}/{channel}  binary frames both ways, to and from the channel's unix socket here
     DELETE /v1/tunnel/{session}            the session ends: its connections are closed, its directory removed
 
@@ -64,6 +65,7 @@ from capsule.errors import EnvironmentProblem, Error, Forbidden, InvalidName, No
 from capsule.migrate.memknown import Objects
 from capsule.migrate.memrefs import parse_objects
 from capsule.migrate.ramdedup import Decoder, Resolve
+from capsule.migrate.streampack import PACKABLE, Unpacker
 from capsule.migrate.tunnel import CHUNK, DEDUP_KIND, DEFAULT_TTL, KINDS, QEMU_KINDS
 from capsule.runtime import guestaccess, guestfiles
 
@@ -98,12 +100,13 @@ class Session:
     open: Counter[str] = field(default_factory=Counter)   # connections open per channel
     stops: set[tuple[asyncio.AbstractEventLoop, anyio.CancelScope]] = field(default_factory=set)  # its connections
     dedup: Objects | None = None   # the memory codec on qemu-migration, references among these objects
+    pack: frozenset[str] = frozenset()   # channels whose source bytes come packed (streampack.py)
     errors: list[str] = field(default_factory=list)        # why a decoded stream was cut (the latest few)
 
     def answer(self, now: float) -> dict[str, Any]:
         return {"session": self.id, "expires_in": round(max(0.0, self.expires - now), 1),
                 "channels": {name: {"path": str(t.path) if t.guest else None} for name, t in self.channels.items()},
-                "dedup": self.dedup is not None}
+                "dedup": self.dedup is not None, "pack": sorted(self.pack)}
 
 
 class Registry:
@@ -137,9 +140,10 @@ class Registry:
         return s
 
     def open_kinds(self, kinds: list[str], caller: str, ttl: float = DEFAULT_TTL,
-                   dedup: Objects | None = None) -> Session:
+                   dedup: Objects | None = None, pack: list[str] | None = None) -> Session:
         """``POST /v1/tunnel``: a session with a channel per kind, each to the target this host picks for it;
-        ``dedup``: the memory codec on its qemu-migration channel (applied if this host can resolve blocks)."""
+        ``dedup``: the memory codec on its qemu-migration channel (applied if this host can resolve blocks);
+        ``pack``: channels whose source bytes come packed (:mod:`capsule.migrate.streampack`)."""
         ttl = float(bounds.check(TTL, ttl, "ttl"))
         with self._lock:
             self._purge()
@@ -159,10 +163,14 @@ class Registry:
             raise
         if dedup is not None and self.resolver is not None and DEDUP_KIND in kinds:
             s.dedup = dedup
+        s.pack = frozenset(k for k in pack or () if k in kinds and k in PACKABLE)
         return s
 
-    def decoder(self, s: Session, channel: str) -> Decoder | None:
-        """The memory codec's decoder for a new connection of ``channel``, or None (bytes as they came)."""
+    def decoder(self, s: Session, channel: str) -> Decoder | Unpacker | None:
+        """The decoder for a new connection of ``channel`` (the memory codec's, or an unpacker), or None (bytes
+        as they came)."""
+        if channel in s.pack:
+            return Unpacker()
         if s.dedup is None or channel != DEDUP_KIND or self.resolver is None:
             return None
         return Decoder(self.resolver(s.dedup))
@@ -253,13 +261,22 @@ def parse_open(req: Any) -> tuple[list[str], float]:
     """``POST /v1/tunnel``'s body → (kinds, ttl); a path, an unknown kind or a repeated one → InvalidName."""
     usage = (f'give {{"kinds": [KIND, ...], "ttl": SECONDS}} with kinds from {", ".join(KINDS)}: this host '
              "chooses where each goes (a path cannot be given)")
-    if not isinstance(req, dict) or set(req) - {"kinds", "ttl", "dedup"}:
+    if not isinstance(req, dict) or set(req) - {"kinds", "ttl", "dedup", "pack"}:
         raise InvalidName(f"malformed tunnel request: {usage}")
     kinds = req.get("kinds")
     if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) and k in KINDS for k in kinds) \
             or len(set(kinds)) != len(kinds):
         raise InvalidName(f"malformed tunnel request: {usage}")
     return kinds, float(bounds.check(TTL, req.get("ttl", DEFAULT_TTL), "ttl"))
+
+
+def parse_pack(req: dict[str, Any]) -> list[str]:
+    """``POST /v1/tunnel``'s ``pack``: the channels whose source bytes come packed, each one of
+    :data:`~capsule.migrate.streampack.PACKABLE` (absent: none)."""
+    value = req.get("pack", [])
+    if not isinstance(value, list) or not all(isinstance(k, str) and k in PACKABLE for k in value):
+        raise InvalidName(f'malformed tunnel request: "pack" lists channels from {", ".join(PACKABLE)}')
+    return list(dict.fromkeys(value))
 
 
 def parse_dedup(req: dict[str, Any]) -> Objects | None:
@@ -295,7 +312,7 @@ async def connect_target(t: Target, wait: float = TARGET_WAIT) -> tuple[asyncio.
 
 
 async def pump(ws: WebSocket, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-               decoder: Decoder | None = None, errors: list[str] | None = None) -> None:
+               decoder: Decoder | Unpacker | None = None, errors: list[str] | None = None) -> None:
     """Bytes both ways between the accepted ``ws`` and the target until both ways ended or either end closed;
     ``decoder``: what the source sends is the memory codec's frames (a stream it refuses is cut: its reason
     goes to ``errors`` and the WebSocket is closed with 1011)."""

@@ -38,14 +38,19 @@ class LiveFigures:
     switchover_rate: int | None = None   # bytes/s QEMU was last told it can send in the pause (switchover.py)
     link_breaks: int = 0                 # times the link broke during post-copy and the post-copy was resumed
     switchover: dict[str, Any] | None = None   # what the pre-copy switchover carried (switchover.Tail)
+    disks_raw_bytes: int = 0             # the disks' NBD stream from here, as QEMU wrote it
+    disks_wire_bytes: int = 0            # ... as it left, packed (streampack.py; the same when not packed)
 
-    def record_memory(self, tunnels: Any) -> None:
-        """The memory codec's figures, from the :class:`~capsule.migrate.tunnel.Tunnels` the move used."""
+    def record_tunnels(self, tunnels: Any) -> None:
+        """The memory codec's and the disks' packer's figures, from the :class:`~capsule.migrate.tunnel.Tunnels`
+        the move used."""
         m = tunnels.memory
         self.memory_refs, self.memory_raw_pages = m.refs + m.recent, m.raw_pages
         self.memory_wire_bytes = m.wire_bytes
         tail = tunnels.switchover
         self.switchover = tail.as_dict() if tail is not None else None
+        disks = tunnels.disks
+        self.disks_raw_bytes, self.disks_wire_bytes = disks.raw_bytes, disks.wire_bytes
 
     def pause_text(self) -> str:
         """How long the guest was paused, as a user reads it: libvirt's downtime, which the other host does not

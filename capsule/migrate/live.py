@@ -185,7 +185,7 @@ def _migrate(store: Store, name: str, target: checks.Target, inst: Any, version:
                 raise
             remote = client.post_json(f"/v1/live/{mid}/finish", {})
         figures.tunnel_bytes = tunnels.bytes_sent + tunnels.bytes_received
-        figures.record_memory(tunnels)
+        figures.record_tunnels(tunnels)
     finally:
         tunnels.close()
     take_reported(remote, figures, tracker)

@@ -45,6 +45,7 @@ import zstandard
 from capsule.errors import IntegrityError
 from capsule.migrate.memknown import Known
 from capsule.migrate.ramstream import F_CONTINUE, F_PAGE, FLAGS_MASK, PAGE, PAGE_SIZE, Counts, RamStream
+from capsule.migrate.streampack import Bounded, packed_bound
 from hashcache.blocks import HASH_SIZE, hash_block
 
 WINDOW = 8192                      # pages both ends remember (the decoder: 32 MiB)
@@ -239,32 +240,6 @@ def _next_head(head: int) -> int:
 Resolve = Callable[[bytes], bytes | None]
 
 
-class _Bounded:
-    """Where the decoder's zstd stream writes a batch's payload: refused as it passes the size the batch declared
-    (a small hostile frame cannot expand into memory)."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._limit = 0
-
-    def start(self, limit: int) -> None:
-        self._buf, self._limit = bytearray(), limit
-
-    def write(self, data: bytes) -> int:
-        if len(self._buf) + len(data) > self._limit:
-            raise IntegrityError(f"the memory stream is corrupt: a payload beyond the {self._limit} bytes its "
-                                 "batch says")
-        self._buf += data
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-    def take(self) -> bytes:
-        out, self._buf = bytes(self._buf), bytearray()
-        return out
-
-
 class Decoder:
     """The destination side: :meth:`decode` each chunk of frames, :meth:`finish` at their end."""
 
@@ -272,7 +247,7 @@ class Decoder:
         self.resolve = resolve
         self.stats = Stats()
         self._buf = bytearray()
-        self._out = _Bounded()
+        self._out = Bounded("the memory stream")
         self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
         self._window = window
         self._ring: list[bytes] = []
@@ -286,7 +261,7 @@ class Decoder:
             tag, ops_len, packed_len, out_len = _HEAD.unpack_from(self._buf)
             if tag != BATCH:
                 raise IntegrityError(f"the memory stream is corrupt: a frame of type {tag!r}")
-            if ops_len > MAX_OPS or out_len > MAX_PAYLOAD or packed_len > out_len + (out_len >> 6) + 1024:
+            if ops_len > MAX_OPS or out_len > MAX_PAYLOAD or packed_len > packed_bound(out_len):
                 raise IntegrityError("the memory stream is corrupt: a batch beyond the codec's bounds "
                                      f"({ops_len} bytes of ops, {packed_len} bytes for {out_len} of payload)")
             end = _HEAD.size + ops_len + packed_len

@@ -54,6 +54,8 @@ from capsule.errors import EnvironmentProblem, Error, InvalidName, NotFound
 from capsule.migrate.memknown import Known, Objects
 from capsule.migrate.ramdedup import Encoder, Stats
 from capsule.migrate.sendqueue import MIN_NOT_SENT, SendQueue, set_bound
+from capsule.migrate.streampack import FEATURE as PACK_FEATURE
+from capsule.migrate.streampack import PACKABLE, Packer, PackStats
 from capsule.migrate.switchover import Tail, TailWatch
 from capsule.runtime import guestaccess
 from hashcache.transport import plain, protocol, tls
@@ -101,14 +103,17 @@ class Tunnel:
     the agent at ``peer``. A context manager; :meth:`close` stops listening and ends every connection."""
 
     def __init__(self, peer: Endpoint, session: str, channel: str, path: Path, *,
-                 connect_timeout: float = CONNECT_TIMEOUT, known: Known | None = None, runs: bool = False) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, known: Known | None = None, runs: bool = False,
+                 pack: bool = False) -> None:
         plain.check(peer.url)
         self.peer, self.session, self.channel, self.path = peer, session, channel, Path(path)
         self.connect_timeout = connect_timeout
         self.counts = Counts()
         self.known = known                       # not None: each connection's bytes go through an Encoder
         self.runs = runs                         # ... which sends held pages as runs of blocks (the peer decodes them)
+        self.pack = pack and known is None      # each connection's bytes go through a Packer (streampack.py)
         self.encoders: list[Encoder] = []
+        self.packers: list[Packer] = []
         self.tails: list[TailWatch] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -141,6 +146,14 @@ class Tunnel:
         total = Stats()
         for e in list(self.encoders):
             total.add(e.stats)
+        return total
+
+    @property
+    def packed(self) -> PackStats:
+        """What this entrance's connections packed (zero when they did not)."""
+        total = PackStats()
+        for p in list(self.packers):
+            total.add(p.stats)
         return total
 
     @property
@@ -248,11 +261,15 @@ class Tunnel:
     async def _pump(self, ws: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ended = {"out": False, "in": False}
 
-        encoder = None if self.known is None else Encoder(self.known, runs=self.runs)
+        encoder: Encoder | Packer | None = None
         tail = TailWatch()
-        if encoder is not None:
+        if self.known is not None:
+            encoder = Encoder(self.known, runs=self.runs)
             self.encoders.append(encoder)
             self.tails.append(tail)
+        elif self.pack:
+            encoder = Packer()
+            self.packers.append(encoder)
 
         # the bytes this connection may leave unsent, and write at once, follow the link's rate (sendqueue.py):
         # what is queued when QEMU stops the guest must cross the link before the last pages
@@ -273,12 +290,13 @@ class Tunnel:
             while data := await reader.read(CHUNK):
                 if encoder is not None:
                     data = await asyncio.to_thread(encoder.encode, data)
+                if isinstance(encoder, Encoder):
                     tail.chunk(encoder)
                 await send(data)
             if encoder is not None:
                 await send(encoder.finish())
             await ws.send(b"")                  # a half-close: no more bytes this way
-            if encoder is not None:
+            if isinstance(encoder, Encoder):
                 tail.ended(encoder)
             ended["out"] = True
 
@@ -331,6 +349,12 @@ class Tunnels:
         """The memory codec's figures (all zero when it is not applied)."""
         t = self.tunnels.get(DEDUP_KIND)
         return t.memory if t is not None else Stats()
+
+    @property
+    def disks(self) -> PackStats:
+        """What the disks' channel packed (zero when the peer does not unpack it)."""
+        t = self.tunnels.get("qemu-disks")
+        return t.packed if t is not None else PackStats()
 
     @property
     def switchover(self) -> Tail | None:
@@ -407,14 +431,19 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
     body: dict[str, Any] = {"kinds": list(kinds), "ttl": ttl}
     if dedup is not None and DEDUP_KIND in kinds:
         body["dedup"] = {"objects": [[k, o] for k, o in dedup.objects]}
+    if packed := [k for k in kinds if k in PACKABLE]:
+        body["pack"] = packed
     with _client(peer) as client:
         try:
             try:
                 answer = client.post_json("/v1/tunnel", body)
             except InvalidName:
-                if "dedup" not in body or DEDUP_FEATURE in client.features:
+                lacks = [key for key, feature in (("dedup", DEDUP_FEATURE), ("pack", PACK_FEATURE))
+                         if key in body and feature not in client.features]
+                if not lacks:
                     raise
-                del body["dedup"]                       # a peer without the codec: the bytes as they came
+                for key in lacks:                       # a peer without the codec: the bytes as they came
+                    del body[key]
                 answer = client.post_json("/v1/tunnel", body)
         except NotFound:
             protocol.require(client.peer, client.features, "tunnel", __version__, f"the agent at {peer.url}",
@@ -427,6 +456,8 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
     except (KeyError, TypeError) as exc:
         raise InvalidName(f"the agent at {peer.url} answered the tunnel request without {exc}") from None
     out = Tunnels(peer, session, {}, remote, dedup=dedup is not None and answer.get("dedup") is True)
+    unpacks = answer.get("pack") if "pack" in body else None
+    pack = {k for k in unpacks if isinstance(k, str)} & set(PACKABLE) if isinstance(unpacks, list) else set()
     try:
         for kind in kinds:
             if kind == "libvirt":
@@ -444,7 +475,7 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
                 _entrance_dir(path.parent)
             out.tunnels[kind] = Tunnel(peer, session, kind, path,
                                        known=dedup.known if out.dedup and kind == DEDUP_KIND and dedup else None,
-                                       runs=runs)
+                                       runs=runs, pack=kind in pack)
     except BaseException:
         out.close()
         raise

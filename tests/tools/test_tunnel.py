@@ -155,6 +155,36 @@ def test_qemu_channels_go_to_the_path_the_destination_chose(dest):
     assert not remote.parent.exists()              # the session's directory went with it
 
 
+def test_the_disks_channel_goes_packed_and_arrives_exactly(dest):
+    """What the source's QEMU writes to the disks' channel crosses packed (this agent names tunnel-pack) and the
+    destination's socket gets every byte as written; its answers come back as they were."""
+    agent, _echo, short = dest
+    text = b"".join(b"block %08d of a file the guest writes during the move\n" % i for i in range(150_000))
+    with open_tunnels(_peer(agent), ("qemu-disks",), local_dir=short / "src") as t:
+        assert t.tunnels["qemu-disks"].pack
+        far = Echo(Path(t.remote_paths["qemu-disks"]))
+        try:
+            with _connect(t, "qemu-disks") as c:
+                got = bytearray()
+
+                def read() -> None:
+                    while data := c.recv(1 << 16):
+                        got.extend(data)
+
+                reader = threading.Thread(target=read)
+                reader.start()
+                for at in range(0, len(text), 100_000):
+                    c.sendall(text[at:at + 100_000])
+                c.shutdown(socket.SHUT_WR)
+                reader.join(60)
+            assert bytes(got) == text + TRAILER
+            packed = t.disks
+            assert packed.raw_bytes == len(text) and packed.wire_bytes < len(text) // 5
+            assert t.bytes_sent == packed.wire_bytes
+        finally:
+            far.close()
+
+
 def test_deleting_the_session_ends_its_connections_and_refuses_new_ones(dest):
     import httpx
 

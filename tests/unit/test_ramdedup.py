@@ -94,7 +94,7 @@ def test_a_small_frame_that_expands_past_its_batch_is_refused_without_the_memory
     bomb = z.compress(bytes(64 << 20)) + z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)    # 64 MiB of zeros
     head = ramdedup._HEAD.pack(ramdedup.BATCH, 1, len(bomb), 4096)
     assert len(bomb) < 4096 + 64 + 1024          # within what the batch header may declare
-    with pytest.raises(IntegrityError, match="beyond the 4096 bytes its batch says"):
+    with pytest.raises(IntegrityError, match="beyond the 4096 bytes its frame says"):
         Decoder({}.get).decode(head + bytes([ramdedup.OP_PAGE]) + bomb)
     assert peak_allocation(lambda: Decoder({}.get).decode(head + bytes([ramdedup.OP_PAGE]) + bomb)) < 8 << 20
 

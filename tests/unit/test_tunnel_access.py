@@ -196,6 +196,27 @@ def test_the_memory_codec_is_negotiated_for_qemu_migration_only(world, target):
     assert _open(world, kinds=["qemu-migration"])["dedup"] is False
 
 
+def test_packing_is_negotiated_for_the_disks_channel_only(world, target):
+    from capsule.migrate.streampack import Unpacker
+
+    got = _open(world, kinds=["libvirt", "qemu-disks"], pack=["qemu-disks"])
+    assert got["pack"] == ["qemu-disks"]
+    s = world.app.state.tunnels.get(got["session"], tokens.resolve(world.store, world.t["operator"], TOKEN).who)
+    assert isinstance(world.app.state.tunnels.decoder(s, "qemu-disks"), Unpacker)
+    assert world.app.state.tunnels.decoder(s, "libvirt") is None
+    assert _open(world, kinds=["libvirt"], pack=["qemu-disks"])["pack"] == []     # no such channel to unpack
+    assert _open(world, kinds=["qemu-disks"])["pack"] == []
+
+
+@pytest.mark.parametrize("pack", [["libvirt"], ["qemu-migration"], "qemu-disks", [["qemu-disks"]], {"x": 1}])
+def test_a_malformed_pack_is_refused_and_makes_nothing(world, target, pack):
+    r = world.client.post("/v1/tunnel", json={"kinds": ["qemu-disks"], "pack": pack},
+                          headers=bearer(world.t["operator"]))
+    assert r.status_code == 400, r.text
+    assert "pack" in r.json()["detail"]
+    assert not world.app.state.tunnels._sessions   # noqa: SLF001
+
+
 @pytest.mark.parametrize("dedup", [{"objects": [["layer", "../x"]]}, {"objects": [["disk", "ab" * 32]]},
                                    {"objects": "all"}, {"paths": []}, 3])
 def test_a_malformed_dedup_is_refused_and_makes_nothing(world, target, dedup):
@@ -209,7 +230,7 @@ def test_a_malformed_dedup_is_refused_and_makes_nothing(world, target, dedup):
 @contextlib.contextmanager
 def _peer(features: str, bodies: list[dict]) -> Iterator[SimpleNamespace]:
     """A peer's tunnel naming ``features``: a body with "dedup" is malformed there unless it names
-    memory-dedup; each request's body is kept in ``bodies``."""
+    memory-dedup, one with "pack" unless it names tunnel-pack; each request's body is kept in ``bodies``."""
     async def app(scope, receive, send):
         import json
 
@@ -222,11 +243,14 @@ def _peer(features: str, bodies: list[dict]) -> Iterator[SimpleNamespace]:
         headers = {protocol.HEADER: protocol.answer(__version__), protocol.FEATURES: features}
         req = json.loads(body or b"{}")
         bodies.append(req)
-        if scope["method"] == "POST" and "dedup" in req and "memory-dedup" not in features:
+        if scope["method"] == "POST" and ("dedup" in req and "memory-dedup" not in features
+                                          or "pack" in req and "tunnel-pack" not in features):
             reply = JSONResponse({"error": "invalid_name", "detail": "malformed tunnel request"}, 400, headers)
         else:
             reply = JSONResponse({"session": "s" * 32, "expires_in": 60, "dedup": "dedup" in req,
-                                  "channels": {"libvirt": {"path": None}, "qemu-migration": {"path": "/x/q.sock"}}},
+                                  "pack": req.get("pack", []),
+                                  "channels": {"libvirt": {"path": None}, "qemu-migration": {"path": "/x/q.sock"},
+                                               "qemu-disks": {"path": "/x/d.sock"}}},
                                  200, headers)
         await reply(scope, receive, send)
 
@@ -304,3 +328,19 @@ def test_the_unsent_bound_is_a_quarter_second_of_the_links_rate_within_its_limit
         sent += 50_000_000
         q.bound(sent)
     assert q.current == MAX_NOT_SENT
+
+
+@pytest.mark.parametrize("features, packed", [("tunnel,live-move,memory-dedup", False),
+                                              ("tunnel,live-move,memory-dedup,tunnel-pack", True)])
+def test_the_disks_go_packed_only_to_a_peer_that_names_it(features, packed):
+    from capsule.migrate.ramdedup import Known
+    from capsule.migrate.tunnel import Dedup
+
+    bodies: list[dict] = []
+    with _peer(features, bodies) as peer, \
+            open_tunnels(peer, ("qemu-migration", "qemu-disks"), local_dir=Path(tempfile.mkdtemp(dir="/tmp")),
+                         dedup=Dedup([], Known([1]))) as t:
+        assert t.tunnels["qemu-disks"].pack is packed
+        assert not t.tunnels["qemu-migration"].pack and t.dedup          # the memory keeps its own codec
+    posts = [b for b in bodies if "kinds" in b]        # (the last request is the session's DELETE)
+    assert posts[0]["pack"] == ["qemu-disks"] and ("pack" in posts[-1]) is packed

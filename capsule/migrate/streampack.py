@@ -1,0 +1,136 @@
+"""A tunnel channel's bytes packed with zstd, one way: the disks' NBD stream of a live move, from the source on.
+
+A live move mirrors the guest's disk writes since T0 over NBD (libvirt's ``--copy-storage-inc``). Those bytes
+went raw: B2-live's desktop, whose office day writes documents, byte-compiled files and the file system's journal
+during the move, put ~25 MB on the disks' channel of its ~119 MB. :class:`Packer` makes each chunk the source's
+QEMU writes the next part of one zstd stream, flushed to a block boundary (a chunk is never held back: NBD waits
+for each reply), and :class:`Unpacker` at the other host gives back the same bytes. Replies (the other way) are
+small and go as they came. Agents name the feature :data:`FEATURE`; a peer without it gets the bytes raw.
+
+Each frame::
+
+    be32 packed length, be32 raw length, packed bytes (the stream's next part, making exactly raw length bytes)
+
+The unpacker refuses a frame beyond :data:`MAX_RAW` or whose packed part could not be zstd's output for its raw
+length, stops a stream that expands past what its frame says (a small hostile frame cannot grow in memory), and
+names a stream that ends inside a frame."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import zstandard
+
+from capsule.errors import IntegrityError
+
+FEATURE = "tunnel-pack"            # an agent that unpacks a channel names this feature
+PACKABLE = ("qemu-disks",)         # the channels that may be packed
+LEVEL = 3                          # zstd level: NBD's writes come at most at the link's rate
+MAX_RAW = 1 << 20                  # bytes one frame makes
+MAX_WINDOW = 8 << 20               # the zstd window the unpacker accepts
+_HEAD = struct.Struct(">II")
+
+
+@dataclass
+class PackStats:
+    raw_bytes: int = 0             # the channel's bytes as QEMU wrote them
+    wire_bytes: int = 0            # as they left, packed
+
+    def add(self, other: PackStats) -> None:
+        self.raw_bytes += other.raw_bytes
+        self.wire_bytes += other.wire_bytes
+
+
+class Bounded:
+    """Where a zstd stream writer puts what one frame makes: refused as it passes the size the frame said."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._buf = bytearray()
+        self._limit = 0
+
+    def start(self, limit: int) -> None:
+        self._buf, self._limit = bytearray(), limit
+
+    def write(self, data: bytes) -> int:
+        if len(self._buf) + len(data) > self._limit:
+            raise IntegrityError(f"{self.what} is corrupt: a payload beyond the {self._limit} bytes its frame says")
+        self._buf += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        out, self._buf = bytes(self._buf), bytearray()
+        return out
+
+
+def packed_bound(raw: int) -> int:
+    """The most bytes zstd's output for ``raw`` bytes may take (a stored block's overhead, and some)."""
+    return raw + (raw >> 6) + 1024
+
+
+class Packer:
+    """The source side: :meth:`encode` each chunk, :meth:`finish` at the end; :attr:`stats`."""
+
+    def __init__(self, level: int = LEVEL) -> None:
+        self._zstd = zstandard.ZstdCompressor(level=level).compressobj()
+        self.stats = PackStats()
+
+    def encode(self, data: bytes) -> bytes:
+        out = bytearray()
+        for at in range(0, len(data), MAX_RAW):
+            part = data[at:at + MAX_RAW]
+            packed = self._zstd.compress(part) + self._zstd.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+            out += _HEAD.pack(len(packed), len(part)) + packed
+        self.stats.raw_bytes += len(data)
+        self.stats.wire_bytes += len(out)
+        return bytes(out)
+
+    def finish(self) -> bytes:
+        return b""
+
+
+class Unpacker:
+    """The other side: :meth:`decode` what arrives, in any cuts; :meth:`finish` at its end."""
+
+    WHAT = "the packed disks stream"
+
+    def __init__(self) -> None:
+        self.stats = PackStats()
+        self._buf = bytearray()
+        self._out = Bounded(self.WHAT)
+        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
+
+    def decode(self, data: bytes) -> bytes:
+        self._buf += data
+        self.stats.wire_bytes += len(data)
+        out = bytearray()
+        while len(self._buf) >= _HEAD.size:
+            packed_len, raw_len = _HEAD.unpack_from(self._buf)
+            if not 0 < raw_len <= MAX_RAW or not 0 < packed_len <= packed_bound(raw_len):
+                raise IntegrityError(f"{self.WHAT} is corrupt: a frame of {packed_len} bytes for {raw_len}")
+            end = _HEAD.size + packed_len
+            if len(self._buf) < end:
+                break
+            packed = bytes(self._buf[_HEAD.size:end])
+            del self._buf[:end]
+            self._out.start(raw_len)
+            try:
+                self._zstd.write(packed)
+                self._zstd.flush()
+            except zstandard.ZstdError as exc:
+                raise IntegrityError(f"{self.WHAT} is corrupt: {exc}") from None
+            made = self._out.take()
+            if len(made) != raw_len:
+                raise IntegrityError(f"{self.WHAT} is corrupt: a frame made {len(made)} bytes where it says "
+                                     f"{raw_len}")
+            out += made
+        self.stats.raw_bytes += len(out)
+        return bytes(out)
+
+    def finish(self) -> None:
+        if self._buf:
+            raise IntegrityError(f"{self.WHAT} ended inside a frame ({len(self._buf)} bytes left over)")
