@@ -4,8 +4,8 @@ Owns the one call the CLI and the dashboard make (``move.py``; a live move in ``
 ``precheck.py``: :func:`migrate`, its result and its
 errors :class:`MigrationFailed` and :class:`MigrationCancelled`) and what a migration reports while it
 runs and how it is cancelled (``progress.py``: phases, snapshots, the cancel token), and the source side of
-the byte tunnel a live move runs libvirt and QEMU through (``tunnel.py``: :func:`tunnel.open_tunnels`; its
-destination side is ``capsule/exchange/tunnel.py``).
+the byte tunnel a live move runs libvirt and QEMU through (``tunnelset.py``: :func:`tunnelset.open_tunnels`; an
+entrance, ``tunnel.py``; its destination side is ``capsule/exchange/tunnel.py``).
 
 Layering: above transfer and lifecycle, below the agent and the CLI. Modules here import
 ``capsule.store``, ``capsule.transfer``, ``capsule.lifecycle`` and the leaf modules of ``capsule``

@@ -42,7 +42,7 @@ class LiveFigures:
     disks_wire_bytes: int = 0            # ... as it left, packed (streampack.py; the same when not packed)
 
     def record_tunnels(self, tunnels: Any) -> None:
-        """The memory codec's and the disks' packer's figures, from the :class:`~capsule.migrate.tunnel.Tunnels`
+        """The memory codec's and the disks' packer's figures, from the :class:`~capsule.migrate.tunnelset.Tunnels`
         the move used."""
         m = tunnels.memory
         self.memory_refs, self.memory_raw_pages = m.refs + m.recent, m.raw_pages

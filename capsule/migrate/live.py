@@ -4,7 +4,7 @@ switchover (at most ``max_pause`` seconds, libvirt's max downtime).
 1. pre-check (:mod:`capsule.migrate.precheck`): every reason it would fail, before anything changes;
 2. T0: the disks are sealed into a version while the guest runs (``lifecycle.livedisk``), and that version
    is pushed with HCP: the bulk of the disks travels deduplicated (only blocks the other host lacks);
-3. a tunnel set is opened to the other host's agent (:func:`capsule.migrate.tunnel.open_tunnels`: libvirtd to
+3. a tunnel set is opened to the other host's agent (:func:`capsule.migrate.tunnelset.open_tunnels`: libvirtd to
    libvirtd, QEMU's migration stream, the disks' NBD — each carried over the agents' own connection, with the
    peer's token and pinned certificate; no other port between the hosts), and the other host prepares an
    instance on that version (``POST /v1/live/prepare``, naming the tunnel session) and answers the domain XML
@@ -43,7 +43,7 @@ from capsule.migrate import precheck as checks
 from capsule.migrate.jobwatch import LiveFigures
 from capsule.migrate.progress import CancelToken, Snapshot, Tracker, planned
 from capsule.migrate.switchover import SwitchoverRate
-from capsule.migrate.tunnel import Tunnels, open_tunnels
+from capsule.migrate.tunnelset import Tunnels, open_tunnels
 from capsule.runtime.connection import lookup_domain, postcopy_failed
 from capsule.store import Store, claims
 

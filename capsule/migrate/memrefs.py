@@ -20,7 +20,7 @@ from typing import Any
 from capsule.errors import Error, IntegrityError, InvalidName
 from capsule.migrate.memknown import Known, Objects
 from capsule.migrate.ramstream import PAGE_SIZE
-from capsule.migrate.tunnel import Dedup
+from capsule.migrate.tunnelset import Dedup
 from capsule.names import check_object_id
 from capsule.store import Store
 from capsule.store.objectio import BlockReader, has_object, object_manifest

@@ -17,7 +17,7 @@ import libvirt
 import pytest
 
 from capsule.agent.launch import AgentProcess
-from capsule.migrate.tunnel import Tunnels, open_tunnels
+from capsule.migrate.tunnelset import Tunnels, open_tunnels
 from tests.helpers.unixecho import TRAILER, Echo
 from tests.wait import wait_until
 

@@ -19,7 +19,8 @@ import pytest
 
 from capsule.agent.launch import AgentProcess
 from capsule.migrate.ramdedup import Known
-from capsule.migrate.tunnel import CHUNK, Dedup, open_tunnels
+from capsule.migrate.tunnel import CHUNK
+from capsule.migrate.tunnelset import Dedup, open_tunnels
 from capsule.store import Store
 from hashcache.blocks import hash_block
 from hashcache.manifest import manifest_of_file

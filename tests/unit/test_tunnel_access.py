@@ -23,7 +23,7 @@ from starlette.testclient import WebSocketDenialResponse
 from capsule import __version__
 from capsule.accounts import tokens
 from capsule.exchange import tunnel
-from capsule.migrate.tunnel import open_tunnels
+from capsule.migrate.tunnelset import open_tunnels
 from hashcache.errors import ProtocolMismatch
 from hashcache.transport import protocol
 from tests.helpers.grantworld import TOKEN, A, World, bearer, make_world
@@ -269,7 +269,7 @@ def _peer(features: str, bodies: list[dict]) -> Iterator[SimpleNamespace]:
 
 def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
     from capsule.migrate.ramdedup import Known
-    from capsule.migrate.tunnel import Dedup
+    from capsule.migrate.tunnelset import Dedup
 
     bodies: list[dict] = []
     with _peer("tunnel,live-move", bodies) as peer, \
@@ -283,7 +283,7 @@ def test_a_peer_without_the_codec_gets_the_bytes_as_they_came():
                                             ("tunnel,live-move,memory-dedup,memory-runs", True)])
 def test_held_pages_go_as_runs_only_to_a_peer_that_names_them(features, runs):
     from capsule.migrate.ramdedup import Known
-    from capsule.migrate.tunnel import Dedup
+    from capsule.migrate.tunnelset import Dedup
 
     with _peer(features, []) as peer, \
             open_tunnels(peer, ("qemu-migration",), local_dir=Path(tempfile.mkdtemp(dir="/tmp")),
@@ -334,7 +334,7 @@ def test_the_unsent_bound_is_a_quarter_second_of_the_links_rate_within_its_limit
                                               ("tunnel,live-move,memory-dedup,tunnel-pack", True)])
 def test_the_disks_go_packed_only_to_a_peer_that_names_it(features, packed):
     from capsule.migrate.ramdedup import Known
-    from capsule.migrate.tunnel import Dedup
+    from capsule.migrate.tunnelset import Dedup
 
     bodies: list[dict] = []
     with _peer(features, bodies) as peer, \
