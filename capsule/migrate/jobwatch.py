@@ -66,8 +66,10 @@ class LiveFigures:
         t = self.switchover
         if not t:
             return ""
-        return (f"the switchover sent {t['wire_bytes'] / 1000:.1f} kB for {t['memory_bytes'] / 1000:.1f} kB of the "
+        text = (f"the switchover sent {t['wire_bytes'] / 1000:.1f} kB for {t['memory_bytes'] / 1000:.1f} kB of the "
                 f"last pages and {t['device_bytes'] / 1000:.1f} kB of device state, in {t['seconds']:.2f}s")
+        handover = (t.get("channels") or {}).get("libvirt")
+        return text + (f"; libvirt's handover {handover / 1000:.1f} kB" if handover is not None else "")
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

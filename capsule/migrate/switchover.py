@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import libvirt
@@ -96,10 +96,12 @@ class Tail:
     device_bytes: int = 0          # QEMU's stream from the first device state to its end
     wire_bytes: int = 0            # the codec's frames from the chunk holding the END on
     seconds: float = 0.0           # from that chunk's arrival to the stream's last bytes handed to the link
+    channels: dict[str, int] = field(default_factory=dict)   # bytes each channel carried, both ways, from the stop
+                                                               # to the end of libvirt's call (its handover too)
 
-    def as_dict(self) -> dict[str, int | float]:
+    def as_dict(self) -> dict[str, object]:
         return {"memory_bytes": self.memory_bytes, "device_bytes": self.device_bytes,
-                "wire_bytes": self.wire_bytes, "seconds": round(self.seconds, 3)}
+                "wire_bytes": self.wire_bytes, "seconds": round(self.seconds, 3), "channels": dict(self.channels)}
 
 
 class TailWatch:
@@ -107,9 +109,12 @@ class TailWatch:
     each chunk it encoded, :meth:`ended` once the stream's last bytes were handed to the link. :attr:`tail` is
     None until a pre-copy switchover was seen (never in post-copy, whose END comes after the guest runs there)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 counters: Callable[[], dict[str, int]] | None = None) -> None:
         self.clock = clock
+        self.counters = counters       # the tunnel set's bytes per channel, both ways (taken at the stop)
         self.tail: Tail | None = None
+        self._at_stop: dict[str, int] = {}
         self._wire_before = 0          # the codec's frames before the last chunk
         self._wire_start = 0           # ... before the chunk holding the END
         self._at = 0.0
@@ -118,6 +123,7 @@ class TailWatch:
         if self.tail is None and encoder.parser_counts.end_at is not None:
             self.tail, self._at = Tail(), self.clock()
             self._wire_start = self._wire_before
+            self._at_stop = self.counters() if self.counters is not None else {}
         self._wire_before = encoder.stats.wire_bytes
 
     def ended(self, encoder: Encoder) -> None:
@@ -130,3 +136,9 @@ class TailWatch:
         self.tail.device_bytes = max(0, stats.stream_bytes - device_at)
         self.tail.wire_bytes = stats.wire_bytes - self._wire_start
         self.tail.seconds = self.clock() - self._at
+
+    def settle(self) -> None:
+        """The channels' bytes since the stop, once libvirt's call has returned (its handover included)."""
+        if self.tail is not None and self.counters is not None:
+            now = self.counters()
+            self.tail.channels = {k: now[k] - self._at_stop.get(k, 0) for k in now}

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,7 +54,7 @@ from capsule.migrate.memknown import Known
 from capsule.migrate.ramdedup import Encoder, Stats
 from capsule.migrate.sendqueue import MIN_NOT_SENT, SendQueue, set_bound
 from capsule.migrate.streampack import Packer, PackStats
-from capsule.migrate.switchover import Tail, TailWatch
+from capsule.migrate.switchover import TailWatch
 from capsule.runtime import guestaccess
 from hashcache.transport import plain, protocol, tls
 
@@ -104,6 +105,7 @@ class Tunnel:
         self.encoders: list[Encoder] = []
         self.packers: list[Packer] = []
         self.tails: list[TailWatch] = []
+        self.counters: Callable[[], dict[str, int]] | None = None   # the set's bytes per channel (TailWatch)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._failed: BaseException | None = None
@@ -144,11 +146,6 @@ class Tunnel:
         for p in list(self.packers):
             total.add(p.stats)
         return total
-
-    @property
-    def switchover(self) -> Tail | None:
-        """What a pre-copy switchover carried on one of this entrance's connections (None: none was seen)."""
-        return next((w.tail for w in list(self.tails) if w.tail is not None), None)
 
     def __enter__(self) -> Tunnel:
         return self
@@ -251,7 +248,7 @@ class Tunnel:
         ended = {"out": False, "in": False}
 
         encoder: Encoder | Packer | None = None
-        tail = TailWatch()
+        tail = TailWatch(counters=self.counters)
         if self.known is not None:
             encoder = Encoder(self.known, runs=self.runs)
             self.encoders.append(encoder)

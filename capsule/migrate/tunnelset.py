@@ -70,9 +70,18 @@ class Tunnels:
 
     @property
     def switchover(self) -> Tail | None:
-        """What the pre-copy switchover carried on the migration channel (None: not seen, or no codec)."""
+        """What the pre-copy switchover carried on the migration channel, and every channel since the stop (call
+        it once libvirt's migration returned); None: not seen, or no codec."""
         t = self.tunnels.get(DEDUP_KIND)
-        return t.switchover if t is not None else None
+        watch = next((w for w in list(t.tails) if w.tail is not None), None) if t is not None else None
+        if watch is None:
+            return None
+        watch.settle()
+        return watch.tail
+
+    def counters(self) -> dict[str, int]:
+        """Bytes each channel carried so far, both ways."""
+        return {kind: t.bytes_sent + t.bytes_received for kind, t in self.tunnels.items()}
 
     def _path(self, kind: str) -> Path | None:
         return self.tunnels[kind].path if kind in self.tunnels else None
@@ -188,6 +197,8 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
             out.tunnels[kind] = Tunnel(peer, session, kind, path,
                                        known=dedup.known if out.dedup and kind == DEDUP_KIND and dedup else None,
                                        runs=runs, pack=kind in pack)
+        if (migration := out.tunnels.get(DEDUP_KIND)) is not None:
+            migration.counters = out.counters
     except BaseException:
         out.close()
         raise

@@ -92,11 +92,15 @@ def test_the_switchover_tail_counts_what_followed_the_guest_stopping():
     device_at = len(w.bytes())
     w.device(3, "cpu", b"\1" * 3000).end()
     data, now = w.bytes(), [0.0]
-    enc, watch = Encoder(), TailWatch(clock=lambda: now[0])
+    channels = {"libvirt": 0, "qemu-migration": 0}
+    enc, watch = Encoder(), TailWatch(clock=lambda: now[0], counters=lambda: dict(channels))
     wire_before_end = 0
     for at in range(0, len(data), 4096):
+        channels["libvirt"] += 100
         enc.encode(data[at:at + 4096])
         watch.chunk(enc)
+        if at <= before < at + 4096:
+            at_stop = channels["libvirt"]
         if at + 4096 <= before:
             wire_before_end = enc.stats.wire_bytes
         now[0] += 0.1
@@ -111,6 +115,9 @@ def test_the_switchover_tail_counts_what_followed_the_guest_stopping():
     assert 3 * 4096 < tail.wire_bytes <= enc.stats.wire_bytes - wire_before_end + 4096 + 64
     assert tail.wire_bytes < 10 * 4096
     assert tail.seconds > 0.5
+    channels["libvirt"] += 7000                   # libvirt's finish calls, after the stream
+    watch.settle()
+    assert tail.channels["libvirt"] == channels["libvirt"] - at_stop and tail.channels["qemu-migration"] == 0
 
 
 def test_no_tail_without_a_switchover():
