@@ -29,6 +29,8 @@ One call opens a whole tunnel set to a peer and gives what ``virsh migrate --p2p
   peer answers that it decodes it (``Tunnels.dedup``); a peer that does not (an older release) gets the bytes
   as they came. Held pages go as runs of blocks by place to a peer naming ``memory-runs``, as hashes to one that
   does not. ``Tunnels.memory`` sums the codec's figures. The other direction is never touched.
+- ``qemu-disks`` goes packed with zstd (:class:`~capsule.migrate.streampack.Packer`, one per connection) to a
+  peer that answers it unpacks it (it names ``tunnel-pack``); ``Tunnels.disks`` sums what was packed.
 
 A peer without the tunnel (an older release) is refused with :class:`~hashcache.errors.ProtocolMismatch` naming
 both releases."""
