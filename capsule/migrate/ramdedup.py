@@ -45,7 +45,7 @@ import zstandard
 from capsule.errors import IntegrityError
 from capsule.migrate.memknown import Known
 from capsule.migrate.ramstream import F_CONTINUE, F_PAGE, FLAGS_MASK, PAGE, PAGE_SIZE, Counts, RamStream
-from capsule.migrate.streampack import Bounded, packed_bound
+from capsule.migrate.streampack import PartReader, packed_bound
 from hashcache.blocks import HASH_SIZE, hash_block
 
 WINDOW = 8192                      # pages both ends remember (the decoder: 32 MiB)
@@ -53,7 +53,6 @@ LEVEL = 3                          # zstd level: keeps up with a link of a few h
 MAX_OPS = 1 << 16                  # bytes of ops in one batch
 MAX_PAYLOAD = 4 << 20              # bytes of raw runs and literal pages in one batch (decompressed)
 MAX_OUT = 16 << 20                 # bytes one batch makes (payload + referenced pages)
-MAX_WINDOW = 8 << 20               # the zstd window the decoder accepts (level 3 uses 2 MiB, level 19 8 MiB)
 BATCH = b"B"
 _HEAD = struct.Struct(">cIII")
 OP_RAW, OP_PAGE, OP_REF, OP_RECENT, OP_BLOCKS = 1, 2, 3, 4, 5
@@ -247,8 +246,7 @@ class Decoder:
         self.resolve = resolve
         self.stats = Stats()
         self._buf = bytearray()
-        self._out = Bounded("the memory stream")
-        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
+        self._parts = PartReader("the memory stream")
         self._window = window
         self._ring: list[bytes] = []
         self._seq = 0
@@ -283,17 +281,7 @@ class Decoder:
             if size:
                 raise IntegrityError("the memory stream is corrupt: a batch without its payload")
             return b""
-        self._out.start(size)
-        try:
-            self._zstd.write(packed)
-            self._zstd.flush()
-        except zstandard.ZstdError as exc:
-            raise IntegrityError(f"the memory stream is corrupt: {exc}") from None
-        data = self._out.take()
-        if len(data) != size:
-            raise IntegrityError(f"the memory stream is corrupt: a payload of {len(data)} bytes where the batch "
-                                 f"says {size}")
-        return data
+        return self._parts.part(packed, size)
 
     def _apply(self, ops: bytes, payload: bytes) -> bytes:
         plan: list[tuple[int, int | bytes]] = []

@@ -28,7 +28,7 @@ FEATURE = "tunnel-pack"            # an agent that unpacks a channel names this 
 PACKABLE = ("qemu-disks",)         # the channels that may be packed
 LEVEL = 3                          # zstd level: NBD's writes come at most at the link's rate
 MAX_RAW = 1 << 20                  # bytes one frame makes
-MAX_WINDOW = 8 << 20               # the zstd window the unpacker accepts
+MAX_WINDOW = 8 << 20               # the zstd window a receiver accepts (level 3 uses 2 MiB, level 19 8 MiB)
 _HEAD = struct.Struct(">II")
 
 
@@ -67,6 +67,29 @@ class Bounded:
         return out
 
 
+class PartReader:
+    """The receiving end of one zstd stream sent in parts, each flushed to a block boundary and said to make
+    ``size`` bytes: :meth:`part` answers exactly those, or refuses the stream (a part that expands past its size
+    is stopped there)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._out = Bounded(what)
+        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
+
+    def part(self, packed: bytes, size: int) -> bytes:
+        self._out.start(size)
+        try:
+            self._zstd.write(packed)
+            self._zstd.flush()
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"{self.what} is corrupt: {exc}") from None
+        made = self._out.take()
+        if len(made) != size:
+            raise IntegrityError(f"{self.what} is corrupt: a frame made {len(made)} bytes where it says {size}")
+        return made
+
+
 def packed_bound(raw: int) -> int:
     """The most bytes zstd's output for ``raw`` bytes may take (a stored block's overhead, and some)."""
     return raw + (raw >> 6) + 1024
@@ -101,8 +124,7 @@ class Unpacker:
     def __init__(self) -> None:
         self.stats = PackStats()
         self._buf = bytearray()
-        self._out = Bounded(self.WHAT)
-        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
+        self._parts = PartReader(self.WHAT)
 
     def decode(self, data: bytes) -> bytes:
         self._buf += data
@@ -117,17 +139,7 @@ class Unpacker:
                 break
             packed = bytes(self._buf[_HEAD.size:end])
             del self._buf[:end]
-            self._out.start(raw_len)
-            try:
-                self._zstd.write(packed)
-                self._zstd.flush()
-            except zstandard.ZstdError as exc:
-                raise IntegrityError(f"{self.WHAT} is corrupt: {exc}") from None
-            made = self._out.take()
-            if len(made) != raw_len:
-                raise IntegrityError(f"{self.WHAT} is corrupt: a frame made {len(made)} bytes where it says "
-                                     f"{raw_len}")
-            out += made
+            out += self._parts.part(packed, raw_len)
         self.stats.raw_bytes += len(out)
         return bytes(out)
 
