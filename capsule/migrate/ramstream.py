@@ -40,6 +40,7 @@ EOF, START, PART, END, FULL, SUBSECTION, VMDESC, CONFIGURATION, COMMAND, FOOTER 
 F_ZERO, F_MEM_SIZE, F_PAGE, F_EOS, F_CONTINUE, F_MULTIFD_FLUSH = 0x02, 0x04, 0x08, 0x10, 0x20, 0x200
 FLAGS_MASK = 0xFFF                     # the flags are the low bits of a page-aligned offset
 CMD_PACKAGED = 7
+DEVICE_STATE = "device state"          # why parsing stops at a FULL section
 MAX_BLOCKS = 256                       # RAM blocks announced by MEM_SIZE before it is called nonsense
 MAX_CAPABILITIES = 64
 
@@ -62,9 +63,13 @@ class Counts:
     passthrough_at: int | None = None  # stream offset where parsing stopped (None: it never did)
     end_at: int | None = None          # stream offset of the ram section's END in precopy: QEMU's last pass, the
                                        # guest stopped (the switchover's own bytes follow)
-    device_at: int | None = None       # stream offset of the first device state (FULL section)
     reason: str = ""                   # why it stopped
     blocks: list[tuple[str, int]] = field(default_factory=list)   # RAM blocks (idstr, length)
+
+    @property
+    def device_at(self) -> int | None:
+        """The stream offset of the first device state (FULL section): where parsing stopped for it."""
+        return self.passthrough_at if self.reason == DEVICE_STATE else None
 
 
 class _Cursor:
@@ -223,9 +228,7 @@ class RamStream:
                 self._skip = struct.unpack(">I", data)[0]
                 self._state = "skip" if self._skip else "top"
         else:                                           # FULL (device state), EOF (then VMDESC), unknown types
-            if kind == FULL:
-                self.counts.device_at = self._offset + c.pos - 1
-            raise _Unknown({FULL: "device state", EOF: "the end of the stream"}.get(kind, f"section type {kind}"))
+            raise _Unknown({FULL: DEVICE_STATE, EOF: "the end of the stream"}.get(kind, f"section type {kind}"))
         return None
 
     def _config_subsection(self, c: _Cursor) -> None:
