@@ -246,7 +246,7 @@ class Decoder:
         self.resolve = resolve
         self.stats = Stats()
         self._buf = bytearray()
-        self._parts = PartReader("the memory stream")
+        self._parts = PartReader("the memory stream", MAX_PAYLOAD)
         self._window = window
         self._ring: list[bytes] = []
         self._seq = 0

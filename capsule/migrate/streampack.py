@@ -29,6 +29,7 @@ PACKABLE = ("qemu-disks",)         # the channels that may be packed
 LEVEL = 3                          # zstd level: NBD's writes come at most at the link's rate
 MAX_RAW = 1 << 20                  # bytes one frame makes
 MAX_WINDOW = 8 << 20               # the zstd window a receiver accepts (level 3 uses 2 MiB, level 19 8 MiB)
+ZSTD_BLOCK = 128 << 10             # the most one zstd block makes
 _HEAD = struct.Struct(">II")
 
 
@@ -69,13 +70,18 @@ class Bounded:
 
 class PartReader:
     """The receiving end of one zstd stream sent in parts, each flushed to a block boundary and said to make
-    ``size`` bytes: :meth:`part` answers exactly those, or refuses the stream (a part that expands past its size
-    is stopped there)."""
+    ``size`` bytes (at most ``max_part``): :meth:`part` answers exactly those, or refuses the stream (a part that
+    expands past its size is stopped there).
 
-    def __init__(self, what: str) -> None:
+    The writer's output buffer holds a whole part and a block more: zstd keeps what it decoded but could not
+    hand out once its input is used up, and the writer has no call that drains it (with the default 128 KiB
+    buffer a compressible part of more than that came back short)."""
+
+    def __init__(self, what: str, max_part: int) -> None:
         self.what = what
         self._out = Bounded(what)
-        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(self._out)  # type: ignore[arg-type]  # noqa: E501 - any object with write()
+        self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_writer(
+            self._out, write_size=max_part + ZSTD_BLOCK)  # type: ignore[arg-type]  # any object with write()
 
     def part(self, packed: bytes, size: int) -> bytes:
         self._out.start(size)
@@ -124,7 +130,7 @@ class Unpacker:
     def __init__(self) -> None:
         self.stats = PackStats()
         self._buf = bytearray()
-        self._parts = PartReader(self.WHAT)
+        self._parts = PartReader(self.WHAT, MAX_RAW)
 
     def decode(self, data: bytes) -> bytes:
         self._buf += data
