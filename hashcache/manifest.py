@@ -41,7 +41,7 @@ from blake3 import blake3
 
 from hashcache import native, wirejson
 from hashcache.atomic import write_atomic
-from hashcache.blocks import ALGORITHM, BLOCK_SIZE, HASH_SIZE, NULL_HASH, ZERO_BLOCK, py_scan_blocks
+from hashcache.blocks import ALGORITHM, BLOCK_SIZE, HASH_SIZE, NULL_HASH, ZERO_BLOCK, py_scan_blocks, scan_blocks
 from hashcache.errors import HashcacheError, ManifestError, ManifestMismatch
 from hashcache.qcow2 import ZERO, Qcow2Image
 
@@ -430,6 +430,14 @@ def manifest_of_file(path: str | os.PathLike[str], progress: Progress | None = N
     finally:
         os.close(fd)
     return Manifest(KIND_FILE, ALGORITHM, BLOCK_SIZE, size, None, out.build())
+
+
+def manifest_of_bytes(data: bytes) -> Manifest:
+    """Manifest of a file whose bytes are ``data`` (held in memory): what :func:`manifest_of_file` makes of
+    such a file, every non-zero 4 KiB block."""
+    out = _RecordBuilder()
+    out.add_hashes(0, scan_blocks(data), zero_flag=False)
+    return Manifest(KIND_FILE, ALGORITHM, BLOCK_SIZE, len(data), None, out.build())
 
 
 def py_manifest_of_file(path: str | os.PathLike[str]) -> Manifest:

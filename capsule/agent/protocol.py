@@ -22,8 +22,10 @@ ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[
 # beyond the protocol: the byte tunnel (capsule/exchange/tunnel.py), receiving live moves
 # (capsule/exchange/incoming.py), the tunnel's memory codec (capsule/migrate/ramdedup.py) with its runs of
 # blocks by place, manifest parts compressed against a like file held here (hashcache.hcp.like_records), and a
-# tunnel channel's bytes packed with zstd (capsule/migrate/streampack.py)
-FEATURES = ("tunnel", "live-move", "memory-dedup", "memory-runs", "manifest-like", "tunnel-pack")
+# tunnel channel's bytes packed with zstd (capsule/migrate/streampack.py), blocks of the kernel as it
+# unpacks itself (capsule/migrate/kernelimage.py), and pages as deltas against them (capsule/migrate/memdelta.py)
+FEATURES = ("tunnel", "live-move", "memory-dedup", "memory-runs", "manifest-like", "tunnel-pack", "memory-kernel",
+            "memory-delta")
 ANSWER = (protocol.HEADER.lower().encode(), protocol.answer(__version__).encode())
 NAMED = (protocol.FEATURES.lower().encode(), ",".join(FEATURES).encode())
 

@@ -8,6 +8,7 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Iterable
 
+from capsule.migrate.memdelta import Similar
 from hashcache.manifest import Manifest
 
 Objects = list[tuple[str, str]]    # (kind, id) of objects whose blocks a reference may name: "layer" or "file"
@@ -22,6 +23,7 @@ class Known:
         self._keys = array("Q", sorted(set(prefixes)))
         self._places = array("Q")                 # (object << 32 | record), parallel to _keys; empty: no places
         self._manifests: list[Manifest] = []
+        self.similar: Similar | None = None       # blocks held in memory a page may be a delta against
 
     @classmethod
     def of_manifests(cls, manifests: Iterable[Manifest]) -> Known:

@@ -24,9 +24,12 @@ Framing (big-endian): a batch per frame::
                        so in the move's objects, each checked at the destination against its manifest there;
                        from the second on, each after its page header, head + (i - 1) * 4096 (the next page in
                        the same RAM block). 19 bytes for what takes 0x01 and 0x03 46 bytes a page.
+         0x06 be16 object, be32 block, be16 n, delta[n]   a page as zstd against that block (``memdelta``),
+                       the block checked against its manifest first and the page against the delta's checksum
 
 A peer that names the feature ``memory-runs`` decodes 0x05; the encoder sends held pages so (``runs``) to such a
-peer, as 0x03 to one that does not. A commute's memory image is mapped-ram: a page at the same guest address as
+peer, as 0x03 to one that does not. One that names ``memory-delta`` decodes 0x06 (``delta``: pages similar to a
+block of :attr:`Known.similar`). A commute's memory image is mapped-ram: a page at the same guest address as
 yesterday is the same block of yesterday's image, so runs are long (the tiny guest's commute at 384 kbit/s sent
 29,604 held pages as 0x01 and 0x03, about 1.3 MB of its 5.84 MB).
 
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 import zstandard
 
 from capsule.errors import IntegrityError
+from capsule.migrate.memdelta import undelta
 from capsule.migrate.memknown import Known
 from capsule.migrate.ramstream import F_CONTINUE, F_PAGE, FLAGS_MASK, PAGE, PAGE_SIZE, Counts, RamStream
 from capsule.migrate.streampack import PartReader, packed_bound
@@ -55,10 +59,11 @@ MAX_PAYLOAD = 4 << 20              # bytes of raw runs and literal pages in one 
 MAX_OUT = 16 << 20                 # bytes one batch makes (payload + referenced pages)
 BATCH = b"B"
 _HEAD = struct.Struct(">cIII")
-OP_RAW, OP_PAGE, OP_REF, OP_RECENT, OP_BLOCKS = 1, 2, 3, 4, 5
+OP_RAW, OP_PAGE, OP_REF, OP_RECENT, OP_BLOCKS, OP_DELTA = 1, 2, 3, 4, 5, 6
 _U32 = struct.Struct(">I")
 _RUN = struct.Struct(">BHIIQ")     # OP_BLOCKS, object number, first block, count, the second page's header
 _U64 = struct.Struct(">Q")
+_DELTA = struct.Struct(">BHIH")    # OP_DELTA, object number, block, the delta's length (the delta follows)
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Stats:
     recent: int = 0                # pages sent as the number of an earlier page of this connection
     raw_pages: int = 0             # pages sent themselves (compressed)
     runs: int = 0                  # runs of held pages sent as (object, first block, count): OP_BLOCKS
+    deltas: int = 0                # pages sent as deltas against a block the destination holds: OP_DELTA
 
     def add(self, other: Stats) -> None:
         for k, v in other.__dict__.items():
@@ -85,9 +91,10 @@ class Encoder:
     """The source side: :meth:`encode` each chunk QEMU wrote, :meth:`finish` at its end; :attr:`stats`."""
 
     def __init__(self, known: Known | None = None, *, level: int = LEVEL, window: int = WINDOW,
-                 runs: bool = False) -> None:
+                 runs: bool = False, delta: bool = False) -> None:
         self.known = known if known is not None else Known()
         self.runs = runs                         # the peer decodes OP_BLOCKS: held pages go as runs of blocks
+        self.similar = self.known.similar if delta else None   # ... OP_DELTA: pages like a block, as deltas
         self.stats = Stats()
         self._parser = RamStream()
         self._zstd = zstandard.ZstdCompressor(level=level).compressobj()
@@ -204,6 +211,10 @@ class Encoder:
         if h in self.known:
             self.stats.refs += 1
             return bytes([OP_REF]) + h
+        if self.similar is not None and (found := self.similar.delta_of(page)) is not None:
+            obj, block, d = found
+            self.stats.deltas += 1
+            return _DELTA.pack(OP_DELTA, obj, block, len(d)) + d
         self.stats.raw_pages += 1
         return None
 
@@ -302,6 +313,10 @@ class Decoder:
             elif op == OP_RECENT and pos + 5 <= len(ops):
                 plan.append((op, _U32.unpack_from(ops, pos + 1)[0]))
                 pos, made = pos + 5, made + PAGE_SIZE
+            elif op == OP_DELTA and pos + _DELTA.size <= len(ops) and \
+                    pos + _DELTA.size + (n := _DELTA.unpack_from(ops, pos)[3]) <= len(ops):
+                plan.append((op, ops[pos:pos + _DELTA.size + n]))
+                pos, made = pos + _DELTA.size + n, made + PAGE_SIZE
             elif op == OP_BLOCKS and pos + _RUN.size <= len(ops):
                 count, head = _RUN.unpack_from(ops, pos)[3:]
                 if count == 0 or count > 1 and (not head & F_PAGE or head + (count - 2) * PAGE_SIZE >= 1 << 64):
@@ -329,6 +344,11 @@ class Decoder:
                 assert isinstance(arg, bytes)
                 page = self._resolved(arg)
                 self.stats.refs += 1
+            elif op == OP_DELTA:
+                assert isinstance(arg, bytes)
+                obj, block = _DELTA.unpack_from(arg)[1:3]
+                page = undelta(arg[_DELTA.size:], self._blocks(obj, block, 1)[0])
+                self.stats.deltas += 1
             elif op == OP_BLOCKS:
                 assert isinstance(arg, bytes)
                 obj, first, count, head = _RUN.unpack(arg)[1:]
@@ -349,11 +369,14 @@ class Decoder:
             out += page
         return bytes(out)
 
-    def _run_of(self, obj: int, first: int, count: int) -> list[bytes]:
+    def _blocks(self, obj: int, first: int, count: int) -> list[bytes]:
         blocks = getattr(self.resolve, "blocks", None)
         if blocks is None:
             raise IntegrityError("the memory stream names blocks by their place, which this end does not resolve")
-        pages = blocks(obj, first, count)
+        return list(blocks(obj, first, count))
+
+    def _run_of(self, obj: int, first: int, count: int) -> list[bytes]:
+        pages = self._blocks(obj, first, count)
         self.stats.refs += count
         self.stats.runs += 1
         return pages

@@ -96,13 +96,14 @@ class Tunnel:
 
     def __init__(self, peer: Endpoint, session: str, channel: str, path: Path, *,
                  connect_timeout: float = CONNECT_TIMEOUT, known: Known | None = None, runs: bool = False,
-                 pack: bool = False) -> None:
+                 delta: bool = False, pack: bool = False) -> None:
         plain.check(peer.url)
         self.peer, self.session, self.channel, self.path = peer, session, channel, Path(path)
         self.connect_timeout = connect_timeout
         self.counts = Counts()
         self.known = known                       # not None: each connection's bytes go through an Encoder
         self.runs = runs                         # ... which sends held pages as runs of blocks (the peer decodes them)
+        self.delta = delta                       # ... and pages like a held block as deltas (memdelta.py)
         self.pack = pack and known is None      # each connection's bytes go through a Packer (streampack.py)
         self.encoders: list[Encoder] = []
         self.packers: list[Packer] = []
@@ -252,7 +253,7 @@ class Tunnel:
         encoder: Encoder | Packer | None = None
         tail = TailWatch(counters=self.counters)
         if self.known is not None:
-            encoder = Encoder(self.known, runs=self.runs)
+            encoder = Encoder(self.known, runs=self.runs, delta=self.delta)
             self.encoders.append(encoder)
             self.tails.append(tail)
         elif self.pack:

@@ -15,6 +15,7 @@ from typing import Any
 from capsule import __version__
 from capsule.agentclient import AgentClient
 from capsule.errors import Error, InvalidName, NotFound
+from capsule.migrate.memdelta import FEATURE as DELTA_FEATURE
 from capsule.migrate.memknown import Known, Objects
 from capsule.migrate.ramdedup import Stats
 from capsule.migrate.streampack import FEATURE as PACK_FEATURE
@@ -171,6 +172,7 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
                              "a live move")
             raise
         runs = RUNS_FEATURE in client.features
+        delta = DELTA_FEATURE in client.features
     try:
         session = str(answer["session"])
         remote = {k: str(answer["channels"][k]["path"]) for k in kinds if k in QEMU_KINDS}
@@ -196,7 +198,7 @@ def open_tunnels(peer: Endpoint, kinds: tuple[str, ...] = KINDS, *, ttl: float =
                 _entrance_dir(path.parent)
             out.tunnels[kind] = Tunnel(peer, session, kind, path,
                                        known=dedup.known if out.dedup and kind == DEDUP_KIND and dedup else None,
-                                       runs=runs, pack=kind in pack)
+                                       runs=runs, delta=delta, pack=kind in pack)
         if (migration := out.tunnels.get(DEDUP_KIND)) is not None:
             migration.counters = out.counters
     except BaseException:

@@ -1,0 +1,1 @@
+# the part of python-lz4 Capsule uses (it ships no types)
