@@ -122,7 +122,7 @@ class StoreResolver:
         self.objects = [(k, o) for k, o in self.named if k == "kernel" or has_object(store, k, o)]
         self._index: dict[int, tuple[int, int]] | None = None
         self._readers: dict[int, BlockReader | KernelImage] = {}
-        self._kernels: dict[int, KernelImage | None] = {}     # unpacked on first use (about 0.2 s)
+        self._kernels: dict[str, KernelImage | None] = {}     # by file: unpacked once, on first use (about 0.2 s)
         self._manifests: dict[int, Manifest] = {}
         self._lock = threading.Lock()
 
@@ -168,9 +168,10 @@ class StoreResolver:
         return self._manifests[obj]
 
     def _kernel(self, obj: int) -> KernelImage | None:
-        if obj not in self._kernels:
-            self._kernels[obj] = kernel_image(self.store, self.named[obj][1])
-        return self._kernels[obj]
+        fid = self.named[obj][1]                   # (a source naming one kernel many times gets one copy)
+        if fid not in self._kernels:
+            self._kernels[fid] = kernel_image(self.store, fid)
+        return self._kernels[fid]
 
     def _reader(self, obj: int) -> BlockReader | KernelImage:
         if obj not in self._readers:

@@ -3,6 +3,7 @@ unit tests: a header, the configuration, ram sections of pages and zero pages, c
 
 from __future__ import annotations
 
+import os
 import struct
 
 from capsule.migrate import ramstream as rs
@@ -98,3 +99,16 @@ class StreamWriter:
 
     def bytes(self) -> bytes:
         return bytes(self.out)
+
+
+def guest_order(pages: list[bytes], gap_at: int = -1) -> bytes:
+    """A stream whose pages are at consecutive guest addresses, as a round sends them (a zero page at
+    ``gap_at``'s place), then the device state."""
+    w = StreamWriter().config().ram_start().ram_part()
+    for i, p in enumerate(pages):
+        if i == gap_at:
+            w.zero(offset=i * 4096)
+        else:
+            w.page(p, offset=i * 4096)
+    w.eos().ram_part(end=True).eos()
+    return w.device(3, "cpu", os.urandom(500)).end().bytes()

@@ -24,7 +24,7 @@ from capsule.migrate.tunnelset import Dedup, open_tunnels
 from capsule.store import Store
 from hashcache.blocks import hash_block
 from hashcache.manifest import manifest_of_file
-from tests.helpers.migstream import StreamWriter
+from tests.helpers.migstream import StreamWriter, guest_order
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.tools, pytest.mark.timeout(180)]
@@ -153,20 +153,13 @@ def _sealed(store: Store, pages: list[bytes], name: str) -> str:
     return row.id
 
 
-def _guest_order(pages: list[bytes]) -> bytes:
-    w = StreamWriter().config().ram_start().ram_part()
-    for i, p in enumerate(pages):
-        w.page(p, offset=i * 4096)
-    return w.eos().ram_part(end=True).eos().device(3, "cpu", os.urandom(400)).end().bytes()
-
-
 def test_a_commute_sends_yesterdays_pages_as_runs_of_its_image_and_qemu_gets_the_exact_stream(dest, tmp_path):
     agent, short, store = dest
     yesterday = [os.urandom(4096) for _ in range(600)]
     today = [os.urandom(4096) if i % 100 == 7 else p for i, p in enumerate(yesterday)]   # 6 pages changed
     fid = _sealed(store, yesterday, "yesterday.mem")
     known = Known.of_manifests([manifest_of_file(store.file_path(fid))])
-    data = _guest_order(today)
+    data = guest_order(today)
     t, sink = _send(Dedup([("file", fid)], known), agent, short, data)
     with t:
         assert bytes(sink.data) == data
@@ -188,8 +181,8 @@ def test_a_run_of_an_image_the_destination_lacks_cuts_the_stream_naming_it(dest,
         known = Known.of_manifests([manifest_of_file(elsewhere.file_path(fid))])
     finally:
         elsewhere.close()
-    t, sink = _send(Dedup([("file", fid)], known), agent, short, _guest_order(pages))
+    t, sink = _send(Dedup([("file", fid)], known), agent, short, guest_order(pages))
     with t:
-        assert len(sink.data) < len(_guest_order(pages)) - 20 * 4096 + 4096   # QEMU read a cut stream
+        assert len(sink.data) < len(guest_order(pages)) - 20 * 4096 + 4096   # QEMU read a cut stream
         wait_until(lambda: t.tunnels["qemu-migration"].errors, 10, "the reason at the source")
         assert f"file {fid[:12]}, which this host does not hold" in " ".join(t.tunnels["qemu-migration"].errors)

@@ -21,7 +21,7 @@ from capsule.migrate.kernelimage import KernelImage, unpack
 from capsule.migrate.ramdedup import Decoder, Encoder
 from capsule.store import Store
 from hashcache.manifest import manifest_of_file
-from tests.unit.test_ramdedup import guest_order
+from tests.helpers.migstream import guest_order
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -149,6 +149,17 @@ def test_a_kernel_the_destination_does_not_hold_or_cannot_unpack_fails_the_move_
     assert memrefs.shared_objects(plain, _version(other), kernel=True) == [("file", other)]
     with pytest.raises(IntegrityError):
         Decoder(memrefs.StoreResolver(plain, [("kernel", other)])).decode(frames)
+
+
+def test_a_kernel_named_many_times_is_unpacked_once_at_the_destination(tmp_path, monkeypatch):
+    dest, fid = _store_with_kernel(tmp_path / "b", bzimage(lz4_legacy(ELF)))
+    made = []
+    real = memrefs.kernel_image
+    monkeypatch.setattr(memrefs, "kernel_image", lambda store, f: made.append(f) or real(store, f))
+    resolver = memrefs.StoreResolver(dest, [("kernel", fid)] * 200)
+    for obj in (0, 57, 199):
+        assert resolver.blocks(obj, 1, 2) == [ELF[4096:8192], ELF[8192:12288]]
+    assert made == [fid]
 
 
 @pytest.mark.parametrize("objects", [[["vmlinux", "a" * 64]], [["kernel", "../x"]], [["kernel"]]])

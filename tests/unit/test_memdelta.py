@@ -19,7 +19,7 @@ from capsule.migrate.memknown import Known
 from capsule.migrate.ramdedup import Decoder, Encoder
 from hashcache.blocks import hash_block
 from tests.helpers.fuzzing import peak_allocation
-from tests.unit.test_ramdedup import guest_order
+from tests.helpers.migstream import guest_order
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

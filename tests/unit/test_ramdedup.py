@@ -16,7 +16,7 @@ from capsule.migrate.ramdedup import Decoder, Encoder, Known
 from hashcache.blocks import hash_block
 from hashcache.manifest import manifest_of_file
 from tests.helpers.fuzzing import fuzz, hostile, peak_allocation
-from tests.helpers.migstream import StreamWriter
+from tests.helpers.migstream import StreamWriter, guest_order
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -151,18 +151,6 @@ class Objects:
             if self.manifests[obj].hash_of(b) != hash_block(page):
                 raise IntegrityError(f"block {b} of object {obj} does not match its manifest")
         return pages
-
-
-def guest_order(pages: list[bytes], gap_at: int = -1) -> bytes:
-    """Pages at consecutive guest addresses, as a round sends them (a zero page at ``gap_at``'s place)."""
-    w = StreamWriter().config().ram_start().ram_part()
-    for i, p in enumerate(pages):
-        if i == gap_at:
-            w.zero(offset=i * 4096)
-        else:
-            w.page(p, offset=i * 4096)
-    w.eos().ram_part(end=True).eos()
-    return w.device(3, "cpu", os.urandom(500)).end().bytes()
 
 
 def _image(tmp_path, name: str, pages: list[bytes]):
