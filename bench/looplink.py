@@ -11,8 +11,14 @@ Every other packet on ``lo`` bypasses the shaping (htb's direct queue).
         ...
         sent = link.wire_bytes() - before                # bytes that crossed, both ways, headers included
 
+With ``mss`` (an Ethernet path's segment size, 1448) the proxies send segments of that size, and ``lo`` hands
+the queue one segment a packet (its ``gso_max_segs`` 1 while the link exists): a real path carries packets of
+an MTU, where loopback's segmentation offload builds packets of up to 64 KiB whatever the MSS. Those large
+packets kept 30–41 kB standing in the link's queue at 384 kbit/s (0.6–0.9 s), where the same move with one
+segment a packet kept about 3 kB.
+
 Needs root and a loopback without a root qdisc of its own; everything is
-removed on exit (the qdisc, the proxies).
+removed on exit (the qdisc, the proxies, ``lo``'s own segmentation restored).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class LoopLink:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.ports: list[int] = []
         self._installed = False
+        self._gso_segs: int | None = None    # lo's gso_max_segs before the link set it to 1 (with mss)
 
     def __enter__(self) -> LoopLink:
         root = json.loads(_tc("-j", "qdisc", "show", "dev", DEV) or "[]")
@@ -64,6 +71,9 @@ class LoopLink:
                 _tc("class", "add", "dev", DEV, "parent", "1:", "classid", cls, "htb", "rate",
                     f"{self.rate_kbit}kbit", "ceil", f"{self.rate_kbit}kbit", "burst", "64k", "cburst", "64k")
                 _tc("qdisc", "add", "dev", DEV, "parent", cls, "handle", handle, "bfifo", "limit", str(limit))
+            if self.mss:
+                self._gso_segs = _gso_max_segs()
+                _ip("link", "set", "dev", DEV, "gso_max_segs", "1")
         except BaseException:
             self.close()
             raise
@@ -77,6 +87,10 @@ class LoopLink:
         if self._installed:
             subprocess.run(["tc", "qdisc", "del", "dev", DEV, "root"], capture_output=True)
             self._installed = False
+        if self._gso_segs is not None:
+            subprocess.run(["ip", "link", "set", "dev", DEV, "gso_max_segs", str(self._gso_segs)],
+                           capture_output=True)
+            self._gso_segs = None
 
     def forward(self, port: int, to_host: str, to_port: int) -> int:
         """127.0.0.1:``port`` reaches ``to_host:to_port`` over the link (delayed, rate-limited both ways)."""
@@ -103,6 +117,19 @@ class LoopLink:
         """Bytes that have crossed the link so far, both directions (IP/TCP headers included)."""
         sent = class_bytes(_tc("-s", "class", "show", "dev", DEV))
         return sent.get(TO_B, 0) + sent.get(FROM_B, 0)
+
+
+def _ip(*args: str) -> str:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _gso_max_segs() -> int:
+    """``lo``'s gso_max_segs now (65535 unless something changed it)."""
+    info = json.loads(_ip("-d", "-j", "link", "show", "dev", DEV))
+    return int(info[0].get("gso_max_segs", 65535))
 
 
 def _listening(port: int) -> bool:
