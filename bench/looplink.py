@@ -41,11 +41,19 @@ class LinkBusy(RuntimeError):
     pass
 
 
-def _tc(*args: str) -> str:
-    proc = subprocess.run(["tc", *args], capture_output=True, text=True)
+def _run(*command: str) -> str:
+    proc = subprocess.run(list(command), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"`tc {' '.join(args)}` failed: {proc.stderr.strip()}")
+        raise RuntimeError(f"`{' '.join(command)}` failed: {proc.stderr.strip()}")
     return proc.stdout
+
+
+def _tc(*args: str) -> str:
+    return _run("tc", *args)
+
+
+def _ip(*args: str) -> str:
+    return _run("ip", *args)
 
 
 class LoopLink:
@@ -117,13 +125,6 @@ class LoopLink:
         """Bytes that have crossed the link so far, both directions (IP/TCP headers included)."""
         sent = class_bytes(_tc("-s", "class", "show", "dev", DEV))
         return sent.get(TO_B, 0) + sent.get(FROM_B, 0)
-
-
-def _ip(*args: str) -> str:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
-    return proc.stdout
 
 
 def _gso_max_segs() -> int:
